@@ -1,0 +1,206 @@
+"""``UlyssesStrategy``: Lightning's DeepSpeed strategy plus Ulysses sequence parallelism.
+
+What it adds to :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`:
+
+* the ``[dp, sp]`` process grid (:mod:`lightning_ulysses.topology`) with an SP and a DP group per rank;
+* data: the distributed sampler runs over ``dp_rank / dp_size``, so the ``sp_size`` ranks of an SP
+  group see the same samples and one epoch has the step count of DDP on ``dp_size`` ranks;
+* every batch is padded, positioned, labelled and cut to this rank's ``[B, N / sp]`` shard
+  (:mod:`lightning_ulysses.sharding`) on its way to the device;
+* every transformers model inside the LightningModule runs all-to-all attention
+  (:mod:`lightning_ulysses.patching`);
+* CPU (gloo) is a supported target next to CUDA (NCCL).
+
+Gradient reduction contract. DeepSpeed is given no SP ``mpu``: under every ZeRO stage it averages
+gradients over all ``W = dp * sp`` ranks. Rank ``r`` of SP group ``g`` returns the loss
+``L_r = sp * S_r / T_g`` (``S_r``: its token-loss sum, ``T_g``: the group's valid-token count), so::
+
+    grad = 1/W * sum_r dL_r/dtheta = 1/dp * sum_g d(sum_{r in g} S_r / T_g)/dtheta = 1/dp * sum_g d(mean_g)/dtheta
+
+which is DDP's average over DP groups of the exact token mean of each group's whole sequences. The
+all-to-all backward routes each rank's loss gradient to the ranks whose activations it used, so the
+sum over ``r`` covers every term. ``sp`` is :attr:`UlyssesStrategy.loss_gradient_scale`, applied by
+:class:`~lightning_ulysses.UlyssesLossMixin`. Gradient accumulation: Lightning already divides each
+micro-batch loss by ``accumulate_grad_batches``, so the engine's second division is switched off.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_ulysses.attention import resolve_attn_implementation
+from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses.sharding import prepare_batch, shard_batch
+from lightning_ulysses.topology import SequenceParallelTopology
+
+log = logging.getLogger(__name__)
+
+
+class UlyssesStrategy(DeepSpeedStrategy):
+    """Ulysses sequence parallelism on DeepSpeed (ZeRO 1/2/3), for CUDA and CPU.
+
+    Args:
+        sp_size: ranks that share one sequence (each holds ``1 / sp_size`` of its tokens). The world
+            size (devices x num_nodes) must be a multiple; ``dp_size = world_size / sp_size``.
+        attn_implementation: core attention kernel run on the gathered sequence: ``"auto"`` (flash-attn 2
+            on CUDA when installed, else SDPA), ``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``
+            or ``"flex_attention"``.
+        **deepspeed_strategy_kwargs: anything :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`
+            takes (``stage``, ``config``, offload options, ...).
+    """
+
+    strategy_name = "ulysses"
+
+    def __init__(self, sp_size: int, attn_implementation: str = "auto", **deepspeed_strategy_kwargs: Any) -> None:
+        super().__init__(**deepspeed_strategy_kwargs)
+        if not isinstance(sp_size, int) or sp_size < 1:
+            raise ValueError(f"sp_size must be a positive integer, got {sp_size!r}.")
+        if attn_implementation != "auto":
+            resolve_attn_implementation(attn_implementation, "cuda")  # refuse unknown names before any work
+        self._sp_size = sp_size
+        self._requested_attn_implementation = attn_implementation
+        self._topology: SequenceParallelTopology | None = None
+        self._sp_group: dist.ProcessGroup | None = None
+        self._dp_group: dist.ProcessGroup | None = None
+
+    # ------------------------------------------------------------------------------------------
+    # topology
+    # ------------------------------------------------------------------------------------------
+    @property
+    def topology(self) -> SequenceParallelTopology:
+        if self._topology is None:
+            raise RuntimeError("The sequence-parallel topology exists once the Trainer has set up its processes.")
+        return self._topology
+
+    @property
+    def sp_size(self) -> int:
+        return self._sp_size
+
+    @property
+    def sp_rank(self) -> int:
+        return self.topology.sp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.topology.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.topology.dp_rank
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup | None:
+        """The process group of the ranks sharing this rank's sequences."""
+        self.topology  # noqa: B018 - raises before set-up
+        return self._sp_group
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The process group of the ranks holding the same shard position in every SP group."""
+        self.topology  # noqa: B018 - raises before set-up
+        return self._dp_group
+
+    @property
+    def attn_implementation(self) -> str:
+        """The resolved core attention backend (``"auto"`` is resolved from the device at set-up)."""
+        return resolve_attn_implementation(self._requested_attn_implementation, self.root_device.type)
+
+    @property
+    def loss_gradient_scale(self) -> float:
+        """Factor on each rank's ``local_loss_sum / group_valid_tokens`` that makes gradients exact.
+
+        DeepSpeed averages gradients over all ``dp * sp`` ranks (see the module docstring).
+        """
+        return float(self._sp_size)
+
+    # ------------------------------------------------------------------------------------------
+    # processes and devices
+    # ------------------------------------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        device = super().root_device
+        # DeepSpeed takes ``root_device.index`` as its device rank and fails on None; "cpu:0" is the same device.
+        return torch.device("cpu", 0) if device.type == "cpu" else device
+
+    @override
+    def setup_environment(self) -> None:
+        # DeepSpeedStrategy accepts CUDA only; CPU runs on DeepSpeed's CPU accelerator over gloo.
+        if not isinstance(self.accelerator, (CUDAAccelerator, CPUAccelerator)):
+            raise RuntimeError(
+                f"UlyssesStrategy runs on CUDA GPUs or CPUs, not {type(self.accelerator).__name__}. "
+                "Set Trainer(accelerator='cuda') or Trainer(accelerator='cpu')."
+            )
+        DDPStrategy.setup_environment(self)
+
+    @override
+    def setup_distributed(self) -> None:
+        assert self.parallel_devices is not None
+        if self.root_device.type == "cuda":
+            _validate_device_index_selection(self.parallel_devices)
+        reset_seed()
+        self.set_world_ranks()
+        # validated before any process group exists, so a bad layout fails fast on every rank alike
+        self._topology = SequenceParallelTopology(self.world_size, self._sp_size, self.global_rank)
+        if self.num_nodes > 1 and self._topology.sp_groups_span_nodes(self.num_nodes):
+            rank_zero_warn(
+                f"sp_size={self._sp_size} does not divide the {self.num_processes} processes per node, so some SP "
+                "groups span two nodes and their all-to-alls cross the network at every layer. Choose an sp_size "
+                "that divides the devices per node."
+            )
+        if self.root_device.type == "cpu":
+            _skip_deepspeed_shared_memory_kernel()
+        self._init_deepspeed_distributed()
+        self._sp_group, _ = dist.new_subgroups_by_enumeration(self._topology.sp_group_ranks)
+        self._dp_group, _ = dist.new_subgroups_by_enumeration(self._topology.dp_group_ranks)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+
+    # ------------------------------------------------------------------------------------------
+    # model, batches, backward
+    # ------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.lightning_module is not None
+        apply_ulysses_attention(self.lightning_module, self.sp_group, self._sp_size, self.attn_implementation)
+        super().setup(trainer)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        return shard_batch(prepare_batch(batch, self._sp_size), self.sp_rank, self._sp_size)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        kwargs.setdefault("scale_wrt_gas", False)  # Lightning has already divided by accumulate_grad_batches
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def teardown(self) -> None:
+        if self.lightning_module is not None:
+            remove_ulysses_attention(self.lightning_module)
+        super().teardown()
+
+
+def _skip_deepspeed_shared_memory_kernel() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce kernel (over a minute) at start-up.
+    Gloo never uses it, so mark it unavailable (DeepSpeed keeps this table for exactly such edits)."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False

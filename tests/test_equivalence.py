@@ -1,0 +1,109 @@
+"""The central test: training with UlyssesStrategy equals one process on whole sequences.
+
+Every case trains a tiny Llama with SGD through ``L.Trainer`` on CPU processes (gloo) and compares,
+against a single-process run of plain transformers on the same data, the loss of every micro-batch
+and the final weights: ``|update_sp - update_ref| / |update_ref| < 1e-4``. A factor of 2 anywhere in
+the loss or its gradient gives an error near 1.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_ulysses import UlyssesStrategy
+from tests.launch import launch
+from tests.tiny import TinyCausalLM, collate, make_samples, reference_training, relative_update_error, tiny_llama
+
+SEQ = 24
+# name -> case. "data" feeds make_samples; "model" overrides the tiny Llama config.
+TWO_RANKS: dict[str, dict[str, Any]] = {
+    "sp2_zero1": dict(sp=2, stage=1),
+    "sp2_zero2": dict(sp=2, stage=2),
+    "sp2_zero3": dict(sp=2, stage=3),
+    "sp2_accumulate2": dict(sp=2, stage=2, accumulate=2),
+    "sp2_gqa_one_kv_head": dict(sp=2, stage=2, model=dict(num_key_value_heads=1)),
+    "sp2_length_not_divisible": dict(sp=2, stage=2, data=dict(seq_len=SEQ - 1)),
+    "sp2_rank_without_valid_tokens": dict(sp=2, stage=2, data=dict(masked_spans=[(SEQ // 2 - 1, SEQ)])),
+    "sp2_right_padding": dict(sp=2, stage=3, data=dict(padding=SEQ // 2 + 3)),
+}
+FOUR_RANKS: dict[str, dict[str, Any]] = {
+    "sp4_zero2": dict(sp=4, stage=2),
+    "sp4_zero3_gqa_kv2": dict(sp=4, stage=3, model=dict(num_key_value_heads=2)),
+    "dp2_sp2_zero1": dict(sp=2, stage=1),
+    "dp2_sp2_zero3_accumulate2": dict(sp=2, stage=3, accumulate=2),
+    "sp4_length_not_divisible": dict(sp=4, stage=2, data=dict(seq_len=SEQ - 3)),
+}
+BATCH, STEPS, LR = 2, 2, 0.5
+
+
+def _data(case: dict[str, Any]) -> dict[str, Any]:
+    return {"num": 16, "seq_len": SEQ, **case.get("data", {})}
+
+
+def train_worker(args: dict[str, Any]) -> dict[str, Any]:
+    world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown deletes it
+    return {name: _fit(case, world_size) for name, case in args["cases"].items()}
+
+
+def _fit(case: dict[str, Any], world_size: int) -> dict[str, Any]:
+    import deepspeed
+
+    module = TinyCausalLM(lr=LR, **case.get("model", {}))
+    strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS,
+        accumulate_grad_batches=case.get("accumulate", 1), logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    loader = DataLoader(make_samples(**_data(case)), batch_size=BATCH, collate_fn=collate)
+    trainer.fit(module, loader)
+    params = list(module.model.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=case["stage"] == 3):
+        state = {name: p.detach().clone() for name, p in module.model.named_parameters()}
+    return {"losses": module.losses, "params": state, "sp_rank": strategy.sp_rank, "dp_rank": strategy.dp_rank,
+            "steps": trainer.global_step}
+
+
+def _check(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> None:
+    world_size = len(results)
+    dp_size = world_size // case["sp"]
+    accumulate = case.get("accumulate", 1)
+    expected_losses, expected = reference_training(
+        make_samples(**_data(case)), steps=STEPS, batch_size=BATCH, dp_size=dp_size, accumulate=accumulate, lr=LR,
+        **case.get("model", {}),
+    )
+    initial = {n: p.detach() for n, p in tiny_llama(**case.get("model", {})).named_parameters()}
+    for rank, result in enumerate(results):
+        got = result[name]
+        assert got["steps"] == STEPS
+        assert (got["sp_rank"], got["dp_rank"]) == (rank % case["sp"], rank // case["sp"])
+        if got["dp_rank"] == 0:  # every rank of the SP group reports the group's loss
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected_losses), rtol=1e-5, atol=0)
+        error = relative_update_error(initial, expected, got["params"])
+        assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
+
+
+@pytest.fixture(scope="module")
+def two_rank_results() -> list[dict[str, Any]]:
+    return launch("tests.test_equivalence:train_worker", 2, {"cases": TWO_RANKS})
+
+
+@pytest.fixture(scope="module")
+def four_rank_results() -> list[dict[str, Any]]:
+    return launch("tests.test_equivalence:train_worker", 4, {"cases": FOUR_RANKS})
+
+
+@pytest.mark.parametrize("name", TWO_RANKS)
+def test_two_ranks_equal_single_process(two_rank_results: list[dict[str, Any]], name: str) -> None:
+    _check(two_rank_results, name, TWO_RANKS[name])
+
+
+@pytest.mark.parametrize("name", FOUR_RANKS)
+def test_four_ranks_equal_single_process(four_rank_results: list[dict[str, Any]], name: str) -> None:
+    _check(four_rank_results, name, FOUR_RANKS[name])

@@ -1,0 +1,116 @@
+"""Tiny models, data and reference computations shared by the tests (fp32, CPU)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.data import DistributedSampler
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from lightning_ulysses import IGNORE_INDEX, UlyssesLossMixin
+
+VOCAB = 61
+
+
+def tiny_llama(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
+    config = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+    config.update(overrides)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**config))
+
+
+class TinyCausalLM(UlyssesLossMixin, L.LightningModule):
+    """A causal LM step in its plainest form: forward with position ids, token-weighted loss, SGD."""
+
+    def __init__(self, lr: float = 0.5, loss_multiplier: float = 1.0, **model_overrides: Any) -> None:
+        super().__init__()
+        self.model = tiny_llama(**model_overrides)
+        self.lr = lr
+        self.loss_multiplier = loss_multiplier
+        self.losses: list[float] = []
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        loss = self.causal_lm_loss(logits, batch["shift_labels"]) * self.loss_multiplier
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def make_samples(num: int, seq_len: int, seed: int = 1, masked_spans: list[tuple[int, int]] = (),
+                 padding: int = 0) -> list[dict[str, Tensor]]:
+    """Random token rows; ``masked_spans`` set labels to -100; the last ``padding`` columns of odd rows are padding."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(num):
+        ids = torch.randint(1, VOCAB, (seq_len,), generator=g)
+        sample = {"input_ids": ids}
+        if masked_spans:
+            labels = ids.clone()
+            for start, end in masked_spans:
+                labels[start:end] = IGNORE_INDEX
+            sample["labels"] = labels
+        if padding:
+            mask = torch.ones(seq_len, dtype=torch.long)
+            if i % 2:
+                mask[seq_len - padding:] = 0
+            sample["attention_mask"] = mask
+        samples.append(sample)
+    return samples
+
+
+def reference_loss(model: LlamaForCausalLM, batch: dict[str, Tensor]) -> Tensor:
+    """The standard single-process loss on whole sequences: transformers' forward, shift, token mean."""
+    labels = batch.get("labels", batch["input_ids"]).clone()
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        labels[mask == 0] = IGNORE_INDEX
+    logits = model(input_ids=batch["input_ids"], attention_mask=mask).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+
+
+def collate(samples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+
+
+def reference_training(
+    samples: list[dict[str, Tensor]], *, steps: int, batch_size: int, dp_size: int = 1, accumulate: int = 1,
+    lr: float = 0.5, **model_overrides: Any,
+) -> tuple[list[float], dict[str, Tensor]]:
+    """SGD as DDP over ``dp_size`` ranks would run it, one process, whole sequences.
+
+    Returns the micro-batch losses seen by DP rank 0 and the final parameters. Samples are dealt to DP
+    ranks by the DistributedSampler that Lightning puts on a training loader (shuffled, seed 0, epoch 0).
+    """
+    model = tiny_llama(**model_overrides)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    per_rank = [[samples[i] for i in DistributedSampler(samples, dp_size, d, shuffle=True)] for d in range(dp_size)]
+    losses = []
+    for step in range(steps):
+        for micro in range(accumulate):
+            index = (step * accumulate + micro) * batch_size
+            for d in range(dp_size):
+                loss = reference_loss(model, collate(per_rank[d][index:index + batch_size]))
+                (loss / (accumulate * dp_size)).backward()
+                if d == 0:
+                    losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def relative_update_error(initial: dict[str, Tensor], expected: dict[str, Tensor], got: dict[str, Tensor]) -> float:
+    """``|got - expected| / |expected - initial|`` over all parameters: 1.0 would mean a wrong update."""
+    diff = torch.cat([(got[k] - expected[k]).flatten() for k in expected])
+    update = torch.cat([(expected[k] - initial[k]).flatten() for k in expected])
+    assert update.norm() > 0, "the reference update is zero; the comparison would prove nothing"
+    return (diff.norm() / update.norm()).item()
