@@ -27,14 +27,15 @@ micro-batch loss by ``accumulate_grad_batches``, so the engine's second division
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
@@ -54,6 +55,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
     Args:
         sp_size: ranks that share one sequence (each holds ``1 / sp_size`` of its tokens). The world
             size (devices x num_nodes) must be a multiple; ``dp_size = world_size / sp_size``.
+            ``"auto"``: all processes of a node (SP inside each node, DP across nodes).
         attn_implementation: core attention kernel run on the gathered sequence: ``"auto"`` (flash-attn 2
             on CUDA when installed, else SDPA), ``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``
             or ``"flex_attention"``.
@@ -63,13 +65,15 @@ class UlyssesStrategy(DeepSpeedStrategy):
 
     strategy_name = "ulysses"
 
-    def __init__(self, sp_size: int, attn_implementation: str = "auto", **deepspeed_strategy_kwargs: Any) -> None:
+    def __init__(
+        self, sp_size: int | Literal["auto"] = "auto", attn_implementation: str = "auto", **deepspeed_strategy_kwargs: Any
+    ) -> None:
         super().__init__(**deepspeed_strategy_kwargs)
-        if not isinstance(sp_size, int) or sp_size < 1:
-            raise ValueError(f"sp_size must be a positive integer, got {sp_size!r}.")
+        if sp_size != "auto" and (isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1):
+            raise ValueError(f"sp_size must be a positive integer or 'auto', got {sp_size!r}.")
         if attn_implementation != "auto":
             resolve_attn_implementation(attn_implementation, "cuda")  # refuse unknown names before any work
-        self._sp_size = sp_size
+        self._requested_sp_size = sp_size
         self._requested_attn_implementation = attn_implementation
         self._topology: SequenceParallelTopology | None = None
         self._sp_group: dist.ProcessGroup | None = None
@@ -86,7 +90,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
 
     @property
     def sp_size(self) -> int:
-        return self._sp_size
+        return self.topology.sp_size
 
     @property
     def sp_rank(self) -> int:
@@ -123,7 +127,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
 
         DeepSpeed averages gradients over all ``dp * sp`` ranks (see the module docstring).
         """
-        return float(self._sp_size)
+        return float(self.sp_size)
 
     # ------------------------------------------------------------------------------------------
     # processes and devices
@@ -153,10 +157,11 @@ class UlyssesStrategy(DeepSpeedStrategy):
         reset_seed()
         self.set_world_ranks()
         # validated before any process group exists, so a bad layout fails fast on every rank alike
-        self._topology = SequenceParallelTopology(self.world_size, self._sp_size, self.global_rank)
+        sp_size = self.num_processes if self._requested_sp_size == "auto" else self._requested_sp_size
+        self._topology = SequenceParallelTopology(self.world_size, sp_size, self.global_rank)
         if self.num_nodes > 1 and self._topology.sp_groups_span_nodes(self.num_nodes):
             rank_zero_warn(
-                f"sp_size={self._sp_size} does not divide the {self.num_processes} processes per node, so some SP "
+                f"sp_size={sp_size} does not divide the {self.num_processes} processes per node, so some SP "
                 "groups span two nodes and their all-to-alls cross the network at every layer. Choose an sp_size "
                 "that divides the devices per node."
             )
@@ -177,13 +182,13 @@ class UlyssesStrategy(DeepSpeedStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         assert self.lightning_module is not None
-        apply_ulysses_attention(self.lightning_module, self.sp_group, self._sp_size, self.attn_implementation)
+        apply_ulysses_attention(self.lightning_module, self.sp_group, self.sp_size, self.attn_implementation)
         super().setup(trainer)
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        return shard_batch(prepare_batch(batch, self._sp_size), self.sp_rank, self._sp_size)
+        return shard_batch(prepare_batch(batch, self.sp_size), self.sp_rank, self.sp_size)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -195,6 +200,22 @@ class UlyssesStrategy(DeepSpeedStrategy):
         if self.lightning_module is not None:
             remove_ulysses_attention(self.lightning_module)
         super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """``strategy="ulysses"`` (ZeRO stage 2) and ``"ulysses_stage_{1,2,3}"``, SP over each node's devices."""
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Ulysses sequence parallelism on DeepSpeed ZeRO stage 2"
+        )
+        for stage in (1, 2, 3):
+            strategy_registry.register(
+                f"{cls.strategy_name}_stage_{stage}", cls,
+                description=f"Ulysses sequence parallelism on DeepSpeed ZeRO stage {stage}", stage=stage,
+            )
+
+
+UlyssesStrategy.register_strategies(StrategyRegistry)
 
 
 def _skip_deepspeed_shared_memory_kernel() -> None:
