@@ -420,7 +420,7 @@ class SequenceParallelParityCheck(Callback):
         self.results: list[ParityResult] = []
         self._model: PreTrainedModel | None = None
         self._checked = False
-        self._reference: Tensor | None = None
+        self._pending: tuple[int, Tensor] | None = None  # (step, reference loss) awaiting the SP loss
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -446,7 +446,7 @@ class SequenceParallelParityCheck(Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._due(trainer, batch_idx):  # before the step, so that the weights are those of the SP loss
             self._checked = True
-            self._reference = self.reference_loss(batch, trainer.strategy.sp_group)
+            self._pending = (trainer.global_step, self.reference_loss(batch, trainer.strategy.sp_group))
 
     def reference_loss(self, batch: Mapping[str, Tensor], sp_group: torch.distributed.ProcessGroup | None) -> Tensor:
         """The token-mean loss of the SP group's whole sequences without SP (a scalar; collective over ``sp_group``)."""
@@ -458,9 +458,9 @@ class SequenceParallelParityCheck(Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._reference is None:
+        if self._pending is None:
             return
-        reference, self._reference = self._reference, None
+        (step, reference), self._pending = self._pending, None
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if not isinstance(loss, Tensor):
             raise ValueError(
@@ -472,11 +472,11 @@ class SequenceParallelParityCheck(Callback):
         strategy = trainer.strategy
         pair = torch.stack([loss.detach().float().reshape(()), reference.float()]).to(strategy.root_device)
         losses = strategy.all_gather(pair).cpu()  # [world, 2]: every rank decides on the same numbers
-        self.results.append(ParityResult(trainer.global_step, *losses[strategy.global_rank].tolist()))
+        self.results.append(ParityResult(step, *losses[strategy.global_rank].tolist()))
         close = torch.isclose(losses[:, 0], losses[:, 1], rtol=self.rtol, atol=self.atol)
         if bool(close.all()):
             return
-        message = mismatch_message(losses, strategy.sp_size, trainer.global_step, self.rtol, self.atol)
+        message = mismatch_message(losses, strategy.sp_size, step, self.rtol, self.atol)
         if self.on_mismatch == "raise":
             raise RuntimeError(message)
         rank_zero_warn(message)

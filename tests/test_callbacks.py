@@ -7,6 +7,7 @@ FLOPs with a hand count, and the parity check's reference loss with plain transf
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import warnings
@@ -34,7 +35,7 @@ MATMUL_PARAMS = 2 * LAYER_MATMUL_PARAMS + 32 * 61  # + LM head (untied)
 ATTENTION_FLOPS_PER_PAIR = 12 * 2 * 32  # fwd+bwd, q.k and p@v, 2 layers, 4 heads x 8
 
 MONITOR_DATA = dict(num=8, seq_len=23, masked_spans=[(3, 9)], padding=5)  # odd rows: 5 padding tokens
-LONG_DATA = dict(num=2, seq_len=2048)
+MEMORY_SEQ_LENS = (4096, 64)
 PARITY_DATA = dict(num=8, seq_len=22, masked_spans=[(10, 22)], padding=4)  # rank 1 has almost no valid tokens
 
 
@@ -98,44 +99,50 @@ class RecordingLogger(Logger):
         pass
 
 
-def _fit(data: dict[str, Any], callbacks: list[L.Callback], *, stage: int = 2, loss_multiplier: float = 1.0,
-         **trainer_kwargs: Any) -> tuple[TinyCausalLM, L.Trainer, RecordingLogger]:
+def _fit(data: dict[str, Any] | DataLoader, callbacks: list[L.Callback], *, devices: int, stage: int = 2,
+         loss_multiplier: float = 1.0, **trainer_kwargs: Any) -> tuple[TinyCausalLM, L.Trainer, RecordingLogger]:
     module = TinyCausalLM(loss_multiplier=loss_multiplier)
     logger = RecordingLogger()
     trainer = L.Trainer(
-        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_epochs=1, log_every_n_steps=1, logger=logger,
+        accelerator="cpu", devices=devices, max_epochs=1, log_every_n_steps=1, logger=logger,
         strategy=UlyssesStrategy(sp_size=SP, stage=stage, attn_implementation="sdpa"), callbacks=callbacks,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs,
     )
-    trainer.fit(module, DataLoader(make_samples(**data), batch_size=BATCH, collate_fn=collate))
+    if isinstance(data, dict):
+        data = DataLoader(make_samples(**data), batch_size=BATCH, collate_fn=collate)
+    trainer.fit(module, data)
     return module, trainer, logger
 
 
 def callbacks_worker(args: dict[str, Any]) -> dict[str, Any]:
+    fit = functools.partial(_fit, devices=int(os.environ["WORLD_SIZE"]))  # read once: Lightning's teardown deletes it
     results: dict[str, Any] = {}
 
-    # memory: the long sequences first, so that a process that only grows could not pass the check
+    # memory: a long batch, then a short one (in this order: a peak that was never reset could not pass)
     monitor = SequenceParallelMonitor(time_all_to_all=True)
-    _fit(LONG_DATA, [monitor])
-    results["long"] = {"summary": monitor.summary, "all_to_all_restored": attention.all_to_all.__name__}
+    batches = [collate(make_samples(BATCH, seq_len)) for seq_len in MEMORY_SEQ_LENS]
+    batches = DataLoader(batches, batch_size=1, collate_fn=lambda one_batch: one_batch[0])  # DeepSpeed wants a batch size
+    _, _, logger = fit(batches, [monitor], use_distributed_sampler=False)
+    results["memory"] = {"history": logger.history, "summary": monitor.summary,
+                         "all_to_all_restored": attention.all_to_all.__name__}
 
     monitor = SequenceParallelMonitor()
-    _, _, logger = _fit(MONITOR_DATA, [monitor])
+    _, _, logger = fit(MONITOR_DATA, [monitor])
     results["monitor"] = {"history": logger.history, "summary": monitor.summary}
 
     parity = SequenceParallelParityCheck(every_n_steps=1, rtol=1e-5)
-    module, trainer, _ = _fit(PARITY_DATA, [parity], stage=3, max_steps=2, accumulate_grad_batches=2)
+    module, trainer, _ = fit(PARITY_DATA, [parity], stage=3, max_steps=2, accumulate_grad_batches=2)
     results["parity_ok"] = {"results": parity.results, "losses": module.losses, "steps": trainer.global_step}
 
     parity = SequenceParallelParityCheck(on_mismatch="warn")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _, trainer, _ = _fit(PARITY_DATA, [parity], loss_multiplier=SP, max_steps=2)
+        _, trainer, _ = fit(PARITY_DATA, [parity], loss_multiplier=SP, max_steps=2)
     results["parity_warn"] = {"warnings": [str(w.message) for w in caught if "loss check failed" in str(w.message)],
                               "steps": trainer.global_step}
 
     try:  # last: the fit ends in an exception
-        _fit(PARITY_DATA, [SequenceParallelParityCheck()], loss_multiplier=SP, max_steps=2)
+        fit(PARITY_DATA, [SequenceParallelParityCheck()], loss_multiplier=SP, max_steps=2)
         results["parity_raise"] = None
     except RuntimeError as error:
         results["parity_raise"] = str(error)
@@ -208,19 +215,21 @@ def test_monitor_flops_count_attention_once_per_sp_group(results: list[dict[str,
                               dp_batches(make_samples(**MONITOR_DATA), BATCH)[0]):
         expected = expected_counts(batch, SP)
         flops = 6 * MATMUL_PARAMS * expected["positions"] + ATTENTION_FLOPS_PER_PAIR * expected["pairs"]
-        assert metrics["sp/flops_per_token"] == pytest.approx(flops / expected["positions"], rel=1e-9)
+        assert metrics["sp/flops_per_token"] == pytest.approx(flops / expected["positions"], rel=1e-6)  # loggers receive float32
 
 
 def test_monitor_peak_memory_is_positive_and_grows_with_sequence_length(results: list[dict[str, Any]]) -> None:
-    long, short = results[0]["long"]["summary"], results[0]["monitor"]["summary"]
-    assert short["peak_memory_gib"] > 0
-    assert long["peak_memory_gib"] > short["peak_memory_gib"], (long["peak_memory_gib"], short["peak_memory_gib"])
-    assert "tflops_per_sec_per_device" not in short and "mfu" not in short  # CUDA only
+    long, short = _step_metrics(results[0]["memory"]["history"])
+    assert (long["sp/seq_len"], short["sp/seq_len"]) == MEMORY_SEQ_LENS
+    assert short["sp/peak_memory_gib"] > 0
+    growth_mib = (long["sp/peak_memory_gib"] - short["sp/peak_memory_gib"]) * 1024
+    assert growth_mib > 4, f"peak RSS of the {MEMORY_SEQ_LENS[0]}-token step exceeds the short step's by {growth_mib} MiB"
+    assert "tflops_per_sec_per_device" not in results[0]["memory"]["summary"]  # CUDA only
 
 
 def test_monitor_all_to_all_timing_is_optional_and_removed(results: list[dict[str, Any]]) -> None:
-    assert 0 < results[0]["long"]["summary"]["all_to_all_fraction"] < 1
-    assert results[0]["long"]["all_to_all_restored"] == "all_to_all"  # read in the worker after the fit
+    assert 0 < results[0]["memory"]["summary"]["all_to_all_fraction"] < 1
+    assert results[0]["memory"]["all_to_all_restored"] == "all_to_all"  # read in the worker after the fit
     assert "all_to_all_fraction" not in results[0]["monitor"]["summary"]
 
 
