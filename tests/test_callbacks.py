@@ -149,9 +149,21 @@ def callbacks_worker(args: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
+def dp2_sp2_worker(args: dict[str, Any]) -> dict[str, Any]:
+    """Both callbacks in one ZeRO-3 fit on 4 ranks: 2 SP groups, each with its own batches."""
+    monitor, parity = SequenceParallelMonitor(), SequenceParallelParityCheck(rtol=1e-5)
+    module, _, logger = _fit(MONITOR_DATA, [monitor, parity], devices=int(os.environ["WORLD_SIZE"]), stage=3)
+    return {"history": logger.history, "parity": parity.results, "losses": module.losses}
+
+
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
     return launch("tests.test_callbacks:callbacks_worker", 2, extra_env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+
+
+@pytest.fixture(scope="module")
+def dp2_sp2_results() -> list[dict[str, Any]]:
+    return launch("tests.test_callbacks:dp2_sp2_worker", 4)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -256,3 +268,30 @@ def test_parity_check_fires_on_a_loss_scaled_by_sp_size(results: list[dict[str, 
     assert sp_loss == pytest.approx(SP * expected_first, rel=1e-5) and reference == pytest.approx(expected_first, rel=1e-5)
     warned = results[0]["parity_warn"]
     assert warned["steps"] == 2 and len(warned["warnings"]) == 1  # first batch only, training went on
+
+
+def test_dp2_sp2_counts_gather_every_sp_group(dp2_sp2_results: list[dict[str, Any]]) -> None:
+    per_dp_rank = dp_batches(make_samples(**MONITOR_DATA), BATCH, dp_size=2)
+    logged = _step_metrics(dp2_sp2_results[0]["history"])
+    assert len(logged) == len(per_dp_rank[0]) == 2
+    for step, metrics in enumerate(logged):
+        groups = [expected_counts(batches[step], SP) for batches in per_dp_rank]  # one SP group per DP rank
+        assert metrics["sp/samples_per_sec"] > 0 and metrics["sp/seq_len"] == 24  # samples counted once per group
+        assert metrics["sp/tokens"] == sum(sum(g["tokens"]) for g in groups)
+        assert [metrics[f"sp/valid_tokens_sp_rank_{r}"] for r in range(SP)] == [sum(g["valid"][r] for g in groups)
+                                                                                 for r in range(SP)]
+        worst = max(max(g["valid"]) / (sum(g["valid"]) / SP) for g in groups)
+        assert metrics["sp/token_imbalance"] == pytest.approx(worst)
+
+
+def test_dp2_sp2_parity_check_compares_each_group_with_its_own_batch(dp2_sp2_results: list[dict[str, Any]]) -> None:
+    expected_first_losses = [
+        reference_training(make_samples(**MONITOR_DATA), steps=1, batch_size=BATCH, dp_size=2)[0][0],
+    ]
+    for rank, got in enumerate(dp2_sp2_results):
+        (check,) = got["parity"]
+        assert check.sp_loss == pytest.approx(got["losses"][0], rel=1e-6)
+        if rank < SP:  # reference_training reports DP rank 0's losses
+            assert check.reference_loss == pytest.approx(expected_first_losses[0], rel=1e-5)
+    group_losses = {round(got["parity"][0].reference_loss, 5) for got in dp2_sp2_results}
+    assert len(group_losses) == 2  # the two SP groups saw different batches
