@@ -35,6 +35,7 @@ import torch
 from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from transformers import PreTrainedModel
@@ -220,8 +221,8 @@ class SequenceParallelMonitor(Callback):
 
     Logged through the Trainer's loggers under ``prefix``: per training batch (as often as the Trainer's
     ``log_every_n_steps`` lets through) and, with the suffix ``_epoch``, over each epoch's training batches
-    (validation time excluded); tokens/s, token imbalance and peak memory also in the progress bar. All values are global (every
-    rank's counts gathered) unless named per device:
+    (validation time excluded); tokens/s, token imbalance and peak memory also in the progress bar. All values
+    are global (every rank's counts gathered) unless named per device:
 
     * ``tokens_per_sec`` (``_per_device``), ``samples_per_sec``, ``seq_len`` (padded, whole sequence),
       ``padding_fraction``, ``tokens``, ``valid_tokens`` and ``valid_tokens_sp_rank_{r}`` (summed over
@@ -260,13 +261,6 @@ class SequenceParallelMonitor(Callback):
         if stage != "fit":
             return
         self._strategy = _require_ulysses(trainer, self)
-        models = transformers_models(pl_module)
-        self._flops = TransformerFlops.from_model(models[0]) if len(models) == 1 else None
-        if self._flops is None:
-            rank_zero_warn(
-                f"{type(self).__name__} counts FLOPs for a LightningModule holding exactly one transformers model; "
-                f"found {len(models)}, so FLOPs, TFLOP/s and MFU are not logged."
-            )
         device = trainer.strategy.root_device
         if device.type == "cuda":
             self._available_flops = get_available_flops(device, _plugin_to_compute_dtype(trainer.precision_plugin))
@@ -282,6 +276,13 @@ class SequenceParallelMonitor(Callback):
 
     # -- clocks and the all-to-all timer ---------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        models = transformers_models(pl_module)  # here, not in setup: configure_model may have built them since
+        self._flops = TransformerFlops.from_model(models[0]) if len(models) == 1 else None
+        if self._flops is None:
+            rank_zero_warn(
+                f"{type(self).__name__} counts FLOPs for a LightningModule holding exactly one transformers model; "
+                f"found {len(models)}, so FLOPs, TFLOP/s and MFU are not logged."
+            )
         self._fit = None
         if self._timer is not None:
             self._timer.install()
@@ -291,13 +292,16 @@ class SequenceParallelMonitor(Callback):
         self._restart_clock()
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._restart_clock()  # validation time is not training time
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._restart_clock()  # validation time is not training time
 
     def _restart_clock(self) -> None:
         _synchronize(self._strategy.root_device)
         self._mark = time.perf_counter()
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         reset_peak_memory(self._strategy.root_device)
         if self._timer is not None:
             self._timer.seconds = 0.0
@@ -322,7 +326,7 @@ class SequenceParallelMonitor(Callback):
             [seconds, samples, positions, tokens, valid, flops, timed, peak, reserved],
             dtype=torch.float64, device=strategy.root_device,
         )
-        step = strategy.all_gather(row).cpu()  # [world, F]
+        step = strategy.all_gather(row).view(-1, len(FIELDS)).cpu()  # [world, F]
         self._epoch = accumulate(self._epoch, step)
         self._fit = accumulate(self._fit, step)
         self._log(pl_module, summarize(step, strategy.sp_size, **self._metric_options), "", on_step=True)
@@ -426,15 +430,15 @@ class SequenceParallelParityCheck(Callback):
         if stage != "fit":
             return
         _require_ulysses(trainer, self)
-        models = transformers_models(pl_module)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        models = transformers_models(pl_module)  # here, not in setup: configure_model may have built them since
         if len(models) != 1:
             raise ValueError(
                 f"{type(self).__name__} recomputes the loss with the LightningModule's transformers model and needs "
                 f"exactly one; {type(pl_module).__name__} holds {len(models)}. Remove the callback for this module."
             )
         self._model = models[0]
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._checked = False
 
     def _due(self, trainer: L.Trainer, batch_idx: int) -> bool:
@@ -443,7 +447,9 @@ class SequenceParallelParityCheck(Callback):
         k = self.every_n_steps
         return k > 0 and trainer.global_step % k == 0 and batch_idx % trainer.accumulate_grad_batches == 0
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._due(trainer, batch_idx):  # before the step, so that the weights are those of the SP loss
             self._checked = True
             self._pending = (trainer.global_step, self.reference_loss(batch, trainer.strategy.sp_group))
@@ -471,7 +477,7 @@ class SequenceParallelParityCheck(Callback):
             loss = loss * trainer.accumulate_grad_batches  # Lightning hands callbacks the loss / accumulate
         strategy = trainer.strategy
         pair = torch.stack([loss.detach().float().reshape(()), reference.float()]).to(strategy.root_device)
-        losses = strategy.all_gather(pair).cpu()  # [world, 2]: every rank decides on the same numbers
+        losses = strategy.all_gather(pair).view(-1, 2).cpu()  # [world, 2]: every rank decides on the same numbers
         self.results.append(ParityResult(step, *losses[strategy.global_rank].tolist()))
         close = torch.isclose(losses[:, 0], losses[:, 1], rtol=self.rtol, atol=self.atol)
         if bool(close.all()):
