@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from lightning_ulysses import (
     IGNORE_INDEX, SequenceParallelMonitor, SequenceParallelParityCheck, TransformerFlops, UlyssesStrategy, attention,
 )
-from lightning_ulysses.callbacks import token_imbalance
+from lightning_ulysses.callbacks import GIB, peak_memory, reset_peak_memory, summarize, token_imbalance
 from tests.launch import launch
 from tests.tiny import TinyCausalLM, collate, dp_batches, make_samples, reference_training, tiny_llama
 
@@ -56,6 +56,39 @@ def test_flop_count_matches_hand_computation() -> None:
 def test_token_imbalance_is_max_over_mean_of_the_worst_group() -> None:
     valid = torch.tensor([[30.0, 10.0], [0.0, 0.0], [5.0, 5.0]])  # [dp, sp]
     assert token_imbalance(valid) == pytest.approx(1.5)
+
+
+def test_summary_arithmetic_with_cuda_metrics() -> None:
+    """Rates, per-device FLOP/s and MFU from a gathered table (dp=1, sp=2), as on CUDA; hand-computed."""
+    # seconds, samples, positions, tokens, valid_tokens, flops, all_to_all_seconds, peak_memory, peak_reserved
+    table = torch.tensor([
+        [2.0, 4, 400, 300, 250, 8e12, 0.5, 3 * GIB, 4 * GIB],
+        [1.5, 0, 400, 400, 150, 8e12, 0.1, 5 * GIB, 6 * GIB],
+    ], dtype=torch.float64)
+    metrics = summarize(table, 2, available_flops=1e13, count_flops=True, cuda=True, timed=True)
+    assert metrics["tokens_per_sec"] == 700 / 2.0  # the slowest rank sets the step time
+    assert metrics["tokens_per_sec_per_device"] == 700 / 2.0 / 2
+    assert metrics["samples_per_sec"] == 4 / 2.0
+    assert metrics["seq_len"] == 800 / 4
+    assert metrics["padding_fraction"] == pytest.approx(1 - 700 / 800)
+    assert metrics["token_imbalance"] == pytest.approx(250 / 200)
+    assert (metrics["peak_memory_gib"], metrics["peak_reserved_gib"]) == (5, 6)
+    assert metrics["flops_per_token"] == 16e12 / 800
+    assert metrics["tflops_per_sec_per_device"] == pytest.approx(8e12 / 2.0 / 1e12)
+    assert metrics["mfu"] == pytest.approx(4e12 / 1e13)
+    assert metrics["all_to_all_fraction"] == pytest.approx(0.3 / 2.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA memory statistics need a GPU")
+def test_cuda_peak_memory_resets_and_grows() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    big = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    del big
+    reset_peak_memory(device)
+    small_peak, _ = peak_memory(device)
+    big = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    big_peak, reserved = peak_memory(device)
+    assert big_peak - small_peak >= 256 * 2**20 and reserved >= big_peak
 
 
 def test_parity_check_refuses_bad_settings() -> None:
@@ -238,7 +271,7 @@ def test_monitor_peak_memory_is_positive_and_grows_with_sequence_length(results:
     assert (long["sp/seq_len"], short["sp/seq_len"]) == MEMORY_SEQ_LENS
     assert short["sp/peak_memory_gib"] > 0
     growth_mib = (long["sp/peak_memory_gib"] - short["sp/peak_memory_gib"]) * 1024
-    assert growth_mib > 4, f"peak RSS grew by only {growth_mib:.2f} MiB from {MEMORY_SEQ_LENS[1]} to {MEMORY_SEQ_LENS[0]} tokens"
+    assert growth_mib > 4, f"peak RSS grew by only {growth_mib:.2f} MiB from {MEMORY_SEQ_LENS} tokens"
     assert "tflops_per_sec_per_device" not in results[0]["memory"]["summary"]  # CUDA only
 
 
