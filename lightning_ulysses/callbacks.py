@@ -24,6 +24,7 @@ are all-gathered each step (one collective of a few numbers) and summed.
 from __future__ import annotations
 
 import functools
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -101,9 +102,10 @@ def peak_memory(device: torch.device) -> tuple[int, int]:
             if line.startswith("VmHWM:"):
                 peak = int(line.split()[1]) * 1024
                 return peak, peak
-    import resource
+    import resource  # POSIX only; reached where /proc is absent (macOS, whose lifetime peak this is)
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = max_rss if sys.platform == "darwin" else max_rss * 1024  # bytes on macOS, kilobytes elsewhere
     return peak, peak
 
 
@@ -329,18 +331,19 @@ class SequenceParallelMonitor(Callback):
         step = strategy.all_gather(row).view(-1, len(FIELDS)).cpu()  # [world, F]
         self._epoch = accumulate(self._epoch, step)
         self._fit = accumulate(self._fit, step)
-        self._log(pl_module, summarize(step, strategy.sp_size, **self._metric_options), "", on_step=True)
+        self._log(pl_module, summarize(step, strategy.sp_size, **self._metric_options), per_epoch=False)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._epoch is not None:
             metrics = summarize(self._epoch, self._strategy.sp_size, **self._metric_options)
-            self._log(pl_module, metrics, "_epoch", on_step=False)
+            self._log(pl_module, metrics, per_epoch=True)
 
-    def _log(self, pl_module: L.LightningModule, metrics: dict[str, float], suffix: str, on_step: bool) -> None:
+    def _log(self, pl_module: L.LightningModule, metrics: dict[str, float], per_epoch: bool) -> None:
+        suffix = "_epoch" if per_epoch else ""
         for name, value in metrics.items():
             pl_module.log(
-                f"{self.prefix}{name}{suffix}", value, on_step=on_step, on_epoch=not on_step,
-                prog_bar=on_step and name in self.PROGRESS_BAR, batch_size=1,
+                f"{self.prefix}{name}{suffix}", value, on_step=not per_epoch, on_epoch=per_epoch,
+                prog_bar=not per_epoch and name in self.PROGRESS_BAR, batch_size=1,
             )
 
     # -- end of fit ------------------------------------------------------------------------------
@@ -496,7 +499,7 @@ def mismatch_message(losses: Tensor, sp_size: int, step: int, rtol: float, atol:
     ratio = sp_loss / reference if reference else float("nan")
     hint = ""
     if abs(ratio - sp_size) < 0.02 * sp_size:
-        hint = f" The ratio is sp_size={sp_size}: the loss is summed over the SP ranks instead of averaged."
+        hint = f" The ratio is sp_size={sp_size}: the loss is summed over the SP ranks or multiplied by sp_size."
     elif abs(ratio * sp_size - 1) < 0.02:
         hint = f" The ratio is 1/sp_size: the loss is divided by sp_size={sp_size} once too often."
     return (
