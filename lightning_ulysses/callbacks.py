@@ -341,9 +341,12 @@ class SequenceParallelMonitor(Callback):
     def _log(self, pl_module: L.LightningModule, metrics: dict[str, float], per_epoch: bool) -> None:
         suffix = "_epoch" if per_epoch else ""
         for name, value in metrics.items():
+            # the values are already global and equal on every rank; for epoch values Lightning insists on a
+            # sync, and the max of equal values keeps them exact
             pl_module.log(
                 f"{self.prefix}{name}{suffix}", value, on_step=not per_epoch, on_epoch=per_epoch,
-                prog_bar=not per_epoch and name in self.PROGRESS_BAR, batch_size=1,
+                prog_bar=not per_epoch and name in self.PROGRESS_BAR, batch_size=1, sync_dist=per_epoch,
+                reduce_fx="max",
             )
 
     # -- end of fit ------------------------------------------------------------------------------
