@@ -18,7 +18,8 @@ Token definitions, per rank and per micro-batch (the rank's ``[B, N/sp]`` shard 
 
 Lightning's ``ThroughputMonitor`` counts rank 0's batch and multiplies by the world size: under SP
 that counts every sample ``sp_size`` times and assumes balanced shards. Here every rank's own counts
-are all-gathered each step (one collective of a few numbers) and summed.
+are all-gathered each step (one collective of nine numbers per rank) and summed; the FLOP count adds
+an all-gather of the position ids over the SP group (the attention does one per layer).
 """
 
 from __future__ import annotations
