@@ -15,7 +15,9 @@ on all ranks but the first. The KV cache is switched off (it would hold one shar
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import Tensor, nn
@@ -130,3 +132,22 @@ def remove_ulysses_attention(model: nn.Module) -> None:
             del sub._ulysses_original_attn
             del sub.forward  # the guard was an instance attribute over the class's forward
         sub.__dict__.pop("_ulysses_context", None)
+
+
+@contextmanager
+def sequence_parallel_disabled(model: nn.Module) -> Iterator[None]:
+    """Run the patched attention of ``model`` locally (``group=None``) inside the ``with`` block.
+
+    The model must then be called with whole sequences (``[B, N]`` inputs and global ``position_ids``)
+    on one rank; documents and padding are still masked from the position ids. Used to recompute a
+    reference loss without sequence parallelism. Not collective.
+    """
+    patched = [module for module in model.modules() if "_ulysses_context" in module.__dict__]
+    originals = [module._ulysses_context for module in patched]
+    try:
+        for module, context in zip(patched, originals):
+            module._ulysses_context = replace(context, group=None, sp_size=1)
+        yield
+    finally:
+        for module, context in zip(patched, originals):
+            module._ulysses_context = context

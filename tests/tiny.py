@@ -82,6 +82,13 @@ def collate(samples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
 
 
+def dp_batches(samples: list[dict[str, Tensor]], batch_size: int, dp_size: int = 1) -> list[list[dict[str, Tensor]]]:
+    """``[dp_rank][batch]``: the collated batches each DP rank's training loader yields in epoch 0, dealt by the
+    DistributedSampler that Lightning puts on a training loader (shuffled, seed 0)."""
+    per_rank = [[samples[i] for i in DistributedSampler(samples, dp_size, d, shuffle=True)] for d in range(dp_size)]
+    return [[collate(rank[i:i + batch_size]) for i in range(0, len(rank), batch_size)] for rank in per_rank]
+
+
 def reference_training(
     samples: list[dict[str, Tensor]], *, steps: int, batch_size: int, dp_size: int = 1, accumulate: int = 1,
     lr: float = 0.5, **model_overrides: Any,
@@ -89,17 +96,16 @@ def reference_training(
     """SGD as DDP over ``dp_size`` ranks would run it, one process, whole sequences.
 
     Returns the micro-batch losses seen by DP rank 0 and the final parameters. Samples are dealt to DP
-    ranks by the DistributedSampler that Lightning puts on a training loader (shuffled, seed 0, epoch 0).
+    ranks as in :func:`dp_batches`.
     """
     model = tiny_llama(**model_overrides)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    per_rank = [[samples[i] for i in DistributedSampler(samples, dp_size, d, shuffle=True)] for d in range(dp_size)]
+    per_rank = dp_batches(samples, batch_size, dp_size)
     losses = []
     for step in range(steps):
         for micro in range(accumulate):
-            index = (step * accumulate + micro) * batch_size
             for d in range(dp_size):
-                loss = reference_loss(model, collate(per_rank[d][index:index + batch_size]))
+                loss = reference_loss(model, per_rank[d][step * accumulate + micro])
                 (loss / (accumulate * dp_size)).backward()
                 if d == 0:
                     losses.append(loss.item())

@@ -1,0 +1,79 @@
+"""Training FLOPs of a dense decoder-only transformer, counted correctly for a sharded sequence.
+
+A training step costs three forward passes (forward, then backward for activations and weights):
+
+* every ``nn.Linear`` weight multiplies every token once: ``6 * matmul_params`` FLOPs per token;
+* causal attention: each (query, key) pair inside a document costs ``2 * head_dim`` FLOPs per head
+  for ``q . k`` and as much for ``p @ v``; forward + backward, over all query heads and layers,
+  ``12 * num_layers * num_heads * head_dim`` FLOPs per pair. A document of ``L`` tokens has
+  ``L (L + 1) / 2`` pairs, so the term grows with the square of the sequence length.
+
+Under Ulysses an SP group computes each sequence's attention exactly once: after the all-to-all every
+rank holds all ``N`` tokens for ``heads / sp`` heads. Each device therefore does ``1 / sp`` of the
+group's FLOPs, linear and attention alike; counting the ``n^2`` term on a rank's ``N / sp`` shard
+would under-count it ``sp`` times. Embedding lookups, norms, activations and the softmax are not
+counted (the convention of PaLM's MFU and of torchtitan).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+from lightning_ulysses.sharding import document_starts, positions_within_runs
+
+
+def causal_attention_pairs(position_ids: Tensor) -> int:
+    """The (query, key) pairs that causal document attention computes on whole sequences.
+
+    Args:
+        position_ids: ``[B, N]`` global position ids of whole (gathered) sequences; documents start
+            at position 0 or in column 0, as in :mod:`lightning_ulysses.sharding`.
+
+    Returns:
+        ``sum over documents of L (L + 1) / 2``.
+    """
+    keys_per_query = positions_within_runs(document_starts(position_ids)) + 1
+    return int(keys_per_query.sum())
+
+
+@dataclass(frozen=True)
+class TransformerFlops:
+    """FLOP model of a dense decoder-only transformer (forward + backward).
+
+    Invariant: ``batch_flops`` is the work of one SP group on one batch of whole sequences; each of
+    its ``sp`` devices does ``1 / sp`` of it.
+    """
+
+    matmul_params: int
+    """Weights of every ``nn.Linear`` (attention projections, MLP, LM head)."""
+    num_layers: int
+    attention_dim: int
+    """``num_attention_heads * head_dim``: the width of ``q . k`` and ``p @ v`` over all query heads."""
+
+    @classmethod
+    def from_model(cls, model: PreTrainedModel) -> TransformerFlops:
+        """Read the dimensions from a transformers model. Under ZeRO-3 the full (not partitioned) weight
+        sizes are used. Mixture-of-experts models would be over-counted (every expert counts)."""
+        config = model.config.get_text_config()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        matmul_params = sum(
+            getattr(module.weight, "ds_numel", module.weight.numel())
+            for module in model.modules()
+            if isinstance(module, nn.Linear)
+        )
+        return cls(matmul_params, config.num_hidden_layers, config.num_attention_heads * head_dim)
+
+    def batch_flops(self, position_ids: Tensor) -> int:
+        """Training FLOPs of one batch of whole sequences, ``position_ids [B, N]`` (padding included:
+        the model computes it)."""
+        linear = 6 * self.matmul_params * position_ids.numel()
+        attention = 12 * self.num_layers * self.attention_dim * causal_attention_pairs(position_ids)
+        return linear + attention
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token of one causal document of ``seq_len`` tokens."""
+        pairs = seq_len * (seq_len + 1) // 2
+        return 6 * self.matmul_params + 12 * self.num_layers * self.attention_dim * pairs / seq_len
