@@ -3,7 +3,9 @@
 The step reads the batch that :class:`~lightning_ulysses.UlyssesStrategy` delivers (this rank's
 ``[B, N/sp]`` shard of ``input_ids``, global ``position_ids`` and ``shift_labels``) and reduces the
 token losses with :class:`~lightning_ulysses.UlyssesLossMixin`, so logged losses and gradients equal
-those of one process on whole sequences. Under any other strategy the batch is prepared here, whole.
+those of one process on whole sequences. Under any other strategy the batch is prepared here, whole,
+and the model runs the same document-masked attention locally (plain SDPA would let packed
+documents attend to each other).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torchmetrics import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, get_cosine_with_min_lr_schedule_with_warmup
 
 from lightning_ulysses.loss import UlyssesLossMixin
+from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch
 
 
@@ -83,7 +86,8 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
 
     def _loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """The SP group's token-mean loss (see :class:`UlyssesLossMixin`) and this rank's valid-token count."""
-        if "shift_labels" not in batch:  # not sharded by UlyssesStrategy: prepare the whole sequence here
+        if "shift_labels" not in batch:  # not sharded by UlyssesStrategy: whole sequences, documents masked locally
+            apply_ulysses_attention(self.model, group=None, sp_size=1, core="sdpa")  # idempotent
             batch = prepare_batch(batch, sp_size=1)
         logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         return self.causal_lm_loss(logits, batch["shift_labels"]), (batch["shift_labels"] != IGNORE_INDEX).sum()
@@ -104,6 +108,10 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         loss = self.val_loss.compute()  # synchronised over all ranks by torchmetrics: the same value everywhere
         self.val_loss.reset()
         self.log_dict({"val_loss": loss, "val_ppl": loss.exp()}, prog_bar=True, sync_dist=True)
+
+    def teardown(self, stage: str) -> None:
+        if self.model is not None:
+            remove_ulysses_attention(self.model)  # undo the local patch (a no-op after UlyssesStrategy's teardown)
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
