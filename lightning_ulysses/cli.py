@@ -13,12 +13,19 @@ from lightning_ulysses.data import LongTextDataModule
 from lightning_ulysses.model import CausalLM
 
 
+DEFAULT_MODEL = {
+    "model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048, "tie_word_embeddings": True,
+}
+"""A small Llama-style model that trains in minutes on CPU (the model of ``configs/quickstart.yaml``)."""
+
+
 class UlyssesCLI(LightningCLI):
-    """LightningCLI whose model vocabulary follows the tokenizer and whose default strategy is Ulysses."""
+    """LightningCLI whose model vocabulary follows the tokenizer, with Ulysses and a small Llama as defaults."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
-        parser.set_defaults({"trainer.strategy": "ulysses"})
+        parser.set_defaults({"trainer.strategy": "ulysses", "model.model": DEFAULT_MODEL})
 
 
 def main(args: ArgsType = None) -> None:
