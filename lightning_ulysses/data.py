@@ -165,7 +165,7 @@ class LongTextDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        paths: list[str] | None = None,
+        paths: Sequence[str] = (STDLIB,),
         pattern: str = "*.py",
         tokenizer: str = "byte",
         seq_len: int = 2048,
@@ -183,7 +183,7 @@ class LongTextDataModule(L.LightningDataModule):
             raise ValueError(f"data.val_fraction must be between 0 and 1 (exclusive), got {val_fraction}.")
         if mode not in ("packed", "documents"):
             raise ValueError(f"data.mode must be 'packed' or 'documents', got {mode!r}.")
-        self.paths = paths or [STDLIB]
+        self.paths = list(paths)
         self.pattern = pattern
         self.tokenizer = ByteTokenizer() if tokenizer == "byte" else _load_hf_tokenizer(tokenizer)
         self.seq_len = seq_len

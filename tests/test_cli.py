@@ -22,11 +22,14 @@ from tests.launch import REPO_ROOT
 CONFIGS = sorted((REPO_ROOT / "configs").glob("*.yaml"))
 
 
-def print_config(capsys: pytest.CaptureFixture, *args: str) -> str:
+def print_config(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, *args: str) -> str:
+    """``lightning-ulysses fit <args> --print_config``, in this process; returns the printed YAML."""
+    monkeypatch.setattr(sys, "argv", ["lightning-ulysses"])
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", *args, "--print_config"])
     assert exit_info.value.code in (None, 0)
-    return capsys.readouterr().out
+    out = capsys.readouterr().out
+    return out[out.index("# lightning.pytorch=="):]  # DeepSpeed may log a line to stdout first
 
 
 def test_configs_exist() -> None:
@@ -35,8 +38,8 @@ def test_configs_exist() -> None:
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_config_parses_completely(capsys: pytest.CaptureFixture, tmp_path: Path, path: Path) -> None:
-    printed = print_config(capsys, "--config", str(path))
+def test_config_parses_completely(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, path: Path) -> None:
+    printed = print_config(capsys, monkeypatch, "--config", str(path))
     config = yaml.safe_load(printed)
     strategy = config["trainer"]["strategy"]
     assert strategy["class_path"] == "lightning_ulysses.UlyssesStrategy"
@@ -44,18 +47,18 @@ def test_config_parses_completely(capsys: pytest.CaptureFixture, tmp_path: Path,
     assert config["model"]["model"] and config["data"]["seq_len"] > 0
     # the printed config is itself a complete, valid config
     (tmp_path / "printed.yaml").write_text(printed)
-    assert yaml.safe_load(print_config(capsys, "--config", str(tmp_path / "printed.yaml"))) == config
+    assert yaml.safe_load(print_config(capsys, monkeypatch, "--config", str(tmp_path / "printed.yaml"))) == config
 
 
-def test_default_config_is_complete(capsys: pytest.CaptureFixture) -> None:
-    config = yaml.safe_load(print_config(capsys))
+def test_default_config_is_complete(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = yaml.safe_load(print_config(capsys, monkeypatch))
     assert config["trainer"]["strategy"] == "ulysses"
     assert config["model"]["model"]["model_type"] == "llama" and config["data"]["paths"] == ["stdlib"]
 
 
-def test_strategy_arguments_from_the_command_line(capsys: pytest.CaptureFixture) -> None:
+def test_strategy_arguments_from_the_command_line(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     config = yaml.safe_load(print_config(
-        capsys, "--config", str(REPO_ROOT / "configs/quickstart.yaml"), "--trainer.strategy.sp_size", "1",
+        capsys, monkeypatch, "--config", str(REPO_ROOT / "configs/quickstart.yaml"), "--trainer.strategy.sp_size", "1",
         "--trainer.strategy.stage", "3",
     ))
     assert config["trainer"]["strategy"]["init_args"]["sp_size"] == 1
