@@ -15,7 +15,6 @@ import argparse
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
