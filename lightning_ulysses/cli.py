@@ -25,7 +25,8 @@ class UlyssesCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
-        parser.set_defaults({"trainer.strategy": "ulysses", "model.model": DEFAULT_MODEL})
+        # the class, not the name "ulysses", so that --trainer.strategy.sp_size works without a config file
+        parser.set_defaults({"trainer.strategy": {"class_path": "lightning_ulysses.UlyssesStrategy"}, "model.model": DEFAULT_MODEL})
 
 
 def main(args: ArgsType = None) -> None:

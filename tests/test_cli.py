@@ -51,8 +51,9 @@ def test_config_parses_completely(capsys: pytest.CaptureFixture, monkeypatch: py
 
 
 def test_default_config_is_complete(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    config = yaml.safe_load(print_config(capsys, monkeypatch))
-    assert config["trainer"]["strategy"] == "ulysses"
+    config = yaml.safe_load(print_config(capsys, monkeypatch, "--trainer.strategy.sp_size", "4"))
+    assert config["trainer"]["strategy"]["class_path"] == "lightning_ulysses.UlyssesStrategy"
+    assert config["trainer"]["strategy"]["init_args"]["sp_size"] == 4
     assert config["model"]["model"]["model_type"] == "llama" and config["data"]["paths"] == ["stdlib"]
 
 
