@@ -18,8 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from lightning_ulysses import UlyssesLossMixin, UlyssesStrategy, ulysses_attention
-from lightning_ulysses.data import ByteTokenizer, LongTextDataModule
+from lightning_ulysses import ByteTokenizer, LongTextDataModule, UlyssesLossMixin, UlyssesStrategy, ulysses_attention
 
 
 def rotate(x: Tensor, position_ids: Tensor, base: float = 10000.0) -> Tensor:

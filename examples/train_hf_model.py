@@ -18,8 +18,7 @@ import torch
 from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lightning_ulysses import UlyssesLossMixin, UlyssesStrategy
-from lightning_ulysses.data import ByteTokenizer, LongTextDataModule
+from lightning_ulysses import ByteTokenizer, LongTextDataModule, UlyssesLossMixin, UlyssesStrategy
 
 
 class LitLlama(UlyssesLossMixin, L.LightningModule):

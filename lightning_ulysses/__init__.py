@@ -1,7 +1,9 @@
 """Ulysses sequence parallelism for PyTorch Lightning."""
 
 from lightning_ulysses.attention import ulysses_attention
+from lightning_ulysses.data import ByteTokenizer, LongTextDataModule
 from lightning_ulysses.loss import UlyssesLossMixin
+from lightning_ulysses.model import CausalLM
 from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
 from lightning_ulysses.strategy import UlyssesStrategy
@@ -9,6 +11,9 @@ from lightning_ulysses.topology import SequenceParallelTopology
 
 __all__ = [
     "IGNORE_INDEX",
+    "ByteTokenizer",
+    "CausalLM",
+    "LongTextDataModule",
     "SequenceParallelTopology",
     "UlyssesLossMixin",
     "UlyssesStrategy",

@@ -220,8 +220,8 @@ class LongTextDataModule(L.LightningDataModule):
                 )
 
     def _dataset(self, files: list[Path]) -> Dataset:
-        documents = [self._encode(path.read_text(encoding="utf-8", errors="replace")) for path in files]
-        pieces = split_documents([doc for doc in documents if len(doc) > 1], self.seq_len)
+        texts = (path.read_text(encoding="utf-8", errors="replace") for path in files)
+        pieces = split_documents([self._encode(text) for text in texts if text.strip()], self.seq_len)
         return PackedDataset(pieces, self.seq_len) if self.mode == "packed" else DocumentDataset(pieces)
 
     def _encode(self, text: str) -> np.ndarray:
@@ -245,6 +245,10 @@ class LongTextDataModule(L.LightningDataModule):
         return self._loader(self.train_dataset, shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_dataset, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        """The held-out files (the validation split): there is no third split."""
         return self._loader(self.val_dataset, shuffle=False)
 
 

@@ -42,8 +42,9 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         min_lr_ratio: final learning rate as a fraction of ``learning_rate``.
         gradient_checkpointing: recompute each layer's activations in backward (long sequences).
 
-    Logs ``train_loss`` (each step), ``val_loss`` and ``val_ppl`` (each validation): token-weighted means
-    over every valid token, the same numbers one process on whole sequences would report.
+    Logs ``train_loss`` (each step), ``val_loss`` and ``val_ppl`` (each validation; ``test_loss`` and
+    ``test_ppl`` under ``test``): token-weighted means over every valid token, the same numbers one
+    process on whole sequences would report.
     """
 
     def __init__(
@@ -63,7 +64,7 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         if pretrained and not isinstance(model, str):
             raise ValueError("model.pretrained=True needs model.model to be the path of a local model folder, not a dict.")
         self.model: nn.Module | None = None
-        self.val_loss = MeanMetric()
+        self.eval_loss = MeanMetric()
 
     def configure_model(self) -> None:
         """Build the transformer here, not in ``__init__``: under ZeRO-3 it is then partitioned as it is created."""
@@ -99,15 +100,27 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._update_eval_loss(batch)
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._update_eval_loss(batch)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval_loss("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval_loss("test")
+
+    def _update_eval_loss(self, batch: dict[str, Tensor]) -> None:
         loss, num_tokens = self._loss(batch)
         # Every rank of an SP group holds the group's mean; weighting it by the rank's own token count
         # and averaging over all ranks gives sum_g mean_g * T_g / sum_g T_g: the exact token mean.
-        self.val_loss.update(loss.detach(), weight=num_tokens)
+        self.eval_loss.update(loss.detach(), weight=num_tokens)
 
-    def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss.compute()  # synchronised over all ranks by torchmetrics: the same value everywhere
-        self.val_loss.reset()
-        self.log_dict({"val_loss": loss, "val_ppl": loss.exp()}, prog_bar=True, sync_dist=True)
+    def _log_eval_loss(self, prefix: str) -> None:
+        loss = self.eval_loss.compute()  # synchronised over all ranks by torchmetrics: the same value everywhere
+        self.eval_loss.reset()
+        self.log_dict({f"{prefix}_loss": loss, f"{prefix}_ppl": loss.exp()}, prog_bar=True, sync_dist=True)
 
     def teardown(self, stage: str) -> None:
         if self.model is not None:

@@ -116,6 +116,23 @@ def test_data_module_splits_by_file(corpus: Path) -> None:
             assert batch["input_ids"].shape[1] == SEQ and (batch["position_ids"] == 0).sum() >= 1
 
 
+def test_local_hugging_face_tokenizer(corpus: Path, tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {word: i for i, word in enumerate(["[PAD]", "[UNK]", "[EOS]", *sorted(set(WORDS))])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]").save_pretrained(tmp_path)
+    data = LongTextDataModule(paths=[str(corpus)], pattern="*.txt", tokenizer=str(tmp_path), seq_len=SEQ, mode="documents",
+                              val_fraction=0.25)
+    data.setup("fit")
+    assert data.vocab_size == len(vocab)
+    ids = [t for sample in data.train_dataset for t in sample["input_ids"].tolist()]
+    assert ids.count(vocab["[EOS]"]) == 9  # one per training file (12 files, 3 held out)
+    assert vocab["quick"] in ids and max(ids) < len(vocab)
+
+
 def test_default_corpus_is_the_standard_library() -> None:
     files = find_text_files(["stdlib"], "*.py")
     assert len(files) > 100 and any(f.name == "os.py" for f in files)
@@ -165,18 +182,18 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
             trainer.fit(module, data)
         else:
             trainer.validate(module, data, verbose=False)
-        results[name] = {
-            "val_loss": trainer.callback_metrics["val_loss"].item(),
-            "val_ppl": trainer.callback_metrics["val_ppl"].item(),
-            "params": {n: p.detach().clone() for n, p in module.model.named_parameters()},
-        }
+        results[name] = {key: trainer.callback_metrics[key].item() for key in ("val_loss", "val_ppl")}
+        if case.get("test"):
+            trainer.test(module, data, verbose=False)
+            results[name].update({key: trainer.callback_metrics[key].item() for key in ("test_loss", "test_ppl")})
+        results[name]["params"] = {n: p.detach().clone() for n, p in module.model.named_parameters()}
     return results
 
 
 CASES = {
     # full-batch training (one batch holds every packed row): the step does not depend on the sample order
     "fit_sp2_packed": dict(sp=2, mode="packed", batch_size=64, fit=True),
-    "validate_sp2_documents": dict(sp=2, mode="documents", batch_size=2, fit=False),
+    "validate_sp2_documents": dict(sp=2, mode="documents", batch_size=2, fit=False, test=True),
     "validate_dp2_documents": dict(sp=1, mode="documents", batch_size=2, fit=False),
 }
 
@@ -234,6 +251,9 @@ def test_causal_lm_under_sp_equals_one_process(sp_results: list[dict[str, Any]],
         got = result[name]
         assert got["val_loss"] == pytest.approx(expected_val_loss, rel=1e-5), f"rank {rank}"
         assert got["val_ppl"] == pytest.approx(torch.tensor(expected_val_loss).exp().item(), rel=1e-5)
+        if case.get("test"):  # the test split is the held-out split too
+            assert got["test_loss"] == pytest.approx(expected_val_loss, rel=1e-5)
+            assert got["test_ppl"] == pytest.approx(got["val_ppl"], rel=1e-6)
         if case["fit"]:
             error = relative_update_error(initial, expected, got["params"])
             assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
