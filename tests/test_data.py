@@ -166,6 +166,21 @@ def fresh_model() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(build_config(TINY_LLAMA, ByteTokenizer.vocab_size), attn_implementation="sdpa")
 
 
+def test_causal_lm_outside_ulysses_keeps_packed_documents_apart(corpus: Path) -> None:
+    """Under any other strategy CausalLM prepares whole sequences itself and still masks at document borders."""
+    data = data_module(corpus, "packed", batch_size=4)
+    data.setup("fit")
+    batch = next(iter(data.val_dataloader()))
+    assert (batch["position_ids"][:, 1:] == 0).any(), "the batch should hold several documents per row"
+    module = SGDCausalLM(model=TINY_LLAMA, vocab_size=ByteTokenizer.vocab_size)
+    module.model = fresh_model()
+    with torch.no_grad():
+        loss = module.training_step(dict(batch), 0)
+        samples = [{"input_ids": ids, "position_ids": pos} for ids, pos in zip(batch["input_ids"], batch["position_ids"])]
+        expected = token_mean_loss(fresh_model(), samples)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
 def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
     world_size = int(os.environ["WORLD_SIZE"])
     results = {}
