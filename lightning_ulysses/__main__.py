@@ -1,0 +1,3 @@
+from lightning_ulysses.cli import main
+
+main()

@@ -1,0 +1,171 @@
+"""``CausalLM``: a Hugging Face causal language model as a LightningModule, ready for sequence parallelism.
+
+The step reads the batch that :class:`~lightning_ulysses.UlyssesStrategy` delivers (this rank's
+``[B, N/sp]`` shard of ``input_ids``, global ``position_ids`` and ``shift_labels``) and reduces the
+token losses with :class:`~lightning_ulysses.UlyssesLossMixin`, so logged losses and gradients equal
+those of one process on whole sequences. Under any other strategy the batch is prepared here, whole,
+and the model runs the same document-masked attention locally (plain SDPA would let packed
+documents attend to each other).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, get_cosine_with_min_lr_schedule_with_warmup
+
+from lightning_ulysses.loss import UlyssesLossMixin
+from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch
+
+
+class CausalLM(UlyssesLossMixin, L.LightningModule):
+    """Next-token training of a transformers causal LM with AdamW and a warmup + cosine schedule.
+
+    Args:
+        model: a config as a dict (``model_type`` plus any of its fields, e.g. ``{"model_type": "llama",
+            "hidden_size": 256, ...}``; random weights), or the path of a local model folder (its
+            ``config.json``; random weights unless ``pretrained``).
+        pretrained: load the weights of the folder ``model`` instead of initialising them randomly.
+        vocab_size: vocabulary size of the tokenizer (the CLI links it to ``data.vocab_size``). Overrides
+            the config's for random weights; pretrained models must already have at least this many.
+        learning_rate: peak AdamW learning rate, reached after ``warmup_steps``.
+        weight_decay: AdamW weight decay of the matrices (biases, norms and other 1-D weights get none).
+        betas: AdamW betas.
+        warmup_steps: linear warmup from 0; then cosine decay to ``min_lr_ratio * learning_rate`` at the
+            Trainer's last step.
+        min_lr_ratio: final learning rate as a fraction of ``learning_rate``.
+        gradient_checkpointing: recompute each layer's activations in backward (long sequences).
+
+    Logs ``train_loss`` (each step), ``val_loss`` and ``val_ppl`` (each validation; ``test_loss`` and
+    ``test_ppl`` under ``test``): token-weighted means over every valid token, the same numbers one
+    process on whole sequences would report.
+    """
+
+    def __init__(
+        self,
+        model: dict[str, Any] | str,
+        pretrained: bool = False,
+        vocab_size: int | None = None,
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 100,
+        min_lr_ratio: float = 0.1,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if pretrained and not isinstance(model, str):
+            raise ValueError("model.pretrained=True needs model.model to be the path of a local model folder, not a dict.")
+        self.model: nn.Module | None = None
+        self.eval_loss = MeanMetric()
+
+    def configure_model(self) -> None:
+        """Build the transformer here, not in ``__init__``: under ZeRO-3 it is then partitioned as it is created."""
+        if self.model is not None:
+            return
+        hp = self.hparams
+        if hp.pretrained:
+            self.model = AutoModelForCausalLM.from_pretrained(_local_folder(hp.model), attn_implementation="sdpa")
+            model_vocab = self.model.get_input_embeddings().num_embeddings
+            if hp.vocab_size is not None and hp.vocab_size > model_vocab:
+                raise ValueError(
+                    f"The tokenizer has {hp.vocab_size} ids but the pretrained model embeds only {model_vocab}. Use the "
+                    "tokenizer saved with the model (data.tokenizer=<model folder>)."
+                )
+        else:
+            config = build_config(hp.model, hp.vocab_size)
+            self.model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        if hp.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def _loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """The SP group's token-mean loss (see :class:`UlyssesLossMixin`) and this rank's valid-token count."""
+        if "shift_labels" not in batch:  # not sharded by UlyssesStrategy: whole sequences, documents masked locally
+            apply_ulysses_attention(self.model, group=None, sp_size=1, core="sdpa")  # idempotent
+            batch = prepare_batch(batch, sp_size=1)
+        logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        return self.causal_lm_loss(logits, batch["shift_labels"]), (batch["shift_labels"] != IGNORE_INDEX).sum()
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss, _ = self._loss(batch)
+        # the value is already the SP group's mean; sync_dist averages the DP groups, as their gradients are
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._update_eval_loss(batch)
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._update_eval_loss(batch)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval_loss("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval_loss("test")
+
+    def _update_eval_loss(self, batch: dict[str, Tensor]) -> None:
+        loss, num_tokens = self._loss(batch)
+        # Every rank of an SP group holds the group's mean; weighting it by the rank's own token count
+        # and averaging over all ranks gives sum_g mean_g * T_g / sum_g T_g: the exact token mean.
+        self.eval_loss.update(loss.detach(), weight=num_tokens)
+
+    def _log_eval_loss(self, prefix: str) -> None:
+        loss = self.eval_loss.compute()  # synchronised over all ranks by torchmetrics: the same value everywhere
+        self.eval_loss.reset()
+        self.log_dict({f"{prefix}_loss": loss, f"{prefix}_ppl": loss.exp()}, prog_bar=True, sync_dist=True)
+
+    def teardown(self, stage: str) -> None:
+        if self.model is not None:
+            remove_ulysses_attention(self.model)  # undo the local patch (a no-op after UlyssesStrategy's teardown)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        matrices = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        vectors = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": matrices, "weight_decay": hp.weight_decay}, {"params": vectors, "weight_decay": 0.0}],
+            lr=hp.learning_rate, betas=tuple(hp.betas),
+        )
+        total_steps = max(int(self.trainer.estimated_stepping_batches), 1)
+        scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+            optimizer, num_warmup_steps=min(hp.warmup_steps, total_steps), num_training_steps=total_steps,
+            min_lr_rate=hp.min_lr_ratio,
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def build_config(model: dict[str, Any] | str, vocab_size: int | None = None) -> PretrainedConfig:
+    """A transformers config from a dict with ``model_type`` or from a local model folder."""
+    if isinstance(model, str):
+        config = AutoConfig.from_pretrained(_local_folder(model))
+    else:
+        fields = dict(model)
+        model_type = fields.pop("model_type", None)
+        if model_type is None:
+            raise ValueError(
+                "model.model as a dict needs a 'model_type' entry (e.g. 'llama', 'qwen3', 'mistral') next to the "
+                f"config fields; got keys {sorted(fields)}."
+            )
+        config = AutoConfig.for_model(model_type, **fields)
+    if vocab_size is not None:
+        config.vocab_size = vocab_size
+    return config
+
+
+def _local_folder(path: str) -> Path:
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.model={path!r} is not a local model folder with a config.json. Nothing is downloaded at run time: "
+            "save the model first (AutoModelForCausalLM.from_pretrained(name).save_pretrained(folder)), or give the "
+            "config as a dict."
+        )
+    return folder

@@ -1,0 +1,274 @@
+"""LongTextDataModule and CausalLM: the data is what it claims, and SP training/validation equal one process.
+
+The multi-process test trains and validates ``CausalLM`` on ``LongTextDataModule`` batches under
+``UlyssesStrategy`` and compares with plain transformers run on every document alone, in one process:
+weights after SGD steps (relative update error < 1e-4) and the token-weighted validation loss and
+perplexity (rtol 1e-5). A factor of 2 in a gradient, or a mean of per-rank means, fails both.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.data import Dataset, DistributedSampler
+from transformers import AutoModelForCausalLM
+
+from lightning_ulysses import IGNORE_INDEX, UlyssesStrategy, prepare_batch
+from lightning_ulysses.data import (
+    ByteTokenizer,
+    LongTextDataModule,
+    collate_right_padded,
+    find_text_files,
+    pack_documents,
+    split_documents,
+)
+from lightning_ulysses.model import CausalLM, build_config
+from tests.launch import launch
+from tests.tiny import relative_update_error
+
+SEQ, LR, STEPS = 32, 0.5, 2
+TINY_LLAMA = dict(
+    model_type="llama", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+)
+WORDS = "the quick brown fox jumps over a lazy dog while sequence parallel ranks exchange heads".split()
+
+
+def write_corpus(folder: Path, num_files: int = 12) -> Path:
+    """Text files of different lengths (25 to 300 bytes), so rows hold several documents and padding varies."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(num_files):
+        words = [WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(4 + (i * 11) % 50)]
+        (folder / f"doc{i:02d}.txt").write_text(f"<file {i:02d}> " + " ".join(words) + "\n")
+    return folder
+
+
+def data_module(folder: Path | str, mode: str, batch_size: int) -> LongTextDataModule:
+    return LongTextDataModule(
+        paths=[str(folder)], pattern="*.txt", seq_len=SEQ, mode=mode, batch_size=batch_size, val_fraction=0.25,
+    )
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+# ---------------------------------------------------------------------------------------------
+# single-process unit tests
+# ---------------------------------------------------------------------------------------------
+def test_byte_tokenizer_round_trip() -> None:
+    tokenizer = ByteTokenizer()
+    text = "def f(x):\n    return 'π ≈ 3.14'  # ünïcode\n"
+    ids = tokenizer.encode(text)
+    assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
+    assert ids.min() >= 0 and ids.max() < tokenizer.vocab_size == 259
+    assert len(ids) == len(text.encode()) + 2
+    assert tokenizer.decode(ids.tolist()) == text
+
+
+def test_split_and_pack_restart_positions_at_every_document() -> None:
+    documents = [torch.arange(100, 107).numpy(), torch.arange(200, 203).numpy(), torch.arange(300, 310).numpy()]
+    pieces = split_documents(documents, max_len=4)
+    assert [p.tolist() for p in pieces[:3]] == [[100, 101, 102, 103], [104, 105, 106], [200, 201, 202]]
+    input_ids, position_ids = pack_documents(pieces, seq_len=5)
+    assert input_ids.shape == position_ids.shape == (4, 5)  # 20 tokens, the last incomplete row dropped
+    assert input_ids.flatten().tolist() == [t for p in pieces for t in p.tolist()][:20]
+    assert position_ids[0].tolist() == [0, 1, 2, 3, 0]  # a 4-token piece, then the next piece starts
+    assert position_ids[1].tolist() == [1, 2, 0, 1, 2]  # the piece cut by the row end continues its count
+
+
+def test_packed_batch_ignores_the_label_across_document_borders() -> None:
+    input_ids, position_ids = pack_documents([torch.arange(10, 13).numpy(), torch.arange(20, 25).numpy()], 8)
+    batch = collate_right_padded([{"input_ids": torch.from_numpy(input_ids[0]),
+                                   "position_ids": torch.from_numpy(position_ids[0])}])
+    prepared = prepare_batch(batch, sp_size=2)
+    assert prepared["shift_labels"][0].tolist() == [11, 12, IGNORE_INDEX, 21, 22, 23, 24, IGNORE_INDEX]
+
+
+def decode_all(dataset: Dataset) -> str:
+    return ByteTokenizer().decode([t for sample in dataset for t in sample["input_ids"].tolist()])
+
+
+def test_collate_pads_right_and_masks_padding() -> None:
+    batch = collate_right_padded([{"input_ids": torch.tensor([5, 6, 7])}, {"input_ids": torch.tensor([8])}])
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_data_module_splits_by_file(corpus: Path) -> None:
+    for mode in ("packed", "documents"):
+        data = data_module(corpus, mode, batch_size=2)
+        data.setup("fit")
+        train, val = (set(re.findall(r"<file \d+>", decode_all(dataset))) for dataset in (data.train_dataset, data.val_dataset))
+        assert len(val) == 3 and len(train | val) == 12 and not train & val
+        batch = next(iter(data.train_dataloader()))
+        assert batch["input_ids"].shape[0] == 2 and batch["input_ids"].shape[1] <= SEQ
+        if mode == "packed":
+            assert batch["input_ids"].shape[1] == SEQ and (batch["position_ids"] == 0).sum() >= 1
+
+
+def test_local_hugging_face_tokenizer(corpus: Path, tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {word: i for i, word in enumerate(["[PAD]", "[UNK]", "[EOS]", *sorted(set(WORDS))])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]").save_pretrained(tmp_path)
+    data = LongTextDataModule(paths=[str(corpus)], pattern="*.txt", tokenizer=str(tmp_path), seq_len=SEQ, mode="documents",
+                              val_fraction=0.25)
+    data.setup("fit")
+    assert data.vocab_size == len(vocab)
+    ids = [t for sample in data.train_dataset for t in sample["input_ids"].tolist()]
+    assert ids.count(vocab["[EOS]"]) == 9  # one per training file (12 files, 3 held out)
+    assert vocab["quick"] in ids and max(ids) < len(vocab)
+
+
+def test_default_corpus_is_the_standard_library() -> None:
+    files = find_text_files(["stdlib"], "*.py")
+    assert len(files) > 100 and any(f.name == "os.py" for f in files)
+
+
+def test_bad_data_paths_fail_with_what_to_change(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        find_text_files([str(tmp_path / "missing")], "*.txt")
+    with pytest.raises(FileNotFoundError, match="data.pattern"):
+        find_text_files([str(tmp_path)], "*.txt")
+    with pytest.raises(FileNotFoundError, match="local tokenizer folder"):
+        LongTextDataModule(tokenizer="gpt2")
+    data = data_module(write_corpus(tmp_path / "small", num_files=2), "packed", 1)
+    data.seq_len = 4096
+    with pytest.raises(ValueError, match="lower data.seq_len"):
+        data.setup("fit")
+
+
+# ---------------------------------------------------------------------------------------------
+# multi-process: CausalLM on LongTextDataModule under UlyssesStrategy vs one process
+# ---------------------------------------------------------------------------------------------
+class SGDCausalLM(CausalLM):
+    """SGD exposes the gradient's scale in the weights (AdamW would normalise a factor of 2 away)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def fresh_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(build_config(TINY_LLAMA, ByteTokenizer.vocab_size), attn_implementation="sdpa")
+
+
+def test_causal_lm_outside_ulysses_keeps_packed_documents_apart(corpus: Path) -> None:
+    """Under any other strategy CausalLM prepares whole sequences itself and still masks at document borders."""
+    data = data_module(corpus, "packed", batch_size=4)
+    data.setup("fit")
+    batch = next(iter(data.val_dataloader()))
+    assert (batch["position_ids"][:, 1:] == 0).any(), "the batch should hold several documents per row"
+    module = SGDCausalLM(model=TINY_LLAMA, vocab_size=ByteTokenizer.vocab_size)
+    module.model = fresh_model()
+    with torch.no_grad():
+        loss = module.training_step(dict(batch), 0)
+        samples = [{"input_ids": ids, "position_ids": pos} for ids, pos in zip(batch["input_ids"], batch["position_ids"])]
+        expected = token_mean_loss(fresh_model(), samples)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
+    world_size = int(os.environ["WORLD_SIZE"])
+    results = {}
+    for name, case in args["cases"].items():
+        module = SGDCausalLM(model=TINY_LLAMA, vocab_size=ByteTokenizer.vocab_size)
+        module.model = fresh_model()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world_size, max_steps=STEPS, num_sanity_val_steps=0, logger=False,
+            strategy=UlyssesStrategy(sp_size=case["sp"], stage=2, attn_implementation="sdpa"),
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        data = data_module(args["folder"], case["mode"], batch_size=case["batch_size"])
+        if case["fit"]:
+            trainer.fit(module, data)
+        else:
+            trainer.validate(module, data, verbose=False)
+        results[name] = {key: trainer.callback_metrics[key].item() for key in ("val_loss", "val_ppl")}
+        if case.get("test"):
+            trainer.test(module, data, verbose=False)
+            results[name].update({key: trainer.callback_metrics[key].item() for key in ("test_loss", "test_ppl")})
+        results[name]["params"] = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    return results
+
+
+CASES = {
+    # full-batch training (one batch holds every packed row): the step does not depend on the sample order
+    "fit_sp2_packed": dict(sp=2, mode="packed", batch_size=64, fit=True),
+    "validate_sp2_documents": dict(sp=2, mode="documents", batch_size=2, fit=False, test=True),
+    "validate_dp2_documents": dict(sp=1, mode="documents", batch_size=2, fit=False),
+}
+
+
+def document_losses(model: torch.nn.Module, sample: dict[str, Tensor]) -> tuple[Tensor, int]:
+    """Sum and count of next-token losses of every document of one sample, each run alone through the model."""
+    input_ids = sample["input_ids"]
+    position_ids = sample.get("position_ids", torch.arange(len(input_ids)))
+    starts = [0] + [i for i in range(1, len(input_ids)) if position_ids[i] == 0] + [len(input_ids)]
+    total, count = torch.zeros(()), 0
+    for start, end in zip(starts[:-1], starts[1:]):
+        if end - start < 2:
+            continue
+        logits = model(input_ids=input_ids[None, start:end], position_ids=position_ids[None, start:end]).logits[0]
+        total = total + F.cross_entropy(logits[:-1], input_ids[start + 1 : end], reduction="sum")
+        count += end - start - 1
+    return total, count
+
+
+def token_mean_loss(model: torch.nn.Module, samples: list[dict[str, Tensor]]) -> Tensor:
+    sums, counts = zip(*(document_losses(model, s) for s in samples))
+    return torch.stack(sums).sum() / sum(counts)
+
+
+def reference(folder: Path, case: dict[str, Any]) -> tuple[float, dict[str, Tensor]]:
+    """One process, plain transformers: SGD on the token mean of all training rows; validation token mean."""
+    data = data_module(folder, case["mode"], case["batch_size"])
+    data.setup("fit")
+    model = fresh_model()
+    if case["fit"]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        for _ in range(STEPS):
+            token_mean_loss(model, list(data.train_dataset)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    dp_size = 2 // case["sp"]
+    # the validation samples as Lightning's DistributedSampler deals them to the DP ranks (with its padding)
+    dealt = [data.val_dataset[i] for r in range(dp_size) for i in DistributedSampler(data.val_dataset, dp_size, r, shuffle=False)]
+    with torch.no_grad():
+        val_loss = token_mean_loss(model, dealt).item()
+    return val_loss, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def sp_results(corpus: Path) -> list[dict[str, Any]]:
+    return launch("tests.test_data:sp_worker", 2, {"folder": str(corpus), "cases": CASES})
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_causal_lm_under_sp_equals_one_process(sp_results: list[dict[str, Any]], corpus: Path, name: str) -> None:
+    case = CASES[name]
+    expected_val_loss, expected = reference(corpus, case)
+    initial = {n: p.detach() for n, p in fresh_model().named_parameters()}
+    for rank, result in enumerate(sp_results):
+        got = result[name]
+        assert got["val_loss"] == pytest.approx(expected_val_loss, rel=1e-5), f"rank {rank}"
+        assert got["val_ppl"] == pytest.approx(torch.tensor(expected_val_loss).exp().item(), rel=1e-5)
+        if case.get("test"):  # the test split is the held-out split too
+            assert got["test_loss"] == pytest.approx(expected_val_loss, rel=1e-5)
+            assert got["test_ppl"] == pytest.approx(got["val_ppl"], rel=1e-6)
+        if case["fit"]:
+            error = relative_update_error(initial, expected, got["params"])
+            assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
