@@ -1,0 +1,494 @@
+"""UlyssesStrategy through ``L.Trainer`` against DeepSpeed ALST in a plain DeepSpeed loop, side by side.
+
+Both sides train the same Llama-style model (``tests.tiny.tiny_llama``, MHA so that the all-to-all
+formula below is exact) from the same seed, on the same batches in the same order, with the same
+``sp_size``, ZeRO stage, DeepSpeed config (the one ``UlyssesStrategy`` builds) and SGD:
+
+* **ours**: ``UlyssesStrategy`` + :class:`tests.tiny.TinyCausalLM` (token-weighted loss) in ``L.Trainer``;
+* **ALST**: ``UlyssesSPAttentionHF.register_with_transformers`` + ``UlyssesSPDataLoaderAdapter`` +
+  ``deepspeed.initialize(mpu=...)`` and the loss recipe of DeepSpeed's ALST tutorial and of the HF
+  Trainer (a differentiable ``all_gather`` of per-rank mean losses, weighted by valid tokens).
+
+One run reports, per side: the median step time (end of one optimizer step to the end of the next,
+measured the same way on both sides, blocks alternated ours/ALST/ALST/ours/... so that load drift
+cancels), the peak memory of the training steps, the bytes every all-to-all sends to other ranks
+(counted by wrapping the collective each side calls) against the theory
+``4 x B x (N/sp) x H x D x (sp-1)/sp x dtype_size`` per layer and direction, and the agreement of the
+loss, first-step gradient norm and final weights with one process training on whole sequences.
+The first round only collects the agreement numbers; later rounds are timed.
+
+CPU (gloo, the default here) or CUDA (NCCL). Writes a markdown report::
+
+    python -m benchmarks.compare_alst                                     # CPU, sp=2
+    python -m benchmarks.compare_alst --accelerator cuda --sp 8 --seq-len 65536 --hidden 2048 --heads 16 \\
+        --layers 8 --precision bf16 --output docs/benchmarks/compare_alst_cuda.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import os
+import shlex
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SIDES = ("ours", "alst")
+
+
+@dataclass(frozen=True)
+class BenchmarkConfig:
+    accelerator: str = "cpu"
+    sp: int = 2
+    stage: int = 3
+    batch_size: int = 2
+    seq_len: int = 1024
+    hidden: int = 128
+    heads: int = 4
+    layers: int = 2
+    intermediate: int = 256
+    vocab: int = 512
+    precision: str = "32"
+    steps: int = 6
+    rounds: int = 3
+    lr: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.steps % self.sp or self.steps < 2:
+            raise ValueError(
+                f"--steps ({self.steps}) must be a multiple of --sp ({self.sp}) and at least 2: ALST's dataloader "
+                "adapter feeds the SP group one batch per rank in turn, and a rank that runs out first would hang."
+            )
+        if self.rounds < 2:
+            raise ValueError("--rounds must be at least 2: round 0 checks agreement, later rounds are timed.")
+        if self.heads % self.sp or self.hidden % self.heads:
+            raise ValueError(f"--heads ({self.heads}) must divide by --sp and divide --hidden ({self.hidden}).")
+        if self.precision not in ("32", "bf16"):
+            raise ValueError(f"--precision must be '32' or 'bf16', got {self.precision!r}.")
+
+    @property
+    def model_overrides(self) -> dict[str, Any]:
+        return dict(
+            vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.heads,
+            max_position_embeddings=self.seq_len,
+        )
+
+    @property
+    def dtype_size(self) -> int:
+        return 2 if self.precision == "bf16" else 4
+
+    @property
+    def theoretical_bytes_per_layer(self) -> float:
+        """Bytes one rank sends to the others per attention layer and direction: q, k, v in, output back."""
+        head_dim = self.hidden // self.heads
+        local = self.batch_size * (self.seq_len // self.sp) * self.heads * head_dim
+        return 4 * local * (self.sp - 1) / self.sp * self.dtype_size
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkConfig, Path]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for field in dataclasses.fields(BenchmarkConfig):
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
+    parser.add_argument("--output", type=Path, default=REPO_ROOT / "docs" / "benchmarks" / "compare_alst.md")
+    args = vars(parser.parse_args(argv))
+    output = args.pop("output")
+    return BenchmarkConfig(**args), output
+
+
+def make_batches(config: BenchmarkConfig) -> list[dict[str, Tensor]]:
+    """``config.steps`` batches of random tokens: ``input_ids``, ``labels``, ``position_ids``, all ``[B, N]``."""
+    generator = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(config.steps):
+        ids = torch.randint(1, config.vocab, (config.batch_size, config.seq_len), generator=generator)
+        positions = torch.arange(config.seq_len).expand_as(ids).clone()
+        batches.append({"input_ids": ids, "labels": ids.clone(), "position_ids": positions})
+    return batches
+
+
+# ----------------------------------------------------------------------------------------------
+# measurement helpers
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class AllToAllCounter:
+    """Counts calls of a wrapped all-to-all and the bytes each call sends to the other ranks."""
+
+    calls: int = 0
+    bytes_to_peers: int = 0
+
+    def count(self, send: Tensor, group: dist.ProcessGroup | None) -> None:
+        world = dist.get_world_size(group)
+        self.calls += 1
+        self.bytes_to_peers += send.numel() * send.element_size() * (world - 1) // world  # even split
+
+
+def install_counters() -> dict[str, AllToAllCounter]:
+    """Wrap the collective each side calls: ours ``lightning_ulysses.attention.all_to_all``; ALST's exchange
+    operator calls ``deepspeed.comm.all_to_all_single``."""
+    import deepspeed.comm
+    import lightning_ulysses.attention as ours
+
+    counters = {side: AllToAllCounter() for side in SIDES}
+    ours_all_to_all, ds_all_to_all_single = ours.all_to_all, deepspeed.comm.all_to_all_single
+
+    def counted_all_to_all(x: Tensor, group: dist.ProcessGroup, *args: Any) -> Tensor:
+        counters["ours"].count(x, group)
+        return ours_all_to_all(x, group, *args)
+
+    def counted_all_to_all_single(output: Tensor, input: Tensor, *args: Any, **kwargs: Any) -> Any:
+        counters["alst"].count(input, kwargs.get("group"))
+        return ds_all_to_all_single(output, input, *args, **kwargs)
+
+    ours.all_to_all = counted_all_to_all
+    deepspeed.comm.all_to_all_single = counted_all_to_all_single
+    return counters
+
+
+class PeakMemory:
+    """Peak memory above the level at :meth:`reset`: CUDA allocator peak, or the process RSS high-water mark
+    on CPU (exact only with ``MALLOC_MMAP_THRESHOLD_`` set, so that freed buffers leave the process)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.baseline = 0
+
+    def reset(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline = torch.cuda.memory_allocated(self.device)
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+            self.baseline = _proc_status_bytes("VmRSS")
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.baseline
+        return _proc_status_bytes("VmHWM") - self.baseline
+
+
+def _proc_status_bytes(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def full_grad_norm(parameters: list[torch.nn.Parameter]) -> float:
+    """Norm of the reduced gradient, assembled from DeepSpeed's partitions (a collective under ZeRO-3)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    return torch.cat([safe_get_full_grad(p).float().flatten() for p in parameters]).norm().item()
+
+
+def gathered_parameters(model: torch.nn.Module, stage: int) -> dict[str, Tensor]:
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), enabled=stage == 3):
+        return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
+
+
+@dataclass
+class Block:
+    """What one side measured over one block of ``config.steps`` steps."""
+
+    step_times: list[float]
+    peak_memory: int
+    all_to_all_calls: int
+    all_to_all_bytes: int
+    losses: list[float]
+    grad_norm: float | None = None
+    params: dict[str, Tensor] | None = None
+
+
+# ----------------------------------------------------------------------------------------------
+# the two sides
+# ----------------------------------------------------------------------------------------------
+class _StepRecorder(L.Callback):
+    def __init__(self, device: torch.device, check_agreement: bool) -> None:
+        self.memory = PeakMemory(device)
+        self.check_agreement = check_agreement
+        self.step_ends: list[float] = []
+        self.grad_norm: float | None = None
+        self.peak = 0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.memory.reset()
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if self.check_agreement and self.grad_norm is None:
+            self.grad_norm = full_grad_norm(list(pl_module.parameters()))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        synchronize(self.memory.device)
+        self.step_ends.append(time.perf_counter())
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.peak = self.memory.peak()
+
+
+def run_ours(config: BenchmarkConfig, batches: list[dict[str, Tensor]], counter: AllToAllCounter,
+             check_agreement: bool) -> Block:
+    from lightning_ulysses import UlyssesStrategy
+    from tests.tiny import TinyCausalLM, collate
+
+    module = TinyCausalLM(lr=config.lr, **config.model_overrides)
+    strategy = UlyssesStrategy(sp_size=config.sp, stage=config.stage, attn_implementation="sdpa")
+    recorder = _StepRecorder(_device(config), check_agreement)
+    trainer = L.Trainer(
+        accelerator=config.accelerator, devices=config.sp, strategy=strategy, max_steps=config.steps,
+        precision="bf16-mixed" if config.precision == "bf16" else "32-true", use_distributed_sampler=False,
+        callbacks=[recorder], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    calls, sent = counter.calls, counter.bytes_to_peers
+    rows = [{key: value[i] for key, value in batch.items()} for batch in batches for i in range(config.batch_size)]
+    trainer.fit(module, DataLoader(rows, batch_size=config.batch_size, collate_fn=collate))  # in order, every rank
+    return Block(
+        step_times=_periods(recorder.step_ends), peak_memory=recorder.peak, all_to_all_calls=counter.calls - calls,
+        all_to_all_bytes=counter.bytes_to_peers - sent, losses=module.losses, grad_norm=recorder.grad_norm,
+        params=gathered_parameters(module.model, config.stage) if check_agreement else None,
+    )
+
+
+def register_alst(config: BenchmarkConfig) -> Any:
+    """Install ALST's attention (it replaces transformers' ``"sdpa"`` entry in this process) and its SP groups."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from tests.tiny import tiny_llama
+
+    return UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=tiny_llama(**config.model_overrides), core_attn_implementation="sdpa",
+        sequence_parallel_size=config.sp, micro_batch_size=config.batch_size, seq_length_is_variable=True,
+    )
+
+
+def alst_loss(logits: Tensor, shift_labels: Tensor, sp_group: dist.ProcessGroup) -> Tensor:
+    """The ALST tutorial's / HF Trainer's SP loss: per-rank mean, all-gathered with autograd, token-weighted."""
+    from torch.distributed.nn.functional import all_gather
+
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), shift_labels.flatten(), ignore_index=-100)
+    good_tokens = (shift_labels != -100).sum()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # all_gather is deprecated in favour of functional collectives
+        losses_per_rank = all_gather(loss, group=sp_group)
+        tokens_per_rank = all_gather(good_tokens, group=sp_group)
+    total_loss = sum(losses_per_rank[r] * tokens_per_rank[r] for r in range(len(losses_per_rank)) if tokens_per_rank[r])
+    return total_loss / max(sum(tokens_per_rank), 1)
+
+
+def run_alst(config: BenchmarkConfig, batches: list[dict[str, Tensor]], mpu: Any, counter: AllToAllCounter,
+             check_agreement: bool) -> Block:
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+    from lightning_ulysses import UlyssesStrategy
+    from tests.tiny import tiny_llama
+
+    device = _device(config)
+    model = tiny_llama(**config.model_overrides)
+    ds_config = copy.deepcopy(UlyssesStrategy(stage=config.stage).config)  # the ZeRO settings ours runs with
+    ds_config.update(train_micro_batch_size_per_gpu=config.batch_size, gradient_accumulation_steps=1)
+    if config.precision == "bf16":
+        ds_config["bf16"] = {"enabled": True}
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=config.lr), config=ds_config, mpu=mpu
+    )
+    sp_group, sp_rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
+    # the adapter feeds the group rank r's next batch at every r-th step: deal the batches so the order is the same
+    loader = UlyssesSPDataLoaderAdapter(
+        DataLoader(batches[sp_rank::config.sp], batch_size=None), sp_rank=sp_rank, sp_group=sp_group,
+        sp_world_size=config.sp, device=device,
+    )
+    memory = PeakMemory(device)
+    memory.reset()
+    calls, sent = counter.calls, counter.bytes_to_peers
+    losses, step_ends, grad_norm = [], [], None
+    for _, batch in zip(range(config.steps), loader):
+        batch = {key: value.to(device) for key, value in batch.items()}
+        logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        loss = alst_loss(logits, batch["shift_labels"], sp_group)
+        engine.backward(loss)
+        if check_agreement and grad_norm is None:
+            grad_norm = full_grad_norm(list(engine.module.parameters()))
+        engine.step()
+        losses.append(loss.item())
+        synchronize(device)
+        step_ends.append(time.perf_counter())
+    block = Block(
+        step_times=_periods(step_ends), peak_memory=memory.peak(), all_to_all_calls=counter.calls - calls,
+        all_to_all_bytes=counter.bytes_to_peers - sent, losses=losses, grad_norm=grad_norm,
+        params=gathered_parameters(engine.module, config.stage) if check_agreement else None,
+    )
+    engine.destroy()
+    return block
+
+
+def _periods(step_ends: list[float]) -> list[float]:
+    """Step times from step-end timestamps; the first step (iterator start, warm-up) has no period."""
+    return [b - a for a, b in zip(step_ends[:-1], step_ends[1:])]
+
+
+def _device(config: BenchmarkConfig) -> torch.device:
+    if config.accelerator == "cuda":
+        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    return torch.device("cpu")
+
+
+def worker(args: dict[str, Any]) -> dict[str, list[Block]]:
+    """One rank: alternate blocks of both sides (ours, ALST, ALST, ours, ...); round 0 checks agreement."""
+    config = BenchmarkConfig(**args["config"])
+    if config.accelerator == "cuda":
+        torch.cuda.set_device(_device(config))
+    batches = make_batches(config)
+    counters = install_counters()
+    blocks: dict[str, list[Block]] = {side: [] for side in SIDES}
+    mpu = None
+    for round_index in range(config.rounds):
+        for side in SIDES if round_index % 2 == 0 else SIDES[::-1]:
+            check = round_index == 0
+            if side == "ours":
+                blocks[side].append(run_ours(config, batches, counters[side], check))
+            else:
+                mpu = mpu or register_alst(config)  # after ours' first fit: the process group exists
+                blocks[side].append(run_alst(config, batches, mpu, counters[side], check))
+    return blocks
+
+
+# ----------------------------------------------------------------------------------------------
+# reference and report
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Reference:
+    losses: list[float]
+    grad_norm: float
+    initial: dict[str, Tensor]
+    final: dict[str, Tensor]
+
+
+def single_process_reference(config: BenchmarkConfig, batches: list[dict[str, Tensor]]) -> Reference:
+    """Plain transformers on whole sequences, one process, same SGD (fp32, on CPU)."""
+    from tests.tiny import reference_loss, tiny_llama
+
+    model = tiny_llama(**config.model_overrides)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
+    losses, grad_norm = [], None
+    for batch in batches:
+        loss = reference_loss(model, {"input_ids": batch["input_ids"], "labels": batch["labels"]})
+        loss.backward()
+        if grad_norm is None:
+            grad_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return Reference(losses, grad_norm, initial, {n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+@dataclass(frozen=True)
+class SideSummary:
+    median_step_time: float
+    peak_memory: int
+    all_to_all_calls_per_step: float
+    all_to_all_bytes_per_layer: float  # per direction (forward or backward)
+    max_loss_error: float  # relative, over all steps, rank 0
+    grad_norm_ratio: float  # first step, this side / one process
+    weight_update_error: float  # |w - w_ref| / |w_ref - w_0|, worst rank
+
+
+def summarize(config: BenchmarkConfig, rank_blocks: list[list[Block]], reference: Reference) -> SideSummary:
+    """``rank_blocks[rank][block]``: block 0 carries the agreement numbers, the others the timing."""
+    from tests.tiny import relative_update_error
+
+    first = rank_blocks[0][0]
+    timed = [block for blocks in rank_blocks for block in blocks[1:]]
+    steps_counted = config.steps * len(rank_blocks[0])
+    losses, expected = torch.tensor(first.losses), torch.tensor(reference.losses)
+    return SideSummary(
+        median_step_time=statistics.median(t for block in timed for t in block.step_times),
+        peak_memory=max(block.peak_memory for block in timed),
+        all_to_all_calls_per_step=sum(b.all_to_all_calls for b in rank_blocks[0]) / steps_counted,
+        all_to_all_bytes_per_layer=sum(b.all_to_all_bytes for b in rank_blocks[0]) / steps_counted / (2 * config.layers),
+        max_loss_error=((losses - expected).abs() / expected.abs()).max().item(),
+        grad_norm_ratio=first.grad_norm / reference.grad_norm,
+        weight_update_error=max(
+            relative_update_error(reference.initial, reference.final, blocks[0].params) for blocks in rank_blocks
+        ),
+    )
+
+
+def render_report(config: BenchmarkConfig, summaries: dict[str, SideSummary], command: str, device: str) -> str:
+    ours, alst = summaries["ours"], summaries["alst"]
+    theory = config.theoretical_bytes_per_layer
+
+    def row(name: str, fmt: Callable[[SideSummary], str], ratio: str = "") -> str:
+        return f"| {name} | {fmt(ours)} | {fmt(alst)} | {ratio} |"
+
+    lines = [
+        "# UlyssesStrategy vs DeepSpeed ALST",
+        "",
+        f"Made by `{command}` on {device}.",
+        "",
+        f"Model: Llama, hidden {config.hidden}, {config.heads} heads (MHA), {config.layers} layers, vocab "
+        f"{config.vocab}; batch {config.batch_size} x {config.seq_len} tokens; sp={config.sp}, ZeRO-{config.stage}, "
+        f"precision {config.precision}, SGD lr {config.lr}; {config.steps} steps per block, {config.rounds - 1} timed "
+        "blocks per side alternated with the other side's, one agreement block first.",
+        "",
+        "| | ours (UlyssesStrategy, L.Trainer) | ALST (DeepSpeed loop) | ours / ALST |",
+        "|---|---|---|---|",
+        row("median step time (s)", lambda s: f"{s.median_step_time:.4f}",
+            f"**{ours.median_step_time / alst.median_step_time:.3f}**"),
+        row("peak memory of the steps (MiB, rank max)", lambda s: f"{s.peak_memory / 2**20:.1f}",
+            f"**{ours.peak_memory / alst.peak_memory:.3f}**"),
+        row("all-to-all calls per step", lambda s: f"{s.all_to_all_calls_per_step:g}"),
+        row("all-to-all bytes per layer and direction", lambda s: f"{s.all_to_all_bytes_per_layer:.0f}",
+            f"theory {theory:.0f}"),
+        row("bytes / theory", lambda s: f"{s.all_to_all_bytes_per_layer / theory:.4f}"),
+        row("max relative loss error vs one process", lambda s: f"{s.max_loss_error:.1e}"),
+        row("first-step gradient norm / one process", lambda s: f"{s.grad_norm_ratio:.4f}"),
+        row("relative weight-update error after all steps", lambda s: f"{s.weight_update_error:.1e}"),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, SideSummary]:
+    from tests.launch import launch
+
+    config, output = parse_args(argv)
+    results = launch(
+        "benchmarks.compare_alst:worker", config.sp, {"config": dataclasses.asdict(config)}, timeout=3600,
+        extra_env={"MALLOC_MMAP_THRESHOLD_": "65536"},  # freed buffers leave the process: RSS peaks are exact
+    )
+    reference = single_process_reference(config, make_batches(config))
+    summaries = {side: summarize(config, [rank[side] for rank in results], reference) for side in SIDES}
+    device = torch.cuda.get_device_name() if config.accelerator == "cuda" else f"CPU ({os.cpu_count()} cores, gloo)"
+    command = "python -m benchmarks.compare_alst " + shlex.join(argv if argv is not None else sys.argv[1:])
+    report = render_report(config, summaries, command.strip(), device)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(report)
+    print(report)
+    return summaries
+
+
+if __name__ == "__main__":
+    main()
