@@ -65,7 +65,7 @@ class BenchmarkConfig:
     vocab: int = 512
     precision: str = "32"
     steps: int = 6
-    rounds: int = 3
+    rounds: int = 7
     lr: float = 0.5
 
     def __post_init__(self) -> None:
@@ -437,7 +437,16 @@ def summarize(config: BenchmarkConfig, rank_blocks: list[list[Block]], reference
     )
 
 
-def render_report(config: BenchmarkConfig, summaries: dict[str, SideSummary], command: str, device: str) -> str:
+def round_ratios(ours: list[list[Block]], alst: list[list[Block]]) -> list[float]:
+    """Per timed round, median step time of ours / ALST (all ranks): the spread shows how much the load moved."""
+    def median_of_round(rank_blocks: list[list[Block]], index: int) -> float:
+        return statistics.median(t for blocks in rank_blocks for t in blocks[index].step_times)
+
+    return [median_of_round(ours, i) / median_of_round(alst, i) for i in range(1, len(ours[0]))]
+
+
+def render_report(config: BenchmarkConfig, summaries: dict[str, SideSummary], ratios: list[float], command: str,
+                  device: str) -> str:
     ours, alst = summaries["ours"], summaries["alst"]
     theory = config.theoretical_bytes_per_layer
 
@@ -458,6 +467,8 @@ def render_report(config: BenchmarkConfig, summaries: dict[str, SideSummary], co
         "|---|---|---|---|",
         row("median step time (s)", lambda s: f"{s.median_step_time:.4f}",
             f"**{ours.median_step_time / alst.median_step_time:.3f}**"),
+        row("step time ratio per timed round (min / median / max)", lambda s: "",
+            f"{min(ratios):.3f} / {statistics.median(ratios):.3f} / {max(ratios):.3f}"),
         row("peak memory of the steps (MiB, rank max)", lambda s: f"{s.peak_memory / 2**20:.1f}",
             f"**{ours.peak_memory / alst.peak_memory:.3f}**"),
         row("all-to-all calls per step", lambda s: f"{s.all_to_all_calls_per_step:g}"),
@@ -481,9 +492,10 @@ def main(argv: list[str] | None = None) -> dict[str, SideSummary]:
     )
     reference = single_process_reference(config, make_batches(config))
     summaries = {side: summarize(config, [rank[side] for rank in results], reference) for side in SIDES}
+    ratios = round_ratios([rank["ours"] for rank in results], [rank["alst"] for rank in results])
     device = torch.cuda.get_device_name() if config.accelerator == "cuda" else f"CPU ({os.cpu_count()} cores, gloo)"
     command = "python -m benchmarks.compare_alst " + shlex.join(argv if argv is not None else sys.argv[1:])
-    report = render_report(config, summaries, command.strip(), device)
+    report = render_report(config, summaries, ratios, command.strip(), device)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(report)
     print(report)
