@@ -9,13 +9,14 @@ formula below is exact) from the same seed, on the same batches in the same orde
   ``deepspeed.initialize(mpu=...)`` and the loss recipe of DeepSpeed's ALST tutorial and of the HF
   Trainer (a differentiable ``all_gather`` of per-rank mean losses, weighted by valid tokens).
 
-One run reports, per side: the median step time (end of one optimizer step to the end of the next,
-measured the same way on both sides, blocks alternated ours/ALST/ALST/ours/... so that load drift
-cancels), the peak memory of the training steps, the bytes every all-to-all sends to other ranks
-(counted by wrapping the collective each side calls) against the theory
-``4 x B x (N/sp) x H x D x (sp-1)/sp x dtype_size`` per layer and direction, and the agreement of the
+One run reports, per side: the median step time, with the two sides' steps interleaved one by one in
+the same processes (after each of ours' steps, one ALST step) so that the load of the machine moves
+both alike, timed the same way (wall clock from the end of the other side's step to the end of its
+own: data, forward, backward, optimizer, loop overhead), plus the CPU time per step; the peak memory
+of the steps (each side on its own); the bytes every all-to-all sends to other ranks (counted by
+wrapping the collective each side calls) against the theory
+``4 x B x (N/sp) x H x D x (sp-1)/sp x dtype_size`` per layer and direction; and the agreement of the
 loss, first-step gradient norm and final weights with one process training on whole sequences.
-The first round only collects the agreement numbers; later rounds are timed.
 
 CPU (gloo, the default here) or CUDA (NCCL). Writes a markdown report::
 
@@ -64,18 +65,18 @@ class BenchmarkConfig:
     intermediate: int = 256
     vocab: int = 512
     precision: str = "32"
-    steps: int = 6
-    rounds: int = 7
+    steps: int = 4
+    timed_steps: int = 40
     lr: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.steps % self.sp or self.steps < 2:
+        if self.steps % self.sp:
             raise ValueError(
-                f"--steps ({self.steps}) must be a multiple of --sp ({self.sp}) and at least 2: ALST's dataloader "
-                "adapter feeds the SP group one batch per rank in turn, and a rank that runs out first would hang."
+                f"--steps ({self.steps}) must be a multiple of --sp ({self.sp}): ALST's dataloader adapter feeds the SP "
+                "group one batch per rank in turn, and a rank that runs out first would hang."
             )
-        if self.rounds < 2:
-            raise ValueError("--rounds must be at least 2: round 0 checks agreement, later rounds are timed.")
+        if self.timed_steps < 4:
+            raise ValueError(f"--timed-steps must be at least 4 (quartiles of the step pairs), got {self.timed_steps}.")
         if self.heads % self.sp or self.hidden % self.heads:
             raise ValueError(f"--heads ({self.heads}) must divide by --sp and divide --hidden ({self.hidden}).")
         if self.precision not in ("32", "bf16"):
@@ -212,9 +213,8 @@ def gathered_parameters(model: torch.nn.Module, stage: int) -> dict[str, Tensor]
 
 @dataclass
 class Block:
-    """What one side measured over one block of ``config.steps`` steps."""
+    """What one side measured over ``config.steps`` steps run on their own (not interleaved)."""
 
-    step_times: list[float]
     peak_memory: int
     all_to_all_calls: int
     all_to_all_bytes: int
@@ -223,14 +223,47 @@ class Block:
     params: dict[str, Tensor] | None = None
 
 
+@dataclass
+class Timing:
+    """Step times of the interleaved phase on one rank: wall clock and this process's CPU time (seconds)."""
+
+    wall: dict[str, list[float]] = dataclasses.field(default_factory=lambda: {side: [] for side in SIDES})
+    cpu: dict[str, list[float]] = dataclasses.field(default_factory=lambda: {side: [] for side in SIDES})
+
+    def add(self, side: str, start: tuple[float, float], end: tuple[float, float]) -> None:
+        self.wall[side].append(end[0] - start[0])
+        self.cpu[side].append(end[1] - start[1])
+
+
+def _now(device: torch.device) -> tuple[float, float]:
+    synchronize(device)
+    return time.perf_counter(), time.process_time()
+
+
 # ----------------------------------------------------------------------------------------------
 # the two sides
 # ----------------------------------------------------------------------------------------------
-class _StepRecorder(L.Callback):
+def ours_fit(config: BenchmarkConfig, batches: list[dict[str, Tensor]], callback: L.Callback) -> L.LightningModule:
+    """Train ours on ``batches`` in order (every rank reads every batch; the strategy keeps its shard)."""
+    from lightning_ulysses import UlyssesStrategy
+    from tests.tiny import TinyCausalLM, collate
+
+    module = TinyCausalLM(lr=config.lr, **config.model_overrides)
+    trainer = L.Trainer(
+        accelerator=config.accelerator, devices=config.sp, max_steps=len(batches), callbacks=[callback],
+        strategy=UlyssesStrategy(sp_size=config.sp, stage=config.stage, attn_implementation="sdpa"),
+        precision="bf16-mixed" if config.precision == "bf16" else "32-true", use_distributed_sampler=False,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    rows = [{key: value[i] for key, value in batch.items()} for batch in batches for i in range(config.batch_size)]
+    trainer.fit(module, DataLoader(rows, batch_size=config.batch_size, collate_fn=collate))
+    return module
+
+
+class _OursBlock(L.Callback):
     def __init__(self, device: torch.device, check_agreement: bool) -> None:
         self.memory = PeakMemory(device)
         self.check_agreement = check_agreement
-        self.step_ends: list[float] = []
         self.grad_norm: float | None = None
         self.peak = 0
 
@@ -241,34 +274,18 @@ class _StepRecorder(L.Callback):
         if self.check_agreement and self.grad_norm is None:
             self.grad_norm = full_grad_norm(list(pl_module.parameters()))
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        synchronize(self.memory.device)
-        self.step_ends.append(time.perf_counter())
-
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.peak = self.memory.peak()
 
 
 def run_ours(config: BenchmarkConfig, batches: list[dict[str, Tensor]], counter: AllToAllCounter,
              check_agreement: bool) -> Block:
-    from lightning_ulysses import UlyssesStrategy
-    from tests.tiny import TinyCausalLM, collate
-
-    module = TinyCausalLM(lr=config.lr, **config.model_overrides)
-    strategy = UlyssesStrategy(sp_size=config.sp, stage=config.stage, attn_implementation="sdpa")
-    recorder = _StepRecorder(_device(config), check_agreement)
-    trainer = L.Trainer(
-        accelerator=config.accelerator, devices=config.sp, strategy=strategy, max_steps=config.steps,
-        precision="bf16-mixed" if config.precision == "bf16" else "32-true", use_distributed_sampler=False,
-        callbacks=[recorder], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    recorder = _OursBlock(_device(config), check_agreement)
     calls, sent = counter.calls, counter.bytes_to_peers
-    rows = [{key: value[i] for key, value in batch.items()} for batch in batches for i in range(config.batch_size)]
-    trainer.fit(module, DataLoader(rows, batch_size=config.batch_size, collate_fn=collate))  # in order, every rank
+    module = ours_fit(config, batches, recorder)
     return Block(
-        step_times=_periods(recorder.step_ends), peak_memory=recorder.peak, all_to_all_calls=counter.calls - calls,
-        all_to_all_bytes=counter.bytes_to_peers - sent, losses=module.losses, grad_norm=recorder.grad_norm,
+        peak_memory=recorder.peak, all_to_all_calls=counter.calls - calls, all_to_all_bytes=counter.bytes_to_peers - sent,
+        losses=module.losses, grad_norm=recorder.grad_norm,
         params=gathered_parameters(module.model, config.stage) if check_agreement else None,
     )
 
@@ -298,55 +315,88 @@ def alst_loss(logits: Tensor, shift_labels: Tensor, sp_group: dist.ProcessGroup)
     return total_loss / max(sum(tokens_per_rank), 1)
 
 
+class AlstLoop:
+    """ALST in a plain DeepSpeed loop: ``deepspeed.initialize(mpu=...)``, the dataloader adapter, the ALST loss."""
+
+    def __init__(self, config: BenchmarkConfig, batches: list[dict[str, Tensor]], mpu: Any) -> None:
+        import deepspeed
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+        from lightning_ulysses import UlyssesStrategy
+        from tests.tiny import tiny_llama
+
+        self.device = _device(config)
+        model = tiny_llama(**config.model_overrides)
+        ds_config = copy.deepcopy(UlyssesStrategy(stage=config.stage).config)  # the ZeRO settings ours runs with
+        ds_config.update(train_micro_batch_size_per_gpu=config.batch_size, gradient_accumulation_steps=1)
+        if config.precision == "bf16":
+            ds_config["bf16"] = {"enabled": True}
+        self.engine, *_ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=config.lr), config=ds_config, mpu=mpu
+        )
+        self.sp_group, sp_rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
+        # the adapter feeds the group rank r's next batch at every r-th step: deal the batches so the order is the same
+        self.batches: Iterator[dict[str, Tensor]] = iter(UlyssesSPDataLoaderAdapter(
+            DataLoader(batches[sp_rank::config.sp], batch_size=None), sp_rank=sp_rank, sp_group=self.sp_group,
+            sp_world_size=config.sp, device=self.device,
+        ))
+        self.losses: list[float] = []
+        self.grad_norm: float | None = None
+
+    def step(self, check_agreement: bool = False) -> None:
+        batch = {key: value.to(self.device) for key, value in next(self.batches).items()}
+        logits = self.engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        loss = alst_loss(logits, batch["shift_labels"], self.sp_group)
+        self.engine.backward(loss)
+        if check_agreement and self.grad_norm is None:
+            self.grad_norm = full_grad_norm(list(self.engine.module.parameters()))
+        self.engine.step()
+        self.losses.append(loss.item())
+
+
 def run_alst(config: BenchmarkConfig, batches: list[dict[str, Tensor]], mpu: Any, counter: AllToAllCounter,
              check_agreement: bool) -> Block:
-    import deepspeed
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
-    from lightning_ulysses import UlyssesStrategy
-    from tests.tiny import tiny_llama
-
-    device = _device(config)
-    model = tiny_llama(**config.model_overrides)
-    ds_config = copy.deepcopy(UlyssesStrategy(stage=config.stage).config)  # the ZeRO settings ours runs with
-    ds_config.update(train_micro_batch_size_per_gpu=config.batch_size, gradient_accumulation_steps=1)
-    if config.precision == "bf16":
-        ds_config["bf16"] = {"enabled": True}
-    engine, *_ = deepspeed.initialize(
-        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=config.lr), config=ds_config, mpu=mpu
-    )
-    sp_group, sp_rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
-    # the adapter feeds the group rank r's next batch at every r-th step: deal the batches so the order is the same
-    loader = UlyssesSPDataLoaderAdapter(
-        DataLoader(batches[sp_rank::config.sp], batch_size=None), sp_rank=sp_rank, sp_group=sp_group,
-        sp_world_size=config.sp, device=device,
-    )
-    memory = PeakMemory(device)
+    loop = AlstLoop(config, batches, mpu)
+    memory = PeakMemory(loop.device)
     memory.reset()
     calls, sent = counter.calls, counter.bytes_to_peers
-    losses, step_ends, grad_norm = [], [], None
-    for _, batch in zip(range(config.steps), loader):
-        batch = {key: value.to(device) for key, value in batch.items()}
-        logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        loss = alst_loss(logits, batch["shift_labels"], sp_group)
-        engine.backward(loss)
-        if check_agreement and grad_norm is None:
-            grad_norm = full_grad_norm(list(engine.module.parameters()))
-        engine.step()
-        losses.append(loss.item())
-        synchronize(device)
-        step_ends.append(time.perf_counter())
+    for _ in batches:
+        loop.step(check_agreement)
     block = Block(
-        step_times=_periods(step_ends), peak_memory=memory.peak(), all_to_all_calls=counter.calls - calls,
-        all_to_all_bytes=counter.bytes_to_peers - sent, losses=losses, grad_norm=grad_norm,
-        params=gathered_parameters(engine.module, config.stage) if check_agreement else None,
+        peak_memory=memory.peak(), all_to_all_calls=counter.calls - calls, all_to_all_bytes=counter.bytes_to_peers - sent,
+        losses=loop.losses, grad_norm=loop.grad_norm,
+        params=gathered_parameters(loop.engine.module, config.stage) if check_agreement else None,
     )
-    engine.destroy()
+    loop.engine.destroy()
     return block
 
 
-def _periods(step_ends: list[float]) -> list[float]:
-    """Step times from step-end timestamps; the first step (iterator start, warm-up) has no period."""
-    return [b - a for a, b in zip(step_ends[:-1], step_ends[1:])]
+class _Interleave(L.Callback):
+    """After each of ours' steps, one ALST step: ours' step time runs from the end of the previous ALST step to
+    the end of ours' step (data, forward, backward, optimizer, Lightning's loop), ALST's over its whole step."""
+
+    def __init__(self, alst: AlstLoop) -> None:
+        self.alst = alst
+        self.timing = Timing()
+        self.alst_end: tuple[float, float] | None = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        ours_end = _now(self.alst.device)
+        self.alst.step()
+        alst_end = _now(self.alst.device)
+        if self.alst_end is not None:  # the first pair is warm-up (iterators, first allocations)
+            self.timing.add("ours", self.alst_end, ours_end)
+            self.timing.add("alst", ours_end, alst_end)
+        self.alst_end = alst_end
+
+
+def run_interleaved(config: BenchmarkConfig, batches: list[dict[str, Tensor]], mpu: Any) -> Timing:
+    # + the warm-up pair, rounded up to whole refills of ALST's adapter (a rank left without a batch would hang)
+    count = -(-(config.timed_steps + 1) // config.sp) * config.sp
+    timed = (batches * count)[:count]
+    interleave = _Interleave(AlstLoop(config, timed, mpu))
+    ours_fit(config, timed, interleave)
+    interleave.alst.engine.destroy()
+    return interleave.timing
 
 
 def _device(config: BenchmarkConfig) -> torch.device:
@@ -355,24 +405,20 @@ def _device(config: BenchmarkConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def worker(args: dict[str, Any]) -> dict[str, list[Block]]:
-    """One rank: alternate blocks of both sides (ours, ALST, ALST, ours, ...); round 0 checks agreement."""
+def worker(args: dict[str, Any]) -> dict[str, Any]:
+    """One rank: an agreement block and a memory block per side (ours, ALST, ALST, ours), then the timed phase
+    with the two sides' steps interleaved one by one."""
     config = BenchmarkConfig(**args["config"])
     if config.accelerator == "cuda":
         torch.cuda.set_device(_device(config))
     batches = make_batches(config)
     counters = install_counters()
-    blocks: dict[str, list[Block]] = {side: [] for side in SIDES}
-    mpu = None
-    for round_index in range(config.rounds):
-        for side in SIDES if round_index % 2 == 0 else SIDES[::-1]:
-            check = round_index == 0
-            if side == "ours":
-                blocks[side].append(run_ours(config, batches, counters[side], check))
-            else:
-                mpu = mpu or register_alst(config)  # after ours' first fit: the process group exists
-                blocks[side].append(run_alst(config, batches, mpu, counters[side], check))
-    return blocks
+    agreement = {"ours": run_ours(config, batches, counters["ours"], check_agreement=True)}
+    mpu = register_alst(config)  # after ours' first fit: the default process group exists
+    agreement["alst"] = run_alst(config, batches, mpu, counters["alst"], check_agreement=True)
+    memory = {"alst": run_alst(config, batches, mpu, counters["alst"], check_agreement=False)}
+    memory["ours"] = run_ours(config, batches, counters["ours"], check_agreement=False)
+    return {"agreement": agreement, "memory": memory, "timing": run_interleaved(config, batches, mpu)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -407,8 +453,9 @@ def single_process_reference(config: BenchmarkConfig, batches: list[dict[str, Te
 
 @dataclass(frozen=True)
 class SideSummary:
-    median_step_time: float
-    peak_memory: int
+    median_step_time: float  # wall clock, interleaved phase, all ranks
+    median_cpu_time: float  # process CPU time per step, same steps
+    peak_memory: int  # of the steps, max over ranks
     all_to_all_calls_per_step: float
     all_to_all_bytes_per_layer: float  # per direction (forward or backward)
     max_loss_error: float  # relative, over all steps, rank 0
@@ -416,39 +463,34 @@ class SideSummary:
     weight_update_error: float  # |w - w_ref| / |w_ref - w_0|, worst rank
 
 
-def summarize(config: BenchmarkConfig, rank_blocks: list[list[Block]], reference: Reference) -> SideSummary:
-    """``rank_blocks[rank][block]``: block 0 carries the agreement numbers, the others the timing."""
+def summarize(config: BenchmarkConfig, side: str, results: list[dict[str, Any]], reference: Reference) -> SideSummary:
     from tests.tiny import relative_update_error
 
-    first = rank_blocks[0][0]
-    timed = [block for blocks in rank_blocks for block in blocks[1:]]
-    steps_counted = config.steps * len(rank_blocks[0])
-    losses, expected = torch.tensor(first.losses), torch.tensor(reference.losses)
+    agreement = [r["agreement"][side] for r in results]
+    losses, expected = torch.tensor(agreement[0].losses), torch.tensor(reference.losses)
     return SideSummary(
-        median_step_time=statistics.median(t for block in timed for t in block.step_times),
-        peak_memory=max(block.peak_memory for block in timed),
-        all_to_all_calls_per_step=sum(b.all_to_all_calls for b in rank_blocks[0]) / steps_counted,
-        all_to_all_bytes_per_layer=sum(b.all_to_all_bytes for b in rank_blocks[0]) / steps_counted / (2 * config.layers),
+        median_step_time=statistics.median(t for r in results for t in r["timing"].wall[side]),
+        median_cpu_time=statistics.median(t for r in results for t in r["timing"].cpu[side]),
+        peak_memory=max(r["memory"][side].peak_memory for r in results),
+        all_to_all_calls_per_step=agreement[0].all_to_all_calls / config.steps,
+        all_to_all_bytes_per_layer=agreement[0].all_to_all_bytes / config.steps / (2 * config.layers),
         max_loss_error=((losses - expected).abs() / expected.abs()).max().item(),
-        grad_norm_ratio=first.grad_norm / reference.grad_norm,
-        weight_update_error=max(
-            relative_update_error(reference.initial, reference.final, blocks[0].params) for blocks in rank_blocks
-        ),
+        grad_norm_ratio=agreement[0].grad_norm / reference.grad_norm,
+        weight_update_error=max(relative_update_error(reference.initial, reference.final, a.params) for a in agreement),
     )
 
 
-def round_ratios(ours: list[list[Block]], alst: list[list[Block]]) -> list[float]:
-    """Per timed round, median step time of ours / ALST (all ranks): the spread shows how much the load moved."""
-    def median_of_round(rank_blocks: list[list[Block]], index: int) -> float:
-        return statistics.median(t for blocks in rank_blocks for t in blocks[index].step_times)
-
-    return [median_of_round(ours, i) / median_of_round(alst, i) for i in range(1, len(ours[0]))]
+def paired_ratios(results: list[dict[str, Any]]) -> list[float]:
+    """ours / ALST wall time of each interleaved step pair (rank 0): their quartiles show the noise."""
+    timing = results[0]["timing"]
+    return [o / a for o, a in zip(timing.wall["ours"], timing.wall["alst"])]
 
 
 def render_report(config: BenchmarkConfig, summaries: dict[str, SideSummary], ratios: list[float], command: str,
                   device: str) -> str:
     ours, alst = summaries["ours"], summaries["alst"]
     theory = config.theoretical_bytes_per_layer
+    quartiles = statistics.quantiles(ratios, n=4)
 
     def row(name: str, fmt: Callable[[SideSummary], str], ratio: str = "") -> str:
         return f"| {name} | {fmt(ours)} | {fmt(alst)} | {ratio} |"
@@ -460,15 +502,16 @@ def render_report(config: BenchmarkConfig, summaries: dict[str, SideSummary], ra
         "",
         f"Model: Llama, hidden {config.hidden}, {config.heads} heads (MHA), {config.layers} layers, vocab "
         f"{config.vocab}; batch {config.batch_size} x {config.seq_len} tokens; sp={config.sp}, ZeRO-{config.stage}, "
-        f"precision {config.precision}, SGD lr {config.lr}; {config.steps} steps per block, {config.rounds - 1} timed "
-        "blocks per side alternated with the other side's, one agreement block first.",
+        f"precision {config.precision}, SGD lr {config.lr}. Agreement and memory: {config.steps} steps per side on "
+        f"their own; step times: {config.timed_steps} steps per side, interleaved one by one.",
         "",
         "| | ours (UlyssesStrategy, L.Trainer) | ALST (DeepSpeed loop) | ours / ALST |",
         "|---|---|---|---|",
-        row("median step time (s)", lambda s: f"{s.median_step_time:.4f}",
+        row("median step time, wall clock (s)", lambda s: f"{s.median_step_time:.4f}",
             f"**{ours.median_step_time / alst.median_step_time:.3f}**"),
-        row("step time ratio per timed round (min / median / max)", lambda s: "",
-            f"{min(ratios):.3f} / {statistics.median(ratios):.3f} / {max(ratios):.3f}"),
+        row("step pair ratio, quartiles (rank 0)", lambda s: "", " / ".join(f"{q:.3f}" for q in quartiles)),
+        row("median CPU time per step and process (s)", lambda s: f"{s.median_cpu_time:.4f}",
+            f"{ours.median_cpu_time / alst.median_cpu_time:.3f}"),
         row("peak memory of the steps (MiB, rank max)", lambda s: f"{s.peak_memory / 2**20:.1f}",
             f"**{ours.peak_memory / alst.peak_memory:.3f}**"),
         row("all-to-all calls per step", lambda s: f"{s.all_to_all_calls_per_step:g}"),
@@ -491,8 +534,8 @@ def main(argv: list[str] | None = None) -> dict[str, SideSummary]:
         extra_env={"MALLOC_MMAP_THRESHOLD_": "65536"},  # freed buffers leave the process: RSS peaks are exact
     )
     reference = single_process_reference(config, make_batches(config))
-    summaries = {side: summarize(config, [rank[side] for rank in results], reference) for side in SIDES}
-    ratios = round_ratios([rank["ours"] for rank in results], [rank["alst"] for rank in results])
+    summaries = {side: summarize(config, side, results, reference) for side in SIDES}
+    ratios = paired_ratios(results)
     device = torch.cuda.get_device_name() if config.accelerator == "cuda" else f"CPU ({os.cpu_count()} cores, gloo)"
     command = "python -m benchmarks.compare_alst " + shlex.join(argv if argv is not None else sys.argv[1:])
     report = render_report(config, summaries, ratios, command.strip(), device)
