@@ -12,15 +12,16 @@ FLOPs per token (forward + backward; the attention term for causal attention, ha
     python -m benchmarks.gpu_long_context --model 8b --options zero3 zero3+checkpointing \\
         --output docs/benchmarks/gpu_long_context.md
 
-Needs CUDA GPUs; argument parsing, model configs, FLOP counting and the probe schedule are pure and
-run anywhere (``tests/test_benchmarks.py``).
+Needs CUDA GPUs (``--accelerator cpu --model tiny`` runs the same path as a functional smoke test, fp32,
+without MFU); argument parsing, model configs, FLOP counting and the probe schedule are pure and run
+anywhere (``tests/test_benchmarks.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
+import resource
 import statistics
 import time
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ class LongContextConfig:
     steps: int = 4
     attn_implementation: str = "auto"
     peak_tflops: float = 0.0  # 0: looked up from the GPU name
+    accelerator: str = "cuda"  # "cpu": a functional smoke run (fp32, gloo, no MFU)
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_SIZES:
@@ -92,6 +94,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[LongContextConfig, Path]:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--attn-implementation", default=defaults.attn_implementation)
     parser.add_argument("--peak-tflops", type=float, default=defaults.peak_tflops)
+    parser.add_argument("--accelerator", choices=["cuda", "cpu"], default=defaults.accelerator)
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "docs" / "benchmarks" / "gpu_long_context.md")
     args = vars(parser.parse_args(argv))
     output = args.pop("output")
@@ -161,10 +164,15 @@ def _doubling(config: LongContextConfig) -> set[int]:
 class LongContextLM(UlyssesLossMixin, L.LightningModule):
     def __init__(self, config: LlamaConfig, checkpointing: bool, cpu_optimizer: bool) -> None:
         super().__init__()
-        self.model = LlamaForCausalLM(config)
-        if checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.cpu_optimizer = cpu_optimizer
+        self.config, self.checkpointing, self.cpu_optimizer = config, checkpointing, cpu_optimizer
+        self.model: LlamaForCausalLM | None = None
+
+    def configure_model(self) -> None:
+        # under ZeRO-3 Lightning runs this inside deepspeed.zero.Init: each rank allocates only its partition
+        if self.model is None:
+            self.model = LlamaForCausalLM(self.config)
+            if self.checkpointing:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
@@ -175,7 +183,7 @@ class LongContextLM(UlyssesLossMixin, L.LightningModule):
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
             return DeepSpeedCPUAdam(self.parameters(), lr=1e-5)
-        return torch.optim.AdamW(self.parameters(), lr=1e-5, fused=True)
+        return torch.optim.AdamW(self.parameters(), lr=1e-5, fused=self.device.type == "cuda")
 
 
 class _StepTimer(L.Callback):
@@ -183,7 +191,8 @@ class _StepTimer(L.Callback):
         self.ends: list[float] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        torch.cuda.synchronize()
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
         self.ends.append(time.perf_counter())
 
 
@@ -194,16 +203,21 @@ def probe_worker(args: dict[str, Any]) -> dict[str, float]:
     module = LongContextLM(llama_config(config.model, seq_len), checkpointing, "offload_optimizer" in strategy_kwargs)
     timer = _StepTimer()
     trainer = L.Trainer(
-        accelerator="cuda", devices=args["sp"], precision="bf16-mixed", max_steps=config.steps, callbacks=[timer],
+        accelerator=config.accelerator, devices=args["sp"], max_steps=config.steps, callbacks=[timer],
+        precision="bf16-mixed" if config.accelerator == "cuda" else "32-true",
         strategy=UlyssesStrategy(sp_size=args["sp"], attn_implementation=config.attn_implementation, **strategy_kwargs),
         use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
     )
-    vocab = module.model.config.vocab_size
+    vocab = module.config.vocab_size
     rows = [{"input_ids": torch.randint(0, vocab, (seq_len,))} for _ in range(config.steps)]
     trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=1))
     periods = [b - a for a, b in zip(timer.ends[:-1], timer.ends[1:])]
-    return {"step_time": statistics.median(periods), "peak_memory": torch.cuda.max_memory_allocated()}
+    if config.accelerator == "cuda":
+        peak_memory = torch.cuda.max_memory_allocated()
+    else:
+        peak_memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"step_time": statistics.median(periods), "peak_memory": peak_memory}
 
 
 def run_probe(config: LongContextConfig, option: str, seq_len: int, sp: int) -> dict[str, float] | None:
@@ -222,10 +236,11 @@ def run_probe(config: LongContextConfig, option: str, seq_len: int, sp: int) -> 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     config, output = parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_long_context needs CUDA GPUs.")
-    sp = config.sp or torch.cuda.device_count()
-    device_name = torch.cuda.get_device_name()
+    if config.accelerator == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_long_context needs CUDA GPUs (--accelerator cpu runs a functional smoke test).")
+    on_gpu = config.accelerator == "cuda"
+    sp = config.sp or (torch.cuda.device_count() if on_gpu else 2)
+    device_name = torch.cuda.get_device_name() if on_gpu else "CPU"
     rows = []
     for option in config.options:
         fits: list[int] = []
@@ -246,7 +261,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         tokens_per_s = longest / best["step_time"]  # one sequence per SP group, one group
         achieved = tokens_per_s * flops_per_token(llama_config(config.model, longest), longest) / sp
         rows.append({"option": option, "seq_len": longest, "tokens_per_s": tokens_per_s,
-                     "mfu": achieved / peak_flops(device_name, config.peak_tflops),
+                     "mfu": achieved / peak_flops(device_name, config.peak_tflops) if on_gpu else None,
                      "peak_memory_gib": best["peak_memory"] / 2**30})
     report = render_report(config, rows, sp, device_name)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -267,7 +282,8 @@ def render_report(config: LongContextConfig, rows: list[dict[str, Any]], sp: int
         if row["seq_len"] is None:
             lines.append(f"| {row['option']} | < {config.start_seq_len} | | | |")
         else:
-            lines.append(f"| {row['option']} | {row['seq_len']:,} | {row['tokens_per_s']:,.0f} | {row['mfu']:.1%} "
+            mfu = "" if row["mfu"] is None else f"{row['mfu']:.1%}"
+            lines.append(f"| {row['option']} | {row['seq_len']:,} | {row['tokens_per_s']:,.0f} | {mfu} "
                          f"| {row['peak_memory_gib']:.1f} |")
     return "\n".join(lines) + "\n"
 
