@@ -71,6 +71,22 @@ def test_probe_schedule_doubles_then_bisects() -> None:
     assert next_probe([1 << 20], [], config) is None  # capped by max_seq_len
 
 
+def test_probe_reads_out_of_memory_as_a_miss_and_raises_anything_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tests.launch
+
+    def launch_failing_with(message: str):
+        def launch(*args, **kwargs):
+            raise AssertionError(f"benchmarks.gpu_long_context:probe_worker failed: {message}")
+        return launch
+
+    config = LongContextConfig(model="tiny")
+    monkeypatch.setattr(tests.launch, "launch", launch_failing_with("torch.OutOfMemoryError: CUDA out of memory."))
+    assert gpu_long_context.run_probe(config, "zero3", 1024, sp=8) is None
+    monkeypatch.setattr(tests.launch, "launch", launch_failing_with("NCCL error: unhandled system error"))
+    with pytest.raises(AssertionError, match="NCCL error"):
+        gpu_long_context.run_probe(config, "zero3", 1024, sp=8)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_long_context_probe_on_gpu(tmp_path: Path) -> None:
     rows = gpu_long_context.main([
