@@ -69,7 +69,8 @@ def _fit(case: dict[str, Any], devices: int, num_nodes: int = 1) -> dict[str, An
         state = {name: p.detach().clone() for name, p in module.model.named_parameters()}
     return {"losses": module.losses, "params": state, "sp_rank": strategy.sp_rank, "dp_rank": strategy.dp_rank,
             "steps": trainer.global_step, "sp_group_ranks": dist.get_process_group_ranks(strategy.sp_group),
-            "dp_group_ranks": dist.get_process_group_ranks(strategy.dp_group)}
+            "dp_group_ranks": dist.get_process_group_ranks(strategy.dp_group),
+            "cluster_environment": type(strategy.cluster_environment).__name__}
 
 
 def _check(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> None:
