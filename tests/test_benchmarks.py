@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -74,8 +75,8 @@ def test_probe_schedule_doubles_then_bisects() -> None:
 def test_probe_reads_out_of_memory_as_a_miss_and_raises_anything_else(monkeypatch: pytest.MonkeyPatch) -> None:
     import tests.launch
 
-    def launch_failing_with(message: str):
-        def launch(*args, **kwargs):
+    def launch_failing_with(message: str) -> Callable[..., list[Any]]:
+        def launch(*args: Any, **kwargs: Any) -> list[Any]:
             raise AssertionError(f"benchmarks.gpu_long_context:probe_worker failed: {message}")
         return launch
 
