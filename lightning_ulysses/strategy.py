@@ -44,7 +44,7 @@ from typing_extensions import override
 from lightning_ulysses.attention import resolve_attn_implementation
 from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.sharding import prepare_batch, shard_batch
-from lightning_ulysses.topology import SequenceParallelTopology
+from lightning_ulysses.topology import SequenceParallelTopology, divisors
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +160,12 @@ class UlyssesStrategy(DeepSpeedStrategy):
         sp_size = self.num_processes if self._requested_sp_size == "auto" else self._requested_sp_size
         self._topology = SequenceParallelTopology(self.world_size, sp_size, self.global_rank)
         if self.num_nodes > 1 and self._topology.sp_groups_span_nodes(self.num_nodes):
+            spanning = next(r for r in self._topology.sp_group_ranks if _nodes_of(r, self.num_processes) > 1)
             rank_zero_warn(
-                f"sp_size={sp_size} does not divide the {self.num_processes} processes per node, so some SP "
-                "groups span two nodes and their all-to-alls cross the network at every layer. Choose an sp_size "
-                "that divides the devices per node."
+                f"sp_size={sp_size} does not divide the {self.num_processes} processes per node, so SP groups span "
+                f"nodes (ranks {spanning} are on {_nodes_of(spanning, self.num_processes)} nodes) and every attention "
+                "layer runs its all-to-alls over the network instead of inside a node. If that is not intended, set "
+                f"sp_size to one of {divisors(self.num_processes)} (SP inside each node, DP across nodes)."
             )
         if self.root_device.type == "cpu":
             _skip_deepspeed_shared_memory_kernel()
@@ -216,6 +218,11 @@ class UlyssesStrategy(DeepSpeedStrategy):
 
 
 UlyssesStrategy.register_strategies(StrategyRegistry)
+
+
+def _nodes_of(ranks: list[int], processes_per_node: int) -> int:
+    """How many nodes the global ``ranks`` live on (launchers number ranks node by node)."""
+    return len({rank // processes_per_node for rank in ranks})
 
 
 def _skip_deepspeed_shared_memory_kernel() -> None:

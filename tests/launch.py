@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -36,37 +37,52 @@ def launch(
     args: dict[str, Any] | None = None,
     *,
     num_nodes: int = 1,
+    launcher: Literal["env", "torchrun"] = "env",
     timeout: float = 600.0,
     extra_env: dict[str, str] | None = None,
 ) -> list[Any]:
-    """Run ``target`` (``"module:function"``) on ``world_size`` processes; return each rank's result."""
+    """Run ``target`` (``"module:function"``) on ``world_size`` processes; return each rank's result.
+
+    ``launcher="env"`` starts every rank itself with the variables of a plain launcher (``RANK``, ``LOCAL_RANK``,
+    ``NODE_RANK``, ...); ``"torchrun"`` starts one ``torchrun --node-rank i`` per node (``num_nodes`` launcher
+    processes on loopback), which starts that node's ranks.
+    """
     per_node = world_size // num_nodes
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         torch.save(args or {}, tmp_path / "args.pt")
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+            **(extra_env or {}),
+        }
+        worker = ["-m", "tests.launch", target, str(tmp_path)]
+        if launcher == "torchrun":
+            names = [f"node {node} (torchrun)" for node in range(num_nodes)]
+            commands = [
+                ([sys.executable, "-m", "torch.distributed.run", f"--nnodes={num_nodes}", f"--node-rank={node}",
+                  f"--nproc-per-node={per_node}", "--master-addr=127.0.0.1", f"--master-port={port}", *worker], env)
+                for node in range(num_nodes)
+            ]
+        else:
+            names = [f"rank {rank}" for rank in range(world_size)]
+            commands = [
+                ([sys.executable, *worker], {**env, "WORLD_SIZE": str(world_size), "RANK": str(rank),
+                                             "LOCAL_RANK": str(rank % per_node), "NODE_RANK": str(rank // per_node)})
+                for rank in range(world_size)
+            ]
         procs, logs = [], []
-        for rank in range(world_size):
-            env = {
-                **os.environ,
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "WORLD_SIZE": str(world_size),
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank % per_node),
-                "NODE_RANK": str(rank // per_node),
-                "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-                **(extra_env or {}),
-            }
-            log = open(tmp_path / f"rank{rank}.log", "w+")
+        for index, (command, process_env) in enumerate(commands):
+            log = open(tmp_path / f"process{index}.log", "w+")
             logs.append(log)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "tests.launch", target, str(tmp_path)],
-                    env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                )
-            )
+            procs.append(subprocess.Popen(
+                command, env=process_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                start_new_session=True,  # one process group each: stopping a torchrun stops its ranks too
+            ))
         failed = _wait_all(procs, timeout)
         outputs = []
         for log in logs:
@@ -74,7 +90,9 @@ def launch(
             outputs.append(log.read())
             log.close()
         if failed or os.environ.get("LAUNCH_VERBOSE"):
-            report = "\n".join(f"----- rank {r} (exit {procs[r].returncode}) -----\n{out[-6000:]}" for r, out in enumerate(outputs))
+            report = "\n".join(
+                f"----- {name} (exit {proc.returncode}) -----\n{out[-6000:]}" for name, proc, out in zip(names, procs, outputs)
+            )
             raise AssertionError(f"{target} failed: {failed}\n{report}")
         return [torch.load(tmp_path / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
 
@@ -90,13 +108,19 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float) -> str:
             # one rank failed: give the others a moment to fail too, then stop them
             time.sleep(5)
             for p in procs:
-                if p.poll() is None:
-                    p.kill()
+                _kill_group(p)
             return "a rank exited with an error"
         time.sleep(0.1)
     for p in procs:
-        p.kill()
+        _kill_group(p)
     return f"timed out after {timeout:.0f} s"
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the whole group has exited already
+        pass
 
 
 def _main() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesStrategy
@@ -51,13 +52,13 @@ def train_worker(args: dict[str, Any]) -> dict[str, Any]:
     return {name: _fit(case, world_size) for name, case in args["cases"].items()}
 
 
-def _fit(case: dict[str, Any], world_size: int) -> dict[str, Any]:
+def _fit(case: dict[str, Any], devices: int, num_nodes: int = 1) -> dict[str, Any]:
     import deepspeed
 
     module = TinyCausalLM(lr=LR, **case.get("model", {}))
     strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa")
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS,
+        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, max_steps=STEPS,
         accumulate_grad_batches=case.get("accumulate", 1), logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )
@@ -67,7 +68,9 @@ def _fit(case: dict[str, Any], world_size: int) -> dict[str, Any]:
     with deepspeed.zero.GatheredParameters(params, enabled=case["stage"] == 3):
         state = {name: p.detach().clone() for name, p in module.model.named_parameters()}
     return {"losses": module.losses, "params": state, "sp_rank": strategy.sp_rank, "dp_rank": strategy.dp_rank,
-            "steps": trainer.global_step}
+            "steps": trainer.global_step, "sp_group_ranks": dist.get_process_group_ranks(strategy.sp_group),
+            "dp_group_ranks": dist.get_process_group_ranks(strategy.dp_group),
+            "cluster_environment": type(strategy.cluster_environment).__name__}
 
 
 def _check(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> None:

@@ -1,0 +1,97 @@
+"""The benchmarks: a shortened compare_alst run (CPU, 2 processes) and the CPU-free parts of gpu_long_context."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from benchmarks import compare_alst, gpu_long_context
+from benchmarks.compare_alst import BenchmarkConfig
+from benchmarks.gpu_long_context import LongContextConfig, flops_per_token, llama_config, next_probe, parameter_counts
+
+SHORT = ["--seq-len", "62", "--hidden", "32", "--heads", "2", "--intermediate", "48", "--vocab", "61", "--steps", "2",
+         "--timed-steps", "4"]
+
+
+def test_compare_alst_short_run(tmp_path: Path) -> None:
+    """Both sides move exactly the theoretical all-to-all bytes and train exactly like one process (ZeRO-3)."""
+    summaries = compare_alst.main([*SHORT, "--output", str(tmp_path / "report.md")])
+    config = BenchmarkConfig(seq_len=62, hidden=32, heads=2, intermediate=48, vocab=61, steps=2, timed_steps=4)
+    assert config.theoretical_bytes_per_layer == 4 * 2 * 31 * 2 * 16 * 4 / 2
+    for side, summary in summaries.items():
+        assert summary.all_to_all_calls_per_step == 8 * config.layers, side  # q, k, v, out; forward and backward
+        assert summary.all_to_all_bytes_per_layer == config.theoretical_bytes_per_layer, side
+        assert summary.max_loss_error < 1e-5, side
+        assert abs(summary.grad_norm_ratio - 1) < 1e-4, side
+        assert summary.weight_update_error < 1e-4, side
+        assert summary.median_step_time > 0 and summary.median_cpu_time > 0 and summary.peak_memory > 0, side
+    report = (tmp_path / "report.md").read_text()
+    assert "python -m benchmarks.compare_alst --seq-len 62" in report and "| median step time, wall clock (s) |" in report
+
+
+def test_compare_alst_refuses_steps_the_adapter_would_hang_on() -> None:
+    with pytest.raises(ValueError, match="multiple of --sp"):
+        compare_alst.parse_args(["--steps", "3", "--sp", "2"])
+
+
+def test_long_context_arguments() -> None:
+    config, output = gpu_long_context.parse_args(["--model", "1b", "--options", "zero3", "--steps", "3"])
+    assert config == LongContextConfig(model="1b", options=("zero3",), steps=3)
+    assert output.name == "gpu_long_context.md"
+    with pytest.raises(SystemExit):
+        gpu_long_context.parse_args(["--options", "zero4"])
+    with pytest.raises(ValueError, match="at least 2"):
+        LongContextConfig(steps=1)
+
+
+def test_llama_sizes_match_the_published_parameter_counts() -> None:
+    assert parameter_counts(llama_config("8b", 8192))[0] == pytest.approx(8.03e9, rel=2e-3)  # Llama-3.1-8B
+    total, non_embedding = parameter_counts(llama_config("1b", 8192))
+    assert total == pytest.approx(1.50e9, rel=5e-3)  # Llama-3.2-1B, untied here (1.24 B tied)
+    assert total - non_embedding == 128256 * 2048
+
+
+def test_flops_per_token_counts_matmuls_and_causal_attention() -> None:
+    config = llama_config("tiny", 1024)
+    _, non_embedding = parameter_counts(config)
+    assert flops_per_token(config, 1024) == 6 * non_embedding + 6 * 2 * 256 * 1024
+    assert flops_per_token(config, 2048) - flops_per_token(config, 1024) == 6 * 2 * 256 * 1024
+
+
+def test_probe_schedule_doubles_then_bisects() -> None:
+    config = LongContextConfig(start_seq_len=16384, max_seq_len=1 << 20, refine=2)
+    fits, misses = [], []
+    longest_fit = 100_000
+    while (length := next_probe(fits, misses, config)) is not None:
+        (fits if length <= longest_fit else misses).append(length)
+    assert fits == [16384, 32768, 65536, 98304] and misses == [131072, 114688]
+    assert next_probe([], [16384], config) is None  # nothing fits: stop and report it
+    assert next_probe([1 << 20], [], config) is None  # capped by max_seq_len
+
+
+def test_probe_reads_out_of_memory_as_a_miss_and_raises_anything_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tests.launch
+
+    def launch_failing_with(message: str) -> Callable[..., list[Any]]:
+        def launch(*args: Any, **kwargs: Any) -> list[Any]:
+            raise AssertionError(f"benchmarks.gpu_long_context:probe_worker failed: {message}")
+        return launch
+
+    config = LongContextConfig(model="tiny")
+    monkeypatch.setattr(tests.launch, "launch", launch_failing_with("torch.OutOfMemoryError: CUDA out of memory."))
+    assert gpu_long_context.run_probe(config, "zero3", 1024, sp=8) is None
+    monkeypatch.setattr(tests.launch, "launch", launch_failing_with("NCCL error: unhandled system error"))
+    with pytest.raises(AssertionError, match="NCCL error"):
+        gpu_long_context.run_probe(config, "zero3", 1024, sp=8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_long_context_probe_on_gpu(tmp_path: Path) -> None:
+    rows = gpu_long_context.main([
+        "--model", "tiny", "--options", "zero3", "--start-seq-len", "1024", "--max-seq-len", "4096", "--refine", "0",
+        "--sp", "1", "--output", str(tmp_path / "report.md"),
+    ])
+    assert rows[0]["seq_len"] == 4096 and rows[0]["tokens_per_s"] > 0 and 0 < rows[0]["mfu"] < 1
