@@ -1,7 +1,8 @@
 """Ulysses sequence parallelism for PyTorch Lightning."""
 
 from lightning_ulysses.attention import ulysses_attention
-from lightning_ulysses.loss import UlyssesLossMixin
+from lightning_ulysses.loss import UlyssesLossMixin, token_cross_entropy
+from lightning_ulysses.metrics import Perplexity, TokenAccuracy, TokenCrossEntropy
 from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
 from lightning_ulysses.strategy import UlyssesStrategy
@@ -9,12 +10,16 @@ from lightning_ulysses.topology import SequenceParallelTopology
 
 __all__ = [
     "IGNORE_INDEX",
+    "Perplexity",
     "SequenceParallelTopology",
+    "TokenAccuracy",
+    "TokenCrossEntropy",
     "UlyssesLossMixin",
     "UlyssesStrategy",
     "apply_ulysses_attention",
     "prepare_batch",
     "remove_ulysses_attention",
     "shard_batch",
+    "token_cross_entropy",
     "ulysses_attention",
 ]

@@ -22,6 +22,15 @@ from torch import Tensor
 from lightning_ulysses.sharding import IGNORE_INDEX
 
 
+def token_cross_entropy(logits: Tensor, shift_labels: Tensor, ignore_index: int = IGNORE_INDEX) -> tuple[Tensor, Tensor]:
+    """Sum of the next-token cross entropies of ``logits [B, n, V]`` against ``shift_labels [B, n]``, in fp32,
+    and the number of valid (``!= ignore_index``) tokens in it: the two sums every exact reduction starts from."""
+    loss_sum = F.cross_entropy(
+        logits.flatten(0, -2).float(), shift_labels.flatten(), ignore_index=ignore_index, reduction="sum"
+    )
+    return loss_sum, (shift_labels != ignore_index).sum()
+
+
 class UlyssesLossMixin:
     """Mix into a ``LightningModule`` to reduce token losses exactly, with or without sequence parallelism.
 
@@ -54,10 +63,7 @@ class UlyssesLossMixin:
     def causal_lm_loss(self, logits: Tensor, shift_labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
         """Next-token cross entropy of ``logits [B, n, V]`` against ``shift_labels [B, n]`` (already shifted,
         as ``UlyssesStrategy`` delivers them), reduced with :meth:`reduce_token_loss`."""
-        loss_sum = F.cross_entropy(
-            logits.flatten(0, -2).float(), shift_labels.flatten(), ignore_index=ignore_index, reduction="sum"
-        )
-        return self.reduce_token_loss(loss_sum, (shift_labels != ignore_index).sum())
+        return self.reduce_token_loss(*token_cross_entropy(logits, shift_labels, ignore_index))
 
     def _sp_reduction(self) -> tuple[dist.ProcessGroup | None, float]:
         from lightning_ulysses.strategy import UlyssesStrategy

@@ -114,3 +114,11 @@ def relative_update_error(initial: dict[str, Tensor], expected: dict[str, Tensor
     update = torch.cat([(expected[k] - initial[k]).flatten() for k in expected])
     assert update.norm() > 0, "the reference update is zero; the comparison would prove nothing"
     return (diff.norm() / update.norm()).item()
+
+
+def gathered_parameters(model: torch.nn.Module, zero_stage_3: bool) -> dict[str, Tensor]:
+    """Full copies of ``model``'s parameters, gathered from their ZeRO-3 partitions when needed."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), enabled=zero_stage_3):
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
