@@ -29,10 +29,11 @@ def tiny_llama(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
 class TinyCausalLM(UlyssesLossMixin, L.LightningModule):
     """A causal LM step in its plainest form: forward with position ids, token-weighted loss, SGD."""
 
-    def __init__(self, lr: float = 0.5, loss_multiplier: float = 1.0, **model_overrides: Any) -> None:
+    def __init__(self, lr: float = 0.5, loss_multiplier: float = 1.0, momentum: float = 0.0, **model_overrides: Any) -> None:
         super().__init__()
         self.model = tiny_llama(**model_overrides)
         self.lr = lr
+        self.momentum = momentum
         self.loss_multiplier = loss_multiplier
         self.losses: list[float] = []
 
@@ -43,7 +44,7 @@ class TinyCausalLM(UlyssesLossMixin, L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
 def make_samples(num: int, seq_len: int, seed: int = 1, masked_spans: list[tuple[int, int]] = (),
@@ -84,28 +85,36 @@ def collate(samples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
 
 def reference_training(
     samples: list[dict[str, Tensor]], *, steps: int, batch_size: int, dp_size: int = 1, accumulate: int = 1,
-    lr: float = 0.5, **model_overrides: Any,
+    lr: float = 0.5, momentum: float = 0.0, epochs: int = 1, **model_overrides: Any,
 ) -> tuple[list[float], dict[str, Tensor]]:
     """SGD as DDP over ``dp_size`` ranks would run it, one process, whole sequences.
 
     Returns the micro-batch losses seen by DP rank 0 and the final parameters. Samples are dealt to DP
-    ranks by the DistributedSampler that Lightning puts on a training loader (shuffled, seed 0, epoch 0).
+    ranks by the DistributedSampler that Lightning puts on a training loader (shuffled, seed 0); each of
+    ``epochs`` epochs runs ``steps`` steps on the sampler's order for that epoch.
     """
     model = tiny_llama(**model_overrides)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    per_rank = [[samples[i] for i in DistributedSampler(samples, dp_size, d, shuffle=True)] for d in range(dp_size)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     losses = []
-    for step in range(steps):
-        for micro in range(accumulate):
-            index = (step * accumulate + micro) * batch_size
-            for d in range(dp_size):
-                loss = reference_loss(model, collate(per_rank[d][index:index + batch_size]))
-                (loss / (accumulate * dp_size)).backward()
-                if d == 0:
-                    losses.append(loss.item())
-        optimizer.step()
-        optimizer.zero_grad()
+    for epoch in range(epochs):
+        per_rank = [_epoch_order(samples, dp_size, d, epoch) for d in range(dp_size)]
+        for step in range(steps):
+            for micro in range(accumulate):
+                index = (step * accumulate + micro) * batch_size
+                for d in range(dp_size):
+                    loss = reference_loss(model, collate(per_rank[d][index:index + batch_size]))
+                    (loss / (accumulate * dp_size)).backward()
+                    if d == 0:
+                        losses.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad()
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _epoch_order(samples: list[dict[str, Tensor]], dp_size: int, dp_rank: int, epoch: int) -> list[dict[str, Tensor]]:
+    sampler = DistributedSampler(samples, dp_size, dp_rank, shuffle=True)
+    sampler.set_epoch(epoch)
+    return [samples[i] for i in sampler]
 
 
 def relative_update_error(initial: dict[str, Tensor], expected: dict[str, Tensor], got: dict[str, Tensor]) -> float:
