@@ -1,6 +1,7 @@
 """Ulysses sequence parallelism for PyTorch Lightning."""
 
 from lightning_ulysses.attention import ulysses_attention
+from lightning_ulysses.checkpoint import check_resumable, export_hf_model
 from lightning_ulysses.loss import UlyssesLossMixin, token_cross_entropy
 from lightning_ulysses.metrics import Perplexity, TokenAccuracy, TokenCrossEntropy
 from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention
@@ -17,6 +18,8 @@ __all__ = [
     "UlyssesLossMixin",
     "UlyssesStrategy",
     "apply_ulysses_attention",
+    "check_resumable",
+    "export_hf_model",
     "prepare_batch",
     "remove_ulysses_attention",
     "shard_batch",

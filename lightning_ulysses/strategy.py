@@ -27,6 +27,7 @@ micro-batch loss by ``accumulate_grad_batches``, so the engine's second division
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -42,6 +43,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ulysses.attention import resolve_attn_implementation
+from lightning_ulysses.checkpoint import check_resumable
 from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.sharding import prepare_batch, shard_batch
 from lightning_ulysses.topology import SequenceParallelTopology
@@ -194,6 +196,14 @@ class UlyssesStrategy(DeepSpeedStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         kwargs.setdefault("scale_wrt_gas", False)  # Lightning has already divided by accumulate_grad_batches
         return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if Path(checkpoint_path).is_dir():  # a DeepSpeed directory; refuse a layout it cannot restore before loading
+            assert isinstance(self.config, dict)
+            zero_stage = self.config.get("zero_optimization", {}).get("stage", 0)
+            check_resumable(checkpoint_path, self.world_size, zero_stage)
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
     @override
     def teardown(self) -> None:
