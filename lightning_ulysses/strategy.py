@@ -27,6 +27,7 @@ micro-batch loss by ``accumulate_grad_batches``, so the engine's second division
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,12 +39,14 @@ from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ulysses.attention import resolve_attn_implementation
 from lightning_ulysses.checkpoint import check_resumable
+from lightning_ulysses.failures import check_finite_loss
 from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.sharding import prepare_batch, shard_batch
 from lightning_ulysses.topology import SequenceParallelTopology
@@ -58,6 +61,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
         sp_size: ranks that share one sequence (each holds ``1 / sp_size`` of its tokens). The world
             size (devices x num_nodes) must be a multiple; ``dp_size = world_size / sp_size``.
             ``"auto"``: all processes of a node (SP inside each node, DP across nodes).
+        check_finite_loss: check the training loss of every step on every rank (one all-reduce of
+            ``world_size`` flags) and raise on all ranks, naming the step and the ranks, if it is NaN or inf.
         attn_implementation: core attention kernel run on the gathered sequence: ``"auto"`` (flash-attn 2
             on CUDA when installed, else SDPA), ``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``
             or ``"flex_attention"``.
@@ -68,7 +73,11 @@ class UlyssesStrategy(DeepSpeedStrategy):
     strategy_name = "ulysses"
 
     def __init__(
-        self, sp_size: int | Literal["auto"] = "auto", attn_implementation: str = "auto", **deepspeed_strategy_kwargs: Any
+        self,
+        sp_size: int | Literal["auto"] = "auto",
+        attn_implementation: str = "auto",
+        check_finite_loss: bool = True,
+        **deepspeed_strategy_kwargs: Any,
     ) -> None:
         super().__init__(**deepspeed_strategy_kwargs)
         if sp_size != "auto" and (isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1):
@@ -77,6 +86,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
             resolve_attn_implementation(attn_implementation, "cuda")  # refuse unknown names before any work
         self._requested_sp_size = sp_size
         self._requested_attn_implementation = attn_implementation
+        self._check_finite_loss = check_finite_loss
         self._topology: SequenceParallelTopology | None = None
         self._sp_group: dist.ProcessGroup | None = None
         self._dp_group: dist.ProcessGroup | None = None
@@ -170,8 +180,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
         if self.root_device.type == "cpu":
             _skip_deepspeed_shared_memory_kernel()
         self._init_deepspeed_distributed()
-        self._sp_group, _ = dist.new_subgroups_by_enumeration(self._topology.sp_group_ranks)
-        self._dp_group, _ = dist.new_subgroups_by_enumeration(self._topology.dp_group_ranks)
+        # subgroups do not inherit the default group's timeout: without it a failed rank blocks its peers for 30 min
+        self._sp_group, _ = dist.new_subgroups_by_enumeration(self._topology.sp_group_ranks, timeout=self._timeout)
+        self._dp_group, _ = dist.new_subgroups_by_enumeration(self._topology.dp_group_ranks, timeout=self._timeout)
 
     @property
     @override
@@ -191,6 +202,15 @@ class UlyssesStrategy(DeepSpeedStrategy):
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
         return shard_batch(prepare_batch(batch, self.sp_size), self.sp_rank, self.sp_size)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        output = super().training_step(*args, **kwargs)
+        loss = output["loss"] if isinstance(output, Mapping) else output
+        if self._check_finite_loss and isinstance(loss, Tensor):
+            trainer = self.lightning_module.trainer
+            check_finite_loss(loss, trainer.global_step, trainer.fit_loop.epoch_loop.batch_idx)
+        return output
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

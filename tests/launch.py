@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,63 +41,83 @@ def launch(
     extra_env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run ``target`` (``"module:function"``) on ``world_size`` processes; return each rank's result."""
-    per_node = world_size // num_nodes
-    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        tmp_path = Path(tmp)
-        torch.save(args or {}, tmp_path / "args.pt")
-        procs, logs = [], []
-        for rank in range(world_size):
-            env = {
-                **os.environ,
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "WORLD_SIZE": str(world_size),
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank % per_node),
-                "NODE_RANK": str(rank // per_node),
-                "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-                **(extra_env or {}),
-            }
-            log = open(tmp_path / f"rank{rank}.log", "w+")
-            logs.append(log)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "tests.launch", target, str(tmp_path)],
-                    env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                )
-            )
-        failed = _wait_all(procs, timeout)
-        outputs = []
-        for log in logs:
-            log.seek(0)
-            outputs.append(log.read())
-            log.close()
+        procs, outputs, killed = _run(target, world_size, args, Path(tmp), num_nodes, extra_env, timeout, grace=5.0)
+        bad = [r for r, p in enumerate(procs) if p.returncode != 0]
+        failed = f"ranks {bad} failed (ranks {killed} were stopped by the launcher)" if bad else ""
         if failed or os.environ.get("LAUNCH_VERBOSE"):
             report = "\n".join(f"----- rank {r} (exit {procs[r].returncode}) -----\n{out[-6000:]}" for r, out in enumerate(outputs))
             raise AssertionError(f"{target} failed: {failed}\n{report}")
-        return [torch.load(tmp_path / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
+        return [torch.load(Path(tmp) / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout: float) -> str:
+@dataclass
+class RankExit:
+    """How one rank ended: its exit code (None if it was still running at the timeout and was killed)."""
+
+    returncode: int | None
+    output: str
+
+
+def launch_to_exit(target: str, world_size: int, args: dict[str, Any] | None = None, *, timeout: float) -> list[RankExit]:
+    """Like :func:`launch`, but no rank is stopped because another failed: each must exit on its own within
+    ``timeout`` seconds, or it is killed and reported with ``returncode=None``. For failure tests."""
+    with tempfile.TemporaryDirectory() as tmp:
+        procs, outputs, killed = _run(target, world_size, args, Path(tmp), 1, None, timeout, grace=None)
+        return [RankExit(None if r in killed else p.returncode, out) for r, (p, out) in enumerate(zip(procs, outputs))]
+
+
+def _run(
+    target: str, world_size: int, args: dict[str, Any] | None, tmp_path: Path, num_nodes: int,
+    extra_env: dict[str, str] | None, timeout: float, grace: float | None,
+) -> tuple[list[subprocess.Popen], list[str], list[int]]:
+    per_node = world_size // num_nodes
+    port = free_port()
+    torch.save(args or {}, tmp_path / "args.pt")
+    procs, logs = [], []
+    for rank in range(world_size):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(world_size),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank % per_node),
+            "NODE_RANK": str(rank // per_node),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+            **(extra_env or {}),
+        }
+        log = open(tmp_path / f"rank{rank}.log", "w+")
+        logs.append(log)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.launch", target, str(tmp_path)],
+                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+            )
+        )
+    killed = _wait_all(procs, timeout, grace)
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    return procs, outputs, killed
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float, grace: float | None) -> list[int]:
+    """Wait for every process to exit; kill those left at ``timeout``, or ``grace`` seconds after one failed.
+    Returns the killed ranks."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            bad = [r for r, c in enumerate(codes) if c != 0]
-            return f"ranks {bad} exited with an error" if bad else ""
-        if any(c not in (None, 0) for c in codes):
-            # one rank failed: give the others a moment to fail too, then stop them
-            time.sleep(5)
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            return "a rank exited with an error"
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        if grace is not None and any(p.poll() not in (None, 0) for p in procs):
+            deadline = min(deadline, time.monotonic() + grace)  # one rank failed: give the others a moment to fail too
         time.sleep(0.1)
-    for p in procs:
-        p.kill()
-    return f"timed out after {timeout:.0f} s"
+    killed = [r for r, p in enumerate(procs) if p.poll() is None]
+    for r in killed:
+        procs[r].kill()
+        procs[r].wait()
+    return killed
 
 
 def _main() -> None:
