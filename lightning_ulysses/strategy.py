@@ -48,6 +48,7 @@ from lightning_ulysses.attention import resolve_attn_implementation
 from lightning_ulysses.checkpoint import check_resumable
 from lightning_ulysses.failures import check_finite_loss
 from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses.prediction import gather_sequence
 from lightning_ulysses.sharding import prepare_batch, shard_batch
 from lightning_ulysses.topology import SequenceParallelTopology
 
@@ -211,6 +212,10 @@ class UlyssesStrategy(DeepSpeedStrategy):
             trainer = self.lightning_module.trainer
             check_finite_loss(loss, trainer.global_step, trainer.fit_loop.epoch_loop.batch_idx)
         return output
+
+    def gather_sequence(self, local: Tensor) -> Tensor:
+        """``[B, N/sp, ...]`` per-token outputs of this rank -> ``[B, N, ...]`` in sequence order, on every SP rank."""
+        return gather_sequence(local, self.sp_group)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

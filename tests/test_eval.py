@@ -1,8 +1,9 @@
-"""Validation and test under sequence parallelism equal one process evaluating whole sequences.
+"""Validation, test and predict under sequence parallelism equal one process on whole sequences.
 
 Every case evaluates a tiny Llama through ``L.Trainer`` on CPU processes (gloo) three ways: in the
 validation loop of ``fit``, with ``trainer.validate`` on the fitted engine, and with ``trainer.test``
-on a fresh Trainer (DeepSpeed's inference engine). The eval data differ from the training data in
+on a fresh Trainer (DeepSpeed's inference engine), then predicts per-token log-probabilities that
+must come back in whole-sequence order and equal one process's (``rtol=1e-5``). The eval data differ from the training data in
 batch size, in length (not a multiple of sp) and in valid tokens per row (padding, masked labels), so
 shards and batches carry unequal token counts. The token-weighted loss, perplexity and accuracy must
 equal a single-process evaluation with the same weights to ``rtol=1e-5``; a mean of per-rank or
@@ -22,7 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_ulysses import IGNORE_INDEX, Perplexity, TokenAccuracy, TokenCrossEntropy, UlyssesStrategy
+from lightning_ulysses import (
+    IGNORE_INDEX, Perplexity, TokenAccuracy, TokenCrossEntropy, UlyssesStrategy, token_log_probs,
+)
 from tests.launch import launch
 from tests.tiny import TinyCausalLM, collate, gathered_parameters, make_samples, tiny_llama
 
@@ -30,7 +33,7 @@ TRAIN = dict(num=8, seq_len=16, seed=1)
 EVAL = dict(num=12, seq_len=31, seed=2, masked_spans=[(0, 9)], padding=13)
 TRAIN_BATCH, EVAL_BATCH = 2, 3
 TWO_RANKS = {"sp2_zero2": dict(sp=2, stage=2), "sp2_zero3": dict(sp=2, stage=3)}
-FOUR_RANKS = {"dp2_sp2_zero3": dict(sp=2, stage=3), "sp4_zero2": dict(sp=4, stage=2)}
+FOUR_RANKS = {"dp2_sp2_zero3": dict(sp=2, stage=3)}
 
 
 class EvalCausalLM(TinyCausalLM):
@@ -55,6 +58,11 @@ class EvalCausalLM(TinyCausalLM):
     def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "test")
 
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        log_probs = token_log_probs(logits, batch["shift_labels"])
+        return {"index": batch["index"], "log_probs": self.trainer.strategy.gather_sequence(log_probs)}
+
 
 def _trainer(case: dict[str, Any], world_size: int, **kwargs: Any) -> L.Trainer:
     strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa")
@@ -72,7 +80,8 @@ def eval_worker(args: dict[str, Any]) -> dict[str, Any]:
     world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown deletes it
     results = {}
     for name, case in args["cases"].items():
-        eval_loader = DataLoader(make_samples(**EVAL), batch_size=EVAL_BATCH, collate_fn=collate)
+        eval_samples = [dict(sample, index=torch.tensor(i)) for i, sample in enumerate(make_samples(**EVAL))]
+        eval_loader = DataLoader(eval_samples, batch_size=EVAL_BATCH, collate_fn=collate)
         train_loader = DataLoader(make_samples(**TRAIN), batch_size=TRAIN_BATCH, collate_fn=collate)
         module = EvalCausalLM()
         trainer = _trainer(case, world_size, max_epochs=1)
@@ -84,12 +93,19 @@ def eval_worker(args: dict[str, Any]) -> dict[str, Any]:
 
         fresh = _trainer(case, world_size)
         fresh.test(EvalCausalLM(), eval_loader, verbose=False)
-        results[name] = {"in_fit": in_fit, "validate": after_fit, "fitted": fitted, "test": _metrics(fresh, "test")}
+        tested = _metrics(fresh, "test")
+        predicted = {
+            int(i): log_probs[: EVAL["seq_len"]]  # drop the padding to a multiple of sp
+            for output in fresh.predict(EvalCausalLM(), eval_loader)
+            for i, log_probs in zip(output["index"], output["log_probs"])
+        }
+        results[name] = {"in_fit": in_fit, "validate": after_fit, "fitted": fitted, "test": tested,
+                         "predict": predicted}
     return results
 
 
-def reference_metrics(params: dict[str, Tensor] | None) -> dict[str, float]:
-    """One process, whole sequences, plain transformers: token-weighted loss, perplexity and accuracy."""
+def _reference_logits(params: dict[str, Tensor] | None) -> tuple[Tensor, Tensor]:
+    """One process, whole sequences, plain transformers: ``logits [S, N-1, V]`` and their labels ``[S, N-1]``."""
     model = tiny_llama()
     if params is not None:
         model.load_state_dict(params)
@@ -97,6 +113,12 @@ def reference_metrics(params: dict[str, Tensor] | None) -> dict[str, float]:
     labels = batch["labels"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)[:, 1:]
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    return logits, labels
+
+
+def reference_metrics(params: dict[str, Tensor] | None) -> dict[str, float]:
+    """Token-weighted loss, perplexity and accuracy of one process over every eval sequence."""
+    logits, labels = _reference_logits(params)
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX).item()
     valid = labels != IGNORE_INDEX
     accuracy = ((logits.argmax(-1) == labels) & valid).sum().item() / valid.sum().item()
@@ -116,6 +138,21 @@ def _check(results: list[dict[str, Any]], name: str) -> None:
                 )
 
 
+def _check_predict(results: list[dict[str, Any]], name: str, sp: int) -> None:
+    logits, labels = _reference_logits(None)
+    valid = labels != IGNORE_INDEX
+    expected = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * valid
+    expected = torch.cat([expected, torch.zeros(len(expected), 1)], dim=1)  # the last token predicts nothing
+    for first in range(0, len(results), sp):  # every rank of an SP group holds its samples, in sequence order
+        group = [results[rank][name]["predict"] for rank in range(first, first + sp)]
+        assert all(got.keys() == group[0].keys() for got in group)
+        for got in group:
+            for index, log_probs in got.items():
+                torch.testing.assert_close(log_probs, expected[index], rtol=1e-5, atol=1e-6)
+    covered = sorted(i for first in range(0, len(results), sp) for i in results[first][name]["predict"])
+    assert covered == list(range(len(expected))), "every sample is predicted by exactly one SP group"
+
+
 @pytest.fixture(scope="module")
 def two_rank_results() -> list[dict[str, Any]]:
     return launch("tests.test_eval:eval_worker", 2, {"cases": TWO_RANKS})
@@ -129,11 +166,13 @@ def four_rank_results() -> list[dict[str, Any]]:
 @pytest.mark.parametrize("name", TWO_RANKS)
 def test_two_ranks_eval_equals_single_process(two_rank_results: list[dict[str, Any]], name: str) -> None:
     _check(two_rank_results, name)
+    _check_predict(two_rank_results, name, TWO_RANKS[name]["sp"])
 
 
 @pytest.mark.parametrize("name", FOUR_RANKS)
 def test_four_ranks_eval_equals_single_process(four_rank_results: list[dict[str, Any]], name: str) -> None:
     _check(four_rank_results, name)
+    _check_predict(four_rank_results, name, FOUR_RANKS[name]["sp"])
 
 
 def test_metrics_sum_tokens_across_uneven_shards() -> None:
