@@ -8,7 +8,8 @@ SP group. Consequences:
 * the ``(sp, dp)`` split is not part of the checkpoint: one saved with ``sp=2 x dp=1`` resumes with
   ``sp=1 x dp=2`` (keep ``dp * micro_batch_size`` to keep the global batch);
 * the process count and the ZeRO stage are: DeepSpeed cannot re-partition the optimizer state.
-  :func:`check_resumable` refuses such a resume up front, saying how to continue.
+  :func:`check_resumable` refuses such a resume before anything is loaded, saying how to continue
+  (from the exported weights, without the optimizer state).
 
 Resuming reproduces the uninterrupted run from an end-of-epoch checkpoint: the distributed sampler
 reseeds with the epoch. A mid-epoch checkpoint needs a resumable data loader (e.g. torchdata's
@@ -52,10 +53,11 @@ def check_resumable(checkpoint_dir: str | Path, num_processes: int, zero_stage: 
         f"The checkpoint {checkpoint_dir} was saved by {saved_processes} processes under ZeRO stage {saved_stage}; "
         f"this run has {num_processes} processes under ZeRO stage {zero_stage}. DeepSpeed partitions the weights and "
         f"optimizer state over every process, so any sp_size x dp_size split of {saved_processes} processes with "
-        f"ZeRO stage {saved_stage} resumes it, but another process count or stage cannot. To continue on this "
-        "layout, convert it to a DeepSpeed universal checkpoint (python -m deepspeed.checkpoint.ds_to_universal) "
-        "and load it with config={'checkpoint': {'load_universal': True}}, or start from its consolidated weights "
-        f"(lightning_ulysses.export_hf_model({str(checkpoint_dir)!r}, model, folder)) without the optimizer state."
+        f"ZeRO stage {saved_stage} resumes it, but another process count or stage cannot. Resume with "
+        f"{saved_processes} processes and stage={saved_stage}, or start a new run on this layout from its weights "
+        f"(the optimizer state and loop progress are not carried over): lightning_ulysses.export_hf_model("
+        f"{str(checkpoint_dir)!r}, model, folder), then AutoModelForCausalLM.from_pretrained(folder) in your "
+        "LightningModule."
     )
 
 

@@ -68,6 +68,10 @@ def resume_worker(args: dict[str, Any]) -> dict[str, Any]:
             result.update(uninterrupted_losses=whole.losses,
                           uninterrupted=gathered_parameters(whole.model, case["stage"] == 3))
         results[name] = result
+    try:  # a ZeRO-3 checkpoint on ZeRO-2: refused before DeepSpeed loads anything
+        _fit(world_size, 2, 2, BATCH, epochs=2, ckpt_path=results["sp2_zero3"]["path"])
+    except ValueError as error:
+        results["stage_change_error"] = str(error)
     return results
 
 
@@ -124,6 +128,10 @@ def test_export_hf_model_loads_with_the_saved_logits(results: list[dict[str, Any
 
 
 def test_resume_on_another_process_count_or_stage_is_refused(results: list[dict[str, Any]]) -> None:
+    for result in results:
+        assert "saved by 2 processes under ZeRO stage 3; this run has 2 processes under ZeRO stage 2" in (
+            result.get("stage_change_error", "")
+        ), result.get("stage_change_error")
     path = results[0]["sp2_zero3"]["path"]
     check_resumable(path, 2, 3)  # any sp x dp split of 2 processes under ZeRO-3 resumes
     with pytest.raises(ValueError, match=r"saved by 2 processes under ZeRO stage 3; this run has 4 processes"):
