@@ -47,6 +47,7 @@ from typing_extensions import override
 from lightning_ulysses.attention import resolve_attn_implementation
 from lightning_ulysses.checkpoint import check_resumable
 from lightning_ulysses.failures import check_finite_loss
+from lightning_ulysses.loss import STEP_TOKENS_KEY, StepTokenCounts
 from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.prediction import gather_sequence
 from lightning_ulysses.sharding import prepare_batch, shard_batch
@@ -62,6 +63,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
         sp_size: ranks that share one sequence (each holds ``1 / sp_size`` of its tokens). The world
             size (devices x num_nodes) must be a multiple; ``dp_size = world_size / sp_size``.
             ``"auto"``: all processes of a node (SP inside each node, DP across nodes).
+        loss_normalization: ``"sp_group"`` (default): each SP group's token mean, averaged over DP groups as
+            DDP does. ``"global"``: the token mean over every valid token of the optimizer step, all DP
+            groups and accumulation micro-batches together (see :mod:`lightning_ulysses.loss`).
         check_finite_loss: check the training loss of every step on every rank (one all-reduce of
             ``world_size`` flags) and raise on all ranks, naming the step and the ranks, if it is NaN or inf.
         attn_implementation: core attention kernel run on the gathered sequence: ``"auto"`` (flash-attn 2
@@ -77,6 +81,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         self,
         sp_size: int | Literal["auto"] = "auto",
         attn_implementation: str = "auto",
+        loss_normalization: Literal["sp_group", "global"] = "sp_group",
         check_finite_loss: bool = True,
         **deepspeed_strategy_kwargs: Any,
     ) -> None:
@@ -87,6 +92,10 @@ class UlyssesStrategy(DeepSpeedStrategy):
             resolve_attn_implementation(attn_implementation, "cuda")  # refuse unknown names before any work
         self._requested_sp_size = sp_size
         self._requested_attn_implementation = attn_implementation
+        if loss_normalization not in ("sp_group", "global"):
+            raise ValueError(f"loss_normalization must be 'sp_group' or 'global', got {loss_normalization!r}.")
+        self.loss_normalization = loss_normalization
+        self.step_valid_tokens: int | None = None  # "global": this SP group's valid tokens in the current step
         self._check_finite_loss = check_finite_loss
         self._topology: SequenceParallelTopology | None = None
         self._sp_group: dist.ProcessGroup | None = None
@@ -200,7 +209,17 @@ class UlyssesStrategy(DeepSpeedStrategy):
         super().setup(trainer)
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer
+        if self.loss_normalization == "global" and trainer.training:
+            return StepTokenCounts(dataloader, trainer.accumulate_grad_batches)
+        return dataloader
+
+    @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if isinstance(batch, Mapping) and STEP_TOKENS_KEY in batch:
+            batch = dict(batch)
+            self.step_valid_tokens = int(batch.pop(STEP_TOKENS_KEY))
         batch = super().batch_to_device(batch, device, dataloader_idx)
         return shard_batch(prepare_batch(batch, self.sp_size), self.sp_rank, self.sp_size)
 

@@ -97,7 +97,7 @@ def reference_training(
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     losses = []
     for epoch in range(epochs):
-        per_rank = [_epoch_order(samples, dp_size, d, epoch) for d in range(dp_size)]
+        per_rank = [epoch_order(samples, dp_size, d, epoch) for d in range(dp_size)]
         for step in range(steps):
             for micro in range(accumulate):
                 index = (step * accumulate + micro) * batch_size
@@ -111,7 +111,7 @@ def reference_training(
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def _epoch_order(samples: list[dict[str, Tensor]], dp_size: int, dp_rank: int, epoch: int) -> list[dict[str, Tensor]]:
+def epoch_order(samples: list[dict[str, Tensor]], dp_size: int, dp_rank: int, epoch: int) -> list[dict[str, Tensor]]:
     sampler = DistributedSampler(samples, dp_size, dp_rank, shuffle=True)
     sampler.set_epoch(epoch)
     return [samples[i] for i in sampler]
