@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from itertools import islice
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch
+
+if TYPE_CHECKING:
+    from lightning_ulysses.strategy import UlyssesStrategy
 
 STEP_TOKENS_KEY = "_ulysses_step_valid_tokens"
 """Batch entry (added by :class:`StepTokenCounts`, removed by the strategy) with the SP group's step token count."""
@@ -84,7 +87,7 @@ class UlyssesLossMixin:
         as ``UlyssesStrategy`` delivers them), reduced with :meth:`reduce_token_loss`."""
         return self.reduce_token_loss(*token_cross_entropy(logits, shift_labels, ignore_index))
 
-    def _ulysses_strategy(self) -> Any:
+    def _ulysses_strategy(self) -> UlyssesStrategy | None:
         from lightning_ulysses.strategy import UlyssesStrategy
 
         trainer = getattr(self, "_trainer", None)
@@ -98,19 +101,21 @@ class UlyssesLossMixin:
         return strategy.sp_group, strategy.loss_gradient_scale
 
 
-def _global_token_mean(loss_sum: Tensor, count: Tensor, strategy: Any) -> Tensor:
+def _global_token_mean(loss_sum: Tensor, count: Tensor, strategy: UlyssesStrategy) -> Tensor:
     """``loss_normalization="global"``: the gradient of ``sum(all token losses of the step) / T_step``."""
     if strategy.step_valid_tokens is None:
         raise RuntimeError(
             "loss_normalization='global' needs each training batch's step token count, which UlyssesStrategy adds "
             "by wrapping the training loader of Trainer.fit; this loss was computed outside that loop."
         )
-    step_tokens = strategy.step_valid_tokens if strategy.sp_rank == 0 else 0  # one contribution per SP group
-    totals = torch.stack([loss_sum.detach(), count, torch.as_tensor(step_tokens, dtype=count.dtype, device=count.device)])
+    group_step_tokens = strategy.step_valid_tokens if strategy.sp_rank == 0 else 0  # one contribution per SP group
+    # fp64: a step's token count can pass fp32's exact integers (2**24)
+    totals = torch.tensor([0.0, 0.0, group_step_tokens], dtype=torch.float64, device=loss_sum.device)
+    totals[0], totals[1] = loss_sum.detach(), count
     dist.all_reduce(totals)  # over every rank: this micro-batch's sums and the step's tokens of all DP groups
-    micro_batch_mean = totals[0] / totals[1].clamp(min=1)
+    micro_batch_mean = (totals[0] / totals[1].clamp(min=1)).float()
     accumulate = strategy.lightning_module.trainer.accumulate_grad_batches
-    scaled = loss_sum * (strategy.world_size * accumulate / totals[2].clamp(min=1))
+    scaled = loss_sum * (strategy.world_size * accumulate / totals[2].clamp(min=1)).float()
     return scaled + (micro_batch_mean - scaled).detach()
 
 

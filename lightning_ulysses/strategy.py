@@ -63,14 +63,14 @@ class UlyssesStrategy(DeepSpeedStrategy):
         sp_size: ranks that share one sequence (each holds ``1 / sp_size`` of its tokens). The world
             size (devices x num_nodes) must be a multiple; ``dp_size = world_size / sp_size``.
             ``"auto"``: all processes of a node (SP inside each node, DP across nodes).
+        attn_implementation: core attention kernel run on the gathered sequence: ``"auto"`` (flash-attn 2
+            on CUDA when installed, else SDPA), ``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``
+            or ``"flex_attention"``.
         loss_normalization: ``"sp_group"`` (default): each SP group's token mean, averaged over DP groups as
             DDP does. ``"global"``: the token mean over every valid token of the optimizer step, all DP
             groups and accumulation micro-batches together (see :mod:`lightning_ulysses.loss`).
         check_finite_loss: check the training loss of every step on every rank (one all-reduce of
             ``world_size`` flags) and raise on all ranks, naming the step and the ranks, if it is NaN or inf.
-        attn_implementation: core attention kernel run on the gathered sequence: ``"auto"`` (flash-attn 2
-            on CUDA when installed, else SDPA), ``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``
-            or ``"flex_attention"``.
         **deepspeed_strategy_kwargs: anything :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`
             takes (``stage``, ``config``, offload options, ...).
     """
