@@ -21,6 +21,8 @@ sampler repeats samples to even out the DP ranks when the dataset size is not a 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 from torchmetrics import Metric
@@ -36,7 +38,7 @@ class _TokenSumMetric(Metric):
     is_differentiable = False
     higher_is_better: bool | None = None
 
-    def __init__(self, ignore_index: int = IGNORE_INDEX, **kwargs) -> None:
+    def __init__(self, ignore_index: int = IGNORE_INDEX, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.ignore_index = ignore_index
         self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")

@@ -24,7 +24,8 @@ from transformers import AutoModelForCausalLM
 from lightning_ulysses import UlyssesStrategy, check_resumable, export_hf_model
 from tests.launch import launch
 from tests.tiny import (
-    TinyCausalLM, collate, gathered_parameters, make_samples, reference_training, relative_update_error, tiny_llama,
+    VOCAB, TinyCausalLM, collate, gathered_parameters, make_samples, reference_training, relative_update_error,
+    tiny_llama,
 )
 
 DATA = dict(num=4, seq_len=16, seed=3)
@@ -122,7 +123,7 @@ def test_export_hf_model_loads_with_the_saved_logits(results: list[dict[str, Any
     expected.load_state_dict(results[0][name]["saved"])
     assert relative_update_error({n: p.detach() for n, p in tiny_llama().named_parameters()},
                                  results[0][name]["saved"], dict(loaded.named_parameters())) < 1e-6
-    input_ids = torch.randint(1, 61, (2, 16), generator=torch.Generator().manual_seed(0))
+    input_ids = torch.randint(1, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids).logits, expected(input_ids).logits, rtol=1e-5, atol=1e-6)
 
