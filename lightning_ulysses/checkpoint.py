@@ -15,8 +15,9 @@ Resuming reproduces the uninterrupted run from an end-of-epoch checkpoint: the d
 reseeds with the epoch. A mid-epoch checkpoint needs a resumable data loader (e.g. torchdata's
 ``StatefulDataLoader``), as with any Lightning strategy.
 
-:func:`export_hf_model` consolidates the fp32 weights of any such checkpoint (every ZeRO stage and
-process count) into a ``save_pretrained`` folder, offline in one process.
+:func:`export_hf_model` consolidates the fp32 weights of any such checkpoint (DeepSpeed's
+``zero_to_fp32`` reads every ZeRO stage and process count) into a ``save_pretrained`` folder, offline in
+one process.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def export_hf_model(
 ) -> None:
     """Write the weights of a DeepSpeed checkpoint into ``model`` and ``model.save_pretrained(output_dir)``.
 
-    Works from any layout (ZeRO 1/2/3, any process count), in one process without DeepSpeed's engine.
+    Works from any layout (ZeRO stage, process count), in one process without DeepSpeed's engine.
 
     Args:
         checkpoint_dir: the directory that ``trainer.save_checkpoint`` or ``ModelCheckpoint`` wrote.

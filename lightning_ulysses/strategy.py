@@ -190,7 +190,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         if self.root_device.type == "cpu":
             _skip_deepspeed_shared_memory_kernel()
         self._init_deepspeed_distributed()
-        # subgroups do not inherit the default group's timeout: without it a failed rank blocks its peers for 30 min
+        # subgroups do not inherit the default group's timeout: without it a stalled rank holds its peers for torch's default
         self._sp_group, _ = dist.new_subgroups_by_enumeration(self._topology.sp_group_ranks, timeout=self._timeout)
         self._dp_group, _ = dist.new_subgroups_by_enumeration(self._topology.dp_group_ranks, timeout=self._timeout)
 
