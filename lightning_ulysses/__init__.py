@@ -2,11 +2,14 @@
 
 from lightning_ulysses.attention import ulysses_attention
 from lightning_ulysses.callbacks import SequenceParallelMonitor, SequenceParallelParityCheck
+from lightning_ulysses.checkpoint import check_resumable, export_hf_model
 from lightning_ulysses.data import ByteTokenizer, LongTextDataModule
 from lightning_ulysses.flops import TransformerFlops
-from lightning_ulysses.loss import UlyssesLossMixin
+from lightning_ulysses.loss import UlyssesLossMixin, token_cross_entropy
+from lightning_ulysses.metrics import Perplexity, TokenAccuracy, TokenCrossEntropy
 from lightning_ulysses.model import CausalLM
 from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention, sequence_parallel_disabled
+from lightning_ulysses.prediction import gather_sequence, token_log_probs
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
 from lightning_ulysses.strategy import UlyssesStrategy
 from lightning_ulysses.topology import SequenceParallelTopology
@@ -16,16 +19,24 @@ __all__ = [
     "ByteTokenizer",
     "CausalLM",
     "LongTextDataModule",
+    "Perplexity",
     "SequenceParallelMonitor",
     "SequenceParallelParityCheck",
     "SequenceParallelTopology",
+    "TokenAccuracy",
+    "TokenCrossEntropy",
     "TransformerFlops",
     "UlyssesLossMixin",
     "UlyssesStrategy",
     "apply_ulysses_attention",
+    "check_resumable",
+    "export_hf_model",
+    "gather_sequence",
     "prepare_batch",
     "remove_ulysses_attention",
     "sequence_parallel_disabled",
     "shard_batch",
+    "token_cross_entropy",
+    "token_log_probs",
     "ulysses_attention",
 ]

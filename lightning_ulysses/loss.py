@@ -10,16 +10,44 @@ A per-rank mean averaged over ranks is wrong (ranks carry different token counts
 with no valid tokens; sums and the group's count are exact. How the gradient must be scaled depends on
 how the strategy reduces gradients; :class:`UlyssesStrategy` states its contract as
 ``loss_gradient_scale`` (see the derivation in :mod:`lightning_ulysses.strategy`).
+
+``UlyssesStrategy(loss_normalization="global")`` instead weighs every valid token of an optimizer step
+equally, across all DP groups and all ``k`` gradient-accumulation micro-batches (torchtitan's and
+Megatron's per-token loss). Its denominator ``T_step`` includes micro-batches that have not run yet, so
+the training loader is wrapped (:class:`StepTokenCounts`) to read each step's ``k`` batches ahead and
+count their valid tokens on the host, before any forward. Rank ``r`` then returns
+``L_r = W * k * S_r / T_step`` (``W = dp * sp``): DeepSpeed averages gradients over ``W`` ranks and
+Lightning divides by ``k``, so the update is ``sum of all token-loss gradients of the step / T_step``.
+The loss *value* is the exact token mean of the current micro-batch over all ranks.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import islice
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_ulysses.sharding import IGNORE_INDEX
+from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch
+
+if TYPE_CHECKING:
+    from lightning_ulysses.strategy import UlyssesStrategy
+
+STEP_TOKENS_KEY = "_ulysses_step_valid_tokens"
+"""Batch entry (added by :class:`StepTokenCounts`, removed by the strategy) with the SP group's step token count."""
+
+
+def token_cross_entropy(logits: Tensor, shift_labels: Tensor, ignore_index: int = IGNORE_INDEX) -> tuple[Tensor, Tensor]:
+    """Sum of the next-token cross entropies of ``logits [B, n, V]`` against ``shift_labels [B, n]``, in fp32,
+    and the number of valid (``!= ignore_index``) tokens in it: the two sums every exact reduction starts from."""
+    loss_sum = F.cross_entropy(
+        logits.flatten(0, -2).float(), shift_labels.flatten(), ignore_index=ignore_index, reduction="sum"
+    )
+    return loss_sum, (shift_labels != ignore_index).sum()
 
 
 class UlyssesLossMixin:
@@ -41,6 +69,9 @@ class UlyssesLossMixin:
         """
         count = torch.as_tensor(num_valid_tokens, dtype=torch.float32, device=loss_sum.device)
         loss_sum = loss_sum.float()
+        strategy = self._ulysses_strategy()
+        if strategy is not None and strategy.loss_normalization == "global":
+            return _global_token_mean(loss_sum, count, strategy)
         group, gradient_scale = self._sp_reduction()
         if group is None:
             return loss_sum / count.clamp(min=1)
@@ -54,16 +85,60 @@ class UlyssesLossMixin:
     def causal_lm_loss(self, logits: Tensor, shift_labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
         """Next-token cross entropy of ``logits [B, n, V]`` against ``shift_labels [B, n]`` (already shifted,
         as ``UlyssesStrategy`` delivers them), reduced with :meth:`reduce_token_loss`."""
-        loss_sum = F.cross_entropy(
-            logits.flatten(0, -2).float(), shift_labels.flatten(), ignore_index=ignore_index, reduction="sum"
-        )
-        return self.reduce_token_loss(loss_sum, (shift_labels != ignore_index).sum())
+        return self.reduce_token_loss(*token_cross_entropy(logits, shift_labels, ignore_index))
 
-    def _sp_reduction(self) -> tuple[dist.ProcessGroup | None, float]:
+    def _ulysses_strategy(self) -> UlyssesStrategy | None:
         from lightning_ulysses.strategy import UlyssesStrategy
 
         trainer = getattr(self, "_trainer", None)
         strategy = trainer.strategy if trainer is not None else None
-        if not isinstance(strategy, UlyssesStrategy) or strategy.sp_size == 1:
+        return strategy if isinstance(strategy, UlyssesStrategy) else None
+
+    def _sp_reduction(self) -> tuple[dist.ProcessGroup | None, float]:
+        strategy = self._ulysses_strategy()
+        if strategy is None or strategy.sp_size == 1:
             return None, 1.0
         return strategy.sp_group, strategy.loss_gradient_scale
+
+
+def _global_token_mean(loss_sum: Tensor, count: Tensor, strategy: UlyssesStrategy) -> Tensor:
+    """``loss_normalization="global"``: the gradient of ``sum(all token losses of the step) / T_step``."""
+    if strategy.step_valid_tokens is None:
+        raise RuntimeError(
+            "loss_normalization='global' needs each training batch's step token count, which UlyssesStrategy adds "
+            "by wrapping the training loader of Trainer.fit; this loss was computed outside that loop."
+        )
+    group_step_tokens = strategy.step_valid_tokens if strategy.sp_rank == 0 else 0  # one contribution per SP group
+    # fp64: a step's token count can pass fp32's exact integers (2**24)
+    totals = torch.tensor([0.0, 0.0, group_step_tokens], dtype=torch.float64, device=loss_sum.device)
+    totals[0], totals[1] = loss_sum.detach(), count
+    dist.all_reduce(totals)  # over every rank: this micro-batch's sums and the step's tokens of all DP groups
+    micro_batch_mean = (totals[0] / totals[1].clamp(min=1)).float()
+    accumulate = strategy.lightning_module.trainer.accumulate_grad_batches
+    scaled = loss_sum * (strategy.world_size * accumulate / totals[2].clamp(min=1)).float()
+    return scaled + (micro_batch_mean - scaled).detach()
+
+
+class StepTokenCounts:
+    """Wraps a training loader: reads each optimizer step's ``accumulate`` batches ahead, counts their valid
+    next-token labels (as :func:`~lightning_ulysses.prepare_batch` sets them) and adds the step's count to
+    every batch of the step as ``STEP_TOKENS_KEY``. Everything else is the wrapped loader's (sampler,
+    length), so Lightning still sets the sampler's epoch. Steps are counted from the start of the epoch, as
+    Lightning groups micro-batches."""
+
+    def __init__(self, loader: Any, accumulate: int) -> None:
+        self.loader = loader
+        self.accumulate = accumulate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = iter(self.loader)
+        while step := list(islice(batches, self.accumulate)):
+            tokens = sum(int((prepare_batch(batch, 1)["shift_labels"] != IGNORE_INDEX).sum()) for batch in step)
+            for batch in step:
+                yield {**batch, STEP_TOKENS_KEY: torch.tensor(tokens)}

@@ -27,6 +27,8 @@ micro-batch loss by ``accumulate_grad_batches``, so the engine's second division
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -37,12 +39,17 @@ from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ulysses.attention import resolve_attn_implementation
+from lightning_ulysses.checkpoint import check_resumable
+from lightning_ulysses.failures import check_finite_loss
+from lightning_ulysses.loss import STEP_TOKENS_KEY, StepTokenCounts
 from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses.prediction import gather_sequence
 from lightning_ulysses.sharding import prepare_batch, shard_batch
 from lightning_ulysses.topology import SequenceParallelTopology, divisors
 
@@ -59,6 +66,11 @@ class UlyssesStrategy(DeepSpeedStrategy):
         attn_implementation: core attention kernel run on the gathered sequence: ``"auto"`` (flash-attn 2
             on CUDA when installed, else SDPA), ``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``
             or ``"flex_attention"``.
+        loss_normalization: ``"sp_group"`` (default): each SP group's token mean, averaged over DP groups as
+            DDP does. ``"global"``: the token mean over every valid token of the optimizer step, all DP
+            groups and accumulation micro-batches together (see :mod:`lightning_ulysses.loss`).
+        check_finite_loss: check the training loss of every step on every rank (one all-reduce of
+            ``world_size`` flags) and raise on all ranks, naming the step and the ranks, if it is NaN or inf.
         **deepspeed_strategy_kwargs: anything :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`
             takes (``stage``, ``config``, offload options, ...).
     """
@@ -66,7 +78,12 @@ class UlyssesStrategy(DeepSpeedStrategy):
     strategy_name = "ulysses"
 
     def __init__(
-        self, sp_size: int | Literal["auto"] = "auto", attn_implementation: str = "auto", **deepspeed_strategy_kwargs: Any
+        self,
+        sp_size: int | Literal["auto"] = "auto",
+        attn_implementation: str = "auto",
+        loss_normalization: Literal["sp_group", "global"] = "sp_group",
+        check_finite_loss: bool = True,
+        **deepspeed_strategy_kwargs: Any,
     ) -> None:
         super().__init__(**deepspeed_strategy_kwargs)
         if sp_size != "auto" and (isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1):
@@ -75,6 +92,11 @@ class UlyssesStrategy(DeepSpeedStrategy):
             resolve_attn_implementation(attn_implementation, "cuda")  # refuse unknown names before any work
         self._requested_sp_size = sp_size
         self._requested_attn_implementation = attn_implementation
+        if loss_normalization not in ("sp_group", "global"):
+            raise ValueError(f"loss_normalization must be 'sp_group' or 'global', got {loss_normalization!r}.")
+        self.loss_normalization = loss_normalization
+        self.step_valid_tokens: int | None = None  # "global": this SP group's valid tokens in the current step
+        self._check_finite_loss = check_finite_loss
         self._topology: SequenceParallelTopology | None = None
         self._sp_group: dist.ProcessGroup | None = None
         self._dp_group: dist.ProcessGroup | None = None
@@ -170,8 +192,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
         if self.root_device.type == "cpu":
             _skip_deepspeed_shared_memory_kernel()
         self._init_deepspeed_distributed()
-        self._sp_group, _ = dist.new_subgroups_by_enumeration(self._topology.sp_group_ranks)
-        self._dp_group, _ = dist.new_subgroups_by_enumeration(self._topology.dp_group_ranks)
+        # subgroups do not inherit the default group's timeout: without it a stalled rank holds its peers for torch's default
+        self._sp_group, _ = dist.new_subgroups_by_enumeration(self._topology.sp_group_ranks, timeout=self._timeout)
+        self._dp_group, _ = dist.new_subgroups_by_enumeration(self._topology.dp_group_ranks, timeout=self._timeout)
 
     @property
     @override
@@ -188,14 +211,45 @@ class UlyssesStrategy(DeepSpeedStrategy):
         super().setup(trainer)
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer
+        if self.loss_normalization == "global" and trainer.training:
+            return StepTokenCounts(dataloader, trainer.accumulate_grad_batches)
+        return dataloader
+
+    @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if isinstance(batch, Mapping) and STEP_TOKENS_KEY in batch:
+            batch = dict(batch)
+            self.step_valid_tokens = int(batch.pop(STEP_TOKENS_KEY))
         batch = super().batch_to_device(batch, device, dataloader_idx)
         return shard_batch(prepare_batch(batch, self.sp_size), self.sp_rank, self.sp_size)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        output = super().training_step(*args, **kwargs)
+        loss = output["loss"] if isinstance(output, Mapping) else output
+        if self._check_finite_loss and isinstance(loss, Tensor):
+            trainer = self.lightning_module.trainer
+            check_finite_loss(loss, trainer.global_step, trainer.fit_loop.epoch_loop.batch_idx)
+        return output
+
+    def gather_sequence(self, local: Tensor) -> Tensor:
+        """``[B, N/sp, ...]`` per-token outputs of this rank -> ``[B, N, ...]`` in sequence order, on every SP rank."""
+        return gather_sequence(local, self.sp_group)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         kwargs.setdefault("scale_wrt_gas", False)  # Lightning has already divided by accumulate_grad_batches
         return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if Path(checkpoint_path).is_dir():  # a DeepSpeed directory; refuse a layout it cannot restore before loading
+            assert isinstance(self.config, dict)
+            zero_stage = self.config.get("zero_optimization", {}).get("stage", 0)
+            check_resumable(checkpoint_path, self.world_size, zero_stage)
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
     @override
     def teardown(self) -> None:

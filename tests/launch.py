@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -47,80 +48,109 @@ def launch(
     ``NODE_RANK``, ...); ``"torchrun"`` starts one ``torchrun --node-rank i`` per node (``num_nodes`` launcher
     processes on loopback), which starts that node's ranks.
     """
-    per_node = world_size // num_nodes
-    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        tmp_path = Path(tmp)
-        torch.save(args or {}, tmp_path / "args.pt")
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-            **(extra_env or {}),
-        }
-        worker = ["-m", "tests.launch", target, str(tmp_path)]
-        if launcher == "torchrun":
-            names = [f"node {node} (torchrun)" for node in range(num_nodes)]
-            commands = [
-                ([sys.executable, "-m", "torch.distributed.run", f"--nnodes={num_nodes}", f"--node-rank={node}",
-                  f"--nproc-per-node={per_node}", "--master-addr=127.0.0.1", f"--master-port={port}", *worker], env)
-                for node in range(num_nodes)
-            ]
-        else:
-            names = [f"rank {rank}" for rank in range(world_size)]
-            commands = [
-                ([sys.executable, *worker], {**env, "WORLD_SIZE": str(world_size), "RANK": str(rank),
-                                             "LOCAL_RANK": str(rank % per_node), "NODE_RANK": str(rank // per_node)})
-                for rank in range(world_size)
-            ]
-        procs, logs = [], []
-        for index, (command, process_env) in enumerate(commands):
-            log = open(tmp_path / f"process{index}.log", "w+")
-            logs.append(log)
-            procs.append(subprocess.Popen(
-                command, env=process_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                start_new_session=True,  # one process group each: stopping a torchrun stops its ranks too
-            ))
-        failed = _wait_all(procs, timeout)
-        outputs = []
-        for log in logs:
-            log.seek(0)
-            outputs.append(log.read())
-            log.close()
+        run = _run(target, world_size, args, Path(tmp), num_nodes, launcher, extra_env, timeout, grace=5.0)
+        bad = [name for name, proc in zip(run.names, run.procs) if proc.returncode != 0]
+        failed = f"{bad} failed ({run.killed} were stopped by the launcher)" if bad else ""
         if failed or os.environ.get("LAUNCH_VERBOSE"):
             report = "\n".join(
-                f"----- {name} (exit {proc.returncode}) -----\n{out[-6000:]}" for name, proc, out in zip(names, procs, outputs)
+                f"----- {name} (exit {proc.returncode}) -----\n{out[-6000:]}"
+                for name, proc, out in zip(run.names, run.procs, run.outputs)
             )
             raise AssertionError(f"{target} failed: {failed}\n{report}")
-        return [torch.load(tmp_path / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
+        return [torch.load(Path(tmp) / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout: float) -> str:
+@dataclass
+class RankExit:
+    """How one rank ended: its exit code (None if it was still running at the timeout and was killed)."""
+
+    returncode: int | None
+    output: str
+
+
+def launch_to_exit(target: str, world_size: int, args: dict[str, Any] | None = None, *, timeout: float) -> list[RankExit]:
+    """Like :func:`launch`, but no rank is stopped because another failed: each must exit on its own within
+    ``timeout`` seconds, or it is killed and reported with ``returncode=None``. For failure tests."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run = _run(target, world_size, args, Path(tmp), 1, "env", None, timeout, grace=None)
+        return [
+            RankExit(None if name in run.killed else proc.returncode, out)
+            for name, proc, out in zip(run.names, run.procs, run.outputs)
+        ]
+
+
+@dataclass
+class _Run:
+    names: list[str]
+    procs: list[subprocess.Popen]
+    outputs: list[str]
+    killed: list[str]
+
+
+def _run(
+    target: str, world_size: int, args: dict[str, Any] | None, tmp_path: Path, num_nodes: int,
+    launcher: Literal["env", "torchrun"], extra_env: dict[str, str] | None, timeout: float, grace: float | None,
+) -> _Run:
+    per_node = world_size // num_nodes
+    port = free_port()
+    torch.save(args or {}, tmp_path / "args.pt")
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+        **(extra_env or {}),
+    }
+    worker = ["-m", "tests.launch", target, str(tmp_path)]
+    if launcher == "torchrun":
+        names = [f"node {node} (torchrun)" for node in range(num_nodes)]
+        commands = [
+            ([sys.executable, "-m", "torch.distributed.run", f"--nnodes={num_nodes}", f"--node-rank={node}",
+              f"--nproc-per-node={per_node}", "--master-addr=127.0.0.1", f"--master-port={port}", *worker], env)
+            for node in range(num_nodes)
+        ]
+    else:
+        names = [f"rank {rank}" for rank in range(world_size)]
+        commands = [
+            ([sys.executable, *worker], {**env, "WORLD_SIZE": str(world_size), "RANK": str(rank),
+                                         "LOCAL_RANK": str(rank % per_node), "NODE_RANK": str(rank // per_node)})
+            for rank in range(world_size)
+        ]
+    procs, logs = [], []
+    for index, (command, process_env) in enumerate(commands):
+        log = open(tmp_path / f"process{index}.log", "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            command, env=process_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+            start_new_session=True,  # one process group each: stopping a torchrun stops its ranks too
+        ))
+    killed = [names[i] for i in _wait_all(procs, timeout, grace)]
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    return _Run(names, procs, outputs, killed)
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float, grace: float | None) -> list[int]:
+    """Wait for every process to exit; kill those left at ``timeout``, or ``grace`` seconds after one failed.
+    Returns the indices of the killed processes."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            bad = [r for r, c in enumerate(codes) if c != 0]
-            return f"ranks {bad} exited with an error" if bad else ""
-        if any(c not in (None, 0) for c in codes):
-            # one rank failed: give the others a moment to fail too, then stop them
-            time.sleep(5)
-            for p in procs:
-                _kill_group(p)
-            return "a rank exited with an error"
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        if grace is not None and any(p.poll() not in (None, 0) for p in procs):
+            deadline = min(deadline, time.monotonic() + grace)  # one failed: give the others a moment to fail too
         time.sleep(0.1)
-    for p in procs:
-        _kill_group(p)
-    return f"timed out after {timeout:.0f} s"
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:  # the whole group has exited already
-        pass
+    killed = [i for i, p in enumerate(procs) if p.poll() is None]
+    for i in killed:
+        try:
+            os.killpg(procs[i].pid, signal.SIGKILL)
+        except ProcessLookupError:  # the whole group has exited already
+            pass
+        procs[i].wait()
+    return killed
 
 
 def _main() -> None:

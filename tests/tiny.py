@@ -29,10 +29,11 @@ def tiny_llama(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
 class TinyCausalLM(UlyssesLossMixin, L.LightningModule):
     """A causal LM step in its plainest form: forward with position ids, token-weighted loss, SGD."""
 
-    def __init__(self, lr: float = 0.5, loss_multiplier: float = 1.0, **model_overrides: Any) -> None:
+    def __init__(self, lr: float = 0.5, loss_multiplier: float = 1.0, momentum: float = 0.0, **model_overrides: Any) -> None:
         super().__init__()
         self.model = tiny_llama(**model_overrides)
         self.lr = lr
+        self.momentum = momentum
         self.loss_multiplier = loss_multiplier
         self.losses: list[float] = []
 
@@ -43,7 +44,7 @@ class TinyCausalLM(UlyssesLossMixin, L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
 def make_samples(num: int, seq_len: int, seed: int = 1, masked_spans: list[tuple[int, int]] = (),
@@ -82,36 +83,45 @@ def collate(samples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
 
 
-def dp_batches(samples: list[dict[str, Tensor]], batch_size: int, dp_size: int = 1) -> list[list[dict[str, Tensor]]]:
-    """``[dp_rank][batch]``: the collated batches each DP rank's training loader yields in epoch 0, dealt by the
+def dp_batches(
+    samples: list[dict[str, Tensor]], batch_size: int, dp_size: int = 1, epoch: int = 0
+) -> list[list[dict[str, Tensor]]]:
+    """``[dp_rank][batch]``: the collated batches each DP rank's training loader yields in ``epoch``, dealt by the
     DistributedSampler that Lightning puts on a training loader (shuffled, seed 0)."""
-    per_rank = [[samples[i] for i in DistributedSampler(samples, dp_size, d, shuffle=True)] for d in range(dp_size)]
+    per_rank = [epoch_order(samples, dp_size, d, epoch) for d in range(dp_size)]
     return [[collate(rank[i:i + batch_size]) for i in range(0, len(rank), batch_size)] for rank in per_rank]
 
 
 def reference_training(
     samples: list[dict[str, Tensor]], *, steps: int, batch_size: int, dp_size: int = 1, accumulate: int = 1,
-    lr: float = 0.5, **model_overrides: Any,
+    lr: float = 0.5, momentum: float = 0.0, epochs: int = 1, **model_overrides: Any,
 ) -> tuple[list[float], dict[str, Tensor]]:
     """SGD as DDP over ``dp_size`` ranks would run it, one process, whole sequences.
 
     Returns the micro-batch losses seen by DP rank 0 and the final parameters. Samples are dealt to DP
-    ranks as in :func:`dp_batches`.
+    ranks as in :func:`dp_batches`; each of ``epochs`` epochs runs ``steps`` steps on that epoch's order.
     """
     model = tiny_llama(**model_overrides)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    per_rank = dp_batches(samples, batch_size, dp_size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     losses = []
-    for step in range(steps):
-        for micro in range(accumulate):
-            for d in range(dp_size):
-                loss = reference_loss(model, per_rank[d][step * accumulate + micro])
-                (loss / (accumulate * dp_size)).backward()
-                if d == 0:
-                    losses.append(loss.item())
-        optimizer.step()
-        optimizer.zero_grad()
+    for epoch in range(epochs):
+        per_rank = dp_batches(samples, batch_size, dp_size, epoch)
+        for step in range(steps):
+            for micro in range(accumulate):
+                for d in range(dp_size):
+                    loss = reference_loss(model, per_rank[d][step * accumulate + micro])
+                    (loss / (accumulate * dp_size)).backward()
+                    if d == 0:
+                        losses.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad()
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def epoch_order(samples: list[dict[str, Tensor]], dp_size: int, dp_rank: int, epoch: int) -> list[dict[str, Tensor]]:
+    sampler = DistributedSampler(samples, dp_size, dp_rank, shuffle=True)
+    sampler.set_epoch(epoch)
+    return [samples[i] for i in sampler]
 
 
 def relative_update_error(initial: dict[str, Tensor], expected: dict[str, Tensor], got: dict[str, Tensor]) -> float:
@@ -120,3 +130,11 @@ def relative_update_error(initial: dict[str, Tensor], expected: dict[str, Tensor
     update = torch.cat([(expected[k] - initial[k]).flatten() for k in expected])
     assert update.norm() > 0, "the reference update is zero; the comparison would prove nothing"
     return (diff.norm() / update.norm()).item()
+
+
+def gathered_parameters(model: torch.nn.Module, zero_stage_3: bool) -> dict[str, Tensor]:
+    """Full copies of ``model``'s parameters, gathered from their ZeRO-3 partitions when needed."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), enabled=zero_stage_3):
+        return {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -1,0 +1,34 @@
+"""Prediction under sequence parallelism: per-token outputs back in whole-sequence order.
+
+Each rank of an SP group computes outputs for its ``[B, N/sp]`` shard; :func:`gather_sequence` is the
+inverse of :func:`~lightning_ulysses.shard_batch` for one tensor and gives every rank of the group the
+``[B, N, ...]`` result in sequence order (``N`` includes the padding that made it a multiple of ``sp``,
+always at the end of the rows: slice it off with the original length). DP ranks keep their own samples,
+as with DDP: write them with a :class:`~lightning.pytorch.callbacks.BasePredictionWriter`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from lightning_ulysses.sharding import IGNORE_INDEX
+
+
+def gather_sequence(local: Tensor, group: ProcessGroup | None) -> Tensor:
+    """``[B, N/sp, ...]`` shards of the SP ``group`` -> ``[B, N, ...]`` on every rank of it (not differentiable)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return local
+    shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    return torch.cat(shards, dim=1)
+
+
+def token_log_probs(logits: Tensor, shift_labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """``[B, n]`` fp32 log-probability of each next-token label under ``logits [B, n, V]``; 0 where ignored."""
+    valid = shift_labels != ignore_index
+    log_probs = F.log_softmax(logits.float(), dim=-1).gather(-1, shift_labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return log_probs.masked_fill(~valid, 0.0)

@@ -1,0 +1,181 @@
+"""Validation, test and predict under sequence parallelism equal one process on whole sequences.
+
+Every case evaluates a tiny Llama through ``L.Trainer`` on CPU processes (gloo) three ways: in the
+validation loop of ``fit``, with ``trainer.validate`` on the fitted engine, and with ``trainer.test``
+on a fresh Trainer (DeepSpeed's inference engine), then predicts per-token log-probabilities that
+must come back in whole-sequence order and equal one process's (``rtol=1e-5``). The eval data differ from the training data in
+batch size, in length (not a multiple of sp) and in valid tokens per row (padding, masked labels), so
+shards and batches carry unequal token counts. The token-weighted loss, perplexity and accuracy must
+equal a single-process evaluation with the same weights to ``rtol=1e-5``; a mean of per-rank or
+per-batch means, or a loss off by ``sp``, misses by far more.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_ulysses import (
+    IGNORE_INDEX, Perplexity, TokenAccuracy, TokenCrossEntropy, UlyssesStrategy, token_log_probs,
+)
+from tests.launch import launch
+from tests.tiny import TinyCausalLM, collate, gathered_parameters, make_samples, tiny_llama
+
+TRAIN = dict(num=8, seq_len=16, seed=1)
+EVAL = dict(num=12, seq_len=31, seed=2, masked_spans=[(0, 9)], padding=13)
+TRAIN_BATCH, EVAL_BATCH = 2, 3
+TWO_RANKS = {"sp2_zero2": dict(sp=2, stage=2), "sp2_zero3": dict(sp=2, stage=3), "dp2_zero3": dict(sp=1, stage=3)}
+
+
+class EvalCausalLM(TinyCausalLM):
+    """TinyCausalLM plus validation and test steps that log the exact token metrics."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.metrics = torch.nn.ModuleDict({
+            stage: torch.nn.ModuleDict({"loss": TokenCrossEntropy(), "ppl": Perplexity(), "acc": TokenAccuracy()})
+            for stage in ("val", "test")
+        })
+
+    def _evaluate(self, batch: dict[str, Tensor], stage: str) -> None:
+        logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        for name, metric in self.metrics[stage].items():
+            metric.update(logits, batch["shift_labels"])
+            self.log(f"{stage}_{name}", metric)
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        log_probs = token_log_probs(logits, batch["shift_labels"])
+        return {"index": batch["index"], "log_probs": self.trainer.strategy.gather_sequence(log_probs)}
+
+
+def _trainer(case: dict[str, Any], world_size: int, **kwargs: Any) -> L.Trainer:
+    strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa")
+    return L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **kwargs,
+    )
+
+
+def _metrics(trainer: L.Trainer, stage: str) -> dict[str, float]:
+    return {name: trainer.callback_metrics[f"{stage}_{name}"].item() for name in ("loss", "ppl", "acc")}
+
+
+def eval_worker(args: dict[str, Any]) -> dict[str, Any]:
+    world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown deletes it
+    results = {}
+    for name, case in args["cases"].items():
+        eval_samples = [dict(sample, index=torch.tensor(i)) for i, sample in enumerate(make_samples(**EVAL))]
+        eval_loader = DataLoader(eval_samples, batch_size=EVAL_BATCH, collate_fn=collate)
+        train_loader = DataLoader(make_samples(**TRAIN), batch_size=TRAIN_BATCH, collate_fn=collate)
+        module = EvalCausalLM()
+        trainer = _trainer(case, world_size, max_epochs=1)
+        trainer.fit(module, train_loader, eval_loader)
+        in_fit = _metrics(trainer, "val")
+        trainer.validate(module, eval_loader, verbose=False)
+        after_fit = _metrics(trainer, "val")
+        fitted = gathered_parameters(module.model, case["stage"] == 3)
+
+        fresh = _trainer(case, world_size)
+        fresh.test(EvalCausalLM(), eval_loader, verbose=False)
+        tested = _metrics(fresh, "test")
+        predicted = {
+            int(i): log_probs[: EVAL["seq_len"]]  # drop the padding to a multiple of sp
+            for output in fresh.predict(EvalCausalLM(), eval_loader)
+            for i, log_probs in zip(output["index"], output["log_probs"])
+        }
+        results[name] = {"in_fit": in_fit, "validate": after_fit, "fitted": fitted, "test": tested,
+                         "predict": predicted}
+    return results
+
+
+def _reference_logits(params: dict[str, Tensor] | None) -> tuple[Tensor, Tensor]:
+    """One process, whole sequences, plain transformers: ``logits [S, N-1, V]`` and their labels ``[S, N-1]``."""
+    model = tiny_llama()
+    if params is not None:
+        model.load_state_dict(params)
+    batch = collate(make_samples(**EVAL))
+    labels = batch["labels"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)[:, 1:]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    return logits, labels
+
+
+def reference_metrics(params: dict[str, Tensor] | None) -> dict[str, float]:
+    """Token-weighted loss, perplexity and accuracy of one process over every eval sequence."""
+    logits, labels = _reference_logits(params)
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX).item()
+    valid = labels != IGNORE_INDEX
+    accuracy = ((logits.argmax(-1) == labels) & valid).sum().item() / valid.sum().item()
+    return {"loss": loss, "ppl": math.exp(loss), "acc": accuracy}
+
+
+def _check(results: list[dict[str, Any]], name: str) -> None:
+    fitted = reference_metrics(results[0][name]["fitted"])
+    initial = reference_metrics(None)
+    assert abs(fitted["loss"] - initial["loss"]) > 1e-3, "training did not move the eval loss; the check is too weak"
+    for rank, result in enumerate(results):
+        got = result[name]
+        for where, expected in (("in_fit", fitted), ("validate", fitted), ("test", initial)):
+            for metric, value in expected.items():
+                assert got[where][metric] == pytest.approx(value, rel=1e-5), (
+                    f"{name} rank {rank} {where} {metric}: {got[where][metric]} != single process {value}"
+                )
+
+
+def _check_predict(results: list[dict[str, Any]], name: str, sp: int) -> None:
+    logits, labels = _reference_logits(None)
+    valid = labels != IGNORE_INDEX
+    expected = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * valid
+    expected = torch.cat([expected, torch.zeros(len(expected), 1)], dim=1)  # the last token predicts nothing
+    for first in range(0, len(results), sp):  # every rank of an SP group holds its samples, in sequence order
+        group = [results[rank][name]["predict"] for rank in range(first, first + sp)]
+        assert all(got.keys() == group[0].keys() for got in group)
+        for got in group:
+            for index, log_probs in got.items():
+                torch.testing.assert_close(log_probs, expected[index], rtol=1e-5, atol=1e-6)
+    covered = sorted(i for first in range(0, len(results), sp) for i in results[first][name]["predict"])
+    assert covered == list(range(len(expected))), "every sample is predicted by exactly one SP group"
+
+
+@pytest.fixture(scope="module")
+def two_rank_results() -> list[dict[str, Any]]:
+    return launch("tests.test_eval:eval_worker", 2, {"cases": TWO_RANKS})
+
+
+@pytest.mark.parametrize("name", TWO_RANKS)
+def test_two_ranks_eval_equals_single_process(two_rank_results: list[dict[str, Any]], name: str) -> None:
+    _check(two_rank_results, name)
+    _check_predict(two_rank_results, name, TWO_RANKS[name]["sp"])
+
+
+
+def test_metrics_sum_tokens_across_uneven_shards() -> None:
+    """Without processes: two shards with 3 and 0 valid tokens give the mean over the 3, not a NaN or a halved mean."""
+    torch.manual_seed(0)
+    logits, labels = torch.randn(1, 4, 5), torch.tensor([[1, 2, 3, IGNORE_INDEX]])
+    expected = F.cross_entropy(logits[0], labels[0], ignore_index=IGNORE_INDEX)
+    metric = TokenCrossEntropy()
+    metric.update(logits[:, :2], labels[:, :2])
+    metric.update(logits[:, 2:], labels[:, 2:])
+    assert metric.compute().item() == pytest.approx(expected.item(), rel=1e-6)
+    metric.update(logits[:, 3:], labels[:, 3:])  # a shard with no valid tokens changes nothing
+    assert metric.compute().item() == pytest.approx(expected.item(), rel=1e-6)
+    with pytest.raises(RuntimeError, match="no valid tokens"):
+        empty = Perplexity()
+        empty.update(logits[:, 3:], labels[:, 3:])
+        empty.compute()

@@ -1,0 +1,88 @@
+"""``loss_normalization="global"`` equals one process taking one token mean over each whole optimizer step.
+
+With gradient accumulation and padding, the micro-batches (and DP ranks) of a step carry different
+numbers of valid tokens, so the global token mean differs from the default average of per-group means
+(the test checks that the two references are far apart). The SP run must match the global reference:
+every micro-batch loss (the exact token mean of that micro-batch over all ranks, ``rtol=1e-5``) and the
+final weights (relative update error ``< 1e-4``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_ulysses import UlyssesStrategy
+from tests.launch import launch
+from tests.tiny import (
+    TinyCausalLM, collate, epoch_order, gathered_parameters, make_samples, reference_loss, reference_training,
+    relative_update_error, tiny_llama,
+)
+
+DATA = dict(num=10, seq_len=16, seed=4, padding=9)  # odd samples have 7 real tokens, even ones 16
+BATCH, ACCUMULATE, STEPS, LR = 1, 2, 2, 0.5
+CASES = {"sp2_zero2": dict(sp=2, stage=2), "dp2_zero3": dict(sp=1, stage=3)}
+
+
+def global_worker(args: dict[str, Any]) -> dict[str, Any]:
+    world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown deletes it
+    results = {}
+    for name, case in args["cases"].items():
+        module = TinyCausalLM(lr=LR)
+        strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa",
+                                   loss_normalization="global")
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS,
+            accumulate_grad_batches=ACCUMULATE, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module, DataLoader(make_samples(**DATA), batch_size=BATCH, collate_fn=collate))
+        results[name] = {"losses": module.losses, "params": gathered_parameters(module.model, case["stage"] == 3)}
+    return results
+
+
+def reference_global_training(dp_size: int) -> tuple[list[float], dict[str, Tensor]]:
+    """One process: each step's micro-batches of every DP rank concatenated, one token mean, one SGD step.
+    Returns the token mean of each micro-batch (all DP ranks together) and the final parameters."""
+    samples = make_samples(**DATA)
+    model = tiny_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    per_rank = [epoch_order(samples, dp_size, d, epoch=0) for d in range(dp_size)]
+    micro_batch_losses = []
+    for step in range(STEPS):
+        micro_batches = [
+            [per_rank[d][(step * ACCUMULATE + m) * BATCH + i] for d in range(dp_size) for i in range(BATCH)]
+            for m in range(ACCUMULATE)
+        ]
+        with torch.no_grad():
+            micro_batch_losses += [reference_loss(model, collate(micro)).item() for micro in micro_batches]
+        reference_loss(model, collate([s for micro in micro_batches for s in micro])).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return micro_batch_losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return launch("tests.test_global_loss:global_worker", 2, {"cases": CASES})
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_global_normalization_equals_one_process_over_the_whole_step(results: list[dict[str, Any]], name: str) -> None:
+    dp_size = 2 // CASES[name]["sp"]
+    expected_losses, expected = reference_global_training(dp_size)
+    initial = {n: p.detach() for n, p in tiny_llama().named_parameters()}
+    _, per_group_mean = reference_training(make_samples(**DATA), steps=STEPS, batch_size=BATCH, dp_size=dp_size,
+                                           accumulate=ACCUMULATE, lr=LR)
+    assert relative_update_error(initial, expected, per_group_mean) > 1e-2, "the data do not tell the two normalisations apart"
+    for rank, result in enumerate(results):
+        got = result[name]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected_losses), rtol=1e-5, atol=0)
+        error = relative_update_error(initial, expected, got["params"])
+        assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
