@@ -43,7 +43,7 @@ def main() -> None:
     print(f"seq={args.seq}, heads={args.heads}, head_dim={args.dim}, {dtype}, {args.device}; "
           f"time relative to one call per document, median of {args.repeats}")
     print(f"{'doc length':>10} " + " ".join(f"{name:>16}" for name in tiles))
-    for doc_len in (32, 128, 512, 2048):
+    for doc_len in (16, 32, 64, 128, 512):
         positions = torch.arange(args.seq, device=args.device) % doc_len
         documents = Documents.from_position_ids(positions[None])
         q = torch.randn(1, args.seq, args.heads, args.dim, device=args.device, dtype=dtype, requires_grad=True)

@@ -80,9 +80,9 @@ class CoreAttention(Protocol):
     ) -> Tensor: ...
 
 
-SDPA_TILE_TOKENS = 1024
+SDPA_TILE_TOKENS = 256
 """Packed documents shorter than this share SDPA calls: consecutive documents are grouped into tiles of
-at most this many tokens, each one call with a ``[tile, tile]`` block-diagonal causal mask (1 MiB),
+at most this many tokens, each one call with a ``[tile, tile]`` block-diagonal causal mask (64 KiB),
 instead of one call per document."""
 
 
