@@ -114,7 +114,7 @@ def test_ulysses_attention_matches_single_process(
 @pytest.mark.parametrize("tile_tokens", [1024, 5, 1])
 @pytest.mark.parametrize("name", CASES)
 def test_sdpa_backend_matches_dense_reference(name: str, tile_tokens: int) -> None:
-    """Tiles of 1024 tokens hold whole rows, 5 mixes multi-document tiles and lone documents, 1 is one call per document."""
+    """Tiles of 1024 tokens hold whole rows; 5 mixes multi-document tiles and lone documents; 1: a call per document."""
     q, k, v, _, pos = _tensors(CASES[name])
     documents = None if pos is None else Documents.from_position_ids(pos)
     got = sdpa_attention(q, k, v, documents, window=CASES[name].get("window"), tile_tokens=tile_tokens)

@@ -70,7 +70,9 @@ def make_samples(num: int, seq_len: int, seed: int = 1, masked_spans: list[tuple
     return samples
 
 
-def make_packed_samples(num: int, seq_len: int, seed: int = 1, borders: tuple[int, ...] = ()) -> list[dict[str, Tensor]]:
+def make_packed_samples(
+    num: int, seq_len: int, seed: int = 1, borders: tuple[int, ...] = ()
+) -> list[dict[str, Tensor]]:
     """Rows of 3-5 packed documents of random lengths (``position_ids`` restart at 0 at each document).
 
     Even rows have a document border at each column of ``borders`` (e.g. shard borders; at most 2), the other
