@@ -86,11 +86,11 @@ at most this many tokens, each one call with a ``[tile, tile]`` block-diagonal c
 instead of one call per document."""
 
 
-def attention_mask(document_ids: Tensor, window: int | None) -> Tensor:
-    """``[n] -> [n, n]`` bool: query ``i`` may attend key ``j`` (causal, same document, inside the window)."""
-    index = torch.arange(document_ids.numel(), device=document_ids.device)
-    distance = index[:, None] - index[None, :]
-    mask = (distance >= 0) & (document_ids[:, None] == document_ids[None, :])
+def causal_mask(query_index: Tensor, key_index: Tensor, window: int | None) -> Tensor:
+    """``[n_q]``, ``[n_k]`` token indices -> ``[n_q, n_k]`` bool: the key is the query or before it, and
+    fewer than ``window`` tokens back."""
+    distance = query_index[:, None] - key_index[None, :]
+    mask = distance >= 0
     return mask if window is None else mask & (distance < window)
 
 
@@ -115,30 +115,46 @@ def sdpa_attention(
 
     Single-document rows run one batched call. Packed rows run one call per tile of consecutive
     documents (:func:`document_tiles`): a lone document uses SDPA's causal kernel, several use a
-    block-diagonal mask of the tile only, so the mask never grows past ``tile_tokens ** 2``. A sliding
-    ``window`` shorter than a document adds a band mask of that document's size.
+    block-diagonal mask of the tile only, so the mask never grows past ``tile_tokens ** 2``. A document
+    longer than a sliding ``window`` runs in query blocks of ``window`` tokens with ``[window, 2 * window]``
+    band masks: exact, no ``[N, N]`` mask.
     """
     gqa = query.shape[2] != key.shape[2]
 
-    def attend(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None) -> Tensor:  # [b, n, h, d]
-        """``document_ids`` (``[n]``) for a span of several documents, else ``None``."""
-        n = q.shape[1]
-        mask = None
-        if document_ids is not None or (window is not None and window < n):
-            ids = torch.zeros(n, device=q.device) if document_ids is None else document_ids
-            mask = attention_mask(ids, window)
+    def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:  # [b, n, h, d]; None: causal
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
             scale=scale, dropout_p=dropout_p, enable_gqa=gqa,
         )
         return out.transpose(1, 2)
 
+    def one_document(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        n = q.shape[1]
+        if window is None or window >= n:
+            return sdpa(q, k, v, None)
+        # query blocks of `window` tokens, each against the keys it can reach: O(n * window) masks
+        blocks = []
+        for start in range(0, n, window):
+            end, first = min(start + window, n), max(start - window + 1, 0)
+            index = torch.arange(first, end, device=q.device)
+            mask = causal_mask(index[start - first :], index, window)
+            blocks.append(sdpa(q[:, start:end], k[:, first:end], v[:, first:end], mask))
+        return torch.cat(blocks, dim=1)
+
+    def several_documents(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor) -> Tensor:
+        index = torch.arange(q.shape[1], device=q.device)
+        mask = causal_mask(index, index, window) & (document_ids[:, None] == document_ids[None, :])
+        return sdpa(q, k, v, mask)
+
     if documents is None or documents.one_per_row:
-        return attend(query, key, value, None)
+        return one_document(query, key, value)
     flat = [t.flatten(0, 1)[None] for t in (query, key, value)]  # [1, B * N, h, d]
     document_ids = documents.starts.flatten().cumsum(0)
-    tiles = document_tiles(documents.cu_seqlens.tolist(), tile_tokens)
-    pieces = [attend(*(t[:, s:e] for t in flat), document_ids[s:e] if count > 1 else None) for s, e, count in tiles]
+    pieces = [
+        several_documents(*(t[:, s:e] for t in flat), document_ids[s:e]) if count > 1
+        else one_document(*(t[:, s:e] for t in flat))
+        for s, e, count in document_tiles(documents.cu_seqlens.tolist(), tile_tokens)
+    ]
     return torch.cat(pieces, dim=1).view_as(query)
 
 

@@ -194,3 +194,37 @@ def test_head_layout_examples() -> None:
     qwen_7b = plan_heads(28, 4, 8)  # 7 query heads per K/V head: each K/V head on two ranks, 4 + 3 (+1 inert)
     assert (qwen_7b.heads_per_rank, qwen_7b.kv_heads_per_rank, qwen_7b.kv_slots) == (4, 1, (0, 0, 1, 1, 2, 2, 3, 3))
     assert qwen_7b.overhead == pytest.approx(32 / 28)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_sliding_window_models_run_their_window(family: str) -> None:
+    """Patched Mistral / Qwen2 (a sliding layer after a full one) equal transformers' own SDPA: logits and gradients."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from lightning_ulysses import apply_ulysses_attention
+
+    common = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, sliding_window=5, attn_implementation="sdpa")
+    if family == "mistral":
+        make = lambda: MistralForCausalLM(MistralConfig(**common))  # noqa: E731
+    else:
+        make = lambda: Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True, max_window_layers=1))  # noqa: E731
+    torch.manual_seed(0)
+    reference_model = make()
+    torch.manual_seed(0)
+    model = make()
+    apply_ulysses_attention(model, None, 1, "sdpa")
+    ids = torch.randint(1, 61, (2, 20), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(20).expand(2, 20)
+    expected = reference_model(input_ids=ids).logits
+    got = model(input_ids=ids, position_ids=positions).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    expected.square().mean().backward()
+    got.square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    reference_model.config.sliding_window = 1000  # the window changes the result: the comparison is not vacuous
+    for layer in reference_model.model.layers:  # Qwen2 keeps the window per layer, Mistral reads its config
+        if getattr(layer.self_attn, "sliding_window", None):
+            layer.self_attn.sliding_window = 1000
+    assert (reference_model(input_ids=ids).logits - expected).abs().max() > 1e-3
