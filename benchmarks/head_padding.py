@@ -12,7 +12,8 @@ Reported per model: its query / key-value slots per rank, and, relative to an un
 same number of *real* heads (the baseline scaled by ``heads / baseline_heads``):
 
 * ``bytes/real``: all-to-all bytes (exact, counted);
-* ``time/real``: attention time (measured).
+* ``time/real``: attention wall time (measured, slowest rank);
+* ``cpu/real``: attention CPU time summed over ranks (measured; steadier than wall time on a shared CPU).
 
 Both come out near ``slots / heads``: a padded head costs what a real one does, and only the attention
 core and its all-to-alls pay; projections, MLP and loss run on the real heads.
@@ -54,22 +55,30 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     dist.all_to_all_single = counting
     shapes = sorted({shape for pair in MODELS.items() for shape in pair})
     times: dict[tuple[int, int], list[float]] = {shape: [] for shape in shapes}
+    cpu_times: dict[tuple[int, int], list[float]] = {shape: [] for shape in shapes}
     sent_bytes: dict[tuple[int, int], int] = {}
     for repeat in range(args["repeats"] + 1):  # round 0 warms up
         for heads, kv_heads in shapes:
             q = torch.randn(1, seq // sp, heads, dim, requires_grad=True)
             k, v = (torch.randn(1, seq // sp, kv_heads, dim, requires_grad=True) for _ in range(2))
             dist.barrier()
-            sent[0], start = 0, time.perf_counter()
+            sent[0], start, cpu_start = 0, time.perf_counter(), time.process_time()
             ulysses_attention(q, k, v, group=dist.group.WORLD).sum().backward()
             elapsed = torch.tensor(time.perf_counter() - start)
+            cpu = torch.tensor(time.process_time() - cpu_start)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
             if repeat:
                 times[heads, kv_heads].append(elapsed.item())
+                cpu_times[heads, kv_heads].append(cpu.item())
             sent_bytes[heads, kv_heads] = sent[0]
     dist.all_to_all_single = all_to_all_single
     dist.destroy_process_group()
-    return {"times": {s: statistics.median(t) for s, t in times.items()}, "bytes": sent_bytes}
+    return {
+        "times": {s: statistics.median(t) for s, t in times.items()},
+        "cpu_times": {s: statistics.median(t) for s, t in cpu_times.items()},
+        "bytes": sent_bytes,
+    }
 
 
 def main() -> None:
@@ -80,9 +89,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     result = launch("benchmarks.head_padding:worker", args.sp, vars(args), timeout=3600)[0]
-    times, sent = result["times"], result["bytes"]
+    times, cpu_times, sent = result["times"], result["cpu_times"], result["bytes"]
     print(f"sp={args.sp}, seq={args.seq}, head_dim={args.dim}, fp32, CPU gloo; median of {args.repeats} rounds")
-    print(f"{'heads/kv':>9} {'slots/rank':>10} {'baseline':>9} {'slots/heads':>11} {'bytes/real':>10} {'time/real':>9}")
+    print(f"{'heads/kv':>9} {'slots/rank':>10} {'baseline':>9} {'slots/heads':>11} {'bytes/real':>10} "
+          f"{'time/real':>9} {'cpu/real':>9}")
     for (heads, kv_heads), (base_heads, base_kv) in MODELS.items():
         layout = plan_heads(heads, kv_heads, args.sp)
         scale = heads / base_heads  # an unpadded model with `heads` real heads, extrapolated from the baseline
@@ -90,7 +100,8 @@ def main() -> None:
             f"{heads:>4}/{kv_heads:<4} {layout.heads_per_rank:>5}/{layout.kv_heads_per_rank:<4} "
             f"{base_heads:>4}/{base_kv:<4} {layout.overhead:>11.2f} "
             f"{sent[heads, kv_heads] / (scale * sent[base_heads, base_kv]):>10.2f} "
-            f"{times[heads, kv_heads] / (scale * times[base_heads, base_kv]):>9.2f}"
+            f"{times[heads, kv_heads] / (scale * times[base_heads, base_kv]):>9.2f} "
+            f"{cpu_times[heads, kv_heads] / (scale * cpu_times[base_heads, base_kv]):>9.2f}"
         )
 
 

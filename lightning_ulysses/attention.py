@@ -2,9 +2,9 @@
 
 Per attention layer, with ``P`` ranks in the SP group::
 
-    q, k, v  [B, N/P, H, D]  --all-to-all #1-->  [B, N, H/P, D]   (all tokens, a slice of the heads)
-                                                     |  core attention (SDPA, flash-attn, flex)
-    out      [B, N/P, H, D]  <--all-to-all #2--  [B, N, H/P, D]
+    q, k, v  [B, N/P, H, D]  --all-to-all #1-->  [B, N, h, D]   (all tokens, h = ceil(H/P) head slots)
+                                                   |  core attention (SDPA, flash-attn, flex)
+    out      [B, N/P, H, D]  <--all-to-all #2--  [B, N, h, D]
 
 Heads are independent, so this is exact. Documents (packed samples, padding runs) are read from
 the global ``position_ids``: a token starts a document when it is first in its row or its position

@@ -20,11 +20,10 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from transformers import AttentionInterface, PreTrainedModel
-
-from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_ulysses.attention import ulysses_attention
 from lightning_ulysses.heads import plan_heads
