@@ -5,6 +5,7 @@ from lightning_ulysses.callbacks import SequenceParallelMonitor, SequenceParalle
 from lightning_ulysses.checkpoint import check_resumable, export_hf_model
 from lightning_ulysses.data import ByteTokenizer, LongTextDataModule
 from lightning_ulysses.flops import TransformerFlops
+from lightning_ulysses.heads import HeadLayout, plan_heads
 from lightning_ulysses.loss import UlyssesLossMixin, token_cross_entropy
 from lightning_ulysses.metrics import Perplexity, TokenAccuracy, TokenCrossEntropy
 from lightning_ulysses.model import CausalLM
@@ -18,6 +19,7 @@ __all__ = [
     "IGNORE_INDEX",
     "ByteTokenizer",
     "CausalLM",
+    "HeadLayout",
     "LongTextDataModule",
     "Perplexity",
     "SequenceParallelMonitor",
@@ -32,6 +34,7 @@ __all__ = [
     "check_resumable",
     "export_hf_model",
     "gather_sequence",
+    "plan_heads",
     "prepare_batch",
     "remove_ulysses_attention",
     "sequence_parallel_disabled",

@@ -2,16 +2,22 @@
 
 Per attention layer, with ``P`` ranks in the SP group::
 
-    q, k, v  [B, N/P, H, D]  --all-to-all #1-->  [B, N, H/P, D]   (all tokens, a slice of the heads)
-                                                     |  core attention (SDPA, flash-attn, flex)
-    out      [B, N/P, H, D]  <--all-to-all #2--  [B, N, H/P, D]
+    q, k, v  [B, N/P, H, D]  --all-to-all #1-->  [B, N, h, D]   (all tokens, h = ceil(H/P) head slots)
+                                                   |  core attention (SDPA, flash-attn, flex)
+    out      [B, N/P, H, D]  <--all-to-all #2--  [B, N, h, D]
 
 Heads are independent, so this is exact. Documents (packed samples, padding runs) are read from
 the global ``position_ids``: a token starts a document when it is first in its row or its position
 id is 0 (see :mod:`lightning_ulysses.sharding`); attention never crosses a document start.
 
+Any head count: heads are laid out on ``sp_size`` equal groups of slots, padded with inert heads and
+with K/V heads replicated where needed (:mod:`lightning_ulysses.heads`), so the all-to-alls are even
+(gloo refuses uneven splits) and exact.
+
 Each core backend takes ``query [B, N, h, D]``, ``key``/``value [B, N, kv_h, D]`` (``h`` a multiple
-of ``kv_h``) and the document layout, and returns ``[B, N, h, D]``.
+of ``kv_h``, query head ``i`` reading K/V head ``i // (h / kv_h)``), the document layout and an optional
+sliding ``window`` (a query attends to itself and the ``window - 1`` tokens before it, as in Hugging
+Face's Mistral/Qwen2), and returns ``[B, N, h, D]``.
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_ulysses.heads import plan_heads, select_heads
 from lightning_ulysses.sharding import document_starts
-from lightning_ulysses.topology import divisors
 
 
 # ----------------------------------------------------------------------------------------------
@@ -70,70 +76,127 @@ class Documents:
 class CoreAttention(Protocol):
     def __call__(
         self, query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, *, scale: float | None,
-        dropout_p: float,
+        dropout_p: float, window: int | None,
     ) -> Tensor: ...
+
+
+SDPA_TILE_TOKENS = 256
+"""Packed documents shorter than this share SDPA calls: consecutive documents are grouped into tiles of
+at most this many tokens, each one call with a ``[tile, tile]`` block-diagonal causal mask (64 KiB),
+instead of one call per document."""
+
+
+def causal_mask(query_index: Tensor, key_index: Tensor, window: int | None) -> Tensor:
+    """``[n_q]``, ``[n_k]`` token indices -> ``[n_q, n_k]`` bool: the key is the query or before it, and
+    fewer than ``window`` tokens back."""
+    distance = query_index[:, None] - key_index[None, :]
+    mask = distance >= 0
+    return mask if window is None else mask & (distance < window)
+
+
+def document_tiles(cu_seqlens: list[int], max_tokens: int) -> list[tuple[int, int, int]]:
+    """Group consecutive documents (offsets ``cu_seqlens``) into ``(start, end, num_documents)`` spans of at
+    most ``max_tokens`` tokens; a longer document is a span of its own."""
+    tiles, start, count = [], cu_seqlens[0], 0
+    for begin, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        if end - start > max_tokens and count:
+            tiles.append((start, begin, count))
+            start, count = begin, 0
+        count += 1
+    tiles.append((start, cu_seqlens[-1], count))
+    return tiles
 
 
 def sdpa_attention(
     query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, *, scale: float | None = None,
-    dropout_p: float = 0.0,
+    dropout_p: float = 0.0, window: int | None = None, tile_tokens: int = SDPA_TILE_TOKENS,
 ) -> Tensor:
     """Causal attention with ``torch.nn.functional.scaled_dot_product_attention``.
 
-    Packed rows run one causal SDPA call per document (exact, no ``N x N`` mask); single-document
-    rows run one batched call.
+    Single-document rows run one batched call. Packed rows run one call per tile of consecutive
+    documents (:func:`document_tiles`): a lone document uses SDPA's causal kernel, several use a
+    block-diagonal mask of the tile only, so the mask never grows past ``tile_tokens ** 2``. A document
+    longer than a sliding ``window`` runs in query blocks of ``window`` tokens with ``[window, 2 * window]``
+    band masks: exact, no ``[N, N]`` mask.
     """
     gqa = query.shape[2] != key.shape[2]
 
-    def causal(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [b, n, h, d] -> [b, n, h, d]
+    def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:  # [b, n, h, d]; None: causal
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
-            dropout_p=dropout_p, enable_gqa=gqa,
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
+            scale=scale, dropout_p=dropout_p, enable_gqa=gqa,
         )
         return out.transpose(1, 2)
 
+    def one_document(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        n = q.shape[1]
+        if window is None or window >= n:
+            return sdpa(q, k, v, None)
+        # query blocks of `window` tokens, each against the keys it can reach: O(n * window) masks
+        blocks = []
+        for start in range(0, n, window):
+            end, first = min(start + window, n), max(start - window + 1, 0)
+            index = torch.arange(first, end, device=q.device)
+            mask = causal_mask(index[start - first :], index, window)
+            blocks.append(sdpa(q[:, start:end], k[:, first:end], v[:, first:end], mask))
+        return torch.cat(blocks, dim=1)
+
+    def several_documents(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor) -> Tensor:
+        index = torch.arange(q.shape[1], device=q.device)
+        mask = causal_mask(index, index, window) & (document_ids[:, None] == document_ids[None, :])
+        return sdpa(q, k, v, mask)
+
     if documents is None or documents.one_per_row:
-        return causal(query, key, value)
-    flat = [t.flatten(0, 1) for t in (query, key, value)]  # [B * N, h, d]
-    bounds = documents.cu_seqlens.tolist()
-    pieces = [causal(*(t[None, s:e] for t in flat))[0] for s, e in zip(bounds[:-1], bounds[1:])]
-    return torch.cat(pieces).view_as(query)
+        return one_document(query, key, value)
+    flat = [t.flatten(0, 1)[None] for t in (query, key, value)]  # [1, B * N, h, d]
+    document_ids = documents.starts.flatten().cumsum(0)
+    pieces = [
+        several_documents(*(t[:, s:e] for t in flat), document_ids[s:e]) if count > 1
+        else one_document(*(t[:, s:e] for t in flat))
+        for s, e, count in document_tiles(documents.cu_seqlens.tolist(), tile_tokens)
+    ]
+    return torch.cat(pieces, dim=1).view_as(query)
+
+
+def _flash_window(window: int | None) -> tuple[int, int]:
+    return (-1, -1) if window is None else (window - 1, 0)
 
 
 def flash_attention_2(
     query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, *, scale: float | None = None,
-    dropout_p: float = 0.0,
+    dropout_p: float = 0.0, window: int | None = None,
 ) -> Tensor:
     """flash-attn 2 (CUDA, fp16/bf16); packed rows use the varlen kernel with ``cu_seqlens``."""
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 
+    options = dict(dropout_p=dropout_p, softmax_scale=scale, causal=True, window_size=_flash_window(window))
     if documents is None or documents.one_per_row:
-        return flash_attn_func(query, key, value, dropout_p=dropout_p, softmax_scale=scale, causal=True)
+        return flash_attn_func(query, key, value, **options)
     out = flash_attn_varlen_func(
         *(t.flatten(0, 1) for t in (query, key, value)),
         cu_seqlens_q=documents.cu_seqlens, cu_seqlens_k=documents.cu_seqlens,
-        max_seqlen_q=documents.max_seqlen, max_seqlen_k=documents.max_seqlen,
-        dropout_p=dropout_p, softmax_scale=scale, causal=True,
+        max_seqlen_q=documents.max_seqlen, max_seqlen_k=documents.max_seqlen, **options,
     )
     return out.view_as(query)
 
 
 def flash_attention_3(
     query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, *, scale: float | None = None,
-    dropout_p: float = 0.0,
+    dropout_p: float = 0.0, window: int | None = None,
 ) -> Tensor:
     """flash-attn 3 (Hopper, ``flash_attn_interface``); no dropout."""
     from flash_attn_interface import flash_attn_func, flash_attn_varlen_func
 
     if dropout_p:
         raise ValueError("flash_attention_3 has no attention dropout; set the model's attention_dropout to 0.")
+    options = dict(softmax_scale=scale, causal=True, window_size=_flash_window(window))
     if documents is None or documents.one_per_row:
-        out = flash_attn_func(query, key, value, softmax_scale=scale, causal=True)
+        out = flash_attn_func(query, key, value, **options)
     else:
         out = flash_attn_varlen_func(
             *(t.flatten(0, 1) for t in (query, key, value)),
             cu_seqlens_q=documents.cu_seqlens, cu_seqlens_k=documents.cu_seqlens,
-            max_seqlen_q=documents.max_seqlen, max_seqlen_k=documents.max_seqlen, softmax_scale=scale, causal=True,
+            max_seqlen_q=documents.max_seqlen, max_seqlen_k=documents.max_seqlen, **options,
         )
     out = out[0] if isinstance(out, tuple) else out  # some releases also return the log-sum-exp
     return out.view_as(query)
@@ -141,7 +204,7 @@ def flash_attention_3(
 
 def flex_attention(
     query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, *, scale: float | None = None,
-    dropout_p: float = 0.0,
+    dropout_p: float = 0.0, window: int | None = None,
 ) -> Tensor:
     """``torch.nn.attention.flex_attention`` with a causal document block mask (no CPU backward in torch)."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -150,16 +213,15 @@ def flex_attention(
     if dropout_p:
         raise ValueError("flex_attention has no attention dropout; set the model's attention_dropout to 0.")
     batch, seq_len = query.shape[:2]
-    if documents is None or documents.one_per_row:
+    document_ids = None if documents is None or documents.one_per_row else documents.document_ids
 
-        def mask_mod(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-            return q >= kv
-
-    else:
-        doc = documents.document_ids
-
-        def mask_mod(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-            return (q >= kv) & (doc[b, q] == doc[b, kv])
+    def mask_mod(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        allowed = q >= kv
+        if document_ids is not None:
+            allowed = allowed & (document_ids[b, q] == document_ids[b, kv])
+        if window is not None:
+            allowed = allowed & (q - kv < window)
+        return allowed
 
     block_mask = create_block_mask(mask_mod, batch, None, seq_len, seq_len, device=str(query.device))
     out = flex(
@@ -167,7 +229,6 @@ def flex_attention(
         enable_gqa=query.shape[2] != key.shape[2],
     )
     return out.transpose(1, 2)
-
 
 CORE_ATTENTION: dict[str, CoreAttention] = {
     "sdpa": sdpa_attention,
@@ -248,28 +309,6 @@ def gather_sequence(x: Tensor, group: ProcessGroup) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# head layout
-# ----------------------------------------------------------------------------------------------
-def check_heads(num_heads: int, num_kv_heads: int, sp_size: int) -> None:
-    """Refuse head counts that Ulysses attention cannot split over ``sp_size`` ranks.
-
-    Query heads must divide by ``sp_size``; K/V heads must either divide by it, or divide it
-    (each K/V head is then replicated ``sp_size / kv_heads`` times, one copy per rank that holds
-    query heads of its group).
-    """
-    valid = [p for p in divisors(num_heads) if num_kv_heads % p == 0 or p % num_kv_heads == 0]
-    ok = num_heads % sp_size == 0 and (num_kv_heads % sp_size == 0 or sp_size % num_kv_heads == 0)
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}.")
-    if not ok:
-        raise ValueError(
-            f"The model has {num_heads} attention heads and {num_kv_heads} key/value heads, which cannot be split "
-            f"over sp_size={sp_size} ranks: heads must divide by sp_size, and key/value heads must divide by "
-            f"sp_size or divide it. Valid sp_size values for this model: {valid}."
-        )
-
-
-# ----------------------------------------------------------------------------------------------
 # the public entry point
 # ----------------------------------------------------------------------------------------------
 def ulysses_attention(
@@ -280,19 +319,24 @@ def ulysses_attention(
     group: ProcessGroup | None,
     attn_fn: str | CoreAttention = "sdpa",
     position_ids: Tensor | None = None,
-    **attn_kwargs: Any,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    window: int | None = None,
 ) -> Tensor:
-    """Causal attention over a sequence sharded across the ranks of ``group``.
+    """Causal attention over a sequence sharded across the ranks of ``group``, any head count.
 
     Args:
         query: ``[B, N/P, H, D]``, this rank's tokens, all heads.
-        key, value: ``[B, N/P, H_kv, D]``.
+        key, value: ``[B, N/P, H_kv, D]``, ``H`` a multiple of ``H_kv``.
         group: the sequence-parallel process group (``strategy.sp_group``); ``None`` runs locally.
         attn_fn: a core backend name (``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``,
             ``"flex_attention"``) or a callable with the :class:`CoreAttention` signature.
         position_ids: ``[B, N/P]`` global position ids of this rank's tokens. They delimit packed
             documents; ``None`` treats every row as one document.
-        **attn_kwargs: ``scale`` and ``dropout_p``, passed to the core backend.
+        scale: softmax scale (``None``: ``D ** -0.5``).
+        dropout_p: attention dropout probability.
+        window: sliding window; a token attends to itself and the ``window - 1`` tokens before it
+            (``None``: unbounded).
 
     Returns:
         ``[B, N/P, H, D]``: the attention output of this rank's tokens. Gradients flow back to
@@ -300,17 +344,14 @@ def ulysses_attention(
     """
     core = CORE_ATTENTION[attn_fn] if isinstance(attn_fn, str) else attn_fn
     sp_size = 1 if group is None else dist.get_world_size(group)
-    num_heads, num_kv_heads = query.shape[2], key.shape[2]
-    check_heads(num_heads, num_kv_heads, sp_size)
+    layout = plan_heads(query.shape[2], key.shape[2], sp_size)
+    if position_ids is not None and sp_size > 1:
+        position_ids = gather_sequence(position_ids, group)
+    documents = None if position_ids is None else Documents.from_position_ids(position_ids)
     if sp_size == 1:
-        documents = None if position_ids is None else Documents.from_position_ids(position_ids)
-        return core(query, key, value, documents, **attn_kwargs)
+        return core(query, key, value, documents, scale=scale, dropout_p=dropout_p, window=window)
 
-    if num_kv_heads < sp_size:  # replicate K/V heads so that each rank receives the one its queries use
-        key = key.repeat_interleave(sp_size // num_kv_heads, dim=2)
-        value = value.repeat_interleave(sp_size // num_kv_heads, dim=2)
-    query, key, value = (sequence_to_heads(t, group) for t in (query, key, value))
-    documents = None if position_ids is None else Documents.from_position_ids(gather_sequence(position_ids, group))
-    out = core(query, key, value, documents, **attn_kwargs)
-    return heads_to_sequence(out, group)
-
+    query = sequence_to_heads(select_heads(query, layout.query_slots), group)  # [B, N, h, D]
+    key, value = (sequence_to_heads(select_heads(t, layout.kv_slots), group) for t in (key, value))
+    out = core(query, key, value, documents, scale=scale, dropout_p=dropout_p, window=window)
+    return select_heads(heads_to_sequence(out, group), layout.output_slots)  # [B, N/P, H, D]

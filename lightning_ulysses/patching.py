@@ -6,6 +6,8 @@ other models in the process keep working), point the patched model's config at i
 module that holds that config (the attention layers among them) with the SP group and the core
 backend. ``"ulysses"`` has no mask function in transformers, so the model builds no attention mask:
 padding and document borders come from the global ``position_ids`` instead (O(N), not O(N^2)).
+Sliding windows (Mistral, Qwen2's sliding layers) arrive per layer as ``sliding_window`` and are
+computed exactly by every core backend.
 
 The model's ``forward`` is wrapped so that it refuses to run without ``position_ids``: transformers
 would otherwise build local positions ``0 .. N/sp - 1`` on every rank and RoPE would be silently wrong
@@ -20,11 +22,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from transformers import AttentionInterface, PreTrainedModel
 
-from lightning_ulysses.attention import check_heads, ulysses_attention
+from lightning_ulysses.attention import ulysses_attention
+from lightning_ulysses.heads import plan_heads
 
 ULYSSES_ATTN_IMPLEMENTATION = "ulysses"
 
@@ -55,12 +59,11 @@ def _hf_ulysses_attention(
             f"{type(module).__name__} dispatched to Ulysses attention but was not patched by lightning-ulysses; "
             "call apply_ulysses_attention on the model that owns it."
         )
-    for unsupported in ("sliding_window", "softcap", "s_aux"):
+    for unsupported in ("softcap", "s_aux"):
         if kwargs.get(unsupported) is not None:
             raise NotImplementedError(
                 f"{type(module).__name__} asks for {unsupported}={kwargs[unsupported]!r}, which Ulysses attention does "
-                f"not implement; it would silently compute plain causal attention instead. For sliding windows "
-                f"longer than your sequences set config.sliding_window=None; otherwise train this model without SP."
+                "not implement; it would silently compute plain causal attention instead. Train this model without SP."
             )
     if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
         raise NotImplementedError(f"{type(module).__name__} is bidirectional; Ulysses attention here is causal only.")
@@ -69,6 +72,7 @@ def _hf_ulysses_attention(
     out = ulysses_attention(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
         group=context.group, attn_fn=context.core, position_ids=position_ids, scale=scaling, dropout_p=dropout,
+        window=kwargs.get("sliding_window"),
     )
     return out, None
 
@@ -95,8 +99,9 @@ def _require_position_ids(forward: Any) -> Any:
 def apply_ulysses_attention(model: nn.Module, group: ProcessGroup | None, sp_size: int, core: str) -> None:
     """Make every transformers ``PreTrainedModel`` inside ``model`` run Ulysses attention over ``group``.
 
-    Raises before any work if a model cannot be split: heads vs ``sp_size``, or an architecture whose
-    attention does not go through transformers' attention interface. Idempotent.
+    Any head count runs (see :mod:`lightning_ulysses.heads`; a layout with inert heads is logged with its
+    overhead). Raises before any work for what cannot run: attention logit soft-capping, or an architecture
+    whose attention does not go through transformers' attention interface. Idempotent.
     """
     context = UlyssesAttentionContext(group, core, sp_size)
     for sub in model.modules():
@@ -120,8 +125,19 @@ def _check_supported(model: PreTrainedModel, sp_size: int) -> None:
             "...), or call lightning_ulysses.ulysses_attention from your own attention module."
         )
     text_config = model.config.get_text_config()
+    if getattr(text_config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(
+            f"{type(model).__name__} soft-caps its attention logits (attn_logit_softcapping="
+            f"{text_config.attn_logit_softcapping}), which Ulysses attention does not implement. Train it without SP."
+        )
     num_heads = text_config.num_attention_heads
-    check_heads(num_heads, getattr(text_config, "num_key_value_heads", None) or num_heads, sp_size)
+    layout = plan_heads(num_heads, getattr(text_config, "num_key_value_heads", None) or num_heads, sp_size)
+    if layout.overhead > 1 or layout.kv_overhead > 1:
+        rank_zero_info(
+            f"{type(model).__name__}: {layout.num_heads} attention heads / {layout.num_kv_heads} key/value heads over "
+            f"sp_size={sp_size} run as {layout.heads_per_rank} / {layout.kv_heads_per_rank} per rank "
+            f"({layout.overhead:.2f}x attention compute, {layout.kv_overhead:.2f}x key/value traffic)."
+        )
 
 
 def remove_ulysses_attention(model: nn.Module) -> None:

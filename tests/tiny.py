@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -12,6 +13,7 @@ from torch.utils.data import DistributedSampler
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_ulysses import IGNORE_INDEX, UlyssesLossMixin
+from lightning_ulysses.sharding import positions_within_runs
 
 VOCAB = 61
 
@@ -69,8 +71,37 @@ def make_samples(num: int, seq_len: int, seed: int = 1, masked_spans: list[tuple
     return samples
 
 
+def make_packed_samples(
+    num: int, seq_len: int, seed: int = 1, borders: tuple[int, ...] = ()
+) -> list[dict[str, Tensor]]:
+    """Rows of 3-5 packed documents of random lengths (``position_ids`` restart at 0 at each document).
+
+    Even rows have a document border at each column of ``borders`` (e.g. shard borders; at most 2), the other
+    borders are random.
+    """
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(num):
+        num_documents = int(torch.randint(3, 6, (), generator=g))
+        cuts = list(borders) if i % 2 == 0 else []
+        cuts += [c for c in (torch.randperm(seq_len - 1, generator=g) + 1).tolist() if c not in cuts]
+        starts = torch.zeros(seq_len, dtype=torch.bool)
+        starts[[0, *cuts[: num_documents - 1]]] = True
+        samples.append({
+            "input_ids": torch.randint(1, VOCAB, (seq_len,), generator=g),
+            "position_ids": positions_within_runs(starts[None])[0],
+        })
+    return samples
+
+
 def reference_loss(model: LlamaForCausalLM, batch: dict[str, Tensor]) -> Tensor:
-    """The standard single-process loss on whole sequences: transformers' forward, shift, token mean."""
+    """The standard single-process loss on whole sequences: transformers' forward, shift, token mean.
+
+    Packed rows (``position_ids`` restarting at 0) run every document through the model on its own, so no
+    attention can cross a document border whatever our attention code does.
+    """
+    if "position_ids" in batch:
+        return _packed_reference_loss(model, batch)
     labels = batch.get("labels", batch["input_ids"]).clone()
     mask = batch.get("attention_mask")
     if mask is not None:
@@ -79,22 +110,48 @@ def reference_loss(model: LlamaForCausalLM, batch: dict[str, Tensor]) -> Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
 
 
+def _packed_reference_loss(model: LlamaForCausalLM, batch: dict[str, Tensor]) -> Tensor:
+    loss_sum, num_tokens = 0.0, 0
+    for ids, positions in zip(batch["input_ids"], batch["position_ids"]):
+        bounds = [*(positions == 0).nonzero().flatten().tolist(), len(ids)]
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            logits = model(input_ids=ids[None, start:end]).logits[0]
+            loss_sum = loss_sum + F.cross_entropy(logits[:-1], ids[start + 1 : end], reduction="sum")
+            num_tokens += end - start - 1
+    return loss_sum / num_tokens
+
+
 def collate(samples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
 
 
+def collate_padded(samples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Right-pad ``input_ids`` rows of different lengths to the longest, with an ``attention_mask``."""
+    length = max(len(s["input_ids"]) for s in samples)
+    input_ids = torch.zeros(len(samples), length, dtype=torch.long)
+    attention_mask = torch.zeros(len(samples), length, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        input_ids[row, : len(sample["input_ids"])] = sample["input_ids"]
+        attention_mask[row, : len(sample["input_ids"])] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+Collate = Callable[[list[dict[str, Tensor]]], dict[str, Tensor]]
+
+
 def dp_batches(
-    samples: list[dict[str, Tensor]], batch_size: int, dp_size: int = 1, epoch: int = 0
+    samples: list[dict[str, Tensor]], batch_size: int, dp_size: int = 1, epoch: int = 0, collate_fn: Collate = collate
 ) -> list[list[dict[str, Tensor]]]:
     """``[dp_rank][batch]``: the collated batches each DP rank's training loader yields in ``epoch``, dealt by the
-    DistributedSampler that Lightning puts on a training loader (shuffled, seed 0)."""
+    DistributedSampler that Lightning puts on a training loader (shuffled, seed 0); the last batch of an epoch
+    may be smaller, as with ``drop_last=False``."""
     per_rank = [epoch_order(samples, dp_size, d, epoch) for d in range(dp_size)]
-    return [[collate(rank[i:i + batch_size]) for i in range(0, len(rank), batch_size)] for rank in per_rank]
+    return [[collate_fn(rank[i:i + batch_size]) for i in range(0, len(rank), batch_size)] for rank in per_rank]
 
 
 def reference_training(
     samples: list[dict[str, Tensor]], *, steps: int, batch_size: int, dp_size: int = 1, accumulate: int = 1,
-    lr: float = 0.5, momentum: float = 0.0, epochs: int = 1, **model_overrides: Any,
+    lr: float = 0.5, momentum: float = 0.0, epochs: int = 1, collate_fn: Collate = collate, **model_overrides: Any,
 ) -> tuple[list[float], dict[str, Tensor]]:
     """SGD as DDP over ``dp_size`` ranks would run it, one process, whole sequences.
 
@@ -105,7 +162,7 @@ def reference_training(
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     losses = []
     for epoch in range(epochs):
-        per_rank = dp_batches(samples, batch_size, dp_size, epoch)
+        per_rank = dp_batches(samples, batch_size, dp_size, epoch, collate_fn)
         for step in range(steps):
             for micro in range(accumulate):
                 for d in range(dp_size):
