@@ -51,11 +51,16 @@ def train_worker(args: dict[str, Any]) -> dict[str, Any]:
     return {name: _fit(case, world_size) for name, case in args["cases"].items()}
 
 
-def _fit(case: dict[str, Any], world_size: int) -> dict[str, Any]:
+def _fit(
+    case: dict[str, Any], world_size: int, module_class: type[TinyCausalLM] = TinyCausalLM,
+    strategy_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     import deepspeed
 
-    module = TinyCausalLM(lr=LR, **case.get("model", {}))
-    strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa")
+    module = module_class(lr=LR, **case.get("model", {}))
+    strategy = UlyssesStrategy(
+        sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa", **(strategy_kwargs or {})
+    )
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS,
         accumulate_grad_batches=case.get("accumulate", 1), logger=False, enable_checkpointing=False,
