@@ -12,8 +12,6 @@ process, against their untiled computation.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,7 @@ from lightning_ulysses import (
     tiled_map,
 )
 from lightning_ulysses.memory import resolve_num_tiles
-from tests.launch import REPO_ROOT, launch
+from tests.launch import launch
 from tests.test_equivalence import BATCH, LR, STEPS, SEQ, _fit
 from tests.tiny import (
     VOCAB,
@@ -232,10 +230,12 @@ def test_offload_moves_checkpointed_inputs_off_the_gpu() -> None:
 
 
 def test_benchmark_runs_in_quick_mode(tmp_path: Path) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "benchmarks.memory", "--quick", "--out", str(tmp_path)],
-        cwd=REPO_ROOT, check=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    from benchmarks.memory import main
+
+    peaks = main(["--quick", "--out", str(tmp_path)])
+    # large margins: the measured ratios are ~0.5 and ~0.3; a broken measurement or option gives ~1
+    assert peaks["plain", 2, 512] < 0.75 * peaks["plain", 1, 512]
+    assert peaks["all", 1, 512] < 0.75 * peaks["plain", 1, 512]
     table = (tmp_path / "memory.md").read_text()
     assert "| plain | 1 |" in table and "| all | 2 |" in table
     assert (tmp_path / "memory.png").stat().st_size > 0
