@@ -45,6 +45,7 @@ CONFIGS: dict[str, MemoryOptions] = {
     "tiled_loss": MemoryOptions(tiled_loss=True),
     "checkpointing": MemoryOptions(activation_checkpointing=True),
     "checkpointing+offload": MemoryOptions(activation_checkpointing=True, offload_activations=True),
+    "tiled_loss+checkpointing": MemoryOptions(tiled_loss=True, activation_checkpointing=True),
     "all": MemoryOptions(tiled_mlp=True, tiled_loss=True, activation_checkpointing=True, offload_activations=True),
 }
 MiB = 2**20
@@ -141,6 +142,7 @@ def plot(results: dict[tuple[str, int, int], float], configs: list[str], sp_size
         for config in configs:
             ax.plot(seq_lens, [results[config, sp, n] / MiB for n in seq_lens], marker="o", label=config)
         ax.set(xscale="log", yscale="log", xlabel="sequence length N", title=f"sp={sp}")
+        ax.minorticks_off()
         ax.set_xticks(seq_lens, [str(n) for n in seq_lens])
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("peak step memory per rank (MiB)")
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int, int], float]:
     title = f"Peak step memory per rank, {args.device}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "memory.md").write_text(
-        f"# {title}\n\nMade by `python -m benchmarks.memory {' '.join(argv)}` (see its docstring for the "
+        f"# {title}\n\nMade by `{' '.join(['python -m benchmarks.memory', *argv])}` (see its docstring for the "
         f"method). Model: Llama, {model}, fp32, batch 1, one forward + backward.\n\n{table}\n\n![plot](memory.png)\n"
     )
     plot(results, configs, args.sp, args.seq_lens, args.out / "memory.png", title)
