@@ -9,8 +9,8 @@ A fixed small Llama-style model runs forward + backward on one sequence of ``N``
 :class:`~lightning_ulysses.MemoryOptions`. Every sp size runs in its own processes and measures all
 configurations and lengths there. Reported per rank (the largest over the group): the step's peak above
 what was resident before it (weights and gradient buffers), its ratio to the plain sp=1 peak at the same
-length, and the longest sequence whose peak fits a per-rank budget, from a linear fit of the measured
-peaks (activation memory is linear in N with the O(N) attention kernels).
+length, and the longest sequence whose peak fits a per-rank budget, extrapolated along the line through
+the two longest measurements (activation memory is linear in N with the O(N) attention kernels).
 
 CPU: the RSS high-water mark (``VmHWM`` after a reset through ``/proc/self/clear_refs``) in processes
 started with ``MALLOC_MMAP_THRESHOLD_=65536``, so freed tensors go back to the OS and RSS follows the live
@@ -107,26 +107,25 @@ def _proc_status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def longest_fitting(peaks: dict[int, float], budget: float) -> int:
-    """Longest ``N`` with ``a + b * N <= budget`` for the least-squares line through ``{N: peak}``."""
-    lengths = torch.tensor(list(peaks), dtype=torch.float64)
-    values = torch.tensor(list(peaks.values()), dtype=torch.float64)
-    slope = ((lengths - lengths.mean()) * (values - values.mean())).sum() / ((lengths - lengths.mean()) ** 2).sum()
-    intercept = values.mean() - slope * lengths.mean()
-    return max(0, int((budget - intercept) / slope)) if slope > 0 else 0
+def longest_fitting(peaks: dict[int, float], budget: float) -> int | None:
+    """Longest ``N`` under ``budget`` on the line through the peaks at the two longest measured lengths, where
+    the terms that grow with ``N`` dominate (fixed per-tile buffers flatten the short end). ``None``: no growth."""
+    (short, short_peak), (long, long_peak) = sorted(peaks.items())[-2:]
+    slope = (long_peak - short_peak) / (long - short)
+    return max(0, int(long + (budget - long_peak) / slope)) if slope > 0 else None
 
 
 def markdown_table(results: dict[tuple[str, int, int], float], configs: list[str], sp_sizes: list[int],
                    seq_lens: list[int], budget: float) -> str:
     header = "| config | sp | " + " | ".join(f"N={n}: MiB (x plain sp=1)" for n in seq_lens)
-    header += f" | longest N under {budget / MiB:.0f} MiB (linear fit) |"
+    header += f" | longest N under {budget / MiB:.0f} MiB (extrapolated) |"
     lines = [header, "|" + "---|" * (len(seq_lens) + 3)]
     for config in configs:
         for sp in sp_sizes:
             cells = [f"{results[config, sp, n] / MiB:.1f} ({results[config, sp, n] / results['plain', 1, n]:.3f})"
                      for n in seq_lens]
             longest = longest_fitting({n: results[config, sp, n] for n in seq_lens}, budget)
-            lines.append(f"| {config} | {sp} | " + " | ".join(cells) + f" | {longest} |")
+            lines.append(f"| {config} | {sp} | " + " | ".join(cells) + f" | {'-' if longest is None else longest} |")
     return "\n".join(lines)
 
 
