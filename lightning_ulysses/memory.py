@@ -97,7 +97,7 @@ def tiled_map(fn: Callable[[Tensor], Tensor], x: Tensor, num_tiles: int) -> Tens
         in the forward and in the backward.
     """
     tokens = x.reshape(-1, x.shape[-1])
-    run = functools.partial(checkpoint, fn, use_reentrant=False) if torch.is_grad_enabled() else fn
+    run = _recomputed_in_backward(fn)
     out = torch.cat([run(tile) for tile in tokens.tensor_split(num_tiles)])
     return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -123,10 +123,16 @@ def tiled_cross_entropy_sum(
         logits = lm_head(hidden).float()
         return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
 
-    run = functools.partial(checkpoint, tile_loss_sum, use_reentrant=False) if torch.is_grad_enabled() else tile_loss_sum
+    run = _recomputed_in_backward(tile_loss_sum)
     tiles = zip(hidden_states.reshape(-1, hidden_states.shape[-1]).tensor_split(num_tiles),
                 labels.reshape(-1).tensor_split(num_tiles))
     return torch.stack([run(hidden, target) for hidden, target in tiles]).sum()
+
+
+def _recomputed_in_backward(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    # one checkpoint region per tile: the backward reaches the tiles one after the other (autograd runs the most
+    # recently created nodes first), so each tile's recomputed intermediates are freed before the next tile's
+    return functools.partial(checkpoint, fn, use_reentrant=False) if torch.is_grad_enabled() else fn
 
 
 def checkpoint_activations(function: Callable[..., Any], *args: Any, offload: bool = False, **kwargs: Any) -> Any:
