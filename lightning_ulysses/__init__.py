@@ -7,6 +7,14 @@ from lightning_ulysses.data import ByteTokenizer, LongTextDataModule
 from lightning_ulysses.flops import TransformerFlops
 from lightning_ulysses.heads import HeadLayout, plan_heads
 from lightning_ulysses.loss import UlyssesLossMixin, token_cross_entropy
+from lightning_ulysses.memory import (
+    MemoryOptions,
+    apply_memory_options,
+    checkpoint_activations,
+    remove_memory_options,
+    tiled_cross_entropy_sum,
+    tiled_map,
+)
 from lightning_ulysses.metrics import Perplexity, TokenAccuracy, TokenCrossEntropy
 from lightning_ulysses.model import CausalLM
 from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention, sequence_parallel_disabled
@@ -21,6 +29,7 @@ __all__ = [
     "CausalLM",
     "HeadLayout",
     "LongTextDataModule",
+    "MemoryOptions",
     "Perplexity",
     "SequenceParallelMonitor",
     "SequenceParallelParityCheck",
@@ -30,15 +39,20 @@ __all__ = [
     "TransformerFlops",
     "UlyssesLossMixin",
     "UlyssesStrategy",
+    "apply_memory_options",
     "apply_ulysses_attention",
     "check_resumable",
+    "checkpoint_activations",
     "export_hf_model",
     "gather_sequence",
     "plan_heads",
     "prepare_batch",
+    "remove_memory_options",
     "remove_ulysses_attention",
     "sequence_parallel_disabled",
     "shard_batch",
+    "tiled_cross_entropy_sum",
+    "tiled_map",
     "token_cross_entropy",
     "token_log_probs",
     "ulysses_attention",

@@ -19,11 +19,14 @@ count their valid tokens on the host, before any forward. Rank ``r`` then return
 ``L_r = W * k * S_r / T_step`` (``W = dp * sp``): DeepSpeed averages gradients over ``W`` ranks and
 Lightning divides by ``k``, so the update is ``sum of all token-loss gradients of the step / T_step``.
 The loss *value* is the exact token mean of the current micro-batch over all ranks.
+
+The tiled loss (:mod:`lightning_ulysses.memory`) plugs into the same reduction: it returns a sum, never a
+mean of tiles, so the loss stays the exact token mean.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
@@ -32,9 +35,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_ulysses.memory import TileSetting, resolve_num_tiles, tiled_cross_entropy_sum
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from lightning_ulysses.strategy import UlyssesStrategy
 
 STEP_TOKENS_KEY = "_ulysses_step_valid_tokens"
@@ -86,6 +92,46 @@ class UlyssesLossMixin:
         """Next-token cross entropy of ``logits [B, n, V]`` against ``shift_labels [B, n]`` (already shifted,
         as ``UlyssesStrategy`` delivers them), reduced with :meth:`reduce_token_loss`."""
         return self.reduce_token_loss(*token_cross_entropy(logits, shift_labels, ignore_index))
+
+    def tiled_causal_lm_loss(
+        self, hidden_states: Tensor, lm_head: Callable[[Tensor], Tensor], shift_labels: Tensor,
+        num_tiles: TileSetting | None = None, ignore_index: int = IGNORE_INDEX,
+    ) -> Tensor:
+        """:meth:`causal_lm_loss` of ``lm_head(hidden_states [B, n, hidden])``, computed in token tiles so that
+        the ``[B * n, vocab]`` logits never exist (each tile's logits are recomputed in the backward).
+
+        ``num_tiles``: an int, or ``True`` for ``ceil(tokens / hidden)`` agreed over ranks; ``None`` takes the
+        strategy's ``tiled_loss`` (``True`` when it is off).
+        """
+        if num_tiles is None:
+            strategy = self._ulysses_strategy()
+            num_tiles = (strategy.memory.tiled_loss if strategy is not None else False) or True
+        tiles = resolve_num_tiles(num_tiles, shift_labels.numel(), hidden_states.shape[-1], hidden_states.device)
+        loss_sum = tiled_cross_entropy_sum(hidden_states, lm_head, shift_labels, tiles, ignore_index)
+        return self.reduce_token_loss(loss_sum, (shift_labels != ignore_index).sum())
+
+    def forward_causal_lm_loss(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> Tensor:
+        """Run a transformers causal LM on a batch from ``UlyssesStrategy`` (``input_ids``, ``position_ids``,
+        ``shift_labels``, all ``[B, N/sp]``) and return the exact token-mean loss.
+
+        With the strategy's ``tiled_loss`` on, the decoder's hidden states go through
+        :meth:`tiled_causal_lm_loss` on ``model.get_output_embeddings()``; otherwise the model's logits go
+        through :meth:`causal_lm_loss`.
+        """
+        inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+        strategy = self._ulysses_strategy()
+        if strategy is None or not strategy.memory.tiled_loss:
+            return self.causal_lm_loss(model(**inputs).logits, batch["shift_labels"])
+        config = model.config.get_text_config()
+        for attribute in ("final_logit_softcapping", "logit_scale"):
+            if getattr(config, attribute, None) is not None:
+                raise NotImplementedError(
+                    f"{type(model).__name__} applies {attribute} to its logits, which tiled_loss (logits = lm_head("
+                    "hidden_states)) would skip. Set tiled_loss=False, or call tiled_causal_lm_loss with an lm_head "
+                    "function that applies it."
+                )
+        hidden_states = model.get_decoder()(**inputs).last_hidden_state
+        return self.tiled_causal_lm_loss(hidden_states, model.get_output_embeddings(), batch["shift_labels"])
 
     def _ulysses_strategy(self) -> UlyssesStrategy | None:
         from lightning_ulysses.strategy import UlyssesStrategy

@@ -8,7 +8,8 @@ What it adds to :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`:
 * every batch is padded, positioned, labelled and cut to this rank's ``[B, N / sp]`` shard
   (:mod:`lightning_ulysses.sharding`) on its way to the device;
 * every transformers model inside the LightningModule runs all-to-all attention
-  (:mod:`lightning_ulysses.patching`);
+  (:mod:`lightning_ulysses.patching`), optionally with tiled MLPs and checkpointed, offloaded layers
+  (:mod:`lightning_ulysses.memory`);
 * CPU (gloo) is a supported target next to CUDA (NCCL).
 
 Gradient reduction contract. DeepSpeed is given no SP ``mpu``: under every ZeRO stage it averages
@@ -48,6 +49,7 @@ from lightning_ulysses.attention import resolve_attn_implementation
 from lightning_ulysses.checkpoint import check_resumable
 from lightning_ulysses.failures import check_finite_loss
 from lightning_ulysses.loss import STEP_TOKENS_KEY, StepTokenCounts
+from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
 from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.prediction import gather_sequence
 from lightning_ulysses.sharding import prepare_batch, shard_batch
@@ -71,6 +73,13 @@ class UlyssesStrategy(DeepSpeedStrategy):
             groups and accumulation micro-batches together (see :mod:`lightning_ulysses.loss`).
         check_finite_loss: check the training loss of every step on every rank (one all-reduce of
             ``world_size`` flags) and raise on all ranks, naming the step and the ranks, if it is NaN or inf.
+        tiled_mlp: run each decoder layer's MLP in token tiles, recomputed in the backward: ``True`` (tiles of
+            ``hidden_size`` tokens) or a number of tiles.
+        tiled_loss: number of token tiles (or ``True``: auto) for the logits + loss of
+            :meth:`~lightning_ulysses.UlyssesLossMixin.forward_causal_lm_loss`, which then never materialises
+            the ``[tokens, vocab]`` logits.
+        activation_checkpointing: keep only each decoder layer's inputs, recompute the layer in the backward.
+        offload_activations: keep those inputs in CPU memory (pinned) instead of on the GPU.
         **deepspeed_strategy_kwargs: anything :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`
             takes (``stage``, ``config``, offload options, ...).
     """
@@ -83,9 +92,14 @@ class UlyssesStrategy(DeepSpeedStrategy):
         attn_implementation: str = "auto",
         loss_normalization: Literal["sp_group", "global"] = "sp_group",
         check_finite_loss: bool = True,
+        tiled_mlp: TileSetting = False,
+        tiled_loss: TileSetting = False,
+        activation_checkpointing: bool = False,
+        offload_activations: bool = False,
         **deepspeed_strategy_kwargs: Any,
     ) -> None:
         super().__init__(**deepspeed_strategy_kwargs)
+        self.memory = MemoryOptions(tiled_mlp, tiled_loss, activation_checkpointing, offload_activations)
         if sp_size != "auto" and (isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1):
             raise ValueError(f"sp_size must be a positive integer or 'auto', got {sp_size!r}.")
         if attn_implementation != "auto":
@@ -208,6 +222,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.lightning_module is not None
         apply_ulysses_attention(self.lightning_module, self.sp_group, self.sp_size, self.attn_implementation)
+        apply_memory_options(self.lightning_module, self.memory)
         super().setup(trainer)
 
     @override
@@ -255,6 +270,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
     def teardown(self) -> None:
         if self.lightning_module is not None:
             remove_ulysses_attention(self.lightning_module)
+            remove_memory_options(self.lightning_module)
         super().teardown()
 
     @classmethod

@@ -52,11 +52,16 @@ def train_worker(args: dict[str, Any]) -> dict[str, Any]:
     return {name: _fit(case, world_size) for name, case in args["cases"].items()}
 
 
-def _fit(case: dict[str, Any], devices: int, num_nodes: int = 1) -> dict[str, Any]:
+def _fit(
+    case: dict[str, Any], devices: int, num_nodes: int = 1, module_class: type[TinyCausalLM] = TinyCausalLM,
+    strategy_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     import deepspeed
 
-    module = TinyCausalLM(lr=LR, **case.get("model", {}))
-    strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa")
+    module = module_class(lr=LR, **case.get("model", {}))
+    strategy = UlyssesStrategy(
+        sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa", **(strategy_kwargs or {})
+    )
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, max_steps=STEPS,
         accumulate_grad_batches=case.get("accumulate", 1), logger=False, enable_checkpointing=False,

@@ -1,0 +1,217 @@
+"""Long-context memory: tiled MLP, tiled logits + loss, activation checkpointing with CPU offload.
+
+Past a few hundred thousand tokens per rank, attention (O(N) with flash kernels) is no longer what
+fills memory; three other things are, and each has a remedy here (ALST's, made exact and ZeRO-safe):
+
+* **MLP intermediates** ``[tokens, intermediate]``: :func:`tiled_map` runs a token-wise function over
+  tiles of the tokens and recomputes each tile in the backward, so only one tile's intermediates live.
+* **Logits** ``[tokens, vocab]`` (1M x 128k x 4 B = 512 GB in fp32): :func:`tiled_cross_entropy_sum`
+  computes ``lm_head`` + cross entropy one tile at a time and returns a loss *sum*, which
+  :class:`~lightning_ulysses.UlyssesLossMixin` turns into the exact token mean of the SP group.
+* **Stored activations**: :func:`checkpoint_activations` keeps only each decoder layer's inputs and
+  recomputes the rest in the backward; with ``offload=True`` those inputs wait in (pinned) CPU memory.
+
+Every tile is a :func:`torch.utils.checkpoint.checkpoint` region inside one autograd graph, not a
+backward-inside-forward as in DeepSpeed's ``TiledMLP`` / ``TiledFusedLogitsLoss``. So each parameter's
+gradient is accumulated once per backward, as ZeRO's hooks expect, under any ZeRO stage and without
+``ds_grad_is_ready``; and the loss gradient is scaled by whatever multiplies the loss afterwards
+(DeepSpeed's fused loss computes ``lm_head``'s gradient in the forward, blind to later scaling, and its
+``"mean"`` averages tile means instead of tokens). The price is one extra forward of each tile.
+
+Tile counts must agree across ranks: under ZeRO-3 every call of a tiled module gathers its parameters
+(a collective). An ``int`` is used as is, with empty tiles where a rank has fewer tokens
+(``Tensor.tensor_split`` always makes exactly that many); ``True`` picks ``ceil(tokens / hidden_size)``
+(a tile's transient tensors are then about the size of one weight matrix), maximised over all ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.graph import save_on_cpu
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
+
+from lightning_ulysses.sharding import IGNORE_INDEX
+
+TileSetting = bool | int
+"""``False``: no tiling; ``True``: tile count from the number of tokens; ``int``: that many tiles."""
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """The long-context memory options of :class:`~lightning_ulysses.UlyssesStrategy` (validated here)."""
+
+    tiled_mlp: TileSetting = False
+    tiled_loss: TileSetting = False
+    activation_checkpointing: bool = False
+    offload_activations: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tiled_mlp", "tiled_loss"):
+            value = getattr(self, name)
+            if not isinstance(value, (bool, int)) or (not isinstance(value, bool) and value < 1):
+                raise ValueError(f"{name} must be True, False or a positive number of tiles, got {value!r}.")
+        if self.offload_activations and not self.activation_checkpointing:
+            raise ValueError(
+                "offload_activations=True moves the inputs that activation checkpointing keeps to CPU memory; "
+                "set activation_checkpointing=True as well."
+            )
+
+
+def resolve_num_tiles(setting: TileSetting, num_tokens: int, tile_tokens: int, device: torch.device) -> int:
+    """The number of tiles for ``num_tokens`` tokens: ``setting`` when an int, else
+    ``ceil(num_tokens / tile_tokens)`` maximised over all ranks (one ``all_reduce``), so that every rank
+    runs the same number of tiled calls."""
+    if setting is False:
+        return 1
+    if setting is not True:
+        return int(setting)
+    num_tiles = max(1, math.ceil(num_tokens / tile_tokens))
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        agreed = torch.tensor([num_tiles], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        num_tiles = int(agreed.item())
+    return num_tiles
+
+
+def tiled_map(fn: Callable[[Tensor], Tensor], x: Tensor, num_tiles: int) -> Tensor:
+    """``fn(x)`` computed ``num_tiles`` token tiles at a time, each tile recomputed in the backward.
+
+    Args:
+        fn: a token-wise function (token ``t``'s output depends on token ``t`` alone, like an MLP):
+            ``[tokens, dim_in] -> [tokens, dim_out]``.
+        x: ``[..., tokens, dim_in]``, e.g. ``[batch, seq/sp, hidden]``; leading dims are flattened into tokens.
+        num_tiles: exactly this many calls of ``fn`` (tiles may be empty), on every rank alike.
+
+    Returns:
+        ``[..., tokens, dim_out]``, equal to ``fn(x)``. Only one tile's intermediates are alive at a time,
+        in the forward and in the backward.
+    """
+    tokens = x.reshape(-1, x.shape[-1])
+    run = _recomputed_in_backward(fn)
+    out = torch.cat([run(tile) for tile in tokens.tensor_split(num_tiles)])
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def tiled_cross_entropy_sum(
+    hidden_states: Tensor, lm_head: Callable[[Tensor], Tensor], labels: Tensor, num_tiles: int,
+    ignore_index: int = IGNORE_INDEX,
+) -> Tensor:
+    """Sum of the token cross entropies of ``lm_head(hidden_states)`` without materialising the logits.
+
+    Args:
+        hidden_states: ``[batch, seq/sp, hidden]``, the final (normed) hidden states of this rank's tokens.
+        lm_head: ``[tokens, hidden] -> [tokens, vocab]``, e.g. ``model.get_output_embeddings()``.
+        labels: ``[batch, seq/sp]`` targets of each token (``shift_labels``); ``ignore_index`` is left out.
+        num_tiles: exactly this many ``lm_head`` calls, on every rank alike.
+
+    Returns:
+        a scalar fp32 sum (0 with a zero gradient when no label is valid). At most one tile's
+        ``[tile_tokens, vocab]`` logits and their gradient exist at a time.
+    """
+
+    def tile_loss_sum(hidden: Tensor, target: Tensor) -> Tensor:
+        logits = lm_head(hidden).float()
+        return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
+
+    run = _recomputed_in_backward(tile_loss_sum)
+    tiles = zip(hidden_states.reshape(-1, hidden_states.shape[-1]).tensor_split(num_tiles),
+                labels.reshape(-1).tensor_split(num_tiles))
+    return torch.stack([run(hidden, target) for hidden, target in tiles]).sum()
+
+
+def _recomputed_in_backward(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    # one checkpoint region per tile: the backward reaches the tiles one after the other (autograd runs the most
+    # recently created nodes first), so each tile's recomputed intermediates are freed before the next tile's
+    return functools.partial(checkpoint, fn, use_reentrant=False) if torch.is_grad_enabled() else fn
+
+
+def checkpoint_activations(function: Callable[..., Any], *args: Any, offload: bool = False, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)`` keeping only its tensor ``args`` for the backward, which recomputes the rest.
+
+    With ``offload=True`` the kept ``args`` move to CPU memory (pinned when CUDA is available, copied
+    back for the recomputation); on CPU tensors that is a no-op. ``kwargs`` stay where they are: pass the
+    large per-layer input (the hidden states) positionally.
+    """
+    if not offload:
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
+    with save_on_cpu(pin_memory=torch.cuda.is_available()):
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def apply_memory_options(model: nn.Module, options: MemoryOptions) -> None:
+    """Apply ``options.tiled_mlp`` and activation checkpointing to every transformers model inside ``model``.
+
+    ``options.tiled_loss`` is read by :class:`~lightning_ulysses.UlyssesLossMixin` instead (the loss is
+    the LightningModule's). Raises before any work when a requested option finds nothing to act on.
+    """
+    hf_models = _outermost_hf_models(model)
+    if (options.tiled_mlp or options.activation_checkpointing) and not hf_models:
+        raise ValueError(
+            "tiled_mlp and activation_checkpointing act on transformers models, and this LightningModule holds "
+            "none. For a custom model call lightning_ulysses.tiled_map on its MLP and "
+            "lightning_ulysses.checkpoint_activations on its layers."
+        )
+    for hf_model in hf_models:
+        if options.tiled_mlp:
+            _tile_mlps(hf_model, options.tiled_mlp)
+        if options.activation_checkpointing:
+            if not hf_model.supports_gradient_checkpointing:
+                raise ValueError(f"{type(hf_model).__name__} does not support activation checkpointing.")
+            # the public gradient_checkpointing_enable takes no checkpoint function (and pins memory on CPU-only hosts)
+            hf_model._set_gradient_checkpointing(
+                enable=True,
+                gradient_checkpointing_func=functools.partial(checkpoint_activations, offload=options.offload_activations),
+            )
+            hf_model._ulysses_activation_checkpointing = True
+
+
+def remove_memory_options(model: nn.Module) -> None:
+    """Undo :func:`apply_memory_options` on every module inside ``model``."""
+    for sub in model.modules():
+        if sub.__dict__.pop("_ulysses_tiled_mlp", False):
+            del sub.forward  # the tiled forward was an instance attribute over the class's forward
+        if sub.__dict__.pop("_ulysses_activation_checkpointing", False):
+            sub._set_gradient_checkpointing(enable=False)
+
+
+def _outermost_hf_models(model: nn.Module) -> list[PreTrainedModel]:
+    found: list[PreTrainedModel] = []
+    inner: set[int] = set()
+    for sub in model.modules():  # pre-order: a model comes before the models inside it
+        if isinstance(sub, PreTrainedModel) and id(sub) not in inner:
+            found.append(sub)
+            inner.update(id(m) for m in sub.modules())
+    return found
+
+
+def _tile_mlps(model: PreTrainedModel, setting: TileSetting) -> None:
+    """Tile the ``mlp`` of every decoder layer: dense, token-wise MLPs only (their class names end in "MLP")."""
+    mlps = [
+        module for name, module in model.named_modules()
+        if name.rsplit(".", 1)[-1] == "mlp" and type(module).__name__.endswith("MLP")
+    ]
+    if not mlps:
+        raise ValueError(
+            f"tiled_mlp found no dense MLP (a submodule named 'mlp' whose class name ends in 'MLP') in "
+            f"{type(model).__name__}; mixture-of-experts blocks are not tiled. Set tiled_mlp=False, or tile your own "
+            "MLP with lightning_ulysses.tiled_map."
+        )
+    for mlp in mlps:
+        if "_ulysses_tiled_mlp" not in mlp.__dict__:
+            mlp.forward = functools.partial(_tiled_mlp_forward, mlp.forward, setting)
+            mlp._ulysses_tiled_mlp = True
+
+
+def _tiled_mlp_forward(forward: Callable[[Tensor], Tensor], setting: TileSetting, x: Tensor) -> Tensor:
+    num_tiles = resolve_num_tiles(setting, x.shape[:-1].numel(), tile_tokens=x.shape[-1], device=x.device)
+    return tiled_map(forward, x, num_tiles)
