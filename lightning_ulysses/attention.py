@@ -298,13 +298,13 @@ def heads_to_sequence(x: Tensor, group: ProcessGroup) -> Tensor:
     return _AllToAll.apply(x, group, 1, 2)
 
 
-def gather_sequence(x: Tensor, group: ProcessGroup) -> Tensor:
-    """``[B, N/P] -> [B, N]``: concatenate the shards of an integer tensor (no gradient)."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return x
-    shards = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(shards, x.contiguous(), group=group)
+def gather_sequence(local: Tensor, group: ProcessGroup | None) -> Tensor:
+    """``[B, N/P, ...]`` shards of ``group`` -> ``[B, N, ...]`` in sequence order on every rank of it
+    (the inverse of :func:`~lightning_ulysses.shard_batch` for one tensor; not differentiable)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return local
+    shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, local.contiguous(), group=group)
     return torch.cat(shards, dim=1)
 
 

@@ -251,6 +251,10 @@ class LongTextDataModule(L.LightningDataModule):
         """The held-out files (the validation split): there is no third split."""
         return self._loader(self.val_dataset, shuffle=False)
 
+    def predict_dataloader(self) -> DataLoader:
+        """The held-out files, in order (``CausalLM.predict_step`` scores every next token)."""
+        return self._loader(self.val_dataset, shuffle=False)
+
 
 def _load_hf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer

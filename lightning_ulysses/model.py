@@ -16,12 +16,13 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor, nn
-from torchmetrics import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, get_cosine_with_min_lr_schedule_with_warmup
 
 from lightning_ulysses.loss import UlyssesLossMixin
+from lightning_ulysses.metrics import TokenCrossEntropy
 from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention
-from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch
+from lightning_ulysses.prediction import token_log_probs
+from lightning_ulysses.sharding import prepare_batch
 
 
 class CausalLM(UlyssesLossMixin, L.LightningModule):
@@ -44,7 +45,9 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
 
     Logs ``train_loss`` (each step), ``val_loss`` and ``val_ppl`` (each validation; ``test_loss`` and
     ``test_ppl`` under ``test``): token-weighted means over every valid token, the same numbers one
-    process on whole sequences would report.
+    process on whole sequences would report. ``predict`` returns, per batch, ``input_ids`` and
+    ``token_log_probs`` (the log-probability of each next token, 0 where there is none) ``[B, N]`` in
+    whole-sequence order, ``N`` padded to a multiple of ``sp_size``.
     """
 
     def __init__(
@@ -64,7 +67,7 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         if pretrained and not isinstance(model, str):
             raise ValueError("model.pretrained=True needs model.model to be the path of a local model folder, not a dict.")
         self.model: nn.Module | None = None
-        self.eval_loss = MeanMetric()
+        self.eval_loss = TokenCrossEntropy()
 
     def configure_model(self) -> None:
         """Build the transformer here, not in ``__init__``: under ZeRO-3 it is then partitioned as it is created."""
@@ -85,25 +88,34 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         if hp.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    def _loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        """The SP group's token-mean loss (see :class:`UlyssesLossMixin`) and this rank's valid-token count."""
-        if "shift_labels" not in batch:  # not sharded by UlyssesStrategy: whole sequences, documents masked locally
-            apply_ulysses_attention(self.model, group=None, sp_size=1, core="sdpa")  # idempotent
-            batch = prepare_batch(batch, sp_size=1)
-        logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        return self.causal_lm_loss(logits, batch["shift_labels"]), (batch["shift_labels"] != IGNORE_INDEX).sum()
+    def _prepared(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The batch as UlyssesStrategy delivers it; under any other strategy prepared here, whole, with the
+        documents masked by the same attention run locally."""
+        if "shift_labels" in batch:
+            return batch
+        apply_ulysses_attention(self.model, group=None, sp_size=1, core="sdpa")  # idempotent
+        return prepare_batch(batch, sp_size=1)
+
+    def _logits(self, batch: dict[str, Tensor]) -> Tensor:
+        return self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss, _ = self._loss(batch)
+        loss = self.forward_causal_lm_loss(self.model, self._prepared(batch))  # tiled when the strategy says so
         # the value is already the SP group's mean; sync_dist averages the DP groups, as their gradients are
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self._update_eval_loss(batch)
+        self._update_eval_loss(self._prepared(batch))
 
     def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self._update_eval_loss(batch)
+        self._update_eval_loss(self._prepared(batch))
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        batch = self._prepared(batch)
+        outputs = {"input_ids": batch["input_ids"], "token_log_probs": token_log_probs(self._logits(batch), batch["shift_labels"])}
+        gather = getattr(self.trainer.strategy, "gather_sequence", None)  # UlyssesStrategy: shards -> whole rows
+        return {key: gather(value) for key, value in outputs.items()} if gather is not None else outputs
 
     def on_validation_epoch_end(self) -> None:
         self._log_eval_loss("val")
@@ -112,10 +124,8 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         self._log_eval_loss("test")
 
     def _update_eval_loss(self, batch: dict[str, Tensor]) -> None:
-        loss, num_tokens = self._loss(batch)
-        # Every rank of an SP group holds the group's mean; weighting it by the rank's own token count
-        # and averaging over all ranks gives sum_g mean_g * T_g / sum_g T_g: the exact token mean.
-        self.eval_loss.update(loss.detach(), weight=num_tokens)
+        # sums of token losses and valid tokens, summed over every SP and DP rank: the exact token mean
+        self.eval_loss.update(self._logits(batch), batch["shift_labels"])
 
     def _log_eval_loss(self, prefix: str) -> None:
         loss = self.eval_loss.compute()  # synchronised over all ranks by torchmetrics: the same value everywhere

@@ -9,22 +9,13 @@ as with DDP: write them with a :class:`~lightning.pytorch.callbacks.BasePredicti
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
+from lightning_ulysses.attention import gather_sequence
 from lightning_ulysses.sharding import IGNORE_INDEX
 
-
-def gather_sequence(local: Tensor, group: ProcessGroup | None) -> Tensor:
-    """``[B, N/sp, ...]`` shards of the SP ``group`` -> ``[B, N, ...]`` on every rank of it (not differentiable)."""
-    if group is None or dist.get_world_size(group) == 1:
-        return local
-    shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(shards, local.contiguous(), group=group)
-    return torch.cat(shards, dim=1)
+__all__ = ["gather_sequence", "token_log_probs"]
 
 
 def token_log_probs(logits: Tensor, shift_labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:

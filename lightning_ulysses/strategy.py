@@ -45,13 +45,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ulysses.attention import resolve_attn_implementation
+from lightning_ulysses.attention import gather_sequence, resolve_attn_implementation
 from lightning_ulysses.checkpoint import check_resumable
 from lightning_ulysses.failures import check_finite_loss
 from lightning_ulysses.loss import STEP_TOKENS_KEY, StepTokenCounts
 from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
 from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention
-from lightning_ulysses.prediction import gather_sequence
 from lightning_ulysses.sharding import prepare_batch, shard_batch
 from lightning_ulysses.topology import SequenceParallelTopology, divisors
 

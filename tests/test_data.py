@@ -201,6 +201,7 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
         if case.get("test"):
             trainer.test(module, data, verbose=False)
             results[name].update({key: trainer.callback_metrics[key].item() for key in ("test_loss", "test_ppl")})
+            results[name]["predictions"] = trainer.predict(module, data)
         results[name]["params"] = {n: p.detach().clone() for n, p in module.model.named_parameters()}
     return results
 
@@ -269,6 +270,24 @@ def test_causal_lm_under_sp_equals_one_process(sp_results: list[dict[str, Any]],
         if case.get("test"):  # the test split is the held-out split too
             assert got["test_loss"] == pytest.approx(expected_val_loss, rel=1e-5)
             assert got["test_ppl"] == pytest.approx(got["val_ppl"], rel=1e-6)
+            check_predictions(got["predictions"], corpus, case)
+
+
+def check_predictions(predictions: list[dict[str, Tensor]], folder: Path, case: dict[str, Any]) -> None:
+    """``predict`` gives every rank whole rows, in order: each next token's log-probability equals the one a
+    single process computes on the whole document."""
+    data = data_module(folder, case["mode"], case["batch_size"])
+    data.setup("predict")
+    rows = [(ids, logp) for batch in predictions for ids, logp in zip(batch["input_ids"], batch["token_log_probs"])]
+    assert len(rows) == len(data.val_dataset)
+    model = fresh_model()
+    for sample, (ids, log_probs) in zip(data.val_dataset, rows):
+        n = len(sample["input_ids"])
+        assert torch.equal(ids[:n], sample["input_ids"]) and (log_probs[n - 1 :] == 0).all()
+        with torch.no_grad():
+            expected = model(input_ids=sample["input_ids"][None]).logits[0, :-1].log_softmax(-1)
+        expected = expected.gather(-1, sample["input_ids"][1:, None])[:, 0]
+        torch.testing.assert_close(log_probs[: n - 1], expected, rtol=1e-5, atol=1e-5)
         if case["fit"]:
             error = relative_update_error(initial, expected, got["params"])
             assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
