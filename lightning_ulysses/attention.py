@@ -23,6 +23,7 @@ Face's Mistral/Qwen2), and returns ``[B, N, h, D]``.
 from __future__ import annotations
 
 import importlib.util
+import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -308,6 +309,28 @@ def gather_sequence(local: Tensor, group: ProcessGroup | None) -> Tensor:
     return torch.cat(shards, dim=1)
 
 
+_last_documents: tuple[weakref.ref[Tensor], int, ProcessGroup | None, Documents] | None = None
+
+
+def documents_of(position_ids: Tensor, group: ProcessGroup | None) -> Documents:
+    """The documents of the whole rows whose ``[B, N/P]`` shard of global position ids is ``position_ids``.
+
+    Every attention layer of a forward (and its recomputation under activation checkpointing) receives
+    the same ``position_ids`` tensor, so the all-gather and the host sync of finding the document starts
+    run once per batch, not once per layer. The last result is kept for the same tensor object at the same
+    version (an in-place edit recomputes); every rank of the group sees the same sequence of tensors and
+    so takes the same branch, collectives included.
+    """
+    global _last_documents
+    if _last_documents is not None:
+        tensor, version, cached_group, documents = _last_documents
+        if tensor() is position_ids and version == position_ids._version and cached_group is group:
+            return documents
+    documents = Documents.from_position_ids(gather_sequence(position_ids, group))
+    _last_documents = (weakref.ref(position_ids), position_ids._version, group, documents)
+    return documents
+
+
 # ----------------------------------------------------------------------------------------------
 # the public entry point
 # ----------------------------------------------------------------------------------------------
@@ -345,9 +368,7 @@ def ulysses_attention(
     core = CORE_ATTENTION[attn_fn] if isinstance(attn_fn, str) else attn_fn
     sp_size = 1 if group is None else dist.get_world_size(group)
     layout = plan_heads(query.shape[2], key.shape[2], sp_size)
-    if position_ids is not None and sp_size > 1:
-        position_ids = gather_sequence(position_ids, group)
-    documents = None if position_ids is None else Documents.from_position_ids(position_ids)
+    documents = None if position_ids is None else documents_of(position_ids, group)
     if sp_size == 1:
         return core(query, key, value, documents, scale=scale, dropout_p=dropout_p, window=window)
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ulysses.attention import (
-    CORE_ATTENTION, Documents, document_tiles, sdpa_attention, ulysses_attention,
+    CORE_ATTENTION, Documents, document_tiles, documents_of, sdpa_attention, ulysses_attention,
 )
 from lightning_ulysses.heads import check_heads, plan_heads
 from tests.launch import launch
@@ -228,3 +228,16 @@ def test_sliding_window_models_run_their_window(family: str) -> None:
         if getattr(layer.self_attn, "sliding_window", None):
             layer.self_attn.sliding_window = 1000
     assert (reference_model(input_ids=ids).logits - expected).abs().max() > 1e-3
+
+
+def test_documents_are_found_once_per_position_ids_tensor() -> None:
+    """Every layer of a forward gets the same position ids: their documents are computed once, and again
+    only for another tensor or after an in-place edit."""
+    positions = torch.arange(12).repeat(2, 1)
+    first = documents_of(positions, None)
+    assert documents_of(positions, None) is first and first.one_per_row
+    assert documents_of(positions.clone(), None) is not first
+    positions[0, 6] = 0  # packs a second document into row 0
+    again = documents_of(positions, None)
+    assert again is not first and not again.one_per_row
+    assert again.cu_seqlens.tolist() == [0, 6, 12, 24]
