@@ -21,7 +21,6 @@ so it is only measured on CUDA; on CPU ``all`` offloads nothing.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch.distributed as dist
 
 from lightning_ulysses import MemoryOptions, UlyssesLossMixin, apply_memory_options, apply_ulysses_attention
 from lightning_ulysses import prepare_batch, remove_memory_options, shard_batch
+from benchmarks.measure import PeakMemory
 from tests.launch import launch
 from tests.tiny import tiny_llama
 
@@ -86,25 +86,10 @@ def _train_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], options:
 
 
 def _peak_bytes(device: torch.device, step: Any) -> int:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    before = _proc_status_kib("VmRSS")
+    memory = PeakMemory(device)
+    memory.reset()
     step()
-    return (_proc_status_kib("VmHWM") - before) * 1024
-
-
-def _proc_status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
+    return memory.peak()
 
 
 def longest_fitting(peaks: dict[int, float], budget: float) -> int | None:

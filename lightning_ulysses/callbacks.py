@@ -45,7 +45,7 @@ from transformers import PreTrainedModel
 from lightning_ulysses import attention
 from lightning_ulysses.attention import gather_sequence
 from lightning_ulysses.flops import TransformerFlops
-from lightning_ulysses.loss import UlyssesLossMixin
+from lightning_ulysses.loss import token_cross_entropy
 from lightning_ulysses.patching import sequence_parallel_disabled
 from lightning_ulysses.sharding import IGNORE_INDEX
 from lightning_ulysses.strategy import UlyssesStrategy
@@ -466,7 +466,8 @@ class SequenceParallelParityCheck(Callback):
         whole = {key: gather_sequence(batch[key], sp_group) for key in ("input_ids", "position_ids", "shift_labels")}
         with torch.no_grad(), sequence_parallel_disabled(self._model):
             logits = self._model(input_ids=whole["input_ids"], position_ids=whole["position_ids"]).logits
-        return UlyssesLossMixin().causal_lm_loss(logits, whole["shift_labels"])  # outside a Trainer: the plain mean
+        loss_sum, num_tokens = token_cross_entropy(logits, whole["shift_labels"])
+        return loss_sum / num_tokens.clamp(min=1)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
