@@ -1,16 +1,31 @@
-"""Failing loudly and together: a check that every rank runs, so that all ranks stop at the same step.
+"""Failing loudly and together: checks that every rank runs, so that all ranks act at the same step.
 
 A rank that stops alone leaves the others blocked in their next collective until the process-group
 timeout (``UlyssesStrategy(timeout=...)``, which also bounds the SP and DP subgroups' collectives).
 A non-finite loss on one rank would otherwise spread NaN weights to every rank through the gradient
-reduction without a word; :func:`check_finite_loss` turns it into the same error on every rank.
+reduction without a word. :class:`NonFiniteLossGuard` checks every training loss on every rank and,
+as ``UlyssesStrategy(nonfinite_loss=...)`` says, raises the same error on every rank (``"raise"``) or
+warns and skips the optimizer step (``"skip"``).
+
+How a step is skipped: the NaN/inf of the loss reaches every gradient partition through the backward and
+the gradient reduction, and DeepSpeed's ZeRO optimizers (stages 1-3, every precision with its default
+``check_grad_overflow``) discard a step whose global gradient norm is not finite: no weight or optimizer-state
+update, gradients cleared, a step-interval LR scheduler not stepped (``engine.was_step_applied()`` is False).
+The guard relies on that, and checks it after every optimizer step: were a flagged step applied anyway, it
+raises rather than train on. With gradient accumulation the whole optimizer step (all its micro-batches) is
+skipped. Lightning's ``global_step`` still counts a skipped step.
 """
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
+
+NonFiniteLoss = Literal["raise", "skip", "off"]
 
 
 def nonfinite_ranks(loss: Tensor) -> list[int]:
@@ -21,12 +36,68 @@ def nonfinite_ranks(loss: Tensor) -> list[int]:
     return flags.nonzero().flatten().tolist()
 
 
-def check_finite_loss(loss: Tensor, global_step: int, batch_idx: int) -> None:
-    """Raise the same :class:`FloatingPointError` on every rank if ``loss`` is not finite on some rank."""
-    ranks = nonfinite_ranks(loss)
-    if ranks:
-        raise FloatingPointError(
-            f"Non-finite training loss at global step {global_step} (batch {batch_idx} of the epoch) on ranks {ranks}. "
-            "Every rank stops here, before the optimizer step would spread it to the weights. Look for overflow "
-            "(lower the learning rate, clip gradients, use bf16 instead of fp16) or bad samples in that batch."
-        )
+class NonFiniteLossGuard:
+    """Checks the training loss of every micro-batch on every rank; raises or skips the step on NaN/inf.
+
+    Args:
+        mode: ``"raise"``: the same :class:`FloatingPointError` on every rank, before the optimizer step.
+            ``"skip"``: a warning naming the step and the ranks, and the optimizer step is skipped.
+            ``"off"``: no check (no collective per step).
+    """
+
+    def __init__(self, mode: NonFiniteLoss) -> None:
+        if mode not in ("raise", "skip", "off"):
+            raise ValueError(f"nonfinite_loss must be 'raise', 'skip' or 'off', got {mode!r}.")
+        self.mode = mode
+        self.skipped_steps: list[int] = []  # global steps skipped for a non-finite loss
+        self._flagged: str | None = None  # the non-finite micro-batch(es) of the optimizer step in progress
+        self._report_gradient_skips = True  # fp16 loss scaling skips steps as a matter of course: not worth a warning
+
+    def setup(self, engine: Any) -> None:
+        """Refuse ``"skip"`` where DeepSpeed would apply a step with non-finite gradients (before any training)."""
+        self._report_gradient_skips = not engine.fp16_enabled()
+        if self.mode != "skip":
+            return
+        stage = engine.zero_optimization_stage()
+        if stage == 0 and not (engine.bfloat16_enabled() or engine.fp16_enabled()):
+            raise ValueError(
+                "nonfinite_loss='skip' relies on DeepSpeed discarding steps with a non-finite gradient norm, which its "
+                "ZeRO stage 0 does not do in fp32. Use stage=1, 2 or 3, or nonfinite_loss='raise'."
+            )
+        if engine.bfloat16_enabled() and stage in (1, 2) and not engine._config.bfloat16_config.check_grad_overflow:
+            raise ValueError(
+                "nonfinite_loss='skip' needs DeepSpeed to check bf16 gradients for overflow: remove "
+                "bf16.check_grad_overflow=false from the DeepSpeed config, or set nonfinite_loss='raise'."
+            )
+
+    def check_loss(self, loss: Tensor, global_step: int, batch_idx: int) -> None:
+        """Run on every rank after each training step (a collective unless the mode is ``"off"``)."""
+        if self.mode == "off":
+            return
+        ranks = nonfinite_ranks(loss)
+        if not ranks:
+            return
+        where = f"global step {global_step} (batch {batch_idx} of the epoch) on ranks {ranks}"
+        if self.mode == "raise":
+            raise FloatingPointError(
+                f"Non-finite training loss at {where}. Every rank stops here, before the optimizer step would spread "
+                "it to the weights. Look for overflow (lower the learning rate, clip gradients, use bf16 instead of "
+                "fp16) or bad samples in that batch; UlyssesStrategy(nonfinite_loss='skip') skips such steps instead."
+            )
+        self._flagged = where if self._flagged is None else f"{self._flagged}; {where}"
+
+    def check_step(self, step_applied: bool, global_step: int) -> None:
+        """Run on every rank after each optimizer step, with DeepSpeed's ``engine.was_step_applied()``."""
+        flagged, self._flagged = self._flagged, None
+        if flagged is None:
+            if not step_applied and self._report_gradient_skips:  # finite loss, yet non-finite gradients
+                rank_zero_warn(f"DeepSpeed skipped global step {global_step}: its gradient norm was not finite.")
+            return
+        if step_applied:
+            raise FloatingPointError(
+                f"Non-finite training loss at {flagged}, and DeepSpeed applied the step anyway (its gradient norm "
+                "was finite, or its overflow check is off), so the weights may be wrong from here on. "
+                "Set nonfinite_loss='raise' to stop at such a step."
+            )
+        self.skipped_steps.append(global_step)
+        rank_zero_warn(f"Skipped global step {global_step}: non-finite training loss at {flagged}.")

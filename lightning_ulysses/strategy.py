@@ -28,7 +28,7 @@ micro-batch loss by ``accumulate_grad_batches``, so the engine's second division
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,6 +39,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
@@ -47,7 +48,7 @@ from typing_extensions import override
 
 from lightning_ulysses.attention import gather_sequence, resolve_attn_implementation
 from lightning_ulysses.checkpoint import check_resumable
-from lightning_ulysses.failures import check_finite_loss
+from lightning_ulysses.failures import NonFiniteLoss, NonFiniteLossGuard
 from lightning_ulysses.loss import STEP_TOKENS_KEY, StepTokenCounts
 from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
 from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention
@@ -70,8 +71,10 @@ class UlyssesStrategy(DeepSpeedStrategy):
         loss_normalization: ``"sp_group"`` (default): each SP group's token mean, averaged over DP groups as
             DDP does. ``"global"``: the token mean over every valid token of the optimizer step, all DP
             groups and accumulation micro-batches together (see :mod:`lightning_ulysses.loss`).
-        check_finite_loss: check the training loss of every step on every rank (one all-reduce of
-            ``world_size`` flags) and raise on all ranks, naming the step and the ranks, if it is NaN or inf.
+        nonfinite_loss: what a NaN or inf training loss on any rank does (checked on every rank with one
+            all-reduce of ``world_size`` flags per micro-batch): ``"raise"`` the same error on all ranks, naming
+            the step and the ranks; ``"skip"`` warn likewise and skip the optimizer step (no weight or optimizer
+            state update; ZeRO stage 1-3, see :mod:`lightning_ulysses.failures`); ``"off"``: no check.
         tiled_mlp: run each decoder layer's MLP in token tiles, recomputed in the backward: ``True`` (tiles of
             ``hidden_size`` tokens) or a number of tiles.
         tiled_loss: number of token tiles (or ``True``: auto) for the logits + loss of
@@ -90,7 +93,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         sp_size: int | Literal["auto"] = "auto",
         attn_implementation: str = "auto",
         loss_normalization: Literal["sp_group", "global"] = "sp_group",
-        check_finite_loss: bool = True,
+        nonfinite_loss: NonFiniteLoss = "raise",
         tiled_mlp: TileSetting = False,
         tiled_loss: TileSetting = False,
         activation_checkpointing: bool = False,
@@ -109,7 +112,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
             raise ValueError(f"loss_normalization must be 'sp_group' or 'global', got {loss_normalization!r}.")
         self.loss_normalization = loss_normalization
         self.step_valid_tokens: int | None = None  # "global": this SP group's valid tokens in the current step
-        self._check_finite_loss = check_finite_loss
+        self.nonfinite_loss = NonFiniteLossGuard(nonfinite_loss)
         self._topology: SequenceParallelTopology | None = None
         self._sp_group: dist.ProcessGroup | None = None
         self._dp_group: dist.ProcessGroup | None = None
@@ -223,6 +226,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
         apply_ulysses_attention(self.lightning_module, self.sp_group, self.sp_size, self.attn_implementation)
         apply_memory_options(self.lightning_module, self.memory)
         super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.nonfinite_loss.setup(self.model)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -243,9 +248,21 @@ class UlyssesStrategy(DeepSpeedStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         output = super().training_step(*args, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
-        if self._check_finite_loss and isinstance(loss, Tensor):
+        if isinstance(loss, Tensor):
             trainer = self.lightning_module.trainer
-            check_finite_loss(loss, trainer.global_step, trainer.fit_loop.epoch_loop.batch_idx)
+            self.nonfinite_loss.check_loss(loss, trainer.global_step, trainer.fit_loop.epoch_loop.batch_idx)
+        return output
+
+    @override
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        engine = self.model
+        # Lightning calls this for every micro-batch; DeepSpeed updates the weights at the last one of a step
+        last_micro_batch = engine.is_gradient_accumulation_boundary()
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if last_micro_batch:
+            self.nonfinite_loss.check_step(engine.was_step_applied(), self.lightning_module.trainer.global_step)
         return output
 
     def gather_sequence(self, local: Tensor) -> Tensor:

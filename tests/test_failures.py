@@ -1,13 +1,19 @@
-"""Failures end every rank with an error, within a bounded time, never a hang.
+"""Failures end every rank with an error, within a bounded time, never a hang; or skip the step, if asked.
 
-The processes run under :func:`tests.launch.launch_to_exit`, which never stops a rank because another
-failed: each rank must exit on its own, with an error, before the launcher's timeout.
+The failing processes run under :func:`tests.launch.launch_to_exit`, which never stops a rank because
+another failed: each rank must exit on its own, with an error, before the launcher's timeout.
+
+``nonfinite_loss="skip"``: a NaN loss on one rank of an SP group must leave the weights and the SGD
+momentum as they were, so the run must equal one process that trains on the same batches minus the
+skipped step's (weights: relative update error ``< 1e-4``; a step applied with NaN gradients gives NaN,
+a zero-gradient step applied with momentum gives an error near 1).
 """
 
 from __future__ import annotations
 
 import os
 import time
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -18,8 +24,10 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesStrategy, prepare_batch
-from tests.launch import RankExit, launch_to_exit
-from tests.tiny import TinyCausalLM, collate, make_samples
+from tests.launch import RankExit, launch, launch_to_exit
+from tests.tiny import (
+    TinyCausalLM, collate, gathered_parameters, make_samples, reference_training, relative_update_error, tiny_llama,
+)
 
 PG_TIMEOUT_S = 30  # also bounds start-up collectives: leave room for ranks that start unevenly on a loaded machine
 STALL_S = 2 * PG_TIMEOUT_S
@@ -31,8 +39,8 @@ class FailingCausalLM(TinyCausalLM):
     """At batch 1, on rank ``fail_rank``: returns a NaN loss (``"nan"``), or stalls ``STALL_S`` seconds
     (its peers block in a collective) and then raises (``"stall_then_raise"``)."""
 
-    def __init__(self, mode: str, fail_rank: int) -> None:
-        super().__init__()
+    def __init__(self, mode: str, fail_rank: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.mode, self.fail_rank = mode, fail_rank
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -89,3 +97,80 @@ def test_batch_that_cannot_be_sharded_is_refused_with_its_shape() -> None:
     batch = {"input_ids": torch.ones(2, 16, dtype=torch.long), "pixel_values": torch.ones(3, 16)}
     with pytest.raises(ValueError, match=r"'pixel_values' with shape \(3, 16\).*\[batch=2, seq=16"):
         prepare_batch(batch, sp_size=2)
+
+
+SKIP_DATA = dict(num=16, seq_len=16)
+SKIP_LR, SKIP_MOMENTUM, SKIP_BATCH, SKIP_STEPS = 0.5, 0.9, 2, 4
+# (ZeRO stage, accumulate_grad_batches); the NaN comes at batch 1, so in optimizer step 1 // accumulate
+SKIP_CASES = [(1, 1), (2, 1), (3, 1), (2, 2)]
+
+
+def skipping_worker(args: dict[str, Any]) -> dict[str, Any]:
+    """sp=2; rank 1's loss is NaN at batch 1 under nonfinite_loss='skip'; then ZeRO stage 0, which cannot skip."""
+    world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown deletes it
+    results: dict[str, Any] = {}
+    for stage, accumulate in SKIP_CASES:
+        module = FailingCausalLM("nan", fail_rank=1, lr=SKIP_LR, momentum=SKIP_MOMENTUM)
+        strategy = UlyssesStrategy(sp_size=2, stage=stage, attn_implementation="sdpa", nonfinite_loss="skip")
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world_size, strategy=strategy, max_steps=SKIP_STEPS,
+            accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, DataLoader(make_samples(**SKIP_DATA), batch_size=SKIP_BATCH, collate_fn=collate))
+        results[f"zero{stage}_accumulate{accumulate}"] = dict(
+            losses=module.losses, weights=gathered_parameters(module.model, stage == 3),
+            skipped=strategy.nonfinite_loss.skipped_steps, steps=trainer.global_step,
+            warnings=[str(w.message) for w in caught],
+        )
+    try:
+        _fit_stage_0_skip(world_size)
+    except ValueError as error:
+        results["stage_0_error"] = str(error)
+    return results
+
+
+def _fit_stage_0_skip(world_size: int) -> None:
+    strategy = UlyssesStrategy(sp_size=2, stage=0, attn_implementation="sdpa", nonfinite_loss="skip")
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(TinyCausalLM(), DataLoader(make_samples(**SKIP_DATA), batch_size=SKIP_BATCH, collate_fn=collate))
+
+
+@pytest.fixture(scope="module")
+def skipped() -> list[dict[str, Any]]:
+    return launch("tests.test_failures:skipping_worker", 2)
+
+
+@pytest.mark.parametrize(("stage", "accumulate"), SKIP_CASES)
+def test_nonfinite_loss_skips_the_step_leaving_weights_and_momentum(
+    skipped: list[dict[str, Any]], stage: int, accumulate: int
+) -> None:
+    skipped_step = 1 // accumulate
+    expected_losses, expected = reference_training(
+        make_samples(**SKIP_DATA), steps=SKIP_STEPS, batch_size=SKIP_BATCH, accumulate=accumulate, lr=SKIP_LR,
+        momentum=SKIP_MOMENTUM, skip_steps=(skipped_step,),
+    )
+    initial = {name: p.detach() for name, p in tiny_llama().named_parameters()}
+    for rank, result in enumerate(skipped):
+        got = result[f"zero{stage}_accumulate{accumulate}"]
+        assert got["steps"] == SKIP_STEPS and got["skipped"] == [skipped_step]
+        if rank == 0:  # a rank-zero warning
+            assert f"Skipped global step {skipped_step}: non-finite training loss at global step {skipped_step} " \
+                   f"(batch 1 of the epoch) on ranks [1]." in got["warnings"], got["warnings"]
+        # every micro-batch loss as computed before rank 1 turns it into NaN
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected_losses), rtol=1e-5, atol=0)
+        error = relative_update_error(initial, expected, got["weights"])
+        assert error < 1e-4, f"ZeRO-{stage} rank {rank}: weights vs one process without the skipped step, {error:.2e}"
+
+
+def test_nonfinite_skip_is_refused_where_deepspeed_would_apply_the_step(skipped: list[dict[str, Any]]) -> None:
+    for result in skipped:
+        assert "ZeRO stage 0 does not do in fp32. Use stage=1, 2 or 3" in result.get("stage_0_error", ""), result
+
+
+def test_nonfinite_loss_mode_is_validated() -> None:
+    with pytest.raises(ValueError, match="nonfinite_loss must be 'raise', 'skip' or 'off', got 'ignore'"):
+        UlyssesStrategy(sp_size=2, nonfinite_loss="ignore")

@@ -151,12 +151,14 @@ def dp_batches(
 
 def reference_training(
     samples: list[dict[str, Tensor]], *, steps: int, batch_size: int, dp_size: int = 1, accumulate: int = 1,
-    lr: float = 0.5, momentum: float = 0.0, epochs: int = 1, collate_fn: Collate = collate, **model_overrides: Any,
+    lr: float = 0.5, momentum: float = 0.0, epochs: int = 1, collate_fn: Collate = collate,
+    skip_steps: tuple[int, ...] = (), **model_overrides: Any,
 ) -> tuple[list[float], dict[str, Tensor]]:
     """SGD as DDP over ``dp_size`` ranks would run it, one process, whole sequences.
 
     Returns the micro-batch losses seen by DP rank 0 and the final parameters. Samples are dealt to DP
     ranks as in :func:`dp_batches`; each of ``epochs`` epochs runs ``steps`` steps on that epoch's order.
+    The global steps in ``skip_steps`` use up their micro-batches without updating anything.
     """
     model = tiny_llama(**model_overrides)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
@@ -170,7 +172,8 @@ def reference_training(
                     (loss / (accumulate * dp_size)).backward()
                     if d == 0:
                         losses.append(loss.item())
-            optimizer.step()
+            if epoch * steps + step not in skip_steps:
+                optimizer.step()
             optimizer.zero_grad()
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
