@@ -4,7 +4,8 @@ What it adds to :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`:
 
 * the ``[dp, sp]`` process grid (:mod:`lightning_ulysses.topology`) with an SP and a DP group per rank;
 * data: the distributed sampler runs over ``dp_rank / dp_size``, so the ``sp_size`` ranks of an SP
-  group see the same samples and one epoch has the step count of DDP on ``dp_size`` ranks;
+  group see the same samples and one epoch has the step count of DDP on ``dp_size`` ranks; the training
+  loader resumes inside an epoch (:mod:`lightning_ulysses.resume`);
 * every batch is padded, positioned, labelled and cut to this rank's ``[B, N / sp]`` shard
   (:mod:`lightning_ulysses.sharding`) on its way to the device;
 * every transformers model inside the LightningModule runs all-to-all attention
@@ -52,6 +53,7 @@ from lightning_ulysses.failures import NonFiniteLoss, NonFiniteLossGuard
 from lightning_ulysses.loss import STEP_TOKENS_KEY, StepTokenCounts
 from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
 from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses.resume import ResumableLoader, is_resumable
 from lightning_ulysses.sharding import prepare_batch, shard_batch
 from lightning_ulysses.topology import SequenceParallelTopology, divisors
 
@@ -232,8 +234,12 @@ class UlyssesStrategy(DeepSpeedStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer
-        if self.loss_normalization == "global" and trainer.training:
-            return StepTokenCounts(dataloader, trainer.accumulate_grad_batches)
+        if not trainer.training:
+            return dataloader
+        if is_resumable(dataloader):
+            dataloader = ResumableLoader(dataloader, trainer.fit_loop, self.dp_size)
+        if self.loss_normalization == "global":
+            dataloader = StepTokenCounts(dataloader, trainer.accumulate_grad_batches)
         return dataloader
 
     @override

@@ -1,8 +1,8 @@
 """Checkpoints under sequence parallelism: resume equals the uninterrupted run, layouts, HF export.
 
 Each case trains a tiny Llama with SGD + momentum (optimizer state that a resume must restore) for
-one epoch, saves, and resumes in a fresh Trainer for a second epoch, possibly on another
-``(sp, dp)`` layout. The resumed run must reproduce the uninterrupted run and a single process on
+one epoch, or for a number of steps that ends inside an epoch, saves, and resumes in a fresh Trainer
+up to the end of the second epoch, possibly on another ``(sp, dp)`` layout. The resumed run must reproduce the uninterrupted run and a single process on
 whole sequences: every micro-batch loss (``rtol=1e-5``) and the final weights (relative update error
 ``< 1e-4``; a lost momentum buffer or a wrong data order gives errors near 1). The saved checkpoints
 are then exported to Hugging Face folders that must load with ``AutoModelForCausalLM.from_pretrained``
@@ -28,29 +28,60 @@ from tests.tiny import (
     tiny_llama,
 )
 
-DATA = dict(num=4, seq_len=16, seed=3)
-LR, MOMENTUM, BATCH, STEPS_PER_EPOCH = 0.5, 0.9, 2, 2
-# saved with sp=2 x dp=1 on 2 processes; resumed with (resume_sp, its micro-batch size)
+DATA = dict(num=8, seq_len=16, seed=3)
+LR, MOMENTUM, BATCH, STEPS_PER_EPOCH, EPOCHS = 0.5, 0.9, 2, 4, 2
+# saved with sp=2 x dp=1 on 2 processes after `saved_steps` steps; resumed with (resume_sp, its micro-batch size)
 CASES: dict[str, dict[str, Any]] = {
-    "sp2_zero2": dict(stage=2, resume_sp=2, resume_batch=BATCH, uninterrupted=True),
-    "sp2_zero3": dict(stage=3, resume_sp=2, resume_batch=BATCH, uninterrupted=True),
+    "sp2_zero2": dict(stage=2, saved_steps=STEPS_PER_EPOCH, resume_sp=2, resume_batch=BATCH, uninterrupted=True),
+    "sp2_zero3": dict(stage=3, saved_steps=STEPS_PER_EPOCH, resume_sp=2, resume_batch=BATCH, uninterrupted=True),
     # dp=2 with half the micro-batch: the same global batches, so the same trajectory
-    "sp2_to_dp2_zero2": dict(stage=2, resume_sp=1, resume_batch=BATCH // 2),
-    "sp2_to_dp2_zero3": dict(stage=3, resume_sp=1, resume_batch=BATCH // 2),
+    "sp2_to_dp2_zero2": dict(stage=2, saved_steps=STEPS_PER_EPOCH, resume_sp=1, resume_batch=BATCH // 2),
+    "sp2_to_dp2_zero3": dict(stage=3, saved_steps=STEPS_PER_EPOCH, resume_sp=1, resume_batch=BATCH // 2),
+    # inside an epoch: the resumed run must go on at the next batch, not at the epoch's first
+    "sp2_zero2_mid_epoch_1": dict(stage=2, saved_steps=STEPS_PER_EPOCH + 1, resume_sp=2, resume_batch=BATCH,
+                                  uninterrupted=True),
+    "sp2_to_dp2_zero3_mid_epoch_0": dict(stage=3, saved_steps=2, resume_sp=1, resume_batch=BATCH // 2),
 }
 
 
+class SaveAndStop(L.Callback):
+    """Saves a checkpoint where ``ModelCheckpoint(every_n_train_steps=...)`` would, after step ``step``, then
+    stops the run as a preemption would, keeping the weights it saved."""
+
+    def __init__(self, step: int, path: str, zero_stage_3: bool) -> None:
+        self.step, self.path, self.zero_stage_3 = step, path, zero_stage_3
+        self.saved: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+            self.saved = gathered_parameters(pl_module.model, self.zero_stage_3)
+            trainer.should_stop = True
+
+
 def _fit(
-    world_size: int, stage: int, sp: int, batch: int, epochs: int, ckpt_path: str | None = None
+    world_size: int, stage: int, sp: int, batch: int, max_steps: int = -1, ckpt_path: str | None = None,
+    callbacks: list[L.Callback] = (),
 ) -> tuple[TinyCausalLM, L.Trainer]:
     module = TinyCausalLM(lr=LR, momentum=MOMENTUM)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, max_epochs=epochs, logger=False,
+        accelerator="cpu", devices=world_size, max_epochs=EPOCHS, max_steps=max_steps, logger=False,
         strategy=UlyssesStrategy(sp_size=sp, stage=stage, attn_implementation="sdpa"), enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
     )
     trainer.fit(module, DataLoader(make_samples(**DATA), batch_size=batch, collate_fn=collate), ckpt_path=ckpt_path)
     return module, trainer
+
+
+def _fit_and_save(world_size: int, stage: int, steps: int, path: str) -> tuple[TinyCausalLM, dict[str, torch.Tensor]]:
+    """An epoch's end: ``trainer.save_checkpoint`` after the fit. Inside an epoch: in the step, then stop."""
+    if steps % STEPS_PER_EPOCH == 0:
+        module, trainer = _fit(world_size, stage, 2, BATCH, max_steps=steps)
+        trainer.save_checkpoint(path)
+        return module, gathered_parameters(module.model, stage == 3)
+    save = SaveAndStop(steps, path, stage == 3)
+    module, _ = _fit(world_size, stage, 2, BATCH, callbacks=[save])
+    return module, save.saved
 
 
 def resume_worker(args: dict[str, Any]) -> dict[str, Any]:
@@ -58,19 +89,18 @@ def resume_worker(args: dict[str, Any]) -> dict[str, Any]:
     results = {}
     for name, case in args["cases"].items():
         path = str(Path(args["dir"]) / name)
-        first, trainer = _fit(world_size, case["stage"], 2, BATCH, epochs=1)
-        trainer.save_checkpoint(path)
-        result = {"saved": gathered_parameters(first.model, case["stage"] == 3), "first_losses": first.losses}
-        resumed, trainer = _fit(world_size, case["stage"], case["resume_sp"], case["resume_batch"], epochs=2, ckpt_path=path)
+        first, saved = _fit_and_save(world_size, case["stage"], case["saved_steps"], path)
+        result = {"saved": saved, "first_losses": first.losses}
+        resumed, trainer = _fit(world_size, case["stage"], case["resume_sp"], case["resume_batch"], ckpt_path=path)
         result.update(resumed_losses=resumed.losses, resumed=gathered_parameters(resumed.model, case["stage"] == 3),
                       steps=trainer.global_step, path=path)
         if case.get("uninterrupted"):
-            whole, _ = _fit(world_size, case["stage"], 2, BATCH, epochs=2)
+            whole, _ = _fit(world_size, case["stage"], 2, BATCH)
             result.update(uninterrupted_losses=whole.losses,
                           uninterrupted=gathered_parameters(whole.model, case["stage"] == 3))
         results[name] = result
     try:  # a ZeRO-3 checkpoint on ZeRO-2: refused before DeepSpeed loads anything
-        _fit(world_size, 2, 2, BATCH, epochs=2, ckpt_path=results["sp2_zero3"]["path"])
+        _fit(world_size, 2, 2, BATCH, ckpt_path=results["sp2_zero3"]["path"])
     except ValueError as error:
         results["stage_change_error"] = str(error)
     return results
@@ -85,7 +115,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     return reference_training(make_samples(**DATA), steps=STEPS_PER_EPOCH, batch_size=BATCH, lr=LR, momentum=MOMENTUM,
-                              epochs=2)
+                              epochs=EPOCHS)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -99,10 +129,11 @@ def test_resume_equals_uninterrupted_single_process(results: list[dict[str, Any]
         resumed_losses = resumed_losses.mean(dim=0, keepdim=True).expand(2, -1)
     for rank, result in enumerate(results):
         got = result[name]
-        assert got["steps"] == 2 * STEPS_PER_EPOCH
-        torch.testing.assert_close(torch.tensor(got["first_losses"]), torch.tensor(expected_losses[:STEPS_PER_EPOCH]),
+        saved_steps = case["saved_steps"]
+        assert got["steps"] == EPOCHS * STEPS_PER_EPOCH
+        torch.testing.assert_close(torch.tensor(got["first_losses"]), torch.tensor(expected_losses[:saved_steps]),
                                    rtol=1e-5, atol=0)
-        torch.testing.assert_close(resumed_losses[rank], torch.tensor(expected_losses[STEPS_PER_EPOCH:]),
+        torch.testing.assert_close(resumed_losses[rank], torch.tensor(expected_losses[saved_steps:]),
                                    rtol=1e-5, atol=0)
         saved = got["saved"]
         error = relative_update_error(saved, expected, got["resumed"])
