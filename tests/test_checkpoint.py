@@ -24,8 +24,8 @@ from transformers import AutoModelForCausalLM
 from lightning_ulysses import UlyssesStrategy, check_resumable, export_hf_model
 from tests.launch import launch
 from tests.tiny import (
-    VOCAB, TinyCausalLM, collate, gathered_parameters, make_samples, reference_training, relative_update_error,
-    tiny_llama,
+    VOCAB, SaveAndStop, TinyCausalLM, collate, gathered_parameters, make_samples, reference_training,
+    relative_update_error, tiny_llama,
 )
 
 DATA = dict(num=8, seq_len=16, seed=3)
@@ -42,21 +42,6 @@ CASES: dict[str, dict[str, Any]] = {
                                   uninterrupted=True),
     "sp2_to_dp2_zero3_mid_epoch_0": dict(stage=3, saved_steps=2, resume_sp=1, resume_batch=BATCH // 2),
 }
-
-
-class SaveAndStop(L.Callback):
-    """Saves a checkpoint where ``ModelCheckpoint(every_n_train_steps=...)`` would, after step ``step``, then
-    stops the run as a preemption would, keeping the weights it saved."""
-
-    def __init__(self, step: int, path: str, zero_stage_3: bool) -> None:
-        self.step, self.path, self.zero_stage_3 = step, path, zero_stage_3
-        self.saved: dict[str, torch.Tensor] = {}
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if trainer.global_step == self.step:
-            trainer.save_checkpoint(self.path)
-            self.saved = gathered_parameters(pl_module.model, self.zero_stage_3)
-            trainer.should_stop = True
 
 
 def _fit(

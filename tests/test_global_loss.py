@@ -4,12 +4,14 @@ With gradient accumulation and padding, the micro-batches (and DP ranks) of a st
 numbers of valid tokens, so the global token mean differs from the default average of per-group means
 (the test checks that the two references are far apart). The SP run must match the global reference:
 every micro-batch loss (the exact token mean of that micro-batch over all ranks, ``rtol=1e-5``) and the
-final weights (relative update error ``< 1e-4``).
+final weights (relative update error ``< 1e-4``). One run is interrupted after its first step and
+resumed from that checkpoint: the step's token count must cover the resumed step's micro-batches only.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -21,29 +23,44 @@ from torch.utils.data import DataLoader
 from lightning_ulysses import UlyssesStrategy
 from tests.launch import launch
 from tests.tiny import (
-    TinyCausalLM, collate, epoch_order, gathered_parameters, make_samples, reference_loss, reference_training,
-    relative_update_error, tiny_llama,
+    SaveAndStop, TinyCausalLM, collate, epoch_order, gathered_parameters, make_samples, reference_loss,
+    reference_training, relative_update_error, tiny_llama,
 )
 
 DATA = dict(num=10, seq_len=16, seed=4, padding=9)  # odd samples have 7 real tokens, even ones 16
 BATCH, ACCUMULATE, STEPS, LR = 1, 2, 2, 0.5
-CASES = {"sp2_zero2": dict(sp=2, stage=2), "dp2_zero3": dict(sp=1, stage=3)}
+CASES = {
+    "sp2_zero2": dict(sp=2, stage=2),
+    "dp2_zero3": dict(sp=1, stage=3),
+    "sp2_zero2_resumed_after_step_1": dict(sp=2, stage=2, resume_after=1),
+}
+
+
+def _fit(case: dict[str, Any], world_size: int, callbacks: list[L.Callback], ckpt_path: str | None) -> TinyCausalLM:
+    module = TinyCausalLM(lr=LR)
+    strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa",
+                               loss_normalization="global")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS, callbacks=callbacks,
+        accumulate_grad_batches=ACCUMULATE, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, DataLoader(make_samples(**DATA), batch_size=BATCH, collate_fn=collate), ckpt_path=ckpt_path)
+    return module
 
 
 def global_worker(args: dict[str, Any]) -> dict[str, Any]:
     world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown deletes it
     results = {}
     for name, case in args["cases"].items():
-        module = TinyCausalLM(lr=LR)
-        strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa",
-                                   loss_normalization="global")
-        trainer = L.Trainer(
-            accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS,
-            accumulate_grad_batches=ACCUMULATE, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        trainer.fit(module, DataLoader(make_samples(**DATA), batch_size=BATCH, collate_fn=collate))
-        results[name] = {"losses": module.losses, "params": gathered_parameters(module.model, case["stage"] == 3)}
+        losses, ckpt_path = [], None
+        if "resume_after" in case:
+            ckpt_path = str(Path(args["dir"]) / name)
+            interrupt = SaveAndStop(case["resume_after"], ckpt_path, case["stage"] == 3)
+            losses = _fit(case, world_size, [interrupt], None).losses
+        module = _fit(case, world_size, [], ckpt_path)
+        params = gathered_parameters(module.model, case["stage"] == 3)
+        results[name] = {"losses": losses + module.losses, "params": params}
     return results
 
 
@@ -69,8 +86,9 @@ def reference_global_training(dp_size: int) -> tuple[list[float], dict[str, Tens
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
-    return launch("tests.test_global_loss:global_worker", 2, {"cases": CASES})
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    directory = str(tmp_path_factory.mktemp("checkpoints"))
+    return launch("tests.test_global_loss:global_worker", 2, {"cases": CASES, "dir": directory})
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -49,6 +49,21 @@ class TinyCausalLM(UlyssesLossMixin, L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
+class SaveAndStop(L.Callback):
+    """Saves a checkpoint where ``ModelCheckpoint(every_n_train_steps=...)`` would, after step ``step``, then
+    stops the run as a preemption would, keeping the weights it saved."""
+
+    def __init__(self, step: int, path: str, zero_stage_3: bool) -> None:
+        self.step, self.path, self.zero_stage_3 = step, path, zero_stage_3
+        self.saved: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+            self.saved = gathered_parameters(pl_module.model, self.zero_stage_3)
+            trainer.should_stop = True
+
+
 def make_samples(num: int, seq_len: int, seed: int = 1, masked_spans: list[tuple[int, int]] = (),
                  padding: int = 0) -> list[dict[str, Tensor]]:
     """Random token rows; ``masked_spans`` set labels to -100; the last ``padding`` columns of odd rows are padding."""
