@@ -39,6 +39,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
@@ -46,7 +47,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ulysses.attention import gather_sequence, resolve_attn_implementation
-from lightning_ulysses.checkpoint import check_resumable
+from lightning_ulysses.checkpoint import check_resumable, is_universal_checkpoint
 from lightning_ulysses.failures import check_finite_loss
 from lightning_ulysses.loss import STEP_TOKENS_KEY, StepTokenCounts
 from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
@@ -263,6 +264,15 @@ class UlyssesStrategy(DeepSpeedStrategy):
             assert isinstance(self.config, dict)
             zero_stage = self.config.get("zero_optimization", {}).get("stage", 0)
             check_resumable(checkpoint_path, self.world_size, zero_stage)
+            universal = is_universal_checkpoint(checkpoint_path)
+            if universal and self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+                raise ValueError(
+                    f"{checkpoint_path} is a converted (universal) checkpoint, which DeepSpeed loads only to resume "
+                    "trainer.fit. Evaluate from the checkpoint as saved (on its own process count and ZeRO stage) or "
+                    "from its weights (export_hf_model)."
+                )
+            # DeepSpeed reads its "checkpoint.load_universal" setting only when loading, and the engine exists by now
+            self.deepspeed_engine._config.load_universal_checkpoint = universal
         return super().load_checkpoint(checkpoint_path, weights_only)
 
     @override
