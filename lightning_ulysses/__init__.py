@@ -2,7 +2,7 @@
 
 from lightning_ulysses.attention import ulysses_attention
 from lightning_ulysses.callbacks import SequenceParallelMonitor, SequenceParallelParityCheck
-from lightning_ulysses.checkpoint import check_resumable, export_hf_model
+from lightning_ulysses.checkpoint import check_resumable, convert_checkpoint, export_hf_model, is_universal_checkpoint
 from lightning_ulysses.data import ByteTokenizer, LongTextDataModule
 from lightning_ulysses.flops import TransformerFlops
 from lightning_ulysses.heads import HeadLayout, plan_heads
@@ -43,8 +43,10 @@ __all__ = [
     "apply_ulysses_attention",
     "check_resumable",
     "checkpoint_activations",
+    "convert_checkpoint",
     "export_hf_model",
     "gather_sequence",
+    "is_universal_checkpoint",
     "plan_heads",
     "prepare_batch",
     "remove_memory_options",

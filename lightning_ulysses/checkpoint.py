@@ -1,4 +1,4 @@
-"""Checkpoints under sequence parallelism: which layouts resume, and export to Hugging Face.
+"""Checkpoints under sequence parallelism: which layouts resume, conversion to any layout, HF export.
 
 :class:`~lightning_ulysses.UlyssesStrategy` saves DeepSpeed's checkpoint directory (Lightning's
 ``trainer.save_checkpoint`` / ``ModelCheckpoint``). DeepSpeed is given no SP topology, so ZeRO
@@ -7,13 +7,19 @@ SP group. Consequences:
 
 * the ``(sp, dp)`` split is not part of the checkpoint: one saved with ``sp=2 x dp=1`` resumes with
   ``sp=1 x dp=2`` (keep ``dp * micro_batch_size`` to keep the global batch);
-* the process count and the ZeRO stage are: DeepSpeed cannot re-partition the optimizer state.
-  :func:`check_resumable` refuses such a resume before anything is loaded, saying how to continue
-  (from the exported weights, without the optimizer state).
+* the process count and the ZeRO stage are: DeepSpeed cannot re-partition a checkpoint as saved.
+  :func:`check_resumable` refuses such a resume before anything is loaded, and says how to convert it.
 
-Resuming reproduces the uninterrupted run from an end-of-epoch checkpoint: the distributed sampler
-reseeds with the epoch. A mid-epoch checkpoint needs a resumable data loader (e.g. torchdata's
-``StatefulDataLoader``), as with any Lightning strategy.
+:func:`convert_checkpoint` turns a checkpoint of any layout into a DeepSpeed *universal* checkpoint: each
+trainable parameter's full fp32 weight and optimizer state tensors, one file each, plus the Lightning
+state (loops, callbacks, epoch, global step). ``UlyssesStrategy`` resumes it on any process count, ``sp x
+dp`` split and ZeRO stage through DeepSpeed's universal loader: weights, optimizer state and step counters
+exactly. Under ZeRO-3 that loader (DeepSpeed 0.19) restores Adam's state only (``exp_avg``, ``exp_avg_sq``,
+``step``) and one set of hyperparameters for all param groups; other checkpoints resume under ZeRO 1/2,
+and :func:`check_resumable` says so before loading.
+
+Resuming reproduces the uninterrupted run, also from a checkpoint saved inside an epoch: the strategy
+makes the training loader resumable (:mod:`lightning_ulysses.resume`).
 
 :func:`export_hf_model` consolidates the fp32 weights of any such checkpoint (DeepSpeed's
 ``zero_to_fp32`` reads every ZeRO stage and process count) into a ``save_pretrained`` folder, offline in
@@ -22,12 +28,29 @@ one process.
 
 from __future__ import annotations
 
+import math
+import re
+from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import Tensor
 from transformers import PreTrainedModel
 
 from lightning_ulysses.patching import ULYSSES_ATTN_IMPLEMENTATION
+
+
+UNIVERSAL_LATEST = "latest_universal"  # DeepSpeed's pointer to the tag folder of a universal checkpoint
+# the optimizer state names DeepSpeed 0.19's ZeRO-3 universal loader restores (stage3.py, "for key in [...]")
+_ZERO3_UNIVERSAL_STATE = {"fp32", "exp_avg", "exp_avg_sq", "step"}
+_GLOBAL_OPTIMIZER_STATE = ("loss_scaler", "dynamic_loss_scale", "overflow")  # fp16 loss scaling, any ZeRO stage
+
+
+def is_universal_checkpoint(checkpoint_dir: str | Path) -> bool:
+    """Whether ``checkpoint_dir`` was written by :func:`convert_checkpoint` (DeepSpeed's universal format)."""
+    return (Path(checkpoint_dir) / UNIVERSAL_LATEST).is_file()
 
 
 def _model_states_file(checkpoint_dir: Path) -> Path:
@@ -46,20 +69,155 @@ def saved_layout(checkpoint_dir: str | Path) -> tuple[int, int]:
 
 
 def check_resumable(checkpoint_dir: str | Path, num_processes: int, zero_stage: int) -> None:
-    """Raise before any state is loaded if DeepSpeed cannot restore ``checkpoint_dir`` on this layout."""
+    """Raise before any state is loaded if ``checkpoint_dir`` cannot be restored exactly on this layout.
+
+    A checkpoint as saved resumes on its own process count and ZeRO stage (any ``sp x dp`` split); a
+    converted (universal) one on any layout, except optimizer state that DeepSpeed's ZeRO-3 loader cannot
+    restore (see the module docstring).
+    """
+    if is_universal_checkpoint(checkpoint_dir):
+        if zero_stage == 3:
+            _check_zero3_universal(Path(checkpoint_dir))
+        return
     saved_processes, saved_stage = saved_layout(checkpoint_dir)
     if (saved_processes, saved_stage) == (num_processes, zero_stage):
         return
+    converted = f"{str(checkpoint_dir).rstrip('/')}-universal"
     raise ValueError(
         f"The checkpoint {checkpoint_dir} was saved by {saved_processes} processes under ZeRO stage {saved_stage}; "
         f"this run has {num_processes} processes under ZeRO stage {zero_stage}. DeepSpeed partitions the weights and "
-        f"optimizer state over every process, so any sp_size x dp_size split of {saved_processes} processes with "
-        f"ZeRO stage {saved_stage} resumes it, but another process count or stage cannot. Resume with "
-        f"{saved_processes} processes and stage={saved_stage}, or start a new run on this layout from its weights "
-        f"(the optimizer state and loop progress are not carried over): lightning_ulysses.export_hf_model("
-        f"{str(checkpoint_dir)!r}, model, folder), then AutoModelForCausalLM.from_pretrained(folder) in your "
-        "LightningModule."
+        f"optimizer state over every process, so as saved it resumes only with {saved_processes} processes and "
+        f"stage={saved_stage} (any sp_size x dp_size split). To resume on this layout with the optimizer state and "
+        "loop progress, convert it once (offline, one process) and resume from the converted directory: "
+        f"python -c \"from lightning_ulysses import convert_checkpoint; convert_checkpoint({str(checkpoint_dir)!r}, "
+        f"{converted!r})\", then ckpt_path={converted!r}."
     )
+
+
+def _check_zero3_universal(checkpoint_dir: Path) -> None:
+    zero_dir = checkpoint_dir / (checkpoint_dir / UNIVERSAL_LATEST).read_text().strip() / "zero"
+    saved_states = {file.stem for file in zero_dir.glob("*/*.pt")}
+    param_groups = torch.load(zero_dir / "optimizer_state.pt", map_location="cpu", weights_only=False)["param_groups"]
+    hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in param_groups]
+    if saved_states == _ZERO3_UNIVERSAL_STATE and all(h == hyperparameters[0] for h in hyperparameters):
+        return
+    raise ValueError(
+        f"The converted checkpoint {checkpoint_dir} holds optimizer state {sorted(saved_states - {'fp32'})} in "
+        f"{len(param_groups)} param group(s). DeepSpeed's ZeRO-3 universal loader restores only Adam's exp_avg, "
+        "exp_avg_sq and step (deepspeedai/DeepSpeed#8608), and the hyperparameters of the first param group into "
+        "every group, so ZeRO-3 would not resume it exactly. Resume it under ZeRO stage 1 or 2 (any process count)."
+    )
+
+
+def convert_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path) -> None:
+    """Write a universal copy of a DeepSpeed checkpoint directory, which resumes on any layout.
+
+    Reads every process's ZeRO partitions of the checkpoint (any ZeRO stage and process count, offline in
+    one process, holding the full fp32 weights and optimizer state in memory) and writes DeepSpeed's
+    universal layout: ``<tag>/zero/<parameter>/{fp32,<state>}.pt`` with the full tensors, ``step.pt``, the
+    param groups, and the Lightning state. ``trainer.fit(..., ckpt_path=output_dir)`` under
+    :class:`~lightning_ulysses.UlyssesStrategy` then restores it on any process count and ZeRO stage.
+
+    Any optimizer whose state is flat tensors shaped like its parameters (SGD momentum, Adam, AdamW, ...)
+    converts; ZeRO-3 resumes Adam's state only (:func:`check_resumable`). Frozen parameters and persistent
+    buffers are not restored by DeepSpeed's universal loader, so a checkpoint that has them is refused.
+
+    Args:
+        checkpoint_dir: the directory that ``trainer.save_checkpoint`` or ``ModelCheckpoint`` wrote.
+        output_dir: the directory to write (created; pass it as ``ckpt_path``).
+    """
+    checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
+    tag = (checkpoint_dir / "latest").read_text().strip()
+    model_state = torch.load(_model_states_file(checkpoint_dir), map_location="cpu", weights_only=False)
+    if model_state["frozen_param_shapes"] or model_state["buffer_names"]:
+        raise ValueError(
+            f"{checkpoint_dir} has frozen parameters {list(model_state['frozen_param_shapes'])} or persistent buffers "
+            f"{model_state['buffer_names']}, which DeepSpeed's universal loader does not restore."
+        )
+    shapes = {name: shape for group in model_state["param_shapes"] for name, shape in group.items()}
+    optim_files = sorted((checkpoint_dir / tag).glob("*zero_pp_rank_*_optim_states.pt"), key=_rank_of)
+    if not optim_files:
+        raise FileNotFoundError(f"{checkpoint_dir / tag} holds no ZeRO *optim_states.pt file.")
+    # parameter -> state ("fp32", "exp_avg", "momentum_buffer", ...) -> its pieces, in rank order
+    pieces: dict[str, dict[str, list[Tensor]]] = defaultdict(lambda: defaultdict(list))
+    steps: list[Any] = []  # per rank and group: torch's Adam keeps one step per flat group
+    for rank, file in enumerate(optim_files):
+        saved = torch.load(file, map_location="cpu", weights_only=False)
+        flat_state = saved["optimizer_state_dict"]
+        if "fp32_flat_groups" in flat_state:
+            base_state = flat_state["optimizer_state_dict"]
+            partitions = _zero3_partitions(flat_state, base_state, model_state["param_shapes"], rank, len(optim_files))
+        else:
+            base_state = flat_state["base_optimizer_state"]
+            partitions = _zero12_partitions(flat_state, base_state)
+        for name, key, piece in partitions:
+            pieces[name][key].append(piece)
+        steps += [group["step"] for group in base_state["state"].values() if "step" in group]
+        if rank == 0:
+            param_groups = base_state["param_groups"]
+            global_state = {k: flat_state[k] for k in _GLOBAL_OPTIMIZER_STATE if k in flat_state}
+            global_state["ds_version"] = saved["ds_version"]
+    if any(float(s) != float(steps[0]) for s in steps):
+        raise ValueError(f"The optimizer steps of {checkpoint_dir} disagree across partitions: {steps}.")
+    step = steps[0] if steps else None
+
+    zero_dir = output_dir / tag / "zero"
+    for name, states in pieces.items():
+        (zero_dir / name).mkdir(parents=True, exist_ok=True)
+        for key, parts in states.items():
+            torch.save({"param": torch.cat(parts).view(shapes[name])}, zero_dir / name / f"{key}.pt")
+        if step is not None:
+            torch.save(step, zero_dir / name / "step.pt")
+    # read by the ZeRO 1/2 loader ("param_groups", "ds_version") and the ZeRO-3 one ("optimizer_state_dict")
+    torch.save({**global_state, "param_groups": param_groups,
+                "optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": param_groups}},
+               zero_dir / "optimizer_state.pt")
+    # the Lightning state and DeepSpeed's counters, under the file name of either engine (ZeRO 1/2 and ZeRO-3)
+    client_state = {k: v for k, v in model_state.items() if k not in ("module", "optimizer")}
+    for file_name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        torch.save(client_state, output_dir / tag / file_name)
+    (output_dir / UNIVERSAL_LATEST).write_text(tag)
+
+
+def _rank_of(optim_file: Path) -> int:
+    return int(re.search(r"zero_pp_rank_(\d+)_", optim_file.name).group(1))
+
+
+def _flat_states(base_state: dict[str, Any], group: int, fp32: Tensor) -> Iterator[tuple[str, Any]]:
+    """Group ``group``'s fp32 weights and optimizer state tensors (all laid out alike), without the step."""
+    yield "fp32", fp32
+    for key, value in base_state["state"].get(group, {}).items():
+        if key == "step":
+            continue
+        if not (isinstance(value, Tensor) and value.shape == fp32.shape):
+            raise ValueError(f"Optimizer state {key!r} is not a flat tensor shaped like the parameters: not convertible")
+        yield key, value
+
+
+def _zero12_partitions(flat_state: dict[str, Any], base_state: dict[str, Any]) -> Iterator[tuple[str, str, Tensor]]:
+    """``(parameter, state, piece)``: this rank's piece of each parameter's flat state under ZeRO 1/2, located by
+    DeepSpeed's ``param_slice_mappings``; the pieces of all ranks, in rank order, are the whole parameter."""
+    for group, fp32 in enumerate(flat_state["single_partition_of_fp32_groups"]):
+        for key, flat in _flat_states(base_state, group, fp32):
+            for name, address in flat_state["param_slice_mappings"][group].items():
+                yield name, key, flat.narrow(0, address.start, address.numel)
+
+
+def _zero3_partitions(flat_state: dict[str, Any], base_state: dict[str, Any], param_shapes: list[dict[str, Any]],
+                      rank: int, num_ranks: int) -> Iterator[tuple[str, str, Tensor]]:
+    """As :func:`_zero12_partitions` under ZeRO-3: each parameter of a sub-group holds ``ceil(numel / ranks)``
+    elements of each rank's flat partition, in order, the last rank's padded."""
+    if flat_state["partition_count"] != num_ranks:
+        raise ValueError(f"ZeRO-3 partitions over {flat_state['partition_count']} ranks, but {num_ranks} saved files.")
+    for group, fp32 in enumerate(flat_state["fp32_flat_groups"]):
+        for key, flat in _flat_states(base_state, group, fp32):
+            offset = 0
+            for name, shape in param_shapes[group].items():
+                numel = math.prod(shape)
+                partition = math.ceil(numel / num_ranks)
+                kept = max(0, min(partition, numel - rank * partition))
+                yield name, key, flat.narrow(0, offset, kept)
+                offset += partition
 
 
 def export_hf_model(

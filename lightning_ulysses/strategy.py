@@ -48,7 +48,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ulysses.attention import gather_sequence, resolve_attn_implementation
-from lightning_ulysses.checkpoint import check_resumable
+from lightning_ulysses.checkpoint import check_resumable, is_universal_checkpoint
 from lightning_ulysses.failures import NonFiniteLoss, NonFiniteLossGuard
 from lightning_ulysses.loss import STEP_TOKENS_KEY, StepTokenCounts
 from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
@@ -286,6 +286,15 @@ class UlyssesStrategy(DeepSpeedStrategy):
             assert isinstance(self.config, dict)
             zero_stage = self.config.get("zero_optimization", {}).get("stage", 0)
             check_resumable(checkpoint_path, self.world_size, zero_stage)
+            universal = is_universal_checkpoint(checkpoint_path)
+            if universal and self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+                raise ValueError(
+                    f"{checkpoint_path} is a converted (universal) checkpoint, which DeepSpeed loads only to resume "
+                    "trainer.fit. Evaluate from the checkpoint as saved (on its own process count and ZeRO stage) or "
+                    "from its weights (export_hf_model)."
+                )
+            # DeepSpeed reads its "checkpoint.load_universal" setting only when loading, and the engine exists by now
+            self.deepspeed_engine._config.load_universal_checkpoint = universal
         return super().load_checkpoint(checkpoint_path, weights_only)
 
     @override

@@ -1,12 +1,18 @@
-"""Checkpoints under sequence parallelism: resume equals the uninterrupted run, layouts, HF export.
+"""Checkpoints under sequence parallelism: resume equals the uninterrupted run, layouts, conversion, HF export.
 
-Each case trains a tiny Llama with SGD + momentum (optimizer state that a resume must restore) for
-one epoch, or for a number of steps that ends inside an epoch, saves, and resumes in a fresh Trainer
-up to the end of the second epoch, possibly on another ``(sp, dp)`` layout. The resumed run must reproduce the uninterrupted run and a single process on
-whole sequences: every micro-batch loss (``rtol=1e-5``) and the final weights (relative update error
-``< 1e-4``; a lost momentum buffer or a wrong data order gives errors near 1). The saved checkpoints
-are then exported to Hugging Face folders that must load with ``AutoModelForCausalLM.from_pretrained``
-and give the logits of the saved weights.
+Each case trains a tiny Llama with SGD + momentum or AdamW (optimizer state that a resume must restore)
+for one epoch, or for a number of steps that ends inside an epoch, saves, and resumes in a fresh Trainer
+up to the end of the second epoch, possibly on another ``(sp, dp)`` layout, or after
+:func:`convert_checkpoint` on another process count and ZeRO stage. The
+resumed run must reproduce the uninterrupted run and a single process on whole sequences: every
+micro-batch loss (``rtol=1e-5``) and the final weights (relative update error ``< 1e-4``; a lost
+momentum buffer or a wrong data order gives errors near 1, checked by a control that drops the momentum).
+The saved checkpoints are then exported to Hugging Face folders that must load with
+``AutoModelForCausalLM.from_pretrained`` and give the logits of the saved weights.
+
+Process start-up is slow, so the cases share three launches: one process saves an AdamW checkpoint; two
+processes run the SGD cases and resume the converted AdamW checkpoint under ZeRO-3; one process resumes
+the converted two-process SGD checkpoints.
 """
 
 from __future__ import annotations
@@ -21,15 +27,16 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
-from lightning_ulysses import UlyssesStrategy, check_resumable, export_hf_model
+from lightning_ulysses import UlyssesStrategy, check_resumable, convert_checkpoint, export_hf_model
 from tests.launch import launch
 from tests.tiny import (
-    VOCAB, SaveAndStop, TinyCausalLM, collate, gathered_parameters, make_samples, reference_training,
-    relative_update_error, tiny_llama,
+    VOCAB, OptimizerName, SaveAndStop, TinyCausalLM, collate, gathered_parameters, make_samples,
+    reference_training, relative_update_error, tiny_llama,
 )
 
 DATA = dict(num=8, seq_len=16, seed=3)
 LR, MOMENTUM, BATCH, STEPS_PER_EPOCH, EPOCHS = 0.5, 0.9, 2, 4, 2
+ADAMW_LR = 0.01
 # saved with sp=2 x dp=1 on 2 processes after `saved_steps` steps; resumed with (resume_sp, its micro-batch size)
 CASES: dict[str, dict[str, Any]] = {
     "sp2_zero2": dict(stage=2, saved_steps=STEPS_PER_EPOCH, resume_sp=2, resume_batch=BATCH, uninterrupted=True),
@@ -44,11 +51,21 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+# converted two-process SGD checkpoints, resumed by one process (sp=1 x dp=1, the micro-batch of the saved sp=2 x dp=1)
+CONVERTED_CASES: dict[str, dict[str, Any]] = {
+    "sp2_zero2_to_1_process_zero1": dict(source="sp2_zero2", stage=1),
+    "sp2_zero3_to_1_process_zero2": dict(source="sp2_zero3", stage=2),
+    # control: the same resume without the momentum buffers must miss the reference
+    "sp2_zero2_to_1_process_zero1_without_momentum": dict(source="sp2_zero2", stage=1, drop="momentum_buffer.pt"),
+}
+
+
 def _fit(
     world_size: int, stage: int, sp: int, batch: int, max_steps: int = -1, ckpt_path: str | None = None,
-    callbacks: list[L.Callback] = (),
+    optimizer: OptimizerName = "sgd", callbacks: list[L.Callback] = (),
 ) -> tuple[TinyCausalLM, L.Trainer]:
-    module = TinyCausalLM(lr=LR, momentum=MOMENTUM)
+    lr = ADAMW_LR if optimizer == "adamw" else LR
+    module = TinyCausalLM(lr=lr, momentum=MOMENTUM, optimizer=optimizer)
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, max_epochs=EPOCHS, max_steps=max_steps, logger=False,
         strategy=UlyssesStrategy(sp_size=sp, stage=stage, attn_implementation="sdpa"), enable_checkpointing=False,
@@ -88,19 +105,86 @@ def resume_worker(args: dict[str, Any]) -> dict[str, Any]:
         _fit(world_size, 2, 2, BATCH, ckpt_path=results["sp2_zero3"]["path"])
     except ValueError as error:
         results["stage_change_error"] = str(error)
+    # saved by one process under ZeRO-2, converted, resumed by two (sp=2 x dp=1) under ZeRO-3
+    resumed, trainer = _fit(world_size, 3, 2, BATCH, ckpt_path=args["adamw_converted"], optimizer="adamw")
+    results["adamw_1_process_zero2_to_2_processes_zero3"] = dict(
+        resumed_losses=resumed.losses, resumed=gathered_parameters(resumed.model, True), steps=trainer.global_step
+    )
+    return results
+
+
+def save_single_process_worker(args: dict[str, Any]) -> dict[str, Any]:
+    first, trainer = _fit(1, 2, 1, BATCH, max_steps=STEPS_PER_EPOCH, optimizer="adamw")
+    trainer.save_checkpoint(args["path"])
+    return {"first_losses": first.losses, "saved": gathered_parameters(first.model, False)}
+
+
+class EvaluatedCausalLM(TinyCausalLM):
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.training_step(batch, batch_idx)
+
+
+def resume_converted_worker(args: dict[str, Any]) -> dict[str, Any]:
+    results = {}
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        strategy=UlyssesStrategy(sp_size=1, stage=2, attn_implementation="sdpa"))
+    loader = DataLoader(make_samples(**DATA), batch_size=BATCH, collate_fn=collate)
+    try:  # DeepSpeed's universal loader restores training only
+        trainer.validate(EvaluatedCausalLM(), loader, ckpt_path=next(iter(args["paths"].values())))
+    except ValueError as error:
+        results["validate_error"] = str(error)
+    for name, case in args["cases"].items():
+        resumed, trainer = _fit(1, case["stage"], 1, BATCH, ckpt_path=args["paths"][name])
+        results[name] = dict(
+            resumed_losses=resumed.losses, resumed=gathered_parameters(resumed.model, case["stage"] == 3),
+            steps=trainer.global_step, epoch=trainer.current_epoch,
+        )
     return results
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    directory = tmp_path_factory.mktemp("checkpoints")
-    return launch("tests.test_checkpoint:resume_worker", 2, {"cases": CASES, "dir": str(directory)})
+def directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="module")
+def single_process_adamw(directory: Path) -> dict[str, Any]:
+    """An AdamW checkpoint saved by one process under ZeRO-2 (``path``) and its conversion (``converted``)."""
+    path, converted = directory / "adamw_1_process_zero2", directory / "adamw_1_process_zero2_universal"
+    result = launch("tests.test_checkpoint:save_single_process_worker", 1, {"path": str(path)})[0]
+    convert_checkpoint(path, converted)
+    return {**result, "path": path, "converted": converted}
+
+
+@pytest.fixture(scope="module")
+def results(directory: Path, single_process_adamw: dict[str, Any]) -> list[dict[str, Any]]:
+    return launch("tests.test_checkpoint:resume_worker", 2,
+                  {"cases": CASES, "dir": str(directory), "adamw_converted": str(single_process_adamw["converted"])})
+
+
+@pytest.fixture(scope="module")
+def converted_results(directory: Path, results: list[dict[str, Any]]) -> dict[str, Any]:
+    paths = {}
+    for name, case in CONVERTED_CASES.items():
+        paths[name] = directory / f"{name}_universal"
+        convert_checkpoint(results[0][case["source"]]["path"], paths[name])
+        if "drop" in case:
+            for dropped in paths[name].glob(f"*/zero/*/{case['drop']}"):
+                dropped.unlink()
+    return launch("tests.test_checkpoint:resume_converted_worker", 1,
+                  {"cases": CONVERTED_CASES, "paths": {name: str(path) for name, path in paths.items()}})[0]
 
 
 @pytest.fixture(scope="module")
 def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     return reference_training(make_samples(**DATA), steps=STEPS_PER_EPOCH, batch_size=BATCH, lr=LR, momentum=MOMENTUM,
                               epochs=EPOCHS)
+
+
+@pytest.fixture(scope="module")
+def adamw_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    return reference_training(make_samples(**DATA), steps=STEPS_PER_EPOCH, batch_size=BATCH, lr=ADAMW_LR,
+                              epochs=EPOCHS, optimizer="adamw")
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -155,3 +239,50 @@ def test_resume_on_another_process_count_or_stage_is_refused(results: list[dict[
         check_resumable(path, 4, 3)
     with pytest.raises(ValueError, match=r"ZeRO stage 3; this run has 2 processes under ZeRO stage 2"):
         check_resumable(path, 2, 2)
+
+
+@pytest.mark.parametrize("name", CONVERTED_CASES)
+def test_converted_checkpoint_resumes_on_another_process_count_and_stage(
+    results: list[dict[str, Any]], converted_results: dict[str, Any], reference: Any, name: str
+) -> None:
+    expected_losses, expected = reference
+    got = converted_results[name]
+    assert (got["steps"], got["epoch"]) == (EPOCHS * STEPS_PER_EPOCH, EPOCHS)  # Lightning's loops carried over
+    saved = results[0][CONVERTED_CASES[name]["source"]]["saved"]
+    error = relative_update_error(saved, expected, got["resumed"])
+    if CONVERTED_CASES[name].get("drop"):
+        assert error > 1e-2, f"{name}: a resume without the momentum still matches the reference ({error:.2e})"
+        return
+    torch.testing.assert_close(torch.tensor(got["resumed_losses"]), torch.tensor(expected_losses[STEPS_PER_EPOCH:]),
+                               rtol=1e-5, atol=0)
+    assert error < 1e-4, f"{name}: resumed weights vs single process, relative error {error:.2e}"
+
+
+def test_converted_single_process_adamw_resumes_on_two_processes_zero3(
+    results: list[dict[str, Any]], single_process_adamw: dict[str, Any], adamw_reference: Any
+) -> None:
+    expected_losses, expected = adamw_reference
+    torch.testing.assert_close(torch.tensor(single_process_adamw["first_losses"]),
+                               torch.tensor(expected_losses[:STEPS_PER_EPOCH]), rtol=1e-5, atol=0)
+    for rank, result in enumerate(results):
+        got = result["adamw_1_process_zero2_to_2_processes_zero3"]
+        assert got["steps"] == EPOCHS * STEPS_PER_EPOCH
+        torch.testing.assert_close(torch.tensor(got["resumed_losses"]), torch.tensor(expected_losses[STEPS_PER_EPOCH:]),
+                                   rtol=1e-5, atol=0)
+        error = relative_update_error(single_process_adamw["saved"], expected, got["resumed"])
+        assert error < 1e-4, f"rank {rank}: resumed AdamW weights vs single process, relative error {error:.2e}"
+
+
+def test_unconverted_refusal_says_how_to_convert_and_zero3_refuses_sgd_state(
+    converted_results: dict[str, Any], tmp_path: Path, results: list[dict[str, Any]]
+) -> None:
+    path = results[0]["sp2_zero2"]["path"]
+    with pytest.raises(ValueError, match=r"convert_checkpoint\(.*\)\", then ckpt_path="):
+        check_resumable(path, 1, 1)
+    converted = tmp_path / "universal"
+    convert_checkpoint(path, converted)
+    for processes, stage in ((1, 1), (4, 2)):
+        check_resumable(converted, processes, stage)  # any process count under ZeRO 1/2
+    with pytest.raises(ValueError, match=r"holds optimizer state \['momentum_buffer'\].*under ZeRO stage 1 or 2"):
+        check_resumable(converted, 2, 3)
+    assert "loads only to resume trainer.fit" in converted_results.get("validate_error", ""), converted_results.keys()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -16,6 +16,7 @@ from lightning_ulysses import IGNORE_INDEX, UlyssesLossMixin
 from lightning_ulysses.sharding import positions_within_runs
 
 VOCAB = 61
+OptimizerName = Literal["sgd", "adamw"]
 
 
 def tiny_llama(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
@@ -28,14 +29,25 @@ def tiny_llama(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig(**config))
 
 
-class TinyCausalLM(UlyssesLossMixin, L.LightningModule):
-    """A causal LM step in its plainest form: forward with position ids, token-weighted loss, SGD."""
+def make_optimizer(
+    params: Iterable[torch.nn.Parameter], name: OptimizerName, lr: float, momentum: float
+) -> torch.optim.Optimizer:
+    """SGD (with ``momentum``) or AdamW (torch's defaults besides ``lr``)."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    return torch.optim.SGD(params, lr=lr, momentum=momentum)
 
-    def __init__(self, lr: float = 0.5, loss_multiplier: float = 1.0, momentum: float = 0.0, **model_overrides: Any) -> None:
+
+class TinyCausalLM(UlyssesLossMixin, L.LightningModule):
+    """A causal LM step in its plainest form: forward with position ids, token-weighted loss, SGD or AdamW."""
+
+    def __init__(self, lr: float = 0.5, loss_multiplier: float = 1.0, momentum: float = 0.0,
+                 optimizer: OptimizerName = "sgd", **model_overrides: Any) -> None:
         super().__init__()
         self.model = tiny_llama(**model_overrides)
         self.lr = lr
         self.momentum = momentum
+        self.optimizer_name = optimizer
         self.loss_multiplier = loss_multiplier
         self.losses: list[float] = []
 
@@ -46,7 +58,7 @@ class TinyCausalLM(UlyssesLossMixin, L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+        return make_optimizer(self.parameters(), self.optimizer_name, self.lr, self.momentum)
 
 
 class SaveAndStop(L.Callback):
@@ -167,16 +179,16 @@ def dp_batches(
 def reference_training(
     samples: list[dict[str, Tensor]], *, steps: int, batch_size: int, dp_size: int = 1, accumulate: int = 1,
     lr: float = 0.5, momentum: float = 0.0, epochs: int = 1, collate_fn: Collate = collate,
-    skip_steps: tuple[int, ...] = (), **model_overrides: Any,
+    optimizer: OptimizerName = "sgd", skip_steps: tuple[int, ...] = (), **model_overrides: Any,
 ) -> tuple[list[float], dict[str, Tensor]]:
-    """SGD as DDP over ``dp_size`` ranks would run it, one process, whole sequences.
+    """SGD (or AdamW) as DDP over ``dp_size`` ranks would run it, one process, whole sequences.
 
     Returns the micro-batch losses seen by DP rank 0 and the final parameters. Samples are dealt to DP
     ranks as in :func:`dp_batches`; each of ``epochs`` epochs runs ``steps`` steps on that epoch's order.
     The global steps in ``skip_steps`` use up their micro-batches without updating anything.
     """
     model = tiny_llama(**model_overrides)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    step_optimizer = make_optimizer(model.parameters(), optimizer, lr, momentum)
     losses = []
     for epoch in range(epochs):
         per_rank = dp_batches(samples, batch_size, dp_size, epoch, collate_fn)
@@ -188,8 +200,8 @@ def reference_training(
                     if d == 0:
                         losses.append(loss.item())
             if epoch * steps + step not in skip_steps:
-                optimizer.step()
-            optimizer.zero_grad()
+                step_optimizer.step()
+            step_optimizer.zero_grad()
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
