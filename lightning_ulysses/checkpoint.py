@@ -89,8 +89,8 @@ def check_resumable(checkpoint_dir: str | Path, num_processes: int, zero_stage: 
         f"optimizer state over every process, so as saved it resumes only with {saved_processes} processes and "
         f"stage={saved_stage} (any sp_size x dp_size split). To resume on this layout with the optimizer state and "
         "loop progress, convert it once (offline, one process) and resume from the converted directory: "
-        f"python -c \"from lightning_ulysses import convert_checkpoint; convert_checkpoint({str(checkpoint_dir)!r}, "
-        f"{converted!r})\", then ckpt_path={converted!r}."
+        f"lightning-ulysses convert-checkpoint {checkpoint_dir} {converted} (or lightning_ulysses.convert_checkpoint), "
+        f"then ckpt_path={converted!r}."
     )
 
 

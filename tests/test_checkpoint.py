@@ -18,6 +18,7 @@ the converted two-process SGD checkpoints.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from lightning_ulysses import UlyssesStrategy, check_resumable, convert_checkpoint, export_hf_model
+from lightning_ulysses.cli import main
 from tests.launch import launch
 from tests.tiny import (
     VOCAB, OptimizerName, SaveAndStop, TinyCausalLM, collate, gathered_parameters, make_samples,
@@ -277,7 +279,8 @@ def test_unconverted_refusal_says_how_to_convert_and_zero3_refuses_sgd_state(
     converted_results: dict[str, Any], tmp_path: Path, results: list[dict[str, Any]]
 ) -> None:
     path = results[0]["sp2_zero2"]["path"]
-    with pytest.raises(ValueError, match=r"convert_checkpoint\(.*\)\", then ckpt_path="):
+    command = re.escape(f"lightning-ulysses convert-checkpoint {path} {path}-universal")
+    with pytest.raises(ValueError, match=rf"{command} .*then ckpt_path="):
         check_resumable(path, 1, 1)
     converted = tmp_path / "universal"
     convert_checkpoint(path, converted)
@@ -286,3 +289,31 @@ def test_unconverted_refusal_says_how_to_convert_and_zero3_refuses_sgd_state(
     with pytest.raises(ValueError, match=r"holds optimizer state \['momentum_buffer'\].*under ZeRO stage 1 or 2"):
         check_resumable(converted, 2, 3)
     assert "loads only to resume trainer.fit" in converted_results.get("validate_error", ""), converted_results.keys()
+
+
+def test_convert_checkpoint_command_writes_what_the_function_writes(
+    results: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    source = results[0]["sp2_zero3"]["path"]
+    main(["convert-checkpoint", source, str(tmp_path / "command")])
+    convert_checkpoint(source, tmp_path / "function")
+    files = sorted(p.relative_to(tmp_path / "function") for p in (tmp_path / "function").rglob("*") if p.is_file())
+    assert len(files) > 3 and files == sorted(
+        p.relative_to(tmp_path / "command") for p in (tmp_path / "command").rglob("*") if p.is_file()
+    )
+    for file in files:
+        if file.suffix == ".pt":
+            expected = torch.load(tmp_path / "function" / file, weights_only=False)
+            assert _same(torch.load(tmp_path / "command" / file, weights_only=False), expected), file
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if hasattr(a, "__dict__"):  # e.g. DeepSpeed's loss scaler, which has no __eq__
+        return type(a) is type(b) and _same(vars(a), vars(b))
+    return a == b
