@@ -225,10 +225,12 @@ def export_hf_model(
 ) -> None:
     """Write the weights of a DeepSpeed checkpoint into ``model`` and ``model.save_pretrained(output_dir)``.
 
-    Works from any layout (ZeRO stage, process count), in one process without DeepSpeed's engine.
+    Works from any layout (ZeRO stage, process count) and from converted checkpoints, in one process without
+    DeepSpeed's engine.
 
     Args:
-        checkpoint_dir: the directory that ``trainer.save_checkpoint`` or ``ModelCheckpoint`` wrote.
+        checkpoint_dir: the directory that ``trainer.save_checkpoint`` or ``ModelCheckpoint`` wrote, or
+            :func:`convert_checkpoint`.
         model: a model of the trained architecture (e.g. ``AutoModelForCausalLM.from_config(config)``);
             its weights are replaced.
         output_dir: the Hugging Face folder to write (``config.json`` and the weights).
@@ -242,7 +244,10 @@ def export_hf_model(
             "The model still runs Ulysses attention; its saved config would load only under UlyssesStrategy. "
             "Pass a plain model (e.g. AutoModelForCausalLM.from_config(config)) or call remove_ulysses_attention first."
         )
-    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir))
+    if is_universal_checkpoint(checkpoint_dir):
+        state_dict = _universal_fp32_state_dict(Path(checkpoint_dir))
+    else:
+        state_dict = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir))
     weights = {key[len(prefix):]: value for key, value in state_dict.items() if key.startswith(prefix)}
     if not weights:
         top_level = sorted({key.split(".")[0] for key in state_dict})
@@ -252,3 +257,16 @@ def export_hf_model(
         )
     model.load_state_dict(weights, strict=True)
     model.save_pretrained(output_dir)
+
+
+def _universal_fp32_state_dict(checkpoint_dir: Path) -> dict[str, Tensor]:
+    """The full fp32 weights of a converted checkpoint, tied parameters included (as ``zero_to_fp32`` gives them)."""
+    tag_dir = checkpoint_dir / (checkpoint_dir / UNIVERSAL_LATEST).read_text().strip()
+    state_dict = {
+        folder.name: torch.load(folder / "fp32.pt", map_location="cpu", weights_only=False)["param"]
+        for folder in (tag_dir / "zero").iterdir() if folder.is_dir()
+    }
+    model_state = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    for tied, source in model_state.get("shared_params", {}).items():
+        state_dict[tied] = state_dict[source]
+    return state_dict

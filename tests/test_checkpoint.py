@@ -219,9 +219,15 @@ def test_resume_equals_uninterrupted_single_process(results: list[dict[str, Any]
             assert relative_update_error(initial, expected, got["uninterrupted"]) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["sp2_zero2", "sp2_zero3"])
-def test_export_hf_model_loads_with_the_saved_logits(results: list[dict[str, Any]], tmp_path: Path, name: str) -> None:
-    export_hf_model(results[0][name]["path"], tiny_llama(), tmp_path / "hf")
+@pytest.mark.parametrize(("name", "converted"), [("sp2_zero2", False), ("sp2_zero3", False), ("sp2_zero3", True)])
+def test_export_hf_model_loads_with_the_saved_logits(
+    results: list[dict[str, Any]], tmp_path: Path, name: str, converted: bool
+) -> None:
+    source = results[0][name]["path"]
+    if converted:
+        convert_checkpoint(source, tmp_path / "universal")
+        source = tmp_path / "universal"
+    export_hf_model(source, tiny_llama(), tmp_path / "hf")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     expected = tiny_llama()
     expected.load_state_dict(results[0][name]["saved"])

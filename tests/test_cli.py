@@ -102,3 +102,11 @@ def test_quickstart_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     steps = [step for step, _ in logged(resumed, "train_loss")]
     assert steps == [8, 9], f"the resumed run did not continue at step 8: {steps}"
     assert (resumed / "checkpoints" / "last.ckpt" / "checkpoint").is_dir()
+
+    # the 2-process checkpoint, converted, resumes on 1 process (tied embeddings, AdamW)
+    universal = tmp_path / "last-universal"
+    run_cli("convert-checkpoint", str(checkpoint), str(universal))
+    one_process = ["--trainer.devices", "1", "--trainer.strategy.init_args.sp_size", "1", "--trainer.max_steps", "10"]
+    run_cli("fit", "--config", str(first / "config.yaml"), "--ckpt_path", str(universal), *one_process)
+    steps = [step for step, _ in logged(tmp_path / "quickstart" / "version_2", "train_loss")]
+    assert steps == [8, 9], f"the converted checkpoint did not continue at step 8 on one process: {steps}"
