@@ -369,6 +369,8 @@ class SequenceParallelMonitor(Callback):
 def format_summary(metrics: dict[str, float], strategy: UlyssesStrategy, steps: int) -> str:
     """A two-column text table of a run's :func:`summarize` metrics."""
     rows = [("world (dp x sp)", f"{strategy.dp_size} x {strategy.sp_size}"), ("optimizer steps", f"{steps}")]
+    if skipped := strategy.nonfinite_loss.skipped_steps:
+        rows.append(("skipped (non-finite loss)", f"{len(skipped)}: steps {skipped}"))
     rows += [(name, f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}") for name, value in metrics.items()]
     width = max(len(name) for name, _ in rows)
     lines = [f"{name:<{width}}  {value}" for name, value in rows]

@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_ulysses import UlyssesStrategy, prepare_batch
+from lightning_ulysses import SequenceParallelMonitor, UlyssesStrategy, prepare_batch
+from lightning_ulysses.callbacks import format_summary
 from tests.launch import RankExit, launch, launch_to_exit
 from tests.tiny import (
     TinyCausalLM, collate, gathered_parameters, make_samples, reference_training, relative_update_error, tiny_llama,
@@ -112,8 +113,9 @@ def skipping_worker(args: dict[str, Any]) -> dict[str, Any]:
     for stage, accumulate in SKIP_CASES:
         module = FailingCausalLM("nan", fail_rank=1, lr=SKIP_LR, momentum=SKIP_MOMENTUM)
         strategy = UlyssesStrategy(sp_size=2, stage=stage, attn_implementation="sdpa", nonfinite_loss="skip")
+        monitor = SequenceParallelMonitor()
         trainer = L.Trainer(
-            accelerator="cpu", devices=world_size, strategy=strategy, max_steps=SKIP_STEPS,
+            accelerator="cpu", devices=world_size, strategy=strategy, max_steps=SKIP_STEPS, callbacks=[monitor],
             accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False,
         )
@@ -124,6 +126,7 @@ def skipping_worker(args: dict[str, Any]) -> dict[str, Any]:
             losses=module.losses, weights=gathered_parameters(module.model, stage == 3),
             skipped=strategy.nonfinite_loss.skipped_steps, steps=trainer.global_step,
             warnings=[str(w.message) for w in caught],
+            summary=format_summary(monitor.summary, strategy, trainer.global_step),
         )
     try:
         _fit_stage_0_skip(world_size)
@@ -157,6 +160,7 @@ def test_nonfinite_loss_skips_the_step_leaving_weights_and_momentum(
     for rank, result in enumerate(skipped):
         got = result[f"zero{stage}_accumulate{accumulate}"]
         assert got["steps"] == SKIP_STEPS and got["skipped"] == [skipped_step]
+        assert f"skipped (non-finite loss)  1: steps [{skipped_step}]" in got["summary"], got["summary"]
         if rank == 0:  # a rank-zero warning
             assert f"Skipped global step {skipped_step}: non-finite training loss at global step {skipped_step} " \
                    f"(batch 1 of the epoch) on ranks [1]." in got["warnings"], got["warnings"]
