@@ -129,10 +129,13 @@ def convert_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path) -> No
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
     tag = (checkpoint_dir / "latest").read_text().strip()
     model_state = torch.load(_model_states_file(checkpoint_dir), map_location="cpu", weights_only=False)
-    if model_state["frozen_param_shapes"] or model_state["buffer_names"]:
+    unrestorable = [*model_state["frozen_param_shapes"], *model_state["buffer_names"]]
+    if unrestorable:
+        processes, stage = saved_layout(checkpoint_dir)
         raise ValueError(
-            f"{checkpoint_dir} has frozen parameters {list(model_state['frozen_param_shapes'])} or persistent buffers "
-            f"{model_state['buffer_names']}, which DeepSpeed's universal loader does not restore."
+            f"{checkpoint_dir} holds {len(unrestorable)} frozen parameters or persistent buffers (e.g. "
+            f"{unrestorable[:3]}), which DeepSpeed's universal loader does not restore, so it cannot be converted. "
+            f"Resume it as saved ({processes} processes, ZeRO stage {stage}, any sp_size x dp_size split)."
         )
     shapes = {name: shape for group in model_state["param_shapes"] for name, shape in group.items()}
     optim_files = sorted((checkpoint_dir / tag).glob("*zero_pp_rank_*_optim_states.pt"), key=_rank_of)

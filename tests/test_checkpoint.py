@@ -120,6 +120,14 @@ def resume_worker(args: dict[str, Any]) -> dict[str, Any]:
 def save_single_process_worker(args: dict[str, Any]) -> dict[str, Any]:
     first, trainer = _fit(1, 2, 1, BATCH, max_steps=STEPS_PER_EPOCH, optimizer="adamw")
     trainer.save_checkpoint(args["path"])
+    # and one step of a model with a frozen parameter, which the conversion must refuse
+    frozen = TinyCausalLM(lr=LR)
+    frozen.model.model.norm.weight.requires_grad_(False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        strategy=UlyssesStrategy(sp_size=1, stage=2, attn_implementation="sdpa"))
+    trainer.fit(frozen, DataLoader(make_samples(**DATA), batch_size=BATCH, collate_fn=collate))
+    trainer.save_checkpoint(args["frozen_path"])
     return {"first_losses": first.losses, "saved": gathered_parameters(first.model, False)}
 
 
@@ -155,9 +163,10 @@ def directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def single_process_adamw(directory: Path) -> dict[str, Any]:
     """An AdamW checkpoint saved by one process under ZeRO-2 (``path``) and its conversion (``converted``)."""
     path, converted = directory / "adamw_1_process_zero2", directory / "adamw_1_process_zero2_universal"
-    result = launch("tests.test_checkpoint:save_single_process_worker", 1, {"path": str(path)})[0]
+    frozen = directory / "frozen_1_process_zero2"
+    result = launch("tests.test_checkpoint:save_single_process_worker", 1, {"path": str(path), "frozen_path": str(frozen)})[0]
     convert_checkpoint(path, converted)
-    return {**result, "path": path, "converted": converted}
+    return {**result, "path": path, "converted": converted, "frozen": frozen}
 
 
 @pytest.fixture(scope="module")
@@ -326,3 +335,9 @@ def _same(a: Any, b: Any) -> bool:
     if hasattr(a, "__dict__"):  # e.g. DeepSpeed's loss scaler, which has no __eq__
         return type(a) is type(b) and _same(vars(a), vars(b))
     return a == b
+
+
+def test_a_checkpoint_with_frozen_parameters_is_not_converted(single_process_adamw: dict[str, Any], tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"holds 1 frozen parameters .*'model.model.norm.weight'.*Resume it as saved "
+                                         r"\(1 processes, ZeRO stage 2"):
+        convert_checkpoint(single_process_adamw["frozen"], tmp_path / "universal")
