@@ -164,7 +164,8 @@ def single_process_adamw(directory: Path) -> dict[str, Any]:
     """An AdamW checkpoint saved by one process under ZeRO-2 (``path``) and its conversion (``converted``)."""
     path, converted = directory / "adamw_1_process_zero2", directory / "adamw_1_process_zero2_universal"
     frozen = directory / "frozen_1_process_zero2"
-    result = launch("tests.test_checkpoint:save_single_process_worker", 1, {"path": str(path), "frozen_path": str(frozen)})[0]
+    args = {"path": str(path), "frozen_path": str(frozen)}
+    result = launch("tests.test_checkpoint:save_single_process_worker", 1, args)[0]
     convert_checkpoint(path, converted)
     return {**result, "path": path, "converted": converted, "frozen": frozen}
 
@@ -337,7 +338,9 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def test_a_checkpoint_with_frozen_parameters_is_not_converted(single_process_adamw: dict[str, Any], tmp_path: Path) -> None:
+def test_a_checkpoint_with_frozen_parameters_is_not_converted(
+    single_process_adamw: dict[str, Any], tmp_path: Path
+) -> None:
     with pytest.raises(ValueError, match=r"holds 1 frozen parameters .*'model.model.norm.weight'.*Resume it as saved "
                                          r"\(1 processes, ZeRO stage 2"):
         convert_checkpoint(single_process_adamw["frozen"], tmp_path / "universal")
