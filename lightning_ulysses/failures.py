@@ -10,10 +10,11 @@ warns and skips the optimizer step (``"skip"``).
 How a step is skipped: the NaN/inf of the loss reaches every gradient partition through the backward and
 the gradient reduction, and DeepSpeed's ZeRO optimizers (stages 1-3, every precision with its default
 ``check_grad_overflow``) discard a step whose global gradient norm is not finite: no weight or optimizer-state
-update, gradients cleared, a step-interval LR scheduler not stepped (``engine.was_step_applied()`` is False).
-The guard relies on that, and checks it after every optimizer step: were a flagged step applied anyway, it
-raises rather than train on. With gradient accumulation the whole optimizer step (all its micro-batches) is
-skipped. Lightning's ``global_step`` still counts a skipped step.
+update, gradients cleared (``engine.was_step_applied()`` is False). The guard relies on that, and checks it
+after every optimizer step: were a flagged step applied anyway, it raises rather than train on. With
+gradient accumulation the whole optimizer step (all its micro-batches) is skipped. Lightning still counts a
+skipped step: in ``global_step`` and in its LR schedulers, which it steps itself (as it does for the steps
+that AMP's gradient scaler skips).
 """
 
 from __future__ import annotations
