@@ -9,7 +9,7 @@ time after the first step; MFU counts ``6 x non-embedding parameters + 6 x layer
 FLOPs per token (forward + backward; the attention term for causal attention, half of the dense
 ``12 x layers x hidden x seq``), against the GPU's dense bf16 peak::
 
-    python -m benchmarks.gpu_long_context --model 8b --options zero3 zero3+checkpointing \\
+    python -m benchmarks.gpu_long_context --model 8b --options zero3+checkpointing zero3+alst \\
         --output docs/benchmarks/gpu_long_context.md
 
 Needs CUDA GPUs (``--accelerator cpu --model tiny`` runs the same path as a functional smoke test, fp32,
@@ -49,11 +49,14 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
                num_key_value_heads=8, vocab_size=128256),
 }
 
-# memory option -> (UlyssesStrategy keyword arguments, activation checkpointing)
-MEMORY_OPTIONS: dict[str, tuple[dict[str, Any], bool]] = {
-    "zero3": (dict(stage=3), False),
-    "zero3+checkpointing": (dict(stage=3), True),
-    "zero3+checkpointing+offload": (dict(stage=3, offload_optimizer=True, offload_parameters=True), True),
+# memory option -> UlyssesStrategy keyword arguments ("alst": ALST's tiled MLP, tiled logits + loss and
+# activation checkpointing with CPU offload; "offload": ZeRO-3's optimizer state and parameters in CPU memory)
+_ALST = dict(tiled_mlp=True, tiled_loss=True, activation_checkpointing=True, offload_activations=True)
+MEMORY_OPTIONS: dict[str, dict[str, Any]] = {
+    "zero3": dict(stage=3),
+    "zero3+checkpointing": dict(stage=3, activation_checkpointing=True),
+    "zero3+alst": dict(stage=3, **_ALST),
+    "zero3+alst+offload": dict(stage=3, offload_optimizer=True, offload_parameters=True, **_ALST),
 }
 
 # dense bf16 peak FLOP/s per GPU (vendor datasheets, without sparsity)
@@ -162,21 +165,20 @@ def _doubling(config: LongContextConfig) -> set[int]:
 # the GPU part
 # ----------------------------------------------------------------------------------------------
 class LongContextLM(UlyssesLossMixin, L.LightningModule):
-    def __init__(self, config: LlamaConfig, checkpointing: bool, cpu_optimizer: bool) -> None:
+    """The model's loss through :meth:`forward_causal_lm_loss`: tiled when the strategy's ``tiled_loss`` is on."""
+
+    def __init__(self, config: LlamaConfig, cpu_optimizer: bool) -> None:
         super().__init__()
-        self.config, self.checkpointing, self.cpu_optimizer = config, checkpointing, cpu_optimizer
+        self.config, self.cpu_optimizer = config, cpu_optimizer
         self.model: LlamaForCausalLM | None = None
 
     def configure_model(self) -> None:
         # under ZeRO-3 Lightning runs this inside deepspeed.zero.Init: each rank allocates only its partition
         if self.model is None:
             self.model = LlamaForCausalLM(self.config)
-            if self.checkpointing:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        return self.causal_lm_loss(logits, batch["shift_labels"])
+        return self.forward_causal_lm_loss(self.model, batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.cpu_optimizer:
@@ -199,8 +201,8 @@ class _StepTimer(L.Callback):
 def probe_worker(args: dict[str, Any]) -> dict[str, float]:
     """One rank of one probe: train ``steps`` steps at ``seq_len``; median step time and peak memory."""
     config, seq_len, option = LongContextConfig(**args["config"]), args["seq_len"], args["option"]
-    strategy_kwargs, checkpointing = MEMORY_OPTIONS[option]
-    module = LongContextLM(llama_config(config.model, seq_len), checkpointing, "offload_optimizer" in strategy_kwargs)
+    strategy_kwargs = MEMORY_OPTIONS[option]
+    module = LongContextLM(llama_config(config.model, seq_len), "offload_optimizer" in strategy_kwargs)
     timer = _StepTimer()
     trainer = L.Trainer(
         accelerator=config.accelerator, devices=args["sp"], max_steps=config.steps, callbacks=[timer],
