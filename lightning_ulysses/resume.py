@@ -60,8 +60,8 @@ class ResumableLoader:
     Args:
         loader: the training loader, batched by torch's ``BatchSampler`` (see :func:`is_resumable`). Its
             batch sampler's ``sampler`` is wrapped in a :class:`SkippingSampler` in place.
-        fit_loop: the Trainer's fit loop, whose progress says which epoch runs and how many of its batches
-            the training steps took.
+        fit_loop: the Trainer's fit loop, whose progress says which epoch runs, how many of its batches
+            the training steps took and how many the epoch has.
         dp_size: the number of DP ranks, each loading its own ``batch_size`` samples per batch.
 
     Everything else (``sampler``, ``batch_size``, ``len``) is the wrapped loader's, so Lightning still sets the
@@ -90,15 +90,18 @@ class ResumableLoader:
         return self.loader.batch_size * self.dp_size
 
     def state_dict(self) -> dict[str, int]:
+        batches = self.fit_loop.epoch_loop.batch_progress.current.ready
+        if batches >= self.fit_loop.max_batches:  # the epoch is over (limit_train_batches included)
+            batches = 0  # Lightning starts the next one from its first batch
         return {
             "epoch": self.fit_loop.epoch_progress.current.processed,
-            "batches": self.fit_loop.epoch_loop.batch_progress.current.ready,
+            "batches": batches,
             "global_batch_size": self.global_batch_size,
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["batches"] * self.loader.batch_size >= len(self.skipping_sampler):
-            return  # saved at the epoch's end: Lightning starts the next one
+        if not state["batches"]:
+            return
         if state["global_batch_size"] != self.global_batch_size:
             raise ValueError(
                 f"The checkpoint was saved {state['batches']} batches into epoch {state['epoch']} with a global batch "

@@ -16,11 +16,12 @@ from lightning_ulysses.resume import ResumableLoader, is_resumable
 DATASET = list(range(24))
 
 
-def fit_loop(epoch: int, batches: int) -> SimpleNamespace:
-    """The two counters of Lightning's fit loop that the loader reads."""
+def fit_loop(epoch: int, batches: int, epoch_batches: float = float("inf")) -> SimpleNamespace:
+    """The counters of Lightning's fit loop that the loader reads."""
     return SimpleNamespace(
         epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=epoch)),
         epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(current=SimpleNamespace(ready=batches))),
+        max_batches=epoch_batches,
     )
 
 
@@ -53,9 +54,9 @@ def test_resumed_ranks_load_the_rest_of_the_epoch(saved_dp: int, resumed_dp: int
         assert torch.cat(list(resumed)).tolist() == epoch_permutation(epoch)[rank::resumed_dp]
 
 
-def test_a_checkpoint_from_the_end_of_an_epoch_skips_nothing() -> None:
-    steps_per_epoch = len(DATASET) // 4
-    state = loader(1, 0, 4, fit_loop(0, steps_per_epoch)).state_dict()
+@pytest.mark.parametrize("epoch_batches", [len(DATASET) // 4, 2])  # the whole loader; limit_train_batches=2
+def test_a_checkpoint_from_the_end_of_an_epoch_skips_nothing(epoch_batches: int) -> None:
+    state = loader(1, 0, 4, fit_loop(0, epoch_batches, epoch_batches)).state_dict()
     resumed = loader(1, 0, 4, fit_loop(0, 0))
     resumed.load_state_dict(state)
     resumed.sampler.set_epoch(1)  # as Lightning does at the start of the next epoch
