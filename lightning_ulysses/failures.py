@@ -27,6 +27,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 NonFiniteLoss = Literal["raise", "skip", "off"]
+MAX_CONSECUTIVE_SKIPS = 10
+"""Under ``"skip"``, this many skipped steps in a row end the run: it has diverged, and skipping is for rare bad batches."""
 
 
 def nonfinite_ranks(loss: Tensor) -> list[int]:
@@ -44,13 +46,16 @@ class NonFiniteLossGuard:
         mode: ``"raise"``: the same :class:`FloatingPointError` on every rank, before the optimizer step.
             ``"skip"``: a warning naming the step and the ranks, and the optimizer step is skipped.
             ``"off"``: no check (no collective per step).
+        max_consecutive_skips: under ``"skip"``, raise once this many optimizer steps in a row were skipped.
     """
 
-    def __init__(self, mode: NonFiniteLoss) -> None:
+    def __init__(self, mode: NonFiniteLoss, max_consecutive_skips: int = MAX_CONSECUTIVE_SKIPS) -> None:
         if mode not in ("raise", "skip", "off"):
             raise ValueError(f"nonfinite_loss must be 'raise', 'skip' or 'off', got {mode!r}.")
         self.mode = mode
+        self.max_consecutive_skips = max_consecutive_skips
         self.skipped_steps: list[int] = []  # global steps skipped for a non-finite loss
+        self._consecutive_skips = 0
         self._flagged: str | None = None  # the non-finite micro-batch(es) of the optimizer step in progress
         self._report_gradient_skips = True  # fp16 loss scaling skips steps as a matter of course: not worth a warning
 
@@ -90,6 +95,7 @@ class NonFiniteLossGuard:
     def check_step(self, step_applied: bool, global_step: int) -> None:
         """Run on every rank after each optimizer step, with DeepSpeed's ``engine.was_step_applied()``."""
         flagged, self._flagged = self._flagged, None
+        self._consecutive_skips = 0 if step_applied else self._consecutive_skips + 1
         if flagged is None:
             if not step_applied and self._report_gradient_skips:  # finite loss, yet non-finite gradients
                 rank_zero_warn(f"DeepSpeed skipped global step {global_step}: its gradient norm was not finite.")
@@ -101,4 +107,10 @@ class NonFiniteLossGuard:
                 "Set nonfinite_loss='raise' to stop at such a step."
             )
         self.skipped_steps.append(global_step)
+        if self._consecutive_skips >= self.max_consecutive_skips:
+            raise FloatingPointError(
+                f"Non-finite training loss at {flagged}, and {self._consecutive_skips} optimizer steps in a row skipped: "
+                "training has diverged rather than met a bad batch. Resume from an earlier checkpoint with a lower "
+                "learning rate or gradient clipping, or check the data from here on."
+            )
         rank_zero_warn(f"Skipped global step {global_step}: non-finite training loss at {flagged}.")

@@ -20,11 +20,13 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_ulysses import SequenceParallelMonitor, UlyssesStrategy, prepare_batch
 from lightning_ulysses.callbacks import format_summary
+from lightning_ulysses.failures import NonFiniteLossGuard
 from tests.launch import RankExit, launch, launch_to_exit
 from tests.tiny import (
     TinyCausalLM, collate, gathered_parameters, make_samples, reference_training, relative_update_error, tiny_llama,
@@ -178,3 +180,23 @@ def test_nonfinite_skip_is_refused_where_deepspeed_would_apply_the_step(skipped:
 def test_nonfinite_loss_mode_is_validated() -> None:
     with pytest.raises(ValueError, match="nonfinite_loss must be 'raise', 'skip' or 'off', got 'ignore'"):
         UlyssesStrategy(sp_size=2, nonfinite_loss="ignore")
+
+
+@pytest.fixture
+def one_process_group() -> Any:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_skipping_stops_when_every_step_is_non_finite(one_process_group: None) -> None:
+    guard = NonFiniteLossGuard("skip", max_consecutive_skips=3)
+    nan, finite = torch.tensor(float("nan")), torch.tensor(1.0)
+    with pytest.warns(UserWarning, match="Skipped global step"):
+        for step, (loss, applied) in enumerate([(nan, False), (nan, False), (finite, True), (nan, False), (nan, False)]):
+            guard.check_loss(loss, step, batch_idx=step)
+            guard.check_step(applied, step)  # a finite step in between starts the count again
+    assert guard.skipped_steps == [0, 1, 3, 4]
+    guard.check_loss(nan, 5, batch_idx=5)
+    with pytest.raises(FloatingPointError, match=r"global step 5 .* and 3 optimizer steps in a row skipped"):
+        guard.check_step(False, 5)
