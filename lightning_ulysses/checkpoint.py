@@ -43,6 +43,7 @@ from lightning_ulysses.patching import ULYSSES_ATTN_IMPLEMENTATION
 
 
 UNIVERSAL_LATEST = "latest_universal"  # DeepSpeed's pointer to the tag folder of a universal checkpoint
+UNTRAINED_STATE_FILE = "untrained_state.pt"  # frozen parameters and persistent buffers of a converted checkpoint
 # the optimizer state names DeepSpeed 0.19's ZeRO-3 universal loader restores (stage3.py, "for key in [...]")
 _ZERO3_UNIVERSAL_STATE = {"fp32", "exp_avg", "exp_avg_sq", "step"}
 _GLOBAL_OPTIMIZER_STATE = ("loss_scaler", "dynamic_loss_scale", "overflow")  # fp16 loss scaling, any ZeRO stage
@@ -119,8 +120,9 @@ def convert_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path) -> No
     :class:`~lightning_ulysses.UlyssesStrategy` then restores it on any process count and ZeRO stage.
 
     Any optimizer whose state is flat tensors shaped like its parameters (SGD momentum, Adam, AdamW, ...)
-    converts; ZeRO-3 resumes Adam's state only (:func:`check_resumable`). Frozen parameters and persistent
-    buffers are not restored by DeepSpeed's universal loader, so a checkpoint that has them is refused.
+    converts; ZeRO-3 resumes Adam's state only (:func:`check_resumable`). Frozen parameters (e.g. a LoRA
+    base model) and persistent buffers, which DeepSpeed's universal loader skips, are kept in one more file
+    that :func:`load_untrained_state` restores.
 
     Args:
         checkpoint_dir: the directory that ``trainer.save_checkpoint`` or ``ModelCheckpoint`` wrote.
@@ -129,14 +131,6 @@ def convert_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path) -> No
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
     tag = (checkpoint_dir / "latest").read_text().strip()
     model_state = torch.load(_model_states_file(checkpoint_dir), map_location="cpu", weights_only=False)
-    unrestorable = [*model_state["frozen_param_shapes"], *model_state["buffer_names"]]
-    if unrestorable:
-        processes, stage = saved_layout(checkpoint_dir)
-        raise ValueError(
-            f"{checkpoint_dir} holds {len(unrestorable)} frozen parameters or persistent buffers (e.g. "
-            f"{unrestorable[:3]}), which DeepSpeed's universal loader does not restore, so it cannot be converted. "
-            f"Resume it as saved ({processes} processes, ZeRO stage {stage}, any sp_size x dp_size split)."
-        )
     shapes = {name: shape for group in model_state["param_shapes"] for name, shape in group.items()}
     optim_files = sorted((checkpoint_dir / tag).glob("*zero_pp_rank_*_optim_states.pt"), key=_rank_of)
     if not optim_files:
@@ -179,7 +173,30 @@ def convert_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path) -> No
     client_state = {k: v for k, v in model_state.items() if k not in ("module", "optimizer")}
     for file_name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
         torch.save(client_state, output_dir / tag / file_name)
+    untrained = [*model_state["frozen_param_shapes"], *model_state["buffer_names"]]
+    if untrained:  # DeepSpeed's universal loader skips them: load_untrained_state restores them
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        whole = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir))
+        torch.save({name: whole[name] for name in untrained}, output_dir / tag / UNTRAINED_STATE_FILE)
     (output_dir / UNIVERSAL_LATEST).write_text(tag)
+
+
+def load_untrained_state(module: torch.nn.Module, checkpoint_dir: str | Path) -> None:
+    """Copy the frozen parameters and persistent buffers that :func:`convert_checkpoint` kept into ``module``
+    (the module DeepSpeed's engine wraps), on every rank alike; DeepSpeed's universal loader skips them."""
+    import deepspeed
+
+    checkpoint_dir = Path(checkpoint_dir)
+    file = checkpoint_dir / (checkpoint_dir / UNIVERSAL_LATEST).read_text().strip() / UNTRAINED_STATE_FILE
+    if not file.is_file():
+        return
+    tensors = dict(module.named_parameters()) | dict(module.named_buffers())
+    for name, value in torch.load(file, map_location="cpu", weights_only=False).items():
+        tensor = tensors[name]
+        # a ZeRO-3 partitioned parameter is gathered, set on every rank, and partitioned again
+        with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0, enabled=hasattr(tensor, "ds_id")):
+            tensor.data.copy_(value)
 
 
 def _rank_of(optim_file: Path) -> int:

@@ -48,7 +48,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ulysses.attention import gather_sequence, resolve_attn_implementation
-from lightning_ulysses.checkpoint import check_resumable, is_universal_checkpoint
+from lightning_ulysses.checkpoint import check_resumable, is_universal_checkpoint, load_untrained_state
 from lightning_ulysses.failures import NonFiniteLoss, NonFiniteLossGuard
 from lightning_ulysses.loss import STEP_TOKENS_KEY, StepTokenCounts
 from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
@@ -282,6 +282,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        universal = False
         if Path(checkpoint_path).is_dir():  # a DeepSpeed directory; refuse a layout it cannot restore before loading
             assert isinstance(self.config, dict)
             zero_stage = self.config.get("zero_optimization", {}).get("stage", 0)
@@ -295,7 +296,10 @@ class UlyssesStrategy(DeepSpeedStrategy):
                 )
             # DeepSpeed reads its "checkpoint.load_universal" setting only when loading, and the engine exists by now
             self.deepspeed_engine._config.load_universal_checkpoint = universal
-        return super().load_checkpoint(checkpoint_path, weights_only)
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        if universal:
+            load_untrained_state(self.deepspeed_engine.module, checkpoint_path)
+        return checkpoint
 
     @override
     def teardown(self) -> None:

@@ -64,12 +64,23 @@ CONVERTED_CASES: dict[str, dict[str, Any]] = {
 }
 
 
+def frozen_norm_module(norm_weight: float | None = None) -> TinyCausalLM:
+    """AdamW on every weight but the final norm's, which is frozen (at ``norm_weight`` if given, else at 1)."""
+    module = TinyCausalLM(lr=ADAMW_LR, optimizer="adamw")
+    norm = module.model.model.norm.weight
+    if norm_weight is not None:
+        with torch.no_grad():
+            norm.fill_(norm_weight)
+    norm.requires_grad_(False)
+    return module
+
+
 def _fit(
     world_size: int, stage: int, sp: int, batch: int, max_steps: int = -1, ckpt_path: str | None = None,
-    optimizer: OptimizerName = "sgd", callbacks: list[L.Callback] = (),
+    optimizer: OptimizerName = "sgd", callbacks: list[L.Callback] = (), module: TinyCausalLM | None = None,
 ) -> tuple[TinyCausalLM, L.Trainer]:
     lr = ADAMW_LR if optimizer == "adamw" else LR
-    module = TinyCausalLM(lr=lr, momentum=MOMENTUM, optimizer=optimizer)
+    module = module or TinyCausalLM(lr=lr, momentum=MOMENTUM, optimizer=optimizer)
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, max_epochs=EPOCHS, max_steps=max_steps, logger=False,
         strategy=UlyssesStrategy(sp_size=sp, stage=stage, attn_implementation="sdpa"), enable_checkpointing=False,
@@ -114,21 +125,21 @@ def resume_worker(args: dict[str, Any]) -> dict[str, Any]:
     results["adamw_1_process_zero2_to_2_processes_zero3"] = dict(
         resumed_losses=resumed.losses, resumed=gathered_parameters(resumed.model, True), steps=trainer.global_step
     )
+    # the frozen norm (saved at 0.5) comes back although the new module holds 1 there; no step is trained
+    resumed, _ = _fit(world_size, 3, 2, BATCH, max_steps=1, ckpt_path=args["frozen_converted"],
+                      module=frozen_norm_module())
+    results["frozen_1_process_zero2_to_2_processes_zero3"] = gathered_parameters(resumed.model, True)
     return results
 
 
 def save_single_process_worker(args: dict[str, Any]) -> dict[str, Any]:
     first, trainer = _fit(1, 2, 1, BATCH, max_steps=STEPS_PER_EPOCH, optimizer="adamw")
     trainer.save_checkpoint(args["path"])
-    # and one step of a model with a frozen parameter, which the conversion must refuse
-    frozen = TinyCausalLM(lr=LR)
-    frozen.model.model.norm.weight.requires_grad_(False)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        strategy=UlyssesStrategy(sp_size=1, stage=2, attn_implementation="sdpa"))
-    trainer.fit(frozen, DataLoader(make_samples(**DATA), batch_size=BATCH, collate_fn=collate))
+    # and one step of a model with a frozen parameter, away from its initial value
+    frozen, trainer = _fit(1, 2, 1, BATCH, max_steps=1, module=frozen_norm_module(0.5))
     trainer.save_checkpoint(args["frozen_path"])
-    return {"first_losses": first.losses, "saved": gathered_parameters(first.model, False)}
+    return {"first_losses": first.losses, "saved": gathered_parameters(first.model, False),
+            "frozen_saved": gathered_parameters(frozen.model, False)}
 
 
 class EvaluatedCausalLM(TinyCausalLM):
@@ -161,19 +172,23 @@ def directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def single_process_adamw(directory: Path) -> dict[str, Any]:
-    """An AdamW checkpoint saved by one process under ZeRO-2 (``path``) and its conversion (``converted``)."""
+    """An AdamW checkpoint saved by one process under ZeRO-2 (``path``) and its conversion (``converted``); one
+    with a frozen parameter, converted (``frozen_converted``)."""
     path, converted = directory / "adamw_1_process_zero2", directory / "adamw_1_process_zero2_universal"
-    frozen = directory / "frozen_1_process_zero2"
+    frozen, frozen_converted = directory / "frozen_1_process_zero2", directory / "frozen_1_process_zero2_universal"
     args = {"path": str(path), "frozen_path": str(frozen)}
     result = launch("tests.test_checkpoint:save_single_process_worker", 1, args)[0]
     convert_checkpoint(path, converted)
-    return {**result, "path": path, "converted": converted, "frozen": frozen}
+    convert_checkpoint(frozen, frozen_converted)
+    return {**result, "path": path, "converted": converted, "frozen_converted": frozen_converted}
 
 
 @pytest.fixture(scope="module")
 def results(directory: Path, single_process_adamw: dict[str, Any]) -> list[dict[str, Any]]:
-    return launch("tests.test_checkpoint:resume_worker", 2,
-                  {"cases": CASES, "dir": str(directory), "adamw_converted": str(single_process_adamw["converted"])})
+    return launch("tests.test_checkpoint:resume_worker", 2, {
+        "cases": CASES, "dir": str(directory), "adamw_converted": str(single_process_adamw["converted"]),
+        "frozen_converted": str(single_process_adamw["frozen_converted"]),
+    })
 
 
 @pytest.fixture(scope="module")
@@ -338,9 +353,13 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def test_a_checkpoint_with_frozen_parameters_is_not_converted(
-    single_process_adamw: dict[str, Any], tmp_path: Path
+def test_frozen_parameters_come_back_from_a_converted_checkpoint(
+    results: list[dict[str, Any]], single_process_adamw: dict[str, Any]
 ) -> None:
-    with pytest.raises(ValueError, match=r"holds 1 frozen parameters .*'model.model.norm.weight'.*Resume it as saved "
-                                         r"\(1 processes, ZeRO stage 2"):
-        convert_checkpoint(single_process_adamw["frozen"], tmp_path / "universal")
+    saved = single_process_adamw["frozen_saved"]
+    assert torch.equal(saved["model.norm.weight"], torch.full_like(saved["model.norm.weight"], 0.5))
+    for rank, result in enumerate(results):
+        resumed = result["frozen_1_process_zero2_to_2_processes_zero3"]
+        assert resumed.keys() == saved.keys()
+        for name, value in saved.items():  # the trained weights (AdamW state) and the frozen norm alike
+            torch.testing.assert_close(resumed[name], value, rtol=1e-6, atol=0, msg=f"rank {rank}: {name}")
