@@ -489,13 +489,18 @@ class SequenceParallelParityCheck(Callback):
         pair = torch.stack([loss.detach().float().reshape(()), reference.float()]).to(strategy.root_device)
         losses = strategy.all_gather(pair).view(-1, 2).cpu()  # [world, 2]: every rank decides on the same numbers
         self.results.append(ParityResult(step, *losses[strategy.global_rank].tolist()))
-        close = torch.isclose(losses[:, 0], losses[:, 1], rtol=self.rtol, atol=self.atol)
-        if bool(close.all()):
+        if losses_agree(losses, self.rtol, self.atol):
             return
         message = mismatch_message(losses, strategy.sp_size, step, self.rtol, self.atol)
         if self.on_mismatch == "raise":
             raise RuntimeError(message)
         rank_zero_warn(message)
+
+
+def losses_agree(losses: Tensor, rtol: float, atol: float) -> bool:
+    """Whether every row of ``losses [world, 2]`` (SP loss, reference) agrees. NaN with NaN agrees: a batch that is
+    non-finite without SP too is for ``UlyssesStrategy(nonfinite_loss=...)`` to handle, not a parity failure."""
+    return bool(torch.isclose(losses[:, 0], losses[:, 1], rtol=rtol, atol=atol, equal_nan=True).all())
 
 
 def mismatch_message(losses: Tensor, sp_size: int, step: int, rtol: float, atol: float) -> str:

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from lightning_ulysses import (
     IGNORE_INDEX, SequenceParallelMonitor, SequenceParallelParityCheck, TransformerFlops, UlyssesStrategy, attention,
 )
-from lightning_ulysses.callbacks import GIB, peak_memory, reset_peak_memory, summarize, token_imbalance
+from lightning_ulysses.callbacks import GIB, losses_agree, peak_memory, reset_peak_memory, summarize, token_imbalance
 from tests.launch import launch
 from tests.tiny import TinyCausalLM, collate, dp_batches, make_samples, reference_training, tiny_llama
 
@@ -96,6 +96,13 @@ def test_parity_check_refuses_bad_settings() -> None:
         SequenceParallelParityCheck(on_mismatch="ignore")
     with pytest.raises(ValueError, match="every_n_steps"):
         SequenceParallelParityCheck(every_n_steps=-1)
+
+
+def test_parity_agreement_counts_a_batch_non_finite_on_both_sides_as_agreeing() -> None:
+    nan, inf = float("nan"), float("inf")
+    assert losses_agree(torch.tensor([[2.0, 2.0001], [nan, nan], [inf, inf]]), rtol=1e-3, atol=0)
+    for sp_loss, reference in ((nan, 2.0), (2.0, nan), (inf, 2.0), (4.0, 2.0)):  # SP alone non-finite, or x2
+        assert not losses_agree(torch.tensor([[2.0, 2.0], [sp_loss, reference]]), rtol=1e-3, atol=0)
 
 
 def test_callbacks_refuse_other_strategies() -> None:
