@@ -15,8 +15,8 @@ trainable parameter's full fp32 weight and optimizer state tensors, one file eac
 state (loops, callbacks, epoch, global step). ``UlyssesStrategy`` resumes it on any process count, ``sp x
 dp`` split and ZeRO stage through DeepSpeed's universal loader: weights, optimizer state and step counters
 exactly. Under ZeRO-3 that loader (DeepSpeed 0.19) restores Adam's state only (``exp_avg``, ``exp_avg_sq``,
-``step``) and one set of hyperparameters for all param groups; other checkpoints resume under ZeRO 1/2,
-and :func:`check_resumable` says so before loading.
+``step``); other checkpoints resume under ZeRO 1/2, and :func:`check_resumable` says so before loading. What
+it gets wrong with several param groups, :func:`repair_zero3_universal_load` puts right after the load.
 
 Resuming reproduces the uninterrupted run, also from a checkpoint saved inside an epoch: the strategy
 makes the training loader resumable (:mod:`lightning_ulysses.resume`).
@@ -95,19 +95,42 @@ def check_resumable(checkpoint_dir: str | Path, num_processes: int, zero_stage: 
     )
 
 
+def _universal_tag_dir(checkpoint_dir: Path) -> Path:
+    return checkpoint_dir / (checkpoint_dir / UNIVERSAL_LATEST).read_text().strip()
+
+
 def _check_zero3_universal(checkpoint_dir: Path) -> None:
-    zero_dir = checkpoint_dir / (checkpoint_dir / UNIVERSAL_LATEST).read_text().strip() / "zero"
-    saved_states = {file.stem for file in zero_dir.glob("*/*.pt")}
-    param_groups = torch.load(zero_dir / "optimizer_state.pt", map_location="cpu", weights_only=False)["param_groups"]
-    hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in param_groups]
-    if saved_states == _ZERO3_UNIVERSAL_STATE and all(h == hyperparameters[0] for h in hyperparameters):
+    saved_states = {file.stem for file in (_universal_tag_dir(checkpoint_dir) / "zero").glob("*/*.pt")}
+    if saved_states == _ZERO3_UNIVERSAL_STATE:
         return
     raise ValueError(
-        f"The converted checkpoint {checkpoint_dir} holds optimizer state {sorted(saved_states - {'fp32'})} in "
-        f"{len(param_groups)} param group(s). DeepSpeed's ZeRO-3 universal loader restores only Adam's exp_avg, "
-        "exp_avg_sq and step (deepspeedai/DeepSpeed#8608), and the hyperparameters of the first param group into "
-        "every group, so ZeRO-3 would not resume it exactly. Resume it under ZeRO stage 1 or 2 (any process count)."
+        f"The converted checkpoint {checkpoint_dir} holds optimizer state {sorted(saved_states - {'fp32'})}. "
+        "DeepSpeed's ZeRO-3 universal loader restores only Adam's exp_avg, exp_avg_sq and step "
+        "(deepspeedai/DeepSpeed#8608), so ZeRO-3 would not resume it exactly. Resume it under ZeRO stage 1 or 2 "
+        "(any process count)."
     )
+
+
+def repair_zero3_universal_load(optimizer: Any, checkpoint_dir: str | Path) -> None:
+    """Undo two slips of DeepSpeed's ZeRO-3 universal loader (0.19) with several param groups.
+
+    * It copies the first group's hyperparameters into every group, which would, e.g., decay the norms and
+      biases of the usual no-weight-decay group: each group gets its saved ones back.
+    * It gives every group's state one shared ``step`` tensor, which torch's Adam increments in place once per
+      group and step, so the bias correction would run ahead: each group gets its own copy.
+    """
+    for state in optimizer.optimizer.state.values():
+        if isinstance(state.get("step"), Tensor):
+            state["step"] = state["step"].clone()
+    path = _universal_tag_dir(Path(checkpoint_dir)) / "zero" / "optimizer_state.pt"
+    saved = torch.load(path, map_location="cpu", weights_only=False)["param_groups"]
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError(
+            f"{checkpoint_dir} holds {len(saved)} optimizer param groups, this run's optimizer has "
+            f"{len(optimizer.param_groups)}: configure_optimizers must build the groups of the run that saved it."
+        )
+    for group, saved_group in zip(optimizer.param_groups, saved):
+        group.update({key: value for key, value in saved_group.items() if key != "params"})
 
 
 def convert_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path) -> None:
@@ -188,7 +211,7 @@ def load_untrained_state(module: torch.nn.Module, checkpoint_dir: str | Path) ->
     import deepspeed
 
     checkpoint_dir = Path(checkpoint_dir)
-    file = checkpoint_dir / (checkpoint_dir / UNIVERSAL_LATEST).read_text().strip() / UNTRAINED_STATE_FILE
+    file = _universal_tag_dir(checkpoint_dir) / UNTRAINED_STATE_FILE
     if not file.is_file():
         return
     tensors = dict(module.named_parameters()) | dict(module.named_buffers())
@@ -281,7 +304,7 @@ def export_hf_model(
 
 def _universal_fp32_state_dict(checkpoint_dir: Path) -> dict[str, Tensor]:
     """The full fp32 weights of a converted checkpoint, tied parameters included (as ``zero_to_fp32`` gives them)."""
-    tag_dir = checkpoint_dir / (checkpoint_dir / UNIVERSAL_LATEST).read_text().strip()
+    tag_dir = _universal_tag_dir(checkpoint_dir)
     state_dict = {
         folder.name: torch.load(folder / "fp32.pt", map_location="cpu", weights_only=False)["param"]
         for folder in (tag_dir / "zero").iterdir() if folder.is_dir()

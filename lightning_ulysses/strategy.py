@@ -48,7 +48,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ulysses.attention import gather_sequence, resolve_attn_implementation
-from lightning_ulysses.checkpoint import check_resumable, is_universal_checkpoint, load_untrained_state
+from lightning_ulysses.checkpoint import (
+    check_resumable, is_universal_checkpoint, load_untrained_state, repair_zero3_universal_load,
+)
 from lightning_ulysses.failures import NonFiniteLoss, NonFiniteLossGuard
 from lightning_ulysses.loss import STEP_TOKENS_KEY, StepTokenCounts
 from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
@@ -299,6 +301,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         if universal:
             load_untrained_state(self.deepspeed_engine.module, checkpoint_path)
+            if zero_stage == 3:
+                repair_zero3_universal_load(self.deepspeed_engine.optimizer, checkpoint_path)
         return checkpoint
 
     @override

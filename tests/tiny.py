@@ -32,9 +32,13 @@ def tiny_llama(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
 def make_optimizer(
     params: Iterable[torch.nn.Parameter], name: OptimizerName, lr: float, momentum: float
 ) -> torch.optim.Optimizer:
-    """SGD (with ``momentum``) or AdamW (torch's defaults besides ``lr``)."""
+    """SGD (with ``momentum``) or AdamW with the usual two param groups: weight decay on the matrices, none on the
+    vectors (norms)."""
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
+        params = list(params)
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=lr)
     return torch.optim.SGD(params, lr=lr, momentum=momentum)
 
 
