@@ -301,7 +301,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         if universal:
             load_untrained_state(self.deepspeed_engine.module, checkpoint_path)
-            if zero_stage == 3:
+            if self.deepspeed_engine.zero_optimization_stage() == 3:
                 repair_zero3_universal_load(self.deepspeed_engine.optimizer, checkpoint_path)
         return checkpoint
 
