@@ -54,8 +54,13 @@ def is_universal_checkpoint(checkpoint_dir: str | Path) -> bool:
     return (Path(checkpoint_dir) / UNIVERSAL_LATEST).is_file()
 
 
+def _tag(checkpoint_dir: Path, pointer: str = "latest") -> str:
+    """The tag folder that DeepSpeed's pointer file names (``latest``; ``latest_universal`` once converted)."""
+    return (checkpoint_dir / pointer).read_text().strip()
+
+
 def _model_states_file(checkpoint_dir: Path) -> Path:
-    tag = (checkpoint_dir / "latest").read_text().strip()
+    tag = _tag(checkpoint_dir)
     files = sorted((checkpoint_dir / tag).glob("*model_states.pt"))
     if not files:
         raise FileNotFoundError(f"{checkpoint_dir / tag} holds no DeepSpeed *model_states.pt file.")
@@ -96,7 +101,7 @@ def check_resumable(checkpoint_dir: str | Path, num_processes: int, zero_stage: 
 
 
 def _universal_tag_dir(checkpoint_dir: Path) -> Path:
-    return checkpoint_dir / (checkpoint_dir / UNIVERSAL_LATEST).read_text().strip()
+    return checkpoint_dir / _tag(checkpoint_dir, UNIVERSAL_LATEST)
 
 
 def _check_zero3_universal(checkpoint_dir: Path) -> None:
@@ -152,7 +157,7 @@ def convert_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path) -> No
         output_dir: the directory to write (created; pass it as ``ckpt_path``).
     """
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
-    tag = (checkpoint_dir / "latest").read_text().strip()
+    tag = _tag(checkpoint_dir)
     model_state = torch.load(_model_states_file(checkpoint_dir), map_location="cpu", weights_only=False)
     shapes = {name: shape for group in model_state["param_shapes"] for name, shape in group.items()}
     optim_files = sorted((checkpoint_dir / tag).glob("*zero_pp_rank_*_optim_states.pt"), key=_rank_of)
@@ -215,7 +220,8 @@ def load_untrained_state(module: torch.nn.Module, checkpoint_dir: str | Path) ->
     if not file.is_file():
         return
     tensors = dict(module.named_parameters()) | dict(module.named_buffers())
-    for name, value in torch.load(file, map_location="cpu", weights_only=False).items():
+    # mmap: every rank of a node reads the same pages instead of holding its own copy (a LoRA base is the whole model)
+    for name, value in torch.load(file, map_location="cpu", mmap=True, weights_only=False).items():
         tensor = tensors[name]
         # a ZeRO-3 partitioned parameter is gathered, set on every rank, and partitioned again
         with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0, enabled=hasattr(tensor, "ds_id")):
