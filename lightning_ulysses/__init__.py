@@ -17,7 +17,12 @@ from lightning_ulysses.memory import (
 )
 from lightning_ulysses.metrics import Perplexity, TokenAccuracy, TokenCrossEntropy
 from lightning_ulysses.model import CausalLM
-from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention, sequence_parallel_disabled
+from lightning_ulysses.patching import (
+    UnsupportedModelError,
+    apply_ulysses_attention,
+    remove_ulysses_attention,
+    sequence_parallel_disabled,
+)
 from lightning_ulysses.prediction import gather_sequence, token_log_probs
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
 from lightning_ulysses.strategy import UlyssesStrategy
@@ -39,6 +44,7 @@ __all__ = [
     "TransformerFlops",
     "UlyssesLossMixin",
     "UlyssesStrategy",
+    "UnsupportedModelError",
     "apply_memory_options",
     "apply_ulysses_attention",
     "check_resumable",

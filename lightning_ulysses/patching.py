@@ -33,6 +33,13 @@ from lightning_ulysses.heads import plan_heads
 ULYSSES_ATTN_IMPLEMENTATION = "ulysses"
 
 
+class UnsupportedModelError(ValueError):
+    """A model that sequence parallelism cannot run exactly, refused at set-up (before any data or step).
+
+    The message names each offending layer, the feature and what to do instead.
+    """
+
+
 @dataclass(frozen=True)
 class UlyssesAttentionContext:
     group: ProcessGroup | None
@@ -119,14 +126,14 @@ def apply_ulysses_attention(model: nn.Module, group: ProcessGroup | None, sp_siz
 
 def _check_supported(model: PreTrainedModel, sp_size: int) -> None:
     if not type(model)._supports_attention_backend:
-        raise ValueError(
+        raise UnsupportedModelError(
             f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, so "
             "Ulysses attention cannot be swapped in. Use an architecture that does (Llama, Mistral, Qwen2/3, Gemma, "
             "...), or call lightning_ulysses.ulysses_attention from your own attention module."
         )
     text_config = model.config.get_text_config()
     if getattr(text_config, "attn_logit_softcapping", None) is not None:
-        raise ValueError(
+        raise UnsupportedModelError(
             f"{type(model).__name__} soft-caps its attention logits (attn_logit_softcapping="
             f"{text_config.attn_logit_softcapping}), which Ulysses attention does not implement. Train it without SP."
         )
