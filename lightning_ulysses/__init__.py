@@ -17,7 +17,7 @@ from lightning_ulysses.memory import (
 )
 from lightning_ulysses.metrics import Perplexity, TokenAccuracy, TokenCrossEntropy
 from lightning_ulysses.model import CausalLM
-from lightning_ulysses.patching import (
+from lightning_ulysses.hf import (
     UnsupportedModelError,
     apply_ulysses_attention,
     remove_ulysses_attention,

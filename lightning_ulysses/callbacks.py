@@ -46,7 +46,7 @@ from lightning_ulysses import attention
 from lightning_ulysses.attention import gather_sequence
 from lightning_ulysses.flops import TransformerFlops
 from lightning_ulysses.loss import token_cross_entropy
-from lightning_ulysses.patching import sequence_parallel_disabled
+from lightning_ulysses.hf import outermost_models, unpatched
 from lightning_ulysses.sharding import IGNORE_INDEX
 from lightning_ulysses.strategy import UlyssesStrategy
 
@@ -64,15 +64,6 @@ def _require_ulysses(trainer: L.Trainer, callback: Callback) -> UlyssesStrategy:
             f"Trainer(strategy=UlyssesStrategy(...)) (or strategy='ulysses'); got {type(trainer.strategy).__name__}."
         )
     return trainer.strategy
-
-
-def transformers_models(module: nn.Module) -> list[PreTrainedModel]:
-    """The outermost transformers ``PreTrainedModel`` instances inside ``module`` (not their inner models)."""
-    found = [(name, sub) for name, sub in module.named_modules() if isinstance(sub, PreTrainedModel)]
-    return [
-        sub for name, sub in found
-        if not any(other != name and (other == "" or name.startswith(other + ".")) for other, _ in found)
-    ]
 
 
 def _synchronize(device: torch.device) -> None:
@@ -279,7 +270,7 @@ class SequenceParallelMonitor(Callback):
 
     # -- clocks and the all-to-all timer ---------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        models = transformers_models(pl_module)  # here, not in setup: configure_model may have built them since
+        models = outermost_models(pl_module)  # here, not in setup: configure_model may have built them since
         self._flops = TransformerFlops.from_model(models[0]) if len(models) == 1 else None
         if self._flops is None:
             rank_zero_warn(
@@ -395,28 +386,31 @@ class SequenceParallelParityCheck(Callback):
 
     On the first training batch of a fit (and, with ``every_n_steps=k``, on the first micro-batch of every
     ``k``-th optimizer step) each rank gathers its SP group's whole sequences, runs the transformers model
-    of the LightningModule on them with Ulysses attention switched off (``no_grad``, the weights of that
-    step) and computes the reference: next-token cross entropy averaged over the valid tokens of the
-    group's batch. That is the loss :class:`~lightning_ulysses.UlyssesLossMixin` returns on every rank of
-    the group; a loss summed over the SP ranks, or computed per rank and multiplied by ``sp_size``, differs
-    from it. Every rank computes the reference of its own group: under ZeRO-3 DeepSpeed's parameter
-    gathering is collective, and the peak memory per device is that of one whole-sequence forward either way.
+    of the LightningModule on them **as plain transformers** (its original attention implementation and the
+    masks transformers builds for it, no lightning-ulysses hook; ``no_grad``, the weights of that step) and
+    computes the reference: next-token cross entropy averaged over the valid tokens of the group's batch.
+    That is the loss :class:`~lightning_ulysses.UlyssesLossMixin` returns on every rank of the group; a
+    loss summed over the SP ranks, a dropped window, a per-shard RoPE, any error in the hook differs from it.
+    Every rank computes the reference of its own group: under ZeRO-3 DeepSpeed's parameter gathering is
+    collective, and the peak memory per device is that of one whole-sequence forward either way.
 
     Requirements: the LightningModule holds exactly one transformers model, ``training_step`` returns the
     loss computed from ``input_ids`` / ``position_ids`` / ``shift_labels``, and the forward is
     deterministic (dropout 0). Cost: one ``no_grad`` forward of the whole sequence (including its
-    ``[B, N, vocab]`` logits) per check.
+    ``[B, N, vocab]`` logits) per check; with packed or padded rows transformers also builds a ``[B, N, N]``
+    mask for it, so keep the check to the first batch (``every_n_steps=0``) on long packed sequences.
 
     Args:
         every_n_steps: also check every ``k`` optimizer steps; 0 checks only the first batch.
-        rtol, atol: the check passes when ``|sp_loss - reference| <= atol + rtol * |reference|``. The
-            default ``rtol`` allows bf16 rounding and still catches any factor >= 1.02.
+        rtol, atol: the check passes when ``|sp_loss - reference| <= atol + rtol * |reference|``. ``rtol=None``
+            (default) follows the training precision: ``1e-4`` in fp32 (float rounding is ~1e-6; every
+            silently wrong model family seen so far is off by more), ``2e-2`` in bf16/fp16 (their rounding).
         on_mismatch: ``"raise"`` (every rank raises the same error) or ``"warn"`` (rank 0 warns, training
             goes on).
     """
 
     def __init__(
-        self, every_n_steps: int = 0, rtol: float = 1e-2, atol: float = 1e-6,
+        self, every_n_steps: int = 0, rtol: float | None = None, atol: float = 1e-6,
         on_mismatch: Literal["raise", "warn"] = "raise",
     ) -> None:
         super().__init__()
@@ -424,9 +418,10 @@ class SequenceParallelParityCheck(Callback):
             raise ValueError(f"every_n_steps must be >= 0 (0 checks the first batch only), got {every_n_steps}.")
         if on_mismatch not in ("raise", "warn"):
             raise ValueError(f"on_mismatch must be 'raise' or 'warn', got {on_mismatch!r}.")
-        if not (rtol >= 0 and atol >= 0):
+        if not ((rtol is None or rtol >= 0) and atol >= 0):
             raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol}, atol={atol}.")
         self.every_n_steps = every_n_steps
+        self.requested_rtol = rtol
         self.rtol = rtol
         self.atol = atol
         self.on_mismatch = on_mismatch
@@ -439,9 +434,11 @@ class SequenceParallelParityCheck(Callback):
         if stage != "fit":
             return
         _require_ulysses(trainer, self)
+        full_precision = str(trainer.precision).startswith(("32", "64"))
+        self.rtol = self.requested_rtol if self.requested_rtol is not None else 1e-4 if full_precision else 2e-2
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        models = transformers_models(pl_module)  # here, not in setup: configure_model may have built them since
+        models = outermost_models(pl_module)  # here, not in setup: configure_model may have built them since
         if len(models) != 1:
             raise ValueError(
                 f"{type(self).__name__} recomputes the loss with the LightningModule's transformers model and needs "
@@ -466,7 +463,7 @@ class SequenceParallelParityCheck(Callback):
     def reference_loss(self, batch: Mapping[str, Tensor], sp_group: torch.distributed.ProcessGroup | None) -> Tensor:
         """The token-mean loss of the SP group's whole sequences without SP (a scalar; collective over ``sp_group``)."""
         whole = {key: gather_sequence(batch[key], sp_group) for key in ("input_ids", "position_ids", "shift_labels")}
-        with torch.no_grad(), sequence_parallel_disabled(self._model):
+        with torch.no_grad(), unpatched(self._model):
             logits = self._model(input_ids=whole["input_ids"], position_ids=whole["position_ids"]).logits
         loss_sum, num_tokens = token_cross_entropy(logits, whole["shift_labels"])
         return loss_sum / num_tokens.clamp(min=1)

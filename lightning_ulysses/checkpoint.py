@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from lightning_ulysses.patching import ULYSSES_ATTN_IMPLEMENTATION
+from lightning_ulysses.hf import ULYSSES_ATTN_IMPLEMENTATION
 
 
 UNIVERSAL_LATEST = "latest_universal"  # DeepSpeed's pointer to the tag folder of a universal checkpoint

@@ -40,6 +40,8 @@ from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from lightning_ulysses.hf import outermost_models
+
 from lightning_ulysses.sharding import IGNORE_INDEX
 
 TileSetting = bool | int
@@ -154,7 +156,7 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions) -> None:
     ``options.tiled_loss`` is read by :class:`~lightning_ulysses.UlyssesLossMixin` instead (the loss is
     the LightningModule's). Raises before any work when a requested option finds nothing to act on.
     """
-    hf_models = _outermost_hf_models(model)
+    hf_models = outermost_models(model)
     if (options.tiled_mlp or options.activation_checkpointing) and not hf_models:
         raise ValueError(
             "tiled_mlp and activation_checkpointing act on transformers models, and this LightningModule holds "
@@ -182,16 +184,6 @@ def remove_memory_options(model: nn.Module) -> None:
             del sub.forward  # the tiled forward was an instance attribute over the class's forward
         if sub.__dict__.pop("_ulysses_activation_checkpointing", False):
             sub._set_gradient_checkpointing(enable=False)
-
-
-def _outermost_hf_models(model: nn.Module) -> list[PreTrainedModel]:
-    found: list[PreTrainedModel] = []
-    inner: set[int] = set()
-    for sub in model.modules():  # pre-order: a model comes before the models inside it
-        if isinstance(sub, PreTrainedModel) and id(sub) not in inner:
-            found.append(sub)
-            inner.update(id(m) for m in sub.modules())
-    return found
 
 
 def _tile_mlps(model: PreTrainedModel, setting: TileSetting) -> None:

@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, get
 
 from lightning_ulysses.loss import UlyssesLossMixin
 from lightning_ulysses.metrics import TokenCrossEntropy
-from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.prediction import token_log_probs
 from lightning_ulysses.sharding import prepare_batch
 

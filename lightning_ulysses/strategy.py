@@ -9,7 +9,7 @@ What it adds to :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`:
 * every batch is padded, positioned, labelled and cut to this rank's ``[B, N / sp]`` shard
   (:mod:`lightning_ulysses.sharding`) on its way to the device;
 * every transformers model inside the LightningModule runs all-to-all attention
-  (:mod:`lightning_ulysses.patching`), optionally with tiled MLPs and checkpointed, offloaded layers
+  (:mod:`lightning_ulysses.hf`), checked at set-up to run exactly or be refused, optionally with tiled MLPs and checkpointed, offloaded layers
   (:mod:`lightning_ulysses.memory`);
 * CPU (gloo) is a supported target next to CUDA (NCCL).
 
@@ -54,7 +54,7 @@ from lightning_ulysses.checkpoint import (
 from lightning_ulysses.failures import NonFiniteLoss, NonFiniteLossGuard
 from lightning_ulysses.loss import STEP_TOKENS_KEY, StepTokenCounts
 from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
-from lightning_ulysses.patching import apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.resume import ResumableLoader, is_resumable
 from lightning_ulysses.sharding import prepare_batch, shard_batch
 from lightning_ulysses.topology import SequenceParallelTopology, divisors
@@ -227,9 +227,10 @@ class UlyssesStrategy(DeepSpeedStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         assert self.lightning_module is not None
+        super().setup(trainer)
+        # after DeepSpeed's engine exists: the set-up check runs a short forward (ZeRO-3 gathers the weights for it)
         apply_ulysses_attention(self.lightning_module, self.sp_group, self.sp_size, self.attn_implementation)
         apply_memory_options(self.lightning_module, self.memory)
-        super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.nonfinite_loss.setup(self.model)
 

@@ -1,0 +1,29 @@
+"""Hugging Face transformers models under Ulysses sequence parallelism: the hook, and the set-up check
+that every layer of a patched model runs exactly (or the model is refused).
+
+* :mod:`~lightning_ulysses.hf.patching`: :func:`apply_ulysses_attention` / :func:`remove_ulysses_attention`;
+* :mod:`~lightning_ulysses.hf.interface`: the ``"ulysses"`` attention-interface entry and each layer's plan;
+* :mod:`~lightning_ulysses.hf.masks`: the attention pattern a model asks for through its masks;
+* :mod:`~lightning_ulysses.hf.probe`: the set-up check (detection by what the model does);
+* :mod:`~lightning_ulysses.hf.rotary`: length-dependent RoPE computed for the whole sequence.
+"""
+
+from lightning_ulysses.hf.interface import ULYSSES_ATTN_IMPLEMENTATION
+from lightning_ulysses.hf.patching import (
+    UnsupportedModelError,
+    apply_ulysses_attention,
+    outermost_models,
+    remove_ulysses_attention,
+    sequence_parallel_disabled,
+    unpatched,
+)
+
+__all__ = [
+    "ULYSSES_ATTN_IMPLEMENTATION",
+    "UnsupportedModelError",
+    "apply_ulysses_attention",
+    "outermost_models",
+    "remove_ulysses_attention",
+    "sequence_parallel_disabled",
+    "unpatched",
+]

@@ -1,0 +1,124 @@
+"""The ``"ulysses"`` entry of transformers' attention interface, and what each attention layer may ask of it.
+
+Transformers models call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, query, key,
+value, attention_mask, scaling=..., dropout=..., **kwargs)`` with ``[B, H, N/sp, D]`` tensors. Every
+argument that changes the result must be understood, or the layer is refused: the set-up check
+(:mod:`lightning_ulysses.hf.probe`) reads each layer's call once, with :func:`read_layer_call`, and
+stores a :class:`LayerPlan` on the module; training then runs that plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+from transformers import AttentionInterface
+
+from lightning_ulysses.attention import ulysses_attention
+from lightning_ulysses.hf.masks import MaskPattern
+
+ULYSSES_ATTN_IMPLEMENTATION = "ulysses"
+
+HANDLED_KWARGS = frozenset({"sliding_window", "position_ids", "is_causal"})
+"""Keyword arguments whose meaning the plan carries (or that are read from the batch instead)."""
+
+INERT_KWARGS = frozenset({
+    "layer_idx", "use_cache", "output_attentions", "return_dict", "cache", "past_key_values", "cache_position",
+    "position_embeddings", "target_dtype", "layer_type", "kwargs",
+})
+"""Keyword arguments that models pass along but that do not change what attention computes here (no KV cache
+runs under sequence parallelism)."""
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How one attention layer runs: the pattern its mask asked for (windows and chunks that transformers
+    applies only through the mask included)."""
+
+    pattern: MaskPattern
+
+
+def read_layer_call(
+    module: nn.Module, pattern: MaskPattern | None, mask_problem: str, kwargs: dict[str, Any]
+) -> tuple[LayerPlan | None, list[str]]:
+    """The plan of an attention layer from its call (``kwargs`` as it passed them and the ``pattern`` of the mask it
+    received), or ``None`` and the reasons it cannot run exactly."""
+    problems = [mask_problem] if pattern is None else []
+    if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
+        problems.append("attends bidirectionally (Ulysses attention here is causal)")
+    unknown = sorted(
+        name for name, value in kwargs.items()
+        if name not in HANDLED_KWARGS | INERT_KWARGS and value is not None and value is not False
+    )
+    for name in unknown:
+        problems.append(f"passes {name}={_short(kwargs[name])} to attention, which Ulysses attention does not implement")
+    window = kwargs.get("sliding_window")
+    if pattern is not None and window is not None and pattern.window != window:
+        problems.append(
+            f"passes sliding_window={window} to attention but its mask is {pattern.describe()}, so its result depends "
+            "on the attention kernel"
+        )
+    if problems:
+        return None, problems
+    return LayerPlan(pattern), []
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"<tensor {tuple(value.shape)}>"
+    text = repr(value)
+    return text if len(text) < 40 else text[:37] + "..."
+
+
+ProbeAttention = Callable[..., Tensor]
+_probe_attention: ProbeAttention | None = None
+"""While the set-up check runs, every patched attention layer calls this instead (see the probe module)."""
+
+
+def set_probe_attention(function: ProbeAttention | None) -> None:
+    global _probe_attention
+    _probe_attention = function
+
+
+def _hf_ulysses_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    *,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """Transformers attention-interface entry: ``[B, H, N/sp, D]`` in, ``[B, N/sp, H, D]`` out."""
+    state = module.__dict__.get("_ulysses_state")
+    if state is None:
+        raise RuntimeError(
+            f"{type(module).__name__} dispatched to Ulysses attention but belongs to no model that lightning-ulysses "
+            "patched; apply_ulysses_attention patches the PreTrainedModel that owns it."
+        )
+    if _probe_attention is not None:
+        return _probe_attention(module, query, key, value, attention_mask, scaling, kwargs), None
+    plan: LayerPlan | None = module.__dict__.get("_ulysses_plan")
+    if plan is None:
+        raise RuntimeError(
+            f"{type(module).__name__} was not called by lightning-ulysses' set-up check of the model, so it is not known "
+            "to run exactly (a layer used only for some inputs, e.g. images?). Sequence parallelism supports text inputs."
+        )
+    if attention_mask is not None:
+        raise RuntimeError(
+            f"{type(module).__name__} received an attention mask at run time although the set-up check saw none: "
+            "pass padding in the batch (attention_mask / position_ids), not as a tensor to the model."
+        )
+    out = ulysses_attention(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+        group=state.group, attn_fn=state.core, position_ids=state.position_ids, scale=scaling, dropout_p=dropout,
+        window=plan.pattern.window,
+    )
+    return out, None
+
+
+AttentionInterface.register(ULYSSES_ATTN_IMPLEMENTATION, _hf_ulysses_attention)

@@ -1,0 +1,271 @@
+"""The model hook: Ulysses attention inside Hugging Face transformers models, with no model code change.
+
+:func:`apply_ulysses_attention` points every (sub-)config of every ``PreTrainedModel`` inside a module at
+the ``"ulysses"`` attention implementation (:mod:`lightning_ulysses.hf.interface`; the ``"sdpa"`` and
+flash entries stay as they are for other models), tags the modules that hold those configs, wraps each
+model's ``forward``, and then checks the model by what it does (:mod:`lightning_ulysses.hf.probe`):
+every layer runs exactly or the model is refused with :class:`UnsupportedModelError`, before any step.
+
+The wrapped ``forward``:
+
+* requires ``position_ids``, the global positions of the token shard (transformers would otherwise
+  build local positions ``0 .. N/sp - 1`` on every rank, and RoPE would be silently wrong on every
+  rank but the first), and keeps them for the attention layers: documents (packed samples, padding
+  runs) are read from them, whether or not a layer's call site passes them on;
+* folds a 2-D ``attention_mask`` into that document layout when it marks whole documents (padding that
+  :func:`~lightning_ulysses.prepare_batch` made separate documents), and refuses any other mask;
+* switches the KV cache off (it would hold one shard of the sequence).
+
+Transformers builds no attention mask (``"ulysses"`` has no mask interface during training), so nothing
+of size ``[N, N]`` exists.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from transformers import PretrainedConfig, PreTrainedModel
+
+from lightning_ulysses.attention import documents_of, gather_sequence
+from lightning_ulysses.heads import plan_heads
+from lightning_ulysses.hf.interface import ULYSSES_ATTN_IMPLEMENTATION
+
+
+class UnsupportedModelError(ValueError):
+    """A model that sequence parallelism cannot run exactly, refused at set-up (before any data or step).
+
+    The message names each offending layer, the feature and what to do instead.
+    """
+
+
+@dataclass
+class PatchState:
+    """Shared by every module that one :func:`apply_ulysses_attention` call patched."""
+
+    group: ProcessGroup | None
+    core: str
+    sp_size: int
+    position_ids: Tensor | None = None
+    """``[B, N/sp]`` global position ids of the shard of the latest forward (kept for recomputation in backward)."""
+    enabled: bool = True
+    """``False`` inside :func:`unpatched`: the model runs as plain transformers."""
+    depth: int = 0
+    """Nesting of patched forwards (a vision-language model calls its language model): the outermost one reads the batch."""
+
+
+def outermost_models(module: nn.Module) -> list[PreTrainedModel]:
+    """The outermost transformers ``PreTrainedModel`` instances inside ``module`` (not the models inside them)."""
+    found: list[PreTrainedModel] = []
+    inner: set[int] = set()
+    for sub in module.modules():  # pre-order: a model comes before the models inside it
+        if isinstance(sub, PreTrainedModel) and id(sub) not in inner:
+            found.append(sub)
+            inner.update(id(m) for m in sub.modules())
+    return found
+
+
+def apply_ulysses_attention(model: nn.Module, group: ProcessGroup | None, sp_size: int, core: str) -> None:
+    """Make every transformers ``PreTrainedModel`` inside ``model`` run Ulysses attention over ``group``, or refuse it.
+
+    Any head count runs (see :mod:`lightning_ulysses.heads`; a layout with inert heads is logged with its
+    overhead). The model must be callable (under ZeRO-3: after DeepSpeed's engine exists): a short forward
+    checks it (:func:`~lightning_ulysses.hf.probe.check_model`; collective over ``group``) and raises
+    :class:`UnsupportedModelError`, naming the layers, for anything that would not run exactly. Idempotent.
+    """
+    from lightning_ulysses.hf.probe import check_model
+
+    for hf_model in outermost_models(model):
+        if hasattr(hf_model, "_ulysses_state"):
+            continue
+        _check_dispatch(hf_model)
+        _log_head_layout(hf_model, sp_size)
+        state = PatchState(group, core, sp_size)
+        _patch(hf_model, state)
+        try:
+            check_model(hf_model, state)
+        except BaseException:
+            _unpatch(hf_model)
+            raise
+
+
+def _check_dispatch(model: PreTrainedModel) -> None:
+    for sub in model.modules():
+        if isinstance(sub, PreTrainedModel) and not type(sub)._supports_attention_backend:
+            raise UnsupportedModelError(
+                f"{type(sub).__name__} does not dispatch attention through transformers' AttentionInterface, so Ulysses "
+                "attention cannot be swapped in. Use an architecture that does (Llama, Mistral, Qwen2/3, Gemma, ...), or "
+                "call lightning_ulysses.ulysses_attention from your own attention module."
+            )
+
+
+def _log_head_layout(model: PreTrainedModel, sp_size: int) -> None:
+    text_config = model.config.get_text_config()
+    num_heads = getattr(text_config, "num_attention_heads", None)
+    if not isinstance(num_heads, int):
+        return
+    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+    if num_heads % num_kv_heads:
+        return  # not a grouped-query layout; the attention layers' own head counts are checked when they run
+    layout = plan_heads(num_heads, num_kv_heads, sp_size)
+    if layout.overhead > 1 or layout.kv_overhead > 1:
+        rank_zero_info(
+            f"{type(model).__name__}: {layout.num_heads} attention heads / {layout.num_kv_heads} key/value heads over "
+            f"sp_size={sp_size} run as {layout.heads_per_rank} / {layout.kv_heads_per_rank} per rank "
+            f"({layout.overhead:.2f}x attention compute, {layout.kv_overhead:.2f}x key/value traffic)."
+        )
+
+
+def _configs(model: PreTrainedModel) -> list[PretrainedConfig]:
+    """Every config object of ``model``, its sub-configs (text, vision, ...) included, each once."""
+    found: dict[int, PretrainedConfig] = {}
+    pending = [sub.config for sub in model.modules() if isinstance(sub, PreTrainedModel)]
+    while pending:
+        config = pending.pop()
+        if id(config) not in found:
+            found[id(config)] = config
+            pending += [getattr(config, key) for key in config.sub_configs if getattr(config, key, None) is not None]
+    return list(found.values())
+
+
+def _patch(model: PreTrainedModel, state: PatchState) -> None:
+    configs = _configs(model)
+    config_ids = {id(config) for config in configs}
+    # tag first: switching a config to "ulysses" switches its sub-configs too (transformers' setter recurses)
+    for module in model.modules():
+        if id(getattr(module, "config", None)) in config_ids:
+            module._ulysses_state = state
+    model._ulysses_state = state
+    model._ulysses_original_attn = [(config, config._attn_implementation) for config in configs]
+    for config in configs:
+        config._attn_implementation_internal = ULYSSES_ATTN_IMPLEMENTATION  # each config here, no recursion
+    for sub in model.modules():
+        if isinstance(sub, PreTrainedModel):
+            sub.forward = _guarded_forward(sub.forward, state)
+
+
+def _unpatch(model: PreTrainedModel) -> None:
+    for config, implementation in model.__dict__.pop("_ulysses_original_attn"):
+        config._attn_implementation_internal = implementation
+    for sub in model.modules():
+        if isinstance(sub, PreTrainedModel) and "forward" in sub.__dict__:
+            del sub.forward  # the guard was an instance attribute over the class's forward
+        for name in ("_ulysses_state", "_ulysses_plan"):
+            sub.__dict__.pop(name, None)
+    from lightning_ulysses.hf.rotary import remove_whole_sequence_rotary
+
+    remove_whole_sequence_rotary(model)
+
+
+def remove_ulysses_attention(model: nn.Module) -> None:
+    """Undo :func:`apply_ulysses_attention` on every PreTrainedModel inside ``model``."""
+    for hf_model in outermost_models(model):
+        if "_ulysses_original_attn" in hf_model.__dict__:
+            _unpatch(hf_model)
+
+
+def _guarded_forward(forward: Any, state: PatchState) -> Any:
+    takes_position_ids = "position_ids" in inspect.signature(forward).parameters
+
+    @functools.wraps(forward)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if not state.enabled:
+            return forward(*args, **kwargs)
+        kwargs["use_cache"] = False
+        if state.depth == 0:
+            _read_batch_layout(kwargs, state)
+        if not takes_position_ids:
+            kwargs.pop("position_ids", None)
+        state.depth += 1
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            state.depth -= 1
+
+    return guarded
+
+
+def _read_batch_layout(kwargs: dict[str, Any], state: PatchState) -> None:
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        raise ValueError(
+            "Under sequence parallelism the model must be called with the global position ids of its token shard, "
+            "e.g. model(input_ids=batch['input_ids'], position_ids=batch['position_ids']) with the batch that "
+            "UlyssesStrategy sharded. Without them transformers builds local positions 0..N/sp-1 and RoPE is wrong on "
+            "every rank but the first."
+        )
+    mask = kwargs.pop("attention_mask", None)
+    if mask is not None:
+        check_foldable_attention_mask(mask, position_ids, state.group)
+    state.position_ids = position_ids
+
+
+def check_foldable_attention_mask(mask: Tensor, position_ids: Tensor, group: ProcessGroup | None) -> None:
+    """Accept a 2-D padding mask ``[B, N/sp]`` only when it is constant over every document of the position ids.
+
+    Such a mask marks padding that is already a document of its own (as :func:`~lightning_ulysses.prepare_batch`
+    lays it out), which attention never crosses: dropping it changes nothing for the real tokens. Anything else
+    (a 4-D mask, padding inside a document) is refused. Collective over ``group`` (one all-gather per forward).
+    """
+    if mask.dim() != 2 or mask.shape != position_ids.shape:
+        raise ValueError(
+            f"The model received an attention_mask of shape {tuple(mask.shape)}; under sequence parallelism only a 2-D "
+            f"padding mask shaped like the position ids {tuple(position_ids.shape)} can be taken (it is folded into the "
+            "document layout). Put padding in the batch (attention_mask / position_ids) and let UlyssesStrategy prepare it."
+        )
+    whole_mask = gather_sequence(mask.bool(), group)
+    starts = documents_of(position_ids, group).starts
+    changes = whole_mask[:, 1:] != whole_mask[:, :-1]
+    if bool((changes & ~starts[:, 1:]).any()):
+        raise ValueError(
+            "The attention_mask passed to the model masks tokens inside a document (a run of position ids that does not "
+            "restart at 0), which Ulysses attention cannot express without an [N, N] mask. Pass the mask in the batch "
+            "so that UlyssesStrategy turns padding into separate documents, or restart position_ids at 0 after padding."
+        )
+
+
+@contextmanager
+def sequence_parallel_disabled(model: nn.Module) -> Iterator[None]:
+    """Run the patched attention of ``model`` locally (no SP group) inside the ``with`` block.
+
+    The model must then be called with whole sequences (``[B, N]`` inputs and global ``position_ids``) on
+    one rank; documents and padding are still masked from the position ids. Not collective.
+    """
+    states = _states(model)
+    saved = [(state.group, state.sp_size) for state in states]
+    try:
+        for state in states:
+            state.group, state.sp_size = None, 1
+        yield
+    finally:
+        for state, (group, sp_size) in zip(states, saved):
+            state.group, state.sp_size = group, sp_size
+
+
+@contextmanager
+def unpatched(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` as plain transformers inside the ``with`` block: its original attention implementation
+    (and the masks transformers builds for it), no forward guard, no whole-sequence RoPE. Not collective."""
+    models = [m for m in outermost_models(model) if "_ulysses_original_attn" in m.__dict__]
+    try:
+        for hf_model in models:
+            hf_model._ulysses_state.enabled = False
+            for config, implementation in hf_model._ulysses_original_attn:
+                config._attn_implementation_internal = implementation
+        yield
+    finally:
+        for hf_model in models:
+            hf_model._ulysses_state.enabled = True
+            for config, _ in hf_model._ulysses_original_attn:
+                config._attn_implementation_internal = ULYSSES_ATTN_IMPLEMENTATION
+
+
+def _states(model: nn.Module) -> list[PatchState]:
+    return [m._ulysses_state for m in outermost_models(model) if "_ulysses_original_attn" in m.__dict__]

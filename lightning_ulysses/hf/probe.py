@@ -1,0 +1,459 @@
+"""The set-up check: run a patched model once on a few tokens and refuse it unless every layer is exact.
+
+Detection is by what the model does, not by its name. Three short ``no_grad`` forwards in eval mode,
+with every attention layer replaced by *token-local attention* (each token attends only to itself:
+``out = v * sigmoid(scale * q.k)``, so queries, keys and values all still matter, but no information
+moves between tokens through attention):
+
+1. **Whole sequence, one rank** (``[1, N]``, ``N = sp * PROBE_TOKENS_PER_RANK``). transformers builds its
+   masks through :func:`~lightning_ulysses.hf.masks.recording_mask_interface`; each attention layer's
+   call is read (:func:`~lightning_ulysses.hf.interface.read_layer_call`): the mask pattern it receives
+   (windows and chunks applied only through the mask included), its arguments (sinks, soft-capping,
+   bidirectional attention, model-computed biases are refused). Every module's inputs and outputs are kept.
+2. **Rotary embeddings** (``sp > 1``): every module that maps ``position_ids`` to a pair of per-token
+   tensors (cos, sin) is called with positions around each ``max_position`` boundary of the config; where
+   its output depends on the length (dynamic NTK, longrope), :func:`~lightning_ulysses.hf.rotary.whole_sequence_rotary`
+   is installed and must make it exact.
+3. **Sharded** (``sp > 1``, this rank's ``[1, N / sp]`` shard, the real SP group). With attention
+   token-local, no module's per-token output may depend on where the sequence is cut: where one does,
+   something other than attention moves information between tokens (a convolution over the sequence, a
+   recurrent / linear-attention / state-space layer) or computes from local token indices. Every module
+   whose inputs agree with the whole run is compared on its own outputs (a small mixer is as visible as
+   a large one), the first that differs is named; the model's output must agree too.
+
+The verdict is agreed over the SP group, so every rank raises the same :class:`UnsupportedModelError`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from lightning_ulysses.hf import interface
+from lightning_ulysses.hf.interface import ULYSSES_ATTN_IMPLEMENTATION, LayerPlan, read_layer_call
+from lightning_ulysses.hf.masks import RecordedMasks, recording_mask_interface
+from lightning_ulysses.hf.patching import PatchState, UnsupportedModelError, sequence_parallel_disabled
+from lightning_ulysses.hf.rotary import position_ids_index, whole_sequence_rotary
+
+PROBE_TOKENS_PER_RANK = 11
+"""Tokens per rank in the probe: an odd count, so that the sequence dimension is told from model dimensions."""
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Largest difference, relative to a tensor's largest magnitude, that counts as equal between the whole and
+    the sharded probe: kernels may round differently for other shapes (one bf16 ulp is 0.8%). A token mixer
+    changes the border tokens of its own output by about their size."""
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 5e-2
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One reason to refuse: where (module path and class) and what."""
+
+    where: str
+    problem: str
+
+
+@dataclass
+class _Call:
+    """One call of a module in the whole-sequence run: its tensors, for comparison with the sharded run."""
+
+    inputs: dict[str, Tensor]
+    outputs: list[Tensor]
+    args: tuple
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class _WholeRun:
+    calls: dict[str, list[_Call]] = field(default_factory=dict)
+    output: Tensor | None = None
+
+
+def check_model(model: PreTrainedModel, state: PatchState) -> None:
+    """Check a patched ``model`` (see the module docstring); store each attention layer's plan on it, or raise
+    :class:`UnsupportedModelError` naming every layer that would not run exactly. Collective over ``state.group``."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    input_ids = _probe_ids(model, state.sp_size * PROBE_TOKENS_PER_RANK, device)
+    position_ids = torch.arange(input_ids.shape[1], device=device)[None]
+    rank = 0 if state.group is None else dist.get_rank(state.group)
+    shard = _Shard(rank, state.sp_size, input_ids.shape[1])
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            findings, whole = _whole_sequence_run(model, state, input_ids, position_ids)
+            findings = _agreed(findings, state)  # a forward that failed on one rank only must not leave the others waiting
+            if state.sp_size > 1 and not findings:
+                findings = _check_rotary(model, state, whole, shard)
+            if state.sp_size > 1 and not findings:
+                findings = _agreed(_sharded_run(model, state, input_ids, position_ids, whole, shard), state)
+    finally:
+        for module, training in modes.items():
+            module.training = training
+    if findings:
+        raise UnsupportedModelError(_refusal(model, findings))
+
+
+def _probe_ids(model: PreTrainedModel, length: int, device: torch.device) -> Tensor:
+    """``[1, length]`` token ids that are no special token of the config (image, audio, ... placeholders)."""
+    vocab_size = model.get_input_embeddings().num_embeddings
+    special = {
+        value for config in _all_configs(model) for key, value in config.to_dict().items()
+        if "token" in key and isinstance(value, int)
+    }
+    ordinary = [i for i in range(min(vocab_size, 4096)) if i not in special]
+    generator = torch.Generator().manual_seed(0)
+    choice = torch.randint(len(ordinary), (1, length), generator=generator)
+    return torch.tensor(ordinary)[choice].to(device)
+
+
+def _all_configs(model: PreTrainedModel) -> list[Any]:
+    config = model.config
+    return [config] + [getattr(config, key) for key in config.sub_configs if getattr(config, key, None) is not None]
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. whole sequence
+# ----------------------------------------------------------------------------------------------
+def _whole_sequence_run(
+    model: PreTrainedModel, state: PatchState, input_ids: Tensor, position_ids: Tensor
+) -> tuple[list[Finding], _WholeRun]:
+    names = {module: name for name, module in model.named_modules()}
+    recorded = RecordedMasks([])
+    plans: dict[nn.Module, LayerPlan] = {}
+    findings: dict[nn.Module, Finding] = {}
+    run = _WholeRun()
+
+    def attention(
+        module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, scaling: float | None,
+        kwargs: dict[str, Any],
+    ) -> Tensor:
+        if module not in plans and module not in findings:
+            pattern, why = recorded.pattern_of(attention_mask)
+            plan, problems = read_layer_call(module, pattern, why, kwargs)
+            if plan is None:
+                findings[module] = Finding(_where(names, module), "; ".join(problems))
+            else:
+                plans[module] = plan
+        return token_local_attention(query, key, value, scaling)
+
+    def record(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        inputs = {key: t.clone() for key, t in _named_inputs(args, kwargs).items()}
+        run.calls.setdefault(names[module], []).append(_Call(inputs, [t.clone() for t in _tensors(output)], args, kwargs))
+
+    try:
+        with _mask_interface(recording_mask_interface(recorded)), _probe_attention(attention), \
+                sequence_parallel_disabled(model), _hooks(model, record):
+            output = model(input_ids=input_ids, position_ids=position_ids)
+    except Exception as error:  # noqa: BLE001 - any failure of the plain forward is a reason to refuse, with its text
+        return [Finding(f"{type(model).__name__}", f"cannot be called with input_ids and position_ids alone ({error})")], run
+    run.output = _first_tensor(output)
+    for module, plan in plans.items():
+        module._ulysses_plan = plan
+    return list(findings.values()), run
+
+
+def token_local_attention(query: Tensor, key: Tensor, value: Tensor, scale: float | None) -> Tensor:
+    """``[B, H, N, D]`` query, ``[B, H_kv, N, D]`` key and ``[B, H_kv, N, D_v]`` value -> ``[B, N, H, D_v]``: every
+    token attends only to itself, weighted by ``sigmoid(scale * q.k)`` so that the queries and keys still count."""
+    group = query.shape[1] // key.shape[1]
+    key, value = (t.repeat_interleave(group, dim=1) for t in (key, value))
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    weight = torch.sigmoid(scale * (query * key).sum(-1, keepdim=True))
+    return (value * weight).transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. sharded
+# ----------------------------------------------------------------------------------------------
+def _sharded_run(
+    model: PreTrainedModel, state: PatchState, input_ids: Tensor, position_ids: Tensor, whole: _WholeRun,
+    shard: _Shard,
+) -> list[Finding]:
+    names = {module: name for name, module in model.named_modules()}
+    seen: dict[str, int] = {}
+    culprits: list[Finding] = []
+
+    def compare(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        name = names[module]
+        index = seen[name] = seen.get(name, -1) + 1
+        calls = whole.calls.get(name, [])
+        if culprits or index >= len(calls):
+            return
+        inputs_agree = shard.inputs_agree(calls[index].inputs, _named_inputs(args, kwargs))
+        if inputs_agree and not shard.all_agree(calls[index].outputs, _tensors(output)):
+            culprits.append(Finding(
+                _where(names, module),
+                "mixes information between tokens outside attention (or computes from local token indices), so its "
+                "output changes when the sequence is split",
+            ))
+
+    def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, scaling: float | None,
+                  kwargs: dict[str, Any]) -> Tensor:
+        return token_local_attention(query, key, value, scaling)
+
+    with _probe_attention(attention), _hooks(model, compare):
+        output = model(input_ids=shard.of(input_ids), position_ids=shard.of(position_ids))
+    if culprits or shard.agree(whole.output, _first_tensor(output)):
+        return culprits
+    return [Finding(type(model).__name__, "computes outputs that change when the sequence is split")]
+
+
+class _Shard:
+    """This rank's shard of the probe sequence, and comparisons of per-token tensors with the whole run."""
+
+    def __init__(self, rank: int, sp_size: int, whole_length: int) -> None:
+        self.whole_length, self.length = whole_length, whole_length // sp_size
+        self.start = rank * self.length
+
+    def of(self, tensor: Tensor) -> Tensor:
+        return tensor[:, self.start : self.start + self.length]
+
+    def slice(self, whole: Tensor, local: Tensor) -> Tensor | None:
+        """The part of ``whole`` that corresponds to ``local``: sliced along the token dimension (the one that is
+        ``N`` long in ``whole`` and ``N / sp`` in ``local``, every other dimension equal); None if there is none."""
+        if whole.dim() != local.dim():
+            return None
+        for dim, (w, l) in enumerate(zip(whole.shape, local.shape)):
+            if (w, l) == (self.whole_length, self.length) and all(
+                a == b for d, (a, b) in enumerate(zip(whole.shape, local.shape)) if d != dim
+            ):
+                return whole.narrow(dim, self.start, self.length)
+        return None
+
+    def agree(self, whole: Tensor | None, local: Tensor | None) -> bool:
+        if whole is None or local is None:
+            return whole is local
+        part = self.slice(whole, local)
+        return part is not None and _close(part, local)
+
+    def inputs_agree(self, whole: dict[str, Tensor], local: dict[str, Tensor]) -> bool:
+        """Whether the per-token inputs that both calls received agree (a mask built only for the whole run is
+        left out)."""
+        keys = [key for key in whole if key in local]
+        return self.all_agree([whole[k] for k in keys], [local[k] for k in keys])
+
+    def all_agree(self, whole: list[Tensor], local: list[Tensor]) -> bool:
+        """Whether every per-token tensor of ``local`` equals its part of the matching tensor of ``whole``."""
+        if len(whole) != len(local):
+            return False
+        for w, l in zip(whole, local):
+            part = self.slice(w, l)
+            if part is not None and not _close(part, l):
+                return False
+        return True
+
+
+def _close(expected: Tensor, got: Tensor) -> bool:
+    if expected.shape != got.shape or expected.dtype != got.dtype:
+        return False
+    if not expected.is_floating_point():
+        return bool(torch.equal(expected, got))
+    scale = expected.abs().amax().clamp(min=1e-6)
+    return bool(((expected - got).abs().amax() <= tolerance(expected.dtype) * scale).item())
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. rotary embeddings
+# ----------------------------------------------------------------------------------------------
+def _check_rotary(model: PreTrainedModel, state: PatchState, whole: _WholeRun, shard: _Shard) -> list[Finding]:
+    modules = dict(model.named_modules())
+    names = {module: name for name, module in modules.items()}
+    boundaries = sorted(_position_boundaries(model))
+    rotary = [(modules[name], calls[0]) for name, calls in whole.calls.items() if _is_rotary(modules[name], calls[0])]
+
+    def length_dependent(module: nn.Module, call: _Call) -> bool:
+        for boundary in boundaries:
+            positions = torch.arange(shard.whole_length, device=call.outputs[0].device) + max(boundary - shard.length, 0)
+            expected = _call_with_positions(module, call, positions[None], shard, whole_sequence=True)
+            got = _call_with_positions(module, call, shard.of(positions[None]), shard, whole_sequence=False)
+            if not shard.all_agree(expected, got):
+                return True
+        return False
+
+    flags = torch.tensor([length_dependent(m, call) for m, call in rotary], dtype=torch.int32)
+    dependent = [m for (m, _), flag in zip(rotary, _any_rank(flags, state)) if flag]
+    for module in dependent:
+        whole_sequence_rotary(module, state)
+    flags = torch.tensor([length_dependent(m, call) for m, call in rotary if m in dependent], dtype=torch.int32)
+    inexact = [m for m, flag in zip(dependent, _any_rank(flags, state)) if flag]
+    return [
+        Finding(_where(names, m), "computes rotary frequencies from the sequence length in a way that giving it the "
+                "whole sequence's largest position does not make exact")
+        for m in inexact
+    ]
+
+
+def _is_rotary(module: nn.Module, call: _Call) -> bool:
+    """A module that maps ``position_ids`` to a pair of per-token tensors, holding no embedding table."""
+    try:
+        bound = inspect.signature(module.forward).bind(*call.args, **call.kwargs)
+    except TypeError:
+        return False
+    positions = bound.arguments.get("position_ids")
+    return (
+        isinstance(positions, Tensor) and len(call.outputs) == 2
+        and all(t.dim() >= 2 and t.shape[-2] == positions.shape[-1] for t in call.outputs)
+        and not any(isinstance(m, nn.Embedding) for m in module.modules())
+    )
+
+
+def _call_with_positions(
+    module: nn.Module, call: _Call, positions: Tensor, shard: _Shard, whole_sequence: bool
+) -> list[Tensor]:
+    """``module`` called as in ``call`` but with ``positions`` (and, for a shard, its other per-token inputs cut to
+    the shard), restoring whatever state the call changes (dynamic RoPE caches its frequencies)."""
+    args, kwargs = list(call.args), dict(call.kwargs)
+    if not whole_sequence:
+        args = [_shard_of(a, shard) for a in args]
+        kwargs = {k: _shard_of(v, shard) for k, v in kwargs.items()}
+    index = position_ids_index(module)
+    if index is not None and index < len(args):
+        args[index] = positions.to(args[index].dtype)
+    else:
+        kwargs["position_ids"] = positions.to(kwargs["position_ids"].dtype)
+    with _restored(module):
+        return _tensors(module(*args, **kwargs))
+
+
+def _shard_of(value: Any, shard: _Shard) -> Any:
+    if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == shard.whole_length:
+        return shard.of(value)
+    return value
+
+
+@contextmanager
+def _restored(module: nn.Module) -> Iterator[None]:
+    buffers = {name: b.clone() if b is not None else None for name, b in module._buffers.items()}
+    attributes = dict(module.__dict__)
+    try:
+        yield
+    finally:
+        module._buffers = buffers
+        for name in [n for n in module.__dict__ if n not in attributes]:
+            del module.__dict__[name]
+        module.__dict__.update({k: v for k, v in attributes.items() if k != "_buffers"})
+
+
+def _position_boundaries(model: PreTrainedModel) -> set[int]:
+    """0 and every ``*max_position*`` integer of the configs (rope parameters included): where length-dependent
+    RoPE changes its frequencies."""
+    found = {0}
+    pending: list[Any] = [config.to_dict() for config in _all_configs(model)]
+    while pending:
+        item = pending.pop()
+        for key, value in item.items():
+            if isinstance(value, dict):
+                pending.append(value)
+            elif isinstance(key, str) and "max_position" in key and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                found.add(value)
+    return found
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+def _agreed(findings: list[Finding], state: PatchState) -> list[Finding]:
+    """The union of every SP rank's findings, in rank order (every rank then refuses alike)."""
+    if state.group is None or state.sp_size == 1:
+        return findings
+    gathered: list[list[Finding]] = [[] for _ in range(state.sp_size)]
+    dist.all_gather_object(gathered, findings, group=state.group)
+    merged: list[Finding] = []
+    for rank_findings in gathered:
+        merged += [f for f in rank_findings if f not in merged]
+    return merged
+
+
+def _any_rank(flags: Tensor, state: PatchState) -> list[bool]:
+    """Element-wise OR of ``flags`` over the SP group (gloo and NCCL alike: via the default device of the group)."""
+    if flags.numel() == 0:
+        return []
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(state.group) == "nccl" else "cpu"
+    flags = flags.to(device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=state.group)
+    return [bool(f) for f in flags.tolist()]
+
+
+def _where(names: dict[nn.Module, str], module: nn.Module) -> str:
+    return f"{names.get(module, '?') or '<model>'} ({type(module).__name__})"
+
+
+def _refusal(model: PreTrainedModel, findings: list[Finding]) -> str:
+    shown = findings[:8]
+    lines = [f"  - {f.where}: {f.problem}" for f in shown]
+    if len(findings) > len(shown):
+        lines.append(f"  - ... and {len(findings) - len(shown)} more")
+    return (
+        f"{type(model).__name__} cannot be trained exactly with Ulysses sequence parallelism; lightning-ulysses checked "
+        "it at set-up, before any step:\n" + "\n".join(lines) + "\n"
+        "Train this model without sequence parallelism (sp_size=1 on a plain strategy), or use a model whose layers "
+        "mix tokens only through softmax attention (docs/model-support.md lists every transformers family)."
+    )
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    """Every tensor in a (nested) output or argument structure, in order."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if hasattr(value, "to_tuple"):  # transformers ModelOutput
+        return _tensors(value.to_tuple())
+    return []
+
+
+def _named_inputs(args: tuple, kwargs: dict[str, Any]) -> dict[str, Tensor]:
+    """The tensors among a call's arguments, keyed by position or name (``arg0``, ``position_embeddings.1``, ...)."""
+    named: dict[str, Tensor] = {}
+    for key, value in [(f"arg{i}", a) for i, a in enumerate(args)] + list(kwargs.items()):
+        tensors = _tensors(value)
+        if isinstance(value, Tensor):
+            named[key] = value
+        else:
+            named.update({f"{key}.{i}": t for i, t in enumerate(tensors)})
+    return named
+
+
+def _first_tensor(output: Any) -> Tensor | None:
+    tensors = _tensors(output)
+    return tensors[0] if tensors else None
+
+
+@contextmanager
+def _hooks(model: nn.Module, hook: Any) -> Iterator[None]:
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def _probe_attention(function: Any) -> Iterator[None]:
+    interface.set_probe_attention(function)
+    try:
+        yield
+    finally:
+        interface.set_probe_attention(None)
+
+
+@contextmanager
+def _mask_interface(function: Any) -> Iterator[None]:
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ULYSSES_ATTN_IMPLEMENTATION, function)
+    try:
+        yield
+    finally:
+        del ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[ULYSSES_ATTN_IMPLEMENTATION]
