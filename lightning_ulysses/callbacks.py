@@ -464,7 +464,8 @@ class SequenceParallelParityCheck(Callback):
         """The token-mean loss of the SP group's whole sequences without SP (a scalar; collective over ``sp_group``)."""
         whole = {key: gather_sequence(batch[key], sp_group) for key in ("input_ids", "position_ids", "shift_labels")}
         with torch.no_grad(), unpatched(self._model):
-            logits = self._model(input_ids=whole["input_ids"], position_ids=whole["position_ids"]).logits
+            # without a KV cache transformers masks packed documents (position ids restarting at 0), as training does
+            logits = self._model(input_ids=whole["input_ids"], position_ids=whole["position_ids"], use_cache=False).logits
         loss_sum, num_tokens = token_cross_entropy(logits, whole["shift_labels"])
         return loss_sum / num_tokens.clamp(min=1)
 

@@ -25,6 +25,8 @@ from lightning_ulysses import (
     IGNORE_INDEX, SequenceParallelMonitor, SequenceParallelParityCheck, TransformerFlops, UlyssesStrategy, attention,
 )
 from lightning_ulysses.callbacks import GIB, losses_agree, peak_memory, reset_peak_memory, summarize, token_imbalance
+from lightning_ulysses.hf.interface import LayerPlan
+from lightning_ulysses.hf.masks import MaskPattern
 from tests.launch import launch
 from tests.tiny import TinyCausalLM, collate, dp_batches, make_samples, reference_training, tiny_llama
 
@@ -155,6 +157,15 @@ def _fit(data: dict[str, Any] | DataLoader, callbacks: list[L.Callback], *, devi
     return module, trainer, logger
 
 
+class WrongAttentionPlan(L.Callback):
+    """Gives every attention layer a sliding window of 2 tokens after set-up: an error in the hook itself."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for module in pl_module.modules():
+            if "_ulysses_plan" in module.__dict__:
+                module._ulysses_plan = LayerPlan(MaskPattern(window=2))
+
+
 def callbacks_worker(args: dict[str, Any]) -> dict[str, Any]:
     fit = functools.partial(_fit, devices=int(os.environ["WORLD_SIZE"]))  # read once: Lightning's teardown deletes it
     results: dict[str, Any] = {}
@@ -183,6 +194,13 @@ def callbacks_worker(args: dict[str, Any]) -> dict[str, Any]:
         _, trainer, _ = fit(PARITY_DATA, [parity], loss_multiplier=SP, max_steps=2)
     results["parity_warn"] = {"warnings": [str(w.message) for w in caught if "loss check failed" in str(w.message)],
                               "steps": trainer.global_step}
+
+    # a hook error (a window the model does not have) that a reference run through the patched model would share
+    parity = SequenceParallelParityCheck(on_mismatch="warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(PARITY_DATA, [WrongAttentionPlan(), parity], max_steps=1)
+    results["parity_hook_error"] = [str(w.message) for w in caught if "loss check failed" in str(w.message)]
 
     try:  # last: the fit ends in an exception
         fit(PARITY_DATA, [SequenceParallelParityCheck()], loss_multiplier=SP, max_steps=2)
@@ -313,6 +331,12 @@ def test_parity_check_fires_on_a_loss_scaled_by_sp_size(results: list[dict[str, 
     assert reference == pytest.approx(expected_first, rel=1e-5)
     warned = results[0]["parity_warn"]
     assert warned["steps"] == 2 and len(warned["warnings"]) == 1  # first batch only, training went on
+
+
+def test_parity_check_compares_with_the_unpatched_model_and_sees_hook_errors(results: list[dict[str, Any]]) -> None:
+    # default tolerance in fp32 (rtol 1e-4); a reference computed through the patched model would agree with the error
+    warned = results[0]["parity_hook_error"]
+    assert len(warned) == 1 and "loss check failed at step 0" in warned[0]
 
 
 def test_dp2_sp2_counts_gather_every_sp_group(dp2_sp2_results: list[dict[str, Any]]) -> None:

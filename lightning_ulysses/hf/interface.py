@@ -54,6 +54,8 @@ def read_layer_call(
     )
     for name in unknown:
         problems.append(f"passes {name}={_short(kwargs[name])} to attention, which Ulysses attention does not implement")
+    if pattern is not None and pattern.chunk is not None:
+        problems.append(f"attends in {pattern.describe()} (Llama4's chunked attention), which is not implemented yet")
     window = kwargs.get("sliding_window")
     if pattern is not None and window is not None and pattern.window != window:
         problems.append(

@@ -83,7 +83,7 @@ def apply_ulysses_attention(model: nn.Module, group: ProcessGroup | None, sp_siz
     from lightning_ulysses.hf.probe import check_model
 
     for hf_model in outermost_models(model):
-        if hasattr(hf_model, "_ulysses_state"):
+        if "_ulysses_original_attn" in hf_model.__dict__:
             continue
         _check_dispatch(hf_model)
         _log_head_layout(hf_model, sp_size)
@@ -137,15 +137,11 @@ def _configs(model: PreTrainedModel) -> list[PretrainedConfig]:
 
 def _patch(model: PreTrainedModel, state: PatchState) -> None:
     configs = _configs(model)
-    config_ids = {id(config) for config in configs}
-    # tag first: switching a config to "ulysses" switches its sub-configs too (transformers' setter recurses)
-    for module in model.modules():
-        if id(getattr(module, "config", None)) in config_ids:
-            module._ulysses_state = state
-    model._ulysses_state = state
+    for module in model.modules():  # any of them may call the attention interface
+        module._ulysses_state = state
     model._ulysses_original_attn = [(config, config._attn_implementation) for config in configs]
-    for config in configs:
-        config._attn_implementation_internal = ULYSSES_ATTN_IMPLEMENTATION  # each config here, no recursion
+    for config in configs:  # each config by itself: transformers' setter would recurse into the sub-configs
+        config._attn_implementation_internal = ULYSSES_ATTN_IMPLEMENTATION
     for sub in model.modules():
         if isinstance(sub, PreTrainedModel):
             sub.forward = _guarded_forward(sub.forward, state)

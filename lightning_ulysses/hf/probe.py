@@ -105,7 +105,8 @@ def check_model(model: PreTrainedModel, state: PatchState) -> None:
 
 def _probe_ids(model: PreTrainedModel, length: int, device: torch.device) -> Tensor:
     """``[1, length]`` token ids that are no special token of the config (image, audio, ... placeholders)."""
-    vocab_size = model.get_input_embeddings().num_embeddings
+    embeddings = model.get_input_embeddings()
+    vocab_size = getattr(embeddings, "num_embeddings", None) or model.config.get_text_config().vocab_size
     special = {
         value for config in _all_configs(model) for key, value in config.to_dict().items()
         if "token" in key and isinstance(value, int)
@@ -193,8 +194,9 @@ def _sharded_run(
         if inputs_agree and not shard.all_agree(calls[index].outputs, _tensors(output)):
             culprits.append(Finding(
                 _where(names, module),
-                "mixes information between tokens outside attention (or computes from local token indices), so its "
-                "output changes when the sequence is split",
+                "changes its output when the sequence is split: it mixes information between tokens outside attention "
+                "(a convolution over the sequence, a recurrent, linear-attention or state-space layer) or computes "
+                "from local token indices. Only softmax attention runs across the shards",
             ))
 
     def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, scaling: float | None,

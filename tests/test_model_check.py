@@ -1,0 +1,256 @@
+"""The set-up check of a patched transformers model: exact or refused, decided by what the model does.
+
+Single-process cases run the check at ``sp_size=1`` (mask-only windows, biases, attention arguments,
+attention masks given to the model); the two-rank launch runs it at ``sp=2`` (token mixers outside
+attention, length-dependent RoPE made exact). "Exact" is always against the plain, unpatched model on
+the whole sequence.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.masking_utils import chunked_causal_mask_function, sliding_window_causal_mask_function
+
+from lightning_ulysses import UnsupportedModelError, apply_ulysses_attention, prepare_batch, shard_batch
+from lightning_ulysses.attention import gather_sequence
+from lightning_ulysses.hf import ULYSSES_ATTN_IMPLEMENTATION, remove_ulysses_attention, unpatched
+from lightning_ulysses.hf.masks import MaskPattern, identify_pattern
+from tests.launch import launch
+
+VOCAB = 97
+SEQ = 40
+
+
+def tiny_model(model_type: str, attn_implementation: str = "sdpa", **overrides: Any) -> PreTrainedModel:
+    """A seeded fp32 model of ``model_type`` with small sizes, in eval mode (no dropout)."""
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
+    fields.update(overrides)
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **fields)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
+
+
+def packed_ids_and_positions(seed: int = 1) -> tuple[Tensor, Tensor]:
+    """``[2, SEQ]`` token ids; row 0 one document, row 1 two documents (positions restart at 17)."""
+    ids = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+    positions = torch.arange(SEQ).repeat(2, 1)
+    positions[1, 17:] -= 17
+    return ids, positions
+
+
+def plain_logits(model: PreTrainedModel, ids: Tensor, positions: Tensor) -> Tensor:
+    """The unpatched model on whole rows, each document on its own (nothing can cross a document border)."""
+    rows = []
+    for row_ids, row_positions in zip(ids, positions):
+        starts = [*(row_positions == 0).nonzero().flatten().tolist(), len(row_ids)]
+        rows.append(torch.cat([model(input_ids=row_ids[None, a:b]).logits[0] for a, b in zip(starts, starts[1:])]))
+    return torch.stack(rows)
+
+
+def relative_error(got: Tensor, expected: Tensor) -> float:
+    return ((got - expected).norm() / expected.norm()).item()
+
+
+# ------------------------------------------------------------------------------------------------
+# the mask pattern, read from transformers' mask functions
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("function", "local_size", "expected"),
+    [
+        (lambda b, h, q, kv: kv <= q, None, MaskPattern()),
+        (sliding_window_causal_mask_function(131072), 131072, MaskPattern(window=131072)),
+        (sliding_window_causal_mask_function(3), 3, MaskPattern(window=3)),
+        (chunked_causal_mask_function(8192, torch.zeros(1, dtype=torch.long)), 8192, MaskPattern(chunk=8192)),
+        (lambda b, h, q, kv: (kv <= q) & (kv % 2 == 0), None, None),  # a pattern no kernel here runs
+        (lambda b, h, q, kv: (kv <= q) & (q - kv < 7), 5, None),  # a window other than the one announced
+    ],
+)
+def test_identify_pattern_reads_windows_and_chunks_far_beyond_the_probe(function, local_size, expected) -> None:
+    q_idx, kv_idx = torch.arange(22)[:, None], torch.arange(22)[None, :]
+    zero = torch.zeros((), dtype=torch.long)
+    mask = function(zero, zero, q_idx, kv_idx)[None, None]
+    assert identify_pattern(mask, function, local_size, 0, 0, index_based=True) == expected
+
+
+# ------------------------------------------------------------------------------------------------
+# one process: what the attention layers ask for
+# ------------------------------------------------------------------------------------------------
+def _patched_logits(model: PreTrainedModel, ids: Tensor, positions: Tensor) -> Tensor:
+    apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+    return model(input_ids=ids, position_ids=positions).logits
+
+
+def test_a_window_applied_only_through_the_mask_is_kept() -> None:
+    # Qwen2-MoE passes no sliding_window to attention: the window lives in the mask transformers builds
+    model = tiny_model("qwen2_moe", use_sliding_window=True, sliding_window=5, max_window_layers=1, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    assert model.config.layer_types == ["sliding_attention", "full_attention"]
+    ids, positions = packed_ids_and_positions()
+    expected = plain_logits(model, ids, positions)
+    got = _patched_logits(model, ids, positions)
+    windows = [layer.self_attn._ulysses_plan.pattern.window for layer in model.model.layers]
+    assert windows == [5, None]
+    assert relative_error(got, expected) < 1e-5
+    remove_ulysses_attention(model)
+    no_window = [m._ulysses_plan for m in model.modules() if "_ulysses_plan" in m.__dict__]
+    assert no_window == []
+
+
+def test_a_bias_added_through_the_mask_is_refused_and_the_model_left_plain() -> None:
+    model = tiny_model("doge")  # Doge adds a model-computed dynamic bias to the mask
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.self_attn \(DogeAttention\): adds a bias"):
+        apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+    assert model.config._attn_implementation == "sdpa"
+    assert not any("_ulysses_state" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "refusal"),
+    [
+        ("gemma2", dict(head_dim=8, attn_logit_softcapping=50.0, attn_implementation="eager"),
+         r"Gemma2Attention\): passes softcap=50\.0"),
+        ("llama", dict(), None),
+    ],
+)
+def test_attention_arguments_that_change_the_result_are_refused(model_type, overrides, refusal) -> None:
+    model = tiny_model(model_type, **overrides)
+    if refusal is None:
+        apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+        return
+    with pytest.raises(UnsupportedModelError, match=refusal):
+        apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+
+
+def test_a_bidirectional_attention_layer_is_refused() -> None:
+    model = tiny_model("llama")
+    model.model.layers[1].self_attn.is_causal = False
+    with pytest.raises(UnsupportedModelError, match=r"layers\.1\.self_attn \(LlamaAttention\): attends bidirectionally"):
+        apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+
+
+def test_a_padding_mask_given_to_the_model_is_folded_or_refused() -> None:
+    model = tiny_model("llama")
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0
+    batch = prepare_batch({"input_ids": ids, "attention_mask": mask}, sp_size=1)
+    apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+    with_mask = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=mask).logits
+    without = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    torch.testing.assert_close(with_mask, without, rtol=0, atol=0)
+    with unpatched(model):
+        plain = model(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert relative_error(with_mask[real], plain[real]) < 1e-5
+
+    inside_a_document = torch.ones(2, 12, dtype=torch.long)
+    inside_a_document[0, 4] = 0
+    with pytest.raises(ValueError, match="masks tokens inside a document"):
+        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=inside_a_document)
+    with pytest.raises(ValueError, match=r"attention_mask of shape \(2, 1, 12, 12\)"):
+        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+              attention_mask=torch.ones(2, 1, 12, 12, dtype=torch.bool))
+
+
+def test_unpatched_runs_the_plain_model_and_restores_the_patch() -> None:
+    model = tiny_model("mistral", sliding_window=5)
+    ids, positions = packed_ids_and_positions()
+    patched = _patched_logits(model, ids, positions)
+    with unpatched(model):
+        assert model.config._attn_implementation == "sdpa"
+        # transformers masks packed documents (position ids that restart) only without a KV cache
+        plain = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        per_document = plain_logits(model, ids, positions)
+    assert model.config._attn_implementation == ULYSSES_ATTN_IMPLEMENTATION
+    assert relative_error(patched, plain) < 1e-5
+    assert relative_error(plain, per_document) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# two ranks: what only a split sequence shows
+# ------------------------------------------------------------------------------------------------
+class CausalCumulativeMean(nn.Module):
+    """A user-written token mixer: each token becomes the running mean of the tokens up to it."""
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        counts = torch.arange(1, hidden_states.shape[1] + 1, device=hidden_states.device)[None, :, None]
+        return hidden_states.cumsum(dim=1) / counts
+
+
+def _llama_with_a_mixer() -> PreTrainedModel:
+    model = tiny_model("llama")
+    model.model.layers[1].mlp = nn.Sequential(model.model.layers[1].mlp, CausalCumulativeMean())
+    return model
+
+
+SP_CASES: dict[str, Any] = {  # the sequence (SEQ=40) runs beyond the original maximum position (16) of both RoPEs
+    "dynamic_rope": lambda: tiny_model("llama", max_position_embeddings=16, rope_parameters={
+        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+    "longrope": lambda: tiny_model("phi3", max_position_embeddings=64, original_max_position_embeddings=16,
+                                   rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 4,
+                                                    "long_factor": [3.0] * 4, "original_max_position_embeddings": 16,
+                                                    "rope_theta": 10000.0}),
+    "short_convolution": lambda: tiny_model("lfm2", layer_types=["conv", "full_attention"]),
+    "user_written_mixer": _llama_with_a_mixer,
+}
+
+
+def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
+    dist.init_process_group("gloo")
+    rank, results = dist.get_rank(), {}
+    for name, factory in SP_CASES.items():
+        model = factory()
+        ids, positions = packed_ids_and_positions()
+        # the plain model on the whole batch: transformers masks the packed documents, and length-dependent RoPE reads
+        # the largest position of the batch
+        expected = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        try:
+            apply_ulysses_attention(model, dist.group.WORLD, sp_size=2, core="sdpa")
+        except UnsupportedModelError as error:
+            results[name] = {"refused": str(error)}
+            continue
+        batch = shard_batch(prepare_batch({"input_ids": ids, "position_ids": positions}, 2), rank, 2)
+        local = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        results[name] = {
+            "error": relative_error(gather_sequence(local, dist.group.WORLD), expected),
+            "whole_sequence_rotary": [n for n, m in model.named_modules() if "_ulysses_rotary_hooks" in m.__dict__],
+        }
+    dist.destroy_process_group()
+    return results
+
+
+@pytest.fixture(scope="module")
+def sp_results() -> list[dict[str, Any]]:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return launch("tests.test_model_check:sp_worker", 2)
+
+
+@pytest.mark.parametrize("name", ["dynamic_rope", "longrope"])
+def test_length_dependent_rope_sees_the_whole_sequence(sp_results: list[dict[str, Any]], name: str) -> None:
+    for rank_results in sp_results:
+        got = rank_results[name]
+        assert got["whole_sequence_rotary"] == ["model.rotary_emb"]
+        assert got["error"] < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("name", "culprit"),
+    [("short_convolution", r"model\.layers\.0\.conv \(Lfm2ShortConv\)"),
+     ("user_written_mixer", r"model\.layers\.1\.mlp\.1 \(CausalCumulativeMean\)")],
+)
+def test_token_mixers_outside_attention_are_refused_on_every_rank(
+    sp_results: list[dict[str, Any]], name: str, culprit: str
+) -> None:
+    messages = [rank_results[name]["refused"] for rank_results in sp_results]
+    assert messages[0] == messages[1]  # every rank raises the same error
+    assert "changes its output when the sequence is split" in messages[0]
+    assert re.search(culprit, messages[0])
