@@ -8,7 +8,8 @@ Per attention layer, with ``P`` ranks in the SP group::
 
 Heads are independent, so this is exact. Documents (packed samples, padding runs) are read from
 the global ``position_ids``: a token starts a document when it is first in its row or its position
-id is 0 (see :mod:`lightning_ulysses.sharding`); attention never crosses a document start.
+id is 0 (see :mod:`lightning_ulysses.sharding`); attention never crosses a document start. Chunked
+attention (Llama 4) is more documents: every position id divisible by the chunk size starts one.
 
 Any head count: heads are laid out on ``sp_size`` equal groups of slots, padded with inert heads and
 with K/V heads replicated where needed (:mod:`lightning_ulysses.heads`), so the all-to-alls are even
@@ -17,11 +18,14 @@ with K/V heads replicated where needed (:mod:`lightning_ulysses.heads`), so the 
 Each core backend takes ``query [B, N, h, D]``, ``key``/``value [B, N, kv_h, D]`` (``h`` a multiple
 of ``kv_h``, query head ``i`` reading K/V head ``i // (h / kv_h)``), the document layout and an optional
 sliding ``window`` (a query attends to itself and the ``window - 1`` tokens before it, as in Hugging
-Face's Mistral/Qwen2), and returns ``[B, N, h, D]``.
+Face's Mistral/Qwen2), and returns ``[B, N, h, D]``; with ``return_lse=True`` (asked with
+``dropout_p=0`` only) also the log-sum-exp of each query's scaled, masked scores, ``[B, N, h]`` fp32,
+which attention sinks (gpt-oss) need (:func:`sink_attention`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import weakref
 from dataclasses import dataclass
@@ -45,20 +49,27 @@ class Documents:
     """Where the documents of a ``[B, N]`` batch start.
 
     ``cu_seqlens`` holds the offsets of every document in the flattened ``[B * N]`` token axis
-    (row starts included) followed by ``B * N``: the varlen format of flash-attn.
+    (row starts included) followed by ``B * N``: the varlen format of flash-attn. ``max_position`` is the
+    largest position id of the whole rows (a 0-d tensor on their device, read without a host sync): what
+    a RoPE whose frequencies depend on the sequence length (dynamic NTK, longrope) must see on every rank.
     """
 
     starts: Tensor  # [B, N] bool
     cu_seqlens: Tensor  # [num_documents + 1] int32
     max_seqlen: int
+    max_position: Tensor  # [] long
 
     @classmethod
-    def from_position_ids(cls, position_ids: Tensor) -> "Documents":
+    def from_position_ids(cls, position_ids: Tensor, chunk: int | None = None) -> "Documents":
+        """The documents of whole ``[B, N]`` rows of position ids; with ``chunk``, every position id divisible
+        by it also starts one, so that a token attends only inside its chunk (Llama 4's chunked attention)."""
         starts = document_starts(position_ids)
+        if chunk is not None:
+            starts |= position_ids % chunk == 0
         offsets = starts.flatten().nonzero().flatten()
         total = torch.tensor([starts.numel()], device=offsets.device, dtype=offsets.dtype)
         cu_seqlens = torch.cat([offsets, total]).to(torch.int32)
-        return cls(starts=starts, cu_seqlens=cu_seqlens, max_seqlen=int(cu_seqlens.diff().max()))
+        return cls(starts, cu_seqlens, int(cu_seqlens.diff().max()), position_ids.max())
 
     @property
     def one_per_row(self) -> bool:
@@ -77,8 +88,8 @@ class Documents:
 class CoreAttention(Protocol):
     def __call__(
         self, query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, *, scale: float | None,
-        dropout_p: float, window: int | None,
-    ) -> Tensor: ...
+        dropout_p: float, window: int | None, return_lse: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]: ...
 
 
 SDPA_TILE_TOKENS = 256
@@ -108,28 +119,69 @@ def document_tiles(cu_seqlens: list[int], max_tokens: int) -> list[tuple[int, in
     return tiles
 
 
+def _refuse_dropout_with_lse(return_lse: bool, dropout_p: float) -> None:
+    if return_lse and dropout_p:
+        raise ValueError("The log-sum-exp is returned for attention without dropout only (dropout_p=0).")
+
+
+def sdpa_with_lse(
+    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scale: float | None
+) -> tuple[Tensor, Tensor]:
+    """Scaled dot-product attention without dropout that also returns the log-sum-exp.
+
+    ``[b, h, n, d]`` layout, GQA allowed; ``mask``: bool ``[n_q, n_k]``, ``None`` for causal. Returns the output
+    and ``[b, h, n_q]`` fp32; only the output is differentiable. On CPU this is the flash kernel that
+    ``F.scaled_dot_product_attention`` runs; on CUDA the memory-efficient one, which has no GQA (the K/V heads
+    are repeated) and wants its additive mask 8-aligned and 4-D, as ``F.scaled_dot_product_attention`` makes it.
+    """
+    bias = None
+    if mask is not None:
+        bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
+    if query.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, mask is None, attn_mask=bias, scale=scale
+        )
+    key, value = (t.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for t in (key, value))
+    if bias is not None:
+        n_k = bias.shape[-1]
+        bias = F.pad(bias, (0, -n_k % 8))[:, :n_k].expand(query.shape[0], query.shape[1], -1, -1)
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, bias, True, 0.0, mask is None, scale=scale
+    )[:2]
+    return out, lse[..., : query.shape[2]]  # the kernel pads it to a multiple of 32 queries
+
+
+def _cat_tokens(pieces: list[tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
+    """Concatenate the outputs (and log-sum-exps) of consecutive token spans."""
+    return tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
+
+
 def sdpa_attention(
     query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, *, scale: float | None = None,
-    dropout_p: float = 0.0, window: int | None = None, tile_tokens: int = SDPA_TILE_TOKENS,
-) -> Tensor:
+    dropout_p: float = 0.0, window: int | None = None, return_lse: bool = False, tile_tokens: int = SDPA_TILE_TOKENS,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Causal attention with ``torch.nn.functional.scaled_dot_product_attention``.
 
     Single-document rows run one batched call. Packed rows run one call per tile of consecutive
     documents (:func:`document_tiles`): a lone document uses SDPA's causal kernel, several use a
     block-diagonal mask of the tile only, so the mask never grows past ``tile_tokens ** 2``. A document
     longer than a sliding ``window`` runs in query blocks of ``window`` tokens with ``[window, 2 * window]``
-    band masks: exact, no ``[N, N]`` mask.
+    band masks: exact, no ``[N, N]`` mask. Every call holds all the keys of its queries, so with
+    ``return_lse`` each returns its queries' log-sum-exp too (:func:`sdpa_with_lse`).
     """
+    _refuse_dropout_with_lse(return_lse, dropout_p)
     gqa = query.shape[2] != key.shape[2]
 
-    def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:  # [b, n, h, d]; None: causal
+    def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, ...]:  # [b, n, h, d]; None: causal
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if return_lse:
+            return tuple(t.transpose(1, 2) for t in sdpa_with_lse(q, k, v, mask, scale))
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
-            scale=scale, dropout_p=dropout_p, enable_gqa=gqa,
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, dropout_p=dropout_p, enable_gqa=gqa
         )
-        return out.transpose(1, 2)
+        return (out.transpose(1, 2),)
 
-    def one_document(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def one_document(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
         n = q.shape[1]
         if window is None or window >= n:
             return sdpa(q, k, v, None)
@@ -140,74 +192,93 @@ def sdpa_attention(
             index = torch.arange(first, end, device=q.device)
             mask = causal_mask(index[start - first :], index, window)
             blocks.append(sdpa(q[:, start:end], k[:, first:end], v[:, first:end], mask))
-        return torch.cat(blocks, dim=1)
+        return _cat_tokens(blocks)
 
-    def several_documents(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor) -> Tensor:
+    def several_documents(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor) -> tuple[Tensor, ...]:
         index = torch.arange(q.shape[1], device=q.device)
         mask = causal_mask(index, index, window) & (document_ids[:, None] == document_ids[None, :])
         return sdpa(q, k, v, mask)
 
     if documents is None or documents.one_per_row:
-        return one_document(query, key, value)
-    flat = [t.flatten(0, 1)[None] for t in (query, key, value)]  # [1, B * N, h, d]
-    document_ids = documents.starts.flatten().cumsum(0)
-    pieces = [
-        several_documents(*(t[:, s:e] for t in flat), document_ids[s:e]) if count > 1
-        else one_document(*(t[:, s:e] for t in flat))
-        for s, e, count in document_tiles(documents.cu_seqlens.tolist(), tile_tokens)
-    ]
-    return torch.cat(pieces, dim=1).view_as(query)
+        results = one_document(query, key, value)
+    else:
+        flat = [t.flatten(0, 1)[None] for t in (query, key, value)]  # [1, B * N, h, d]
+        document_ids = documents.starts.flatten().cumsum(0)
+        results = _cat_tokens([
+            several_documents(*(t[:, s:e] for t in flat), document_ids[s:e]) if count > 1
+            else one_document(*(t[:, s:e] for t in flat))
+            for s, e, count in document_tiles(documents.cu_seqlens.tolist(), tile_tokens)
+        ])
+    out = results[0].view_as(query)
+    return (out, results[1].view(query.shape[:3])) if return_lse else out
 
 
 def _flash_window(window: int | None) -> tuple[int, int]:
     return (-1, -1) if window is None else (window - 1, 0)
 
 
-def flash_attention_2(
-    query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, *, scale: float | None = None,
-    dropout_p: float = 0.0, window: int | None = None,
-) -> Tensor:
-    """flash-attn 2 (CUDA, fp16/bf16); packed rows use the varlen kernel with ``cu_seqlens``."""
-    from flash_attn import flash_attn_func, flash_attn_varlen_func
-
-    options = dict(dropout_p=dropout_p, softmax_scale=scale, causal=True, window_size=_flash_window(window))
+def _flash(
+    functions: tuple[Any, Any], query: Tensor, key: Tensor, value: Tensor, documents: Documents | None,
+    return_lse: bool, **options: Any,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """flash-attn 2 or 3 (``functions``: its ``flash_attn_func`` and ``flash_attn_varlen_func``): one batched call,
+    or the varlen kernel over the flattened tokens of packed rows with ``cu_seqlens``."""
+    func, varlen_func = functions
+    if return_lse:
+        options["return_attn_probs"] = True  # (out, softmax_lse, ...): flash-attn >= 2.6, FA3 since 2025-08
     if documents is None or documents.one_per_row:
-        return flash_attn_func(query, key, value, **options)
-    out = flash_attn_varlen_func(
-        *(t.flatten(0, 1) for t in (query, key, value)),
-        cu_seqlens_q=documents.cu_seqlens, cu_seqlens_k=documents.cu_seqlens,
-        max_seqlen_q=documents.max_seqlen, max_seqlen_k=documents.max_seqlen, **options,
-    )
-    return out.view_as(query)
-
-
-def flash_attention_3(
-    query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, *, scale: float | None = None,
-    dropout_p: float = 0.0, window: int | None = None,
-) -> Tensor:
-    """flash-attn 3 (Hopper, ``flash_attn_interface``); no dropout."""
-    from flash_attn_interface import flash_attn_func, flash_attn_varlen_func
-
-    if dropout_p:
-        raise ValueError("flash_attention_3 has no attention dropout; set the model's attention_dropout to 0.")
-    options = dict(softmax_scale=scale, causal=True, window_size=_flash_window(window))
-    if documents is None or documents.one_per_row:
-        out = flash_attn_func(query, key, value, **options)
+        result = func(query, key, value, **options)
     else:
-        out = flash_attn_varlen_func(
+        result = varlen_func(
             *(t.flatten(0, 1) for t in (query, key, value)),
             cu_seqlens_q=documents.cu_seqlens, cu_seqlens_k=documents.cu_seqlens,
             max_seqlen_q=documents.max_seqlen, max_seqlen_k=documents.max_seqlen, **options,
         )
-    out = out[0] if isinstance(out, tuple) else out  # some releases also return the log-sum-exp
-    return out.view_as(query)
+    out, lse = result[:2] if isinstance(result, tuple) else (result, None)  # early FA3 releases always return lse
+    out = out.view_as(query)
+    if not return_lse:
+        return out
+    lse = lse.transpose(1, 2) if lse.dim() == 3 else lse.t().view(query.shape[:3])  # [B, h, N] or varlen [h, B * N]
+    # flash-attn's autograd drops any gradient that reaches its log-sum-exp: detached, so none is expected there
+    return out, lse.detach()
+
+
+def flash_attention_2(
+    query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, *, scale: float | None = None,
+    dropout_p: float = 0.0, window: int | None = None, return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """flash-attn 2 (CUDA, fp16/bf16); packed rows use the varlen kernel with ``cu_seqlens``."""
+    import flash_attn
+
+    _refuse_dropout_with_lse(return_lse, dropout_p)
+    return _flash(
+        (flash_attn.flash_attn_func, flash_attn.flash_attn_varlen_func), query, key, value, documents, return_lse,
+        dropout_p=dropout_p, softmax_scale=scale, causal=True, window_size=_flash_window(window),
+    )
+
+
+def flash_attention_3(
+    query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, *, scale: float | None = None,
+    dropout_p: float = 0.0, window: int | None = None, return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """flash-attn 3 (Hopper, ``flash_attn_interface``); no dropout."""
+    import flash_attn_interface
+
+    if dropout_p:
+        raise ValueError("flash_attention_3 has no attention dropout; set the model's attention_dropout to 0.")
+    return _flash(
+        (flash_attn_interface.flash_attn_func, flash_attn_interface.flash_attn_varlen_func), query, key, value,
+        documents, return_lse, softmax_scale=scale, causal=True, window_size=_flash_window(window),
+    )
 
 
 def flex_attention(
     query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, *, scale: float | None = None,
-    dropout_p: float = 0.0, window: int | None = None,
-) -> Tensor:
-    """``torch.nn.attention.flex_attention`` with a causal document block mask (no CPU backward in torch)."""
+    dropout_p: float = 0.0, window: int | None = None, return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``torch.nn.attention.flex_attention`` with a causal document block mask (no CPU backward in torch).
+
+    Its log-sum-exp is differentiable (torch >= 2.9 for ``return_aux``)."""
     from torch.nn.attention.flex_attention import create_block_mask
     from torch.nn.attention.flex_attention import flex_attention as flex
 
@@ -225,11 +296,20 @@ def flex_attention(
         return allowed
 
     block_mask = create_block_mask(mask_mod, batch, None, seq_len, seq_len, device=str(query.device))
-    out = flex(
+    options: dict[str, Any] = {}
+    if return_lse:
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        options["return_aux"] = AuxRequest(lse=True)
+    result = flex(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), block_mask=block_mask, scale=scale,
-        enable_gqa=query.shape[2] != key.shape[2],
+        enable_gqa=query.shape[2] != key.shape[2], **options,
     )
-    return out.transpose(1, 2)
+    if return_lse:
+        out, aux = result
+        return out.transpose(1, 2), aux.lse.transpose(1, 2)
+    return result.transpose(1, 2)
+
 
 CORE_ATTENTION: dict[str, CoreAttention] = {
     "sdpa": sdpa_attention,
@@ -259,6 +339,60 @@ def resolve_attn_implementation(name: str, device_type: str) -> str:
             "(pip install 'lightning-ulysses[flash]' on a CUDA machine), or choose 'sdpa'."
         )
     return name
+
+
+# ----------------------------------------------------------------------------------------------
+# attention sinks
+# ----------------------------------------------------------------------------------------------
+class _ExactLogSumExp(torch.autograd.Function):
+    """Identity on a kernel's log-sum-exp ``lse [B, N, h]`` of ``query [B, N, h, D]`` against ``key [B, N, kv_h, D]``,
+    with the exact gradient that kernels do not give it.
+
+    With ``p_ij`` the attention probabilities and ``g_i`` the incoming gradient,
+    ``d lse_i / d q_i = scale * sum_j p_ij k_j`` and ``d lse_i / d k_j = scale * p_ij q_i``: the first is attention
+    with the keys as values, ``T = attend(q, k, k)``; the second, summed over queries, is the value gradient
+    of that call for the output gradient ``scale * g_i * q_i`` (GQA: summed over each K/V head's queries). Both
+    come from one more attention forward and backward, run in backward; forward keeps only ``query`` and ``key``,
+    which the attention keeps anyway.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, lse: Tensor, query: Tensor, key: Tensor, attend: Any, scale: float) -> Tensor:
+        ctx.save_for_backward(query, key)
+        ctx.attend, ctx.scale = attend, scale
+        return lse
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        query, key = ctx.saved_tensors
+        as_values = key.detach().requires_grad_()
+        with torch.enable_grad():
+            mean_key = ctx.attend(query.detach(), key.detach(), as_values)  # [B, N, h, D]: sum_j p_ij k_j
+        weight = (ctx.scale * grad)[..., None]
+        grad_query = (weight * mean_key.detach()).to(query.dtype)
+        grad_key = None
+        if ctx.needs_input_grad[2]:
+            (grad_key,) = torch.autograd.grad(mean_key, as_values, (weight * query).to(mean_key.dtype))
+        return None, grad_query, grad_key, None, None
+
+
+def sink_attention(
+    core: CoreAttention, query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, sinks: Tensor, *,
+    scale: float | None = None, window: int | None = None,
+) -> Tensor:
+    """Attention with sinks (gpt-oss, transformers' ``s_aux``): each query's softmax also runs over one logit
+    ``sinks[h]`` whose value is zero, so ``out' = out * sigmoid(lse - sinks[h])``.
+
+    Shapes as the core backends (``query [B, N, h, D]``, ``key``/``value [B, N, kv_h, D]``), ``sinks [h]``; no dropout.
+    Exact in the output and in every gradient (``query``, ``key``, ``value``, ``sinks``) with every backend: the
+    log-sum-exp gets its gradient from the kernel (flex) or from :class:`_ExactLogSumExp`.
+    """
+    out, lse = core(query, key, value, documents, scale=scale, dropout_p=0.0, window=window, return_lse=True)
+    if not lse.requires_grad:
+        attend = functools.partial(core, documents=documents, scale=scale, dropout_p=0.0, window=window)
+        lse = _ExactLogSumExp.apply(lse, query, key, attend, query.shape[-1] ** -0.5 if scale is None else scale)
+    kept = torch.sigmoid(lse - sinks)  # [B, N, h] (fp32 or wider): the share of the softmax left to the real keys
+    return out * kept[..., None].to(out.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,26 +443,42 @@ def gather_sequence(local: Tensor, group: ProcessGroup | None) -> Tensor:
     return torch.cat(shards, dim=1)
 
 
-_last_documents: tuple[weakref.ref[Tensor], int, ProcessGroup | None, Documents] | None = None
+@dataclass
+class _GatheredPositions:
+    """The whole rows of one ``[B, N/P]`` shard tensor of position ids, and their documents per chunk size."""
+
+    shard: weakref.ref[Tensor]
+    version: int
+    group: ProcessGroup | None
+    position_ids: Tensor  # [B, N]
+    documents: dict[int | None, Documents]
+
+    def gathered_from(self, shard: Tensor, group: ProcessGroup | None) -> bool:
+        return self.shard() is shard and self.version == shard._version and self.group is group
 
 
-def documents_of(position_ids: Tensor, group: ProcessGroup | None) -> Documents:
-    """The documents of the whole rows whose ``[B, N/P]`` shard of global position ids is ``position_ids``.
+_last_gathered: _GatheredPositions | None = None
+
+
+def documents_of(position_ids: Tensor, group: ProcessGroup | None, chunk: int | None = None) -> Documents:
+    """The documents (cut into chunks of ``chunk`` positions, see :meth:`Documents.from_position_ids`) of the whole
+    rows whose ``[B, N/P]`` shard of global position ids is ``position_ids``.
 
     Every attention layer of a forward (and its recomputation under activation checkpointing) receives
-    the same ``position_ids`` tensor, so the all-gather and the host sync of finding the document starts
-    run once per batch, not once per layer. The last result is kept for the same tensor object at the same
-    version (an in-place edit recomputes); every rank of the group sees the same sequence of tensors and
-    so takes the same branch, collectives included.
+    the same ``position_ids`` tensor, so the all-gather runs once per batch and the host sync of finding the
+    document starts once per batch and chunk size, not once per layer (layers may alternate chunked and
+    global attention). The gathered ids and their documents are kept for the same tensor object at the same
+    version (an in-place edit recomputes); every rank of the group sees the same sequence of tensors and so
+    takes the same branch, collectives included.
     """
-    global _last_documents
-    if _last_documents is not None:
-        tensor, version, cached_group, documents = _last_documents
-        if tensor() is position_ids and version == position_ids._version and cached_group is group:
-            return documents
-    documents = Documents.from_position_ids(gather_sequence(position_ids, group))
-    _last_documents = (weakref.ref(position_ids), position_ids._version, group, documents)
-    return documents
+    global _last_gathered
+    if _last_gathered is None or not _last_gathered.gathered_from(position_ids, group):
+        gathered = gather_sequence(position_ids, group)
+        _last_gathered = _GatheredPositions(weakref.ref(position_ids), position_ids._version, group, gathered, {})
+    documents = _last_gathered.documents
+    if chunk not in documents:
+        documents[chunk] = Documents.from_position_ids(_last_gathered.position_ids, chunk)
+    return documents[chunk]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,6 +495,8 @@ def ulysses_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     window: int | None = None,
+    chunk: int | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal attention over a sequence sharded across the ranks of ``group``, any head count.
 
@@ -360,19 +512,40 @@ def ulysses_attention(
         dropout_p: attention dropout probability.
         window: sliding window; a token attends to itself and the ``window - 1`` tokens before it
             (``None``: unbounded).
+        chunk: chunked attention (Llama 4's ``attention_chunk_size``): a token attends only to the tokens of
+            its document whose position ids fall in its chunk (``position_id // chunk``); needs ``position_ids``.
+        sinks: ``[H]`` attention sink logits, one per query head (gpt-oss's ``s_aux``; see
+            :func:`sink_attention`); no dropout with them.
 
     Returns:
         ``[B, N/P, H, D]``: the attention output of this rank's tokens. Gradients flow back to
-        ``query``, ``key`` and ``value`` on every rank through the inverse all-to-alls.
+        ``query``, ``key`` and ``value`` on every rank through the inverse all-to-alls. ``sinks`` receives on
+        each rank the gradient of the heads that rank attended (for the tokens of every rank): summed over the
+        group, as replicated weights are, it is whole.
     """
     core = CORE_ATTENTION[attn_fn] if isinstance(attn_fn, str) else attn_fn
+    if chunk is not None and position_ids is None:
+        raise ValueError("Chunked attention needs the position_ids that number the chunks.")
+    if sinks is not None and (sinks.shape != (query.shape[2],) or dropout_p):
+        raise ValueError(
+            f"Attention sinks are one logit per query head, shape ({query.shape[2]},), and run without attention "
+            f"dropout; got shape {tuple(sinks.shape)} and dropout_p={dropout_p}."
+        )
     sp_size = 1 if group is None else dist.get_world_size(group)
     layout = plan_heads(query.shape[2], key.shape[2], sp_size)
-    documents = None if position_ids is None else documents_of(position_ids, group)
-    if sp_size == 1:
-        return core(query, key, value, documents, scale=scale, dropout_p=dropout_p, window=window)
+    documents = None if position_ids is None else documents_of(position_ids, group, chunk)
 
+    def attend(q: Tensor, k: Tensor, v: Tensor, head_sinks: Tensor | None) -> Tensor:
+        if head_sinks is None:
+            return core(q, k, v, documents, scale=scale, dropout_p=dropout_p, window=window)
+        return sink_attention(core, q, k, v, documents, head_sinks, scale=scale, window=window)
+
+    if sp_size == 1:
+        return attend(query, key, value, sinks)
+    if sinks is not None:  # the sinks of this rank's query slots, inert copies included (their outputs are dropped)
+        first = dist.get_rank(group) * layout.heads_per_rank
+        sinks = select_heads(sinks, layout.query_slots[first : first + layout.heads_per_rank], dim=0)
     query = sequence_to_heads(select_heads(query, layout.query_slots), group)  # [B, N, h, D]
     key, value = (sequence_to_heads(select_heads(t, layout.kv_slots), group) for t in (key, value))
-    out = core(query, key, value, documents, scale=scale, dropout_p=dropout_p, window=window)
+    out = attend(query, key, value, sinks)
     return select_heads(heads_to_sequence(out, group), layout.output_slots)  # [B, N/P, H, D]

@@ -104,11 +104,12 @@ def plan_heads(num_heads: int, num_kv_heads: int, sp_size: int) -> HeadLayout:
     )
 
 
-def select_heads(x: Tensor, slots: tuple[int, ...]) -> Tensor:
-    """``[B, n, H, D] -> [B, n, len(slots), D]``: head ``slots[s]`` at position ``s`` (a no-op for ``range(H)``)."""
-    if slots == tuple(range(x.shape[2])):
+def select_heads(x: Tensor, slots: tuple[int, ...], dim: int = 2) -> Tensor:
+    """``[B, n, H, D] -> [B, n, len(slots), D]``: head ``slots[s]`` at position ``s`` (a no-op for ``range(H)``);
+    ``dim`` names another head axis (``0`` for a per-head ``[H]`` vector)."""
+    if slots == tuple(range(x.shape[dim])):
         return x
-    return x.index_select(2, _index(slots, x.device))
+    return x.index_select(dim, _index(slots, x.device))
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,11 +1,13 @@
 """``ulysses_attention`` against single-process attention, forward and backward, on gloo.
 
 The reference is a dense ``[N, N]``-masked attention written here, independent of the backends and of
-the head layout: every case must match it for the output and the gradients of ``q``, ``k`` and ``v``.
+the head layout: every case must match it for the output and the gradients of ``q``, ``k`` and ``v``
+(and of the attention sinks, where a case has them).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -14,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_ulysses.attention import (
-    CORE_ATTENTION, Documents, document_tiles, documents_of, sdpa_attention, ulysses_attention,
+    _REQUIRED_MODULE, CORE_ATTENTION, Documents, document_tiles, documents_of, sdpa_attention, sink_attention,
+    ulysses_attention,
 )
 from lightning_ulysses.heads import check_heads, plan_heads
 from tests.launch import launch
@@ -23,7 +26,9 @@ PACKED = [
     [0, 1, 2, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1, 2],  # borders inside shards and on shard borders (4, 8, 12)
     [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
 ]
-# name -> batch, seq, heads, kv_heads, position_ids rows (None: one document per row), sliding window
+ARANGE = [list(range(16))] * 2
+# name -> batch, seq, heads, kv_heads, position_ids rows (None: one document per row), sliding window, chunk size
+# (chunked attention), sinks (one attention sink logit per head)
 CASES: dict[str, dict[str, Any]] = {
     "mha": dict(batch=2, seq=16, heads=4, kv_heads=4),
     "gqa_kv_divisible": dict(batch=2, seq=16, heads=8, kv_heads=4),
@@ -36,27 +41,53 @@ CASES: dict[str, dict[str, Any]] = {
     "packed_documents": dict(batch=2, seq=16, heads=4, kv_heads=2, positions=PACKED),
     "packed_sliding_window": dict(batch=2, seq=16, heads=6, kv_heads=3, positions=PACKED, window=3),
     "sliding_window": dict(batch=2, seq=16, heads=4, kv_heads=2, window=5),
+    # chunk 5: chunk borders inside shards; chunk 4 on PACKED row 1: at columns 8 and 12, on shard borders
+    "chunked": dict(batch=2, seq=16, heads=4, kv_heads=2, positions=ARANGE, chunk=5),
+    "chunked_packed": dict(batch=2, seq=16, heads=6, kv_heads=3, positions=PACKED, chunk=4),
+    "sinks_mha": dict(batch=2, seq=16, heads=4, kv_heads=4, sinks=True),
+    "sinks_heads6_mqa": dict(batch=2, seq=16, heads=6, kv_heads=1, sinks=True),
+    "sinks_sliding_window": dict(batch=2, seq=16, heads=4, kv_heads=2, window=5, sinks=True),
+    "sinks_heads6_kv2_packed_window": dict(
+        batch=2, seq=16, heads=6, kv_heads=2, positions=PACKED, window=3, sinks=True
+    ),
+    "sinks_heads5_chunked_packed": dict(batch=2, seq=16, heads=5, kv_heads=5, positions=PACKED, chunk=3, sinks=True),
 }
+SINK_CASES = [name for name, case in CASES.items() if case.get("sinks")]
 SP_SIZES = (4, 2)
 
 
-def reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None, window: int | None = None
+def reference_scores(
+    q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor | None, window: int | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
-    """Dense masked attention with an explicit [N, N] mask per row: independent of our backends."""
+    """``[B, H, N, N]`` scaled scores, -inf where an explicit dense mask forbids: independent of our backends."""
     n = q.shape[1]
     index = torch.arange(n, device=q.device)
     distance = index[:, None] - index[None, :]
     mask = (distance >= 0) & (distance < (window or n))
     if position_ids is not None:
-        doc = (position_ids == 0).long().cumsum(1)  # every row starts with position 0 in these cases
+        starts = position_ids == 0  # every row starts with position 0 in these cases
+        if chunk is not None:
+            starts |= position_ids % chunk == 0
+        doc = starts.long().cumsum(1)
         mask = mask & (doc[:, :, None] == doc[:, None, :])
     mask = mask.expand(q.shape[0], n, n)
     k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-    v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+    return scores.masked_fill(~mask[:, None], float("-inf"))
+
+
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None, window: int | None = None,
+    chunk: int | None = None, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense masked attention; ``sinks`` as in transformers' gpt-oss eager attention: one more logit per head
+    joins each query's softmax, and its probability is dropped."""
+    scores = reference_scores(q, k, position_ids, window, chunk)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)], dim=-1)
+    probs = scores.softmax(-1)[..., : q.shape[1]]
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v.repeat_interleave(q.shape[2] // v.shape[2], dim=2))
 
 
 def _tensors(case: dict[str, Any]) -> tuple[torch.Tensor, ...]:
@@ -70,6 +101,17 @@ def _tensors(case: dict[str, Any]) -> tuple[torch.Tensor, ...]:
     return q, k, v, grad, pos
 
 
+def _sinks(case: dict[str, Any]) -> torch.Tensor | None:
+    """Sink logits near the log-sum-exps of these cases (0.5 to 3), so that they take a real share of each softmax."""
+    if not case.get("sinks"):
+        return None
+    return 1.5 + torch.randn(case["heads"], generator=torch.Generator().manual_seed(1))
+
+
+def _options(case: dict[str, Any]) -> dict[str, Any]:
+    return dict(window=case.get("window"), chunk=case.get("chunk"))
+
+
 def attention_worker(args: dict[str, Any]) -> dict[tuple[str, int], float]:
     """Every case over the whole world (sp=4) and over pairs of ranks (sp=2)."""
     dist.init_process_group("gloo")
@@ -80,18 +122,28 @@ def attention_worker(args: dict[str, Any]) -> dict[tuple[str, int], float]:
     errors = {}
     for (name, case), sp in itertools.product(CASES.items(), SP_SIZES):
         q, k, v, grad, pos = _tensors(case)
-        full = [t.clone().requires_grad_() for t in (q, k, v)]
-        expected = reference(*full, pos, case.get("window"))
+        sinks = _sinks(case)
+        full = [t.clone().requires_grad_() for t in (q, k, v) + ((sinks,) if sinks is not None else ())]
+        expected = reference(*full[:3], pos, **_options(case), sinks=None if sinks is None else full[3])
         expected.backward(grad)
 
         sp_rank = rank % sp
         local = slice(sp_rank * q.shape[1] // sp, (sp_rank + 1) * q.shape[1] // sp)
         shards = [t[:, local].clone().requires_grad_() for t in (q, k, v)]
-        out = ulysses_attention(*shards, group=groups[sp], attn_fn="sdpa", window=case.get("window"),
+        rank_sinks = None if sinks is None else sinks.clone().requires_grad_()
+        out = ulysses_attention(*shards, group=groups[sp], attn_fn="sdpa", **_options(case), sinks=rank_sinks,
                                 position_ids=None if pos is None else pos[:, local])
         out.backward(grad[:, local])
         compared = [(out, expected[:, local])] + [(s.grad, f.grad[:, local]) for s, f in zip(shards, full)]
+        if sinks is not None:  # each rank holds the gradient of the heads it attended: whole once summed
+            dist.all_reduce(rank_sinks.grad, group=groups[sp])
+            compared.append((rank_sinks.grad, full[3].grad))
         errors[name, sp] = max(((a - b).norm() / b.norm()).item() for a, b in compared)
+
+    positions = torch.tensor(PACKED)  # its largest position id, 11, sits in the last shard only
+    for sp in SP_SIZES:
+        local = slice(rank % sp * 16 // sp, (rank % sp + 1) * 16 // sp)
+        errors["max_position", sp] = documents_of(positions[:, local], groups[sp]).max_position
     dist.destroy_process_group()
     return errors
 
@@ -106,19 +158,118 @@ def distributed_errors() -> list[dict[tuple[str, int], float]]:
 def test_ulysses_attention_matches_single_process(
     distributed_errors: list[dict[tuple[str, int], float]], name: str, sp: int
 ) -> None:
-    """Output and q/k/v gradients on every rank, relative error < 1e-5."""
+    """Output and q/k/v (and sink) gradients on every rank, relative error < 1e-5."""
     for rank, errors in enumerate(distributed_errors):
         assert errors[name, sp] < 1e-5, f"rank {rank}: relative error {errors[name, sp]:.2e}"
+
+
+@pytest.mark.parametrize("sp", SP_SIZES)
+def test_documents_know_the_largest_position_of_the_whole_rows(
+    distributed_errors: list[dict[tuple[str, int], Any]], sp: int
+) -> None:
+    """Every rank reads the largest position id of the whole rows, 0-d, though only the last shard holds it."""
+    for errors in distributed_errors:
+        assert errors["max_position", sp].shape == () and errors["max_position", sp].item() == 11
+
+
+def _documents(case: dict[str, Any], pos: torch.Tensor | None) -> Documents | None:
+    return None if pos is None else Documents.from_position_ids(pos, case.get("chunk"))
 
 
 @pytest.mark.parametrize("tile_tokens", [1024, 5, 1])
 @pytest.mark.parametrize("name", CASES)
 def test_sdpa_backend_matches_dense_reference(name: str, tile_tokens: int) -> None:
-    """Tiles of 1024 tokens hold whole rows; 5 mixes multi-document tiles and lone documents; 1: a call per document."""
-    q, k, v, _, pos = _tensors(CASES[name])
-    documents = None if pos is None else Documents.from_position_ids(pos)
-    got = sdpa_attention(q, k, v, documents, window=CASES[name].get("window"), tile_tokens=tile_tokens)
-    torch.testing.assert_close(got, reference(q, k, v, pos, CASES[name].get("window")), rtol=1e-5, atol=1e-6)
+    """Tiles of 1024 tokens hold whole rows; 5 mixes multi-document tiles and lone documents; 1: a call per document.
+    The log-sum-exp of every path (one document, windowed query blocks, tiles) too."""
+    case = CASES[name]
+    q, k, v, _, pos = _tensors(case)
+    got, lse = sdpa_attention(q, k, v, _documents(case, pos), window=case.get("window"), return_lse=True,
+                              tile_tokens=tile_tokens)
+    torch.testing.assert_close(got, reference(q, k, v, pos, **_options(case)), rtol=1e-5, atol=1e-6)
+    expected_lse = reference_scores(q, k, pos, **_options(case)).logsumexp(-1).transpose(1, 2)  # [B, N, H]
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-6)
+    plain = sdpa_attention(q, k, v, _documents(case, pos), window=case.get("window"), tile_tokens=tile_tokens)
+    torch.testing.assert_close(plain, got, rtol=1e-5, atol=1e-6)
+
+
+def _relative_errors(got: list[torch.Tensor], expected: list[torch.Tensor]) -> list[float]:
+    return [((a - b).norm() / b.norm()).item() for a, b in zip(got, expected)]
+
+
+def _sink_errors(name: str, attend: Any, dtype: torch.dtype = torch.float32) -> list[float]:
+    """Relative errors of ``attend(q, k, v, sinks)`` and of its q, k, v, sinks gradients against the reference."""
+    case = CASES[name]
+    q, k, v, grad, pos = (None if t is None else t.to(dtype) for t in _tensors(case))
+    inputs = [t.requires_grad_() for t in (q, k, v, _sinks(case).to(dtype))]
+    expected = reference(*inputs[:3], pos, **_options(case), sinks=inputs[3])
+    expected_grads = torch.autograd.grad(expected, inputs, grad)
+    got = attend(*inputs)
+    return _relative_errors([got, *torch.autograd.grad(got, inputs, grad)], [expected, *expected_grads])
+
+
+@pytest.mark.parametrize("tile_tokens", [1024, 5, 1])
+@pytest.mark.parametrize("name", SINK_CASES)
+def test_sink_attention_matches_dense_reference(name: str, tile_tokens: int) -> None:
+    """Output and the q, k, v, sinks gradients, relative error < 1e-5 (fp32) and < 1e-12 (float64): the gradient of
+    the log-sum-exp, which SDPA does not give, is exact."""
+    case = CASES[name]
+    pos = _tensors(case)[4]
+    core = functools.partial(sdpa_attention, tile_tokens=tile_tokens)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        return sink_attention(core, q, k, v, _documents(case, pos), sinks, window=case.get("window"))
+
+    assert max(_sink_errors(name, attend)) < 1e-5
+    assert max(_sink_errors(name, attend, torch.float64)) < 1e-12
+
+
+def test_sink_attention_needs_the_log_sum_exp_gradient() -> None:
+    """The same attention with the log-sum-exp taken as a constant: the output matches, the q and k gradients do not.
+    And without the sinks the output differs: the sink cases are not vacuous."""
+    case = CASES["sinks_heads6_kv2_packed_window"]
+    pos = _tensors(case)[4]
+
+    def constant_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        out, lse = sdpa_attention(q, k, v, _documents(case, pos), window=case["window"], return_lse=True)
+        return out * torch.sigmoid(lse - sinks)[..., None]
+
+    out, grad_q, grad_k, grad_v, grad_sinks = _sink_errors("sinks_heads6_kv2_packed_window", constant_lse)
+    assert max(out, grad_v, grad_sinks) < 1e-5 and min(grad_q, grad_k) > 1e-2
+    q, k, v, _, _ = _tensors(case)
+    without = reference(q, k, v, pos, **_options(case))
+    assert _relative_errors([without], [reference(q, k, v, pos, **_options(case), sinks=_sinks(case))])[0] > 0.1
+
+
+def test_sinks_match_transformers_gpt_oss_attention() -> None:
+    """``ulysses_attention(sinks=...)`` on one process equals transformers' gpt-oss eager attention (its own sink
+    formula) given the same packed, windowed mask: output and the q, k, v, sinks gradients."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    case = CASES["sinks_heads6_kv2_packed_window"]
+    q, k, v, grad, pos = _tensors(case)
+    sinks = _sinks(case)
+    inputs = [t.requires_grad_() for t in (q, k, v, sinks)]
+    module = torch.nn.Module()
+    module.sinks, module.num_key_value_groups = inputs[3], case["heads"] // case["kv_heads"]
+    additive_mask = reference_scores(q, k, pos, case["window"]).isinf()[:, :1] * torch.finfo(q.dtype).min
+    expected, _ = eager_attention_forward(
+        module, *(t.transpose(1, 2) for t in inputs[:3]), additive_mask, scaling=q.shape[-1] ** -0.5
+    )
+    got = ulysses_attention(*inputs[:3], group=None, position_ids=pos, window=case["window"], sinks=inputs[3])
+    errors = _relative_errors(
+        [got, *torch.autograd.grad(got, inputs, grad)], [expected, *torch.autograd.grad(expected, inputs, grad)]
+    )
+    assert max(errors) < 1e-5, errors
+
+
+def test_sinks_are_refused_with_dropout_or_the_wrong_shape() -> None:
+    q, k, v, _, _ = _tensors(CASES["sinks_mha"])
+    with pytest.raises(ValueError, match="without attention dropout"):
+        ulysses_attention(q, k, v, group=None, sinks=torch.zeros(4), dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"shape \(4,\)"):
+        ulysses_attention(q, k, v, group=None, sinks=torch.zeros(2))
+    with pytest.raises(ValueError, match="position_ids"):
+        ulysses_attention(q, k, v, group=None, chunk=4)
 
 
 def test_document_tiles() -> None:
@@ -128,37 +279,59 @@ def test_document_tiles() -> None:
     assert document_tiles(cu_seqlens, 1) == [(s, e, 1) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]
 
 
-@pytest.mark.parametrize("name", ["packed_documents", "packed_sliding_window", "heads6_mqa", "sliding_window"])
+def _attend(backend: str, case: dict[str, Any], pos: torch.Tensor | None) -> Any:
+    """``attend(q, k, v[, sinks])``: a core backend (with :func:`sink_attention` for sinks) on the case's documents."""
+    core, documents = CORE_ATTENTION[backend], _documents(case, pos)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if sinks is None:
+            return core(q, k, v, documents, window=case.get("window"))
+        return sink_attention(core, q, k, v, documents, sinks, window=case.get("window"))
+
+    return attend
+
+
+@pytest.mark.parametrize(
+    "name", ["packed_documents", "packed_sliding_window", "heads6_mqa", "sliding_window", "chunked_packed", *SINK_CASES]
+)
 def test_flex_backend_forward_on_cpu(name: str) -> None:
-    """torch's flex attention has no CPU backward; its forward (eager) must match the dense reference."""
-    q, k, v, _, pos = _tensors(CASES[name])
-    documents = None if pos is None else Documents.from_position_ids(pos)
+    """torch's flex attention has no CPU backward (torch 2.13 still refuses it); its forward (eager), log-sum-exp
+    included, must match the dense reference."""
+    case = CASES[name]
+    q, k, v, _, pos = _tensors(case)
     with torch.no_grad():
-        got = CORE_ATTENTION["flex_attention"](q, k, v, documents, window=CASES[name].get("window"))
-    torch.testing.assert_close(got, reference(q, k, v, pos, CASES[name].get("window")), rtol=1e-5, atol=1e-5)
+        got = _attend("flex_attention", case, pos)(q, k, v, _sinks(case))
+        _, lse = CORE_ATTENTION["flex_attention"](q, k, v, _documents(case, pos), window=case.get("window"),
+                                                  return_lse=True)
+    expected = reference(q, k, v, pos, **_options(case), sinks=_sinks(case))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    expected_lse = reference_scores(q, k, pos, **_options(case)).logsumexp(-1).transpose(1, 2)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
 
 
 def _cuda_backend(name: str) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    if name == "flash_attention_2":
-        pytest.importorskip("flash_attn")
+    if name in _REQUIRED_MODULE:
+        pytest.importorskip(_REQUIRED_MODULE[name])
 
 
-@pytest.mark.parametrize("backend", ["flash_attention_2", "flex_attention"])
-@pytest.mark.parametrize("name", ["packed_documents", "packed_sliding_window", "heads6_mqa"])
+@pytest.mark.parametrize("backend", ["sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"])
+@pytest.mark.parametrize(
+    "name", ["packed_documents", "packed_sliding_window", "heads6_mqa", "chunked_packed", *SINK_CASES]
+)
 def test_cuda_backends_match_dense_reference(backend: str, name: str) -> None:
-    """Forward and q/k/v gradients of the GPU backends in bf16, against the fp32 dense reference."""
+    """Forward and q/k/v (and sink) gradients of the backends on a GPU in bf16, against the fp32 dense reference."""
     _cuda_backend(backend)
-    q, k, v, grad, pos = (None if t is None else t.cuda() for t in _tensors(CASES[name]))
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = reference(*full, pos, CASES[name].get("window"))
-    expected.backward(grad)
-    low = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
-    documents = None if pos is None else Documents.from_position_ids(pos)
-    got = CORE_ATTENTION[backend](*low, documents, window=CASES[name].get("window"))
-    got.backward(grad.bfloat16())
-    for a, b in [(got, expected)] + [(lo.grad, f.grad) for lo, f in zip(low, full)]:
+    case = CASES[name]
+    q, k, v, grad, pos = (None if t is None else t.cuda() for t in _tensors(case))
+    sinks = [] if _sinks(case) is None else [_sinks(case).cuda().requires_grad_()]
+    full = [t.requires_grad_() for t in (q, k, v)] + sinks
+    expected = reference(*full[:3], pos, **_options(case), sinks=sinks[0] if sinks else None)
+    low = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)] + sinks
+    got = _attend(backend, case, pos)(*low)
+    got_grads = torch.autograd.grad(got, low, grad.bfloat16())
+    for a, b in zip([got, *got_grads], [expected, *torch.autograd.grad(expected, full, grad)]):
         error = ((a.float() - b).norm() / b.norm()).item()
         assert error < 2e-2, f"{backend} {name}: relative error {error:.2e}"
 
@@ -241,3 +414,20 @@ def test_documents_are_found_once_per_position_ids_tensor() -> None:
     again = documents_of(positions, None)
     assert again is not first and not again.one_per_row
     assert again.cu_seqlens.tolist() == [0, 6, 12, 24]
+    chunked = documents_of(positions, None, chunk=4)  # layers alternating chunked and global attention
+    assert documents_of(positions, None) is again and documents_of(positions, None, chunk=4) is chunked
+    assert chunked.cu_seqlens.tolist() == [0, 4, 6, 8, 12, 16, 20, 24]  # row 0 reads 0..5, 0, 7..11
+
+
+def test_chunked_documents() -> None:
+    """A chunk starts at every position id divisible by the chunk size, inside each packed document; the largest
+    position id is read without a host sync."""
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 0], [5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3]])
+    documents = Documents.from_position_ids(positions, chunk=3)
+    assert documents.starts.long().tolist() == [
+        [1, 0, 0, 1, 0, 0, 1, 0, 0, 1, 0, 1],
+        [1, 1, 0, 0, 1, 0, 0, 1, 1, 0, 0, 1],
+    ]
+    assert documents.cu_seqlens.tolist() == [0, 3, 6, 9, 11, 12, 13, 16, 19, 20, 23, 24] and documents.max_seqlen == 3
+    assert documents.max_position.shape == () and documents.max_position.item() == 12
+    assert Documents.from_position_ids(positions).cu_seqlens.tolist() == [0, 6, 11, 12, 20, 24]
