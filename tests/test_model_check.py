@@ -130,6 +130,28 @@ def test_attention_arguments_that_change_the_result_are_refused(model_type, over
         apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
 
 
+GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=5,
+               layer_types=["sliding_attention", "full_attention"], attn_implementation="eager")
+LLAMA4 = dict(attention_chunk_size=6, num_local_experts=2, intermediate_size_mlp=48, head_dim=8,
+              layer_types=["chunked_attention", "full_attention"], no_rope_layers=[1, 0])
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "plans"),
+    [
+        ("gpt_oss", GPT_OSS, [(MaskPattern(window=5), True), (MaskPattern(), True)]),  # attention sinks
+        ("llama4_text", LLAMA4, [(MaskPattern(chunk=6), False), (MaskPattern(), False)]),  # chunked attention
+    ],
+)
+def test_sinks_and_chunks_run_exactly(model_type: str, overrides: dict[str, Any], plans: list[Any]) -> None:
+    model = tiny_model(model_type, **overrides)
+    ids, positions = packed_ids_and_positions()
+    expected = plain_logits(model, ids, positions)
+    got = _patched_logits(model, ids, positions)
+    assert [(m._ulysses_plan.pattern, m._ulysses_plan.sinks) for m in model.modules() if "_ulysses_plan" in m.__dict__] == plans
+    assert relative_error(got, expected) < 1e-5
+
+
 def test_a_bidirectional_attention_layer_is_refused() -> None:
     model = tiny_model("llama")
     model.model.layers[1].self_attn.is_causal = False
@@ -199,6 +221,9 @@ SP_CASES: dict[str, Any] = {  # the sequence (SEQ=40) runs beyond the original m
                                    rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 4,
                                                     "long_factor": [3.0] * 4, "original_max_position_embeddings": 16,
                                                     "rope_theta": 10000.0}),
+    "attention_sinks": lambda: tiny_model("gpt_oss", **GPT_OSS),
+    "chunked_attention": lambda: tiny_model("llama4_text", **{**LLAMA4, "attn_temperature_tuning": False}),
+    "local_index_scale": lambda: tiny_model("llama4_text", **LLAMA4),  # temperature tuning scales q by local index
     "short_convolution": lambda: tiny_model("lfm2", layer_types=["conv", "full_attention"]),
     "user_written_mixer": _llama_with_a_mixer,
 }
@@ -211,8 +236,11 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
         model = factory()
         ids, positions = packed_ids_and_positions()
         # the plain model on the whole batch: transformers masks the packed documents, and length-dependent RoPE reads
-        # the largest position of the batch
-        expected = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        # the largest position of the batch (gpt-oss and Llama4 mask no packed documents: each document alone)
+        if name in ("attention_sinks", "chunked_attention", "local_index_scale"):
+            expected = plain_logits(model, ids, positions)
+        else:
+            expected = model(input_ids=ids, position_ids=positions, use_cache=False).logits
         try:
             apply_ulysses_attention(model, dist.group.WORLD, sp_size=2, core="sdpa")
         except UnsupportedModelError as error:
@@ -242,15 +270,25 @@ def test_length_dependent_rope_sees_the_whole_sequence(sp_results: list[dict[str
         assert got["error"] < 1e-5
 
 
+@pytest.mark.parametrize("name", ["attention_sinks", "chunked_attention"])
+def test_sinks_and_chunks_run_exactly_across_ranks(sp_results: list[dict[str, Any]], name: str) -> None:
+    for rank_results in sp_results:
+        assert rank_results[name]["error"] < 1e-5
+
+
 @pytest.mark.parametrize(
-    ("name", "culprit"),
-    [("short_convolution", r"model\.layers\.0\.conv \(Lfm2ShortConv\)"),
-     ("user_written_mixer", r"model\.layers\.1\.mlp\.1 \(CausalCumulativeMean\)")],
+    ("name", "refusal"),
+    [
+        ("local_index_scale", r"model\.layers\.1\.self_attn \(Llama4TextAttention\): builds token indices from the "
+                              r"length of its input \(torch\.arange at modeling_llama4\.py:\d+\)"),
+        ("short_convolution", r"model\.layers\.0\.conv \(Lfm2ShortConv\): changes its output when the sequence is split"),
+        ("user_written_mixer", r"model\.layers\.1\.mlp\.1 \(CausalCumulativeMean\): changes its output when the "
+                               r"sequence is split"),
+    ],
 )
-def test_token_mixers_outside_attention_are_refused_on_every_rank(
-    sp_results: list[dict[str, Any]], name: str, culprit: str
+def test_token_mixers_and_local_indices_are_refused_on_every_rank(
+    sp_results: list[dict[str, Any]], name: str, refusal: str
 ) -> None:
     messages = [rank_results[name]["refused"] for rank_results in sp_results]
     assert messages[0] == messages[1]  # every rank raises the same error
-    assert "changes its output when the sequence is split" in messages[0]
-    assert re.search(culprit, messages[0])
+    assert re.search(refusal, messages[0])

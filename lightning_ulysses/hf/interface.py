@@ -21,7 +21,7 @@ from lightning_ulysses.hf.masks import MaskPattern
 
 ULYSSES_ATTN_IMPLEMENTATION = "ulysses"
 
-HANDLED_KWARGS = frozenset({"sliding_window", "position_ids", "is_causal"})
+HANDLED_KWARGS = frozenset({"sliding_window", "position_ids", "is_causal", "s_aux"})
 """Keyword arguments whose meaning the plan carries (or that are read from the batch instead)."""
 
 INERT_KWARGS = frozenset({
@@ -35,9 +35,11 @@ runs under sequence parallelism)."""
 @dataclass(frozen=True)
 class LayerPlan:
     """How one attention layer runs: the pattern its mask asked for (windows and chunks that transformers
-    applies only through the mask included)."""
+    applies only through the mask included), and whether it passes attention sinks (``s_aux``, one logit per
+    head, read at each call: it is a trained weight)."""
 
     pattern: MaskPattern
+    sinks: bool = False
 
 
 def read_layer_call(
@@ -54,8 +56,9 @@ def read_layer_call(
     )
     for name in unknown:
         problems.append(f"passes {name}={_short(kwargs[name])} to attention, which Ulysses attention does not implement")
-    if pattern is not None and pattern.chunk is not None:
-        problems.append(f"attends in {pattern.describe()} (Llama4's chunked attention), which is not implemented yet")
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and getattr(module, "attention_dropout", 0.0):
+        problems.append("combines attention sinks with attention dropout, which Ulysses attention does not implement")
     window = kwargs.get("sliding_window")
     if pattern is not None and window is not None and pattern.window != window:
         problems.append(
@@ -64,7 +67,7 @@ def read_layer_call(
         )
     if problems:
         return None, problems
-    return LayerPlan(pattern), []
+    return LayerPlan(pattern, sinks=sinks is not None), []
 
 
 def _short(value: Any) -> str:
@@ -118,7 +121,7 @@ def _hf_ulysses_attention(
     out = ulysses_attention(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
         group=state.group, attn_fn=state.core, position_ids=state.position_ids, scale=scaling, dropout_p=dropout,
-        window=plan.pattern.window,
+        window=plan.pattern.window, chunk=plan.pattern.chunk, sinks=kwargs["s_aux"] if plan.sinks else None,
     )
     return out, None
 

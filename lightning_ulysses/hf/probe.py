@@ -27,9 +27,11 @@ The verdict is agreed over the SP group, so every rank raises the same :class:`U
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,7 +85,7 @@ def check_model(model: PreTrainedModel, state: PatchState) -> None:
     :class:`UnsupportedModelError` naming every layer that would not run exactly. Collective over ``state.group``."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     input_ids = _probe_ids(model, state.sp_size * PROBE_TOKENS_PER_RANK, device)
-    position_ids = torch.arange(input_ids.shape[1], device=device)[None]
+    position_ids = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
     rank = 0 if state.group is None else dist.get_rank(state.group)
     shard = _Shard(rank, state.sp_size, input_ids.shape[1])
     modes = {module: module.training for module in model.modules()}
@@ -104,7 +106,8 @@ def check_model(model: PreTrainedModel, state: PatchState) -> None:
 
 
 def _probe_ids(model: PreTrainedModel, length: int, device: torch.device) -> Tensor:
-    """``[1, length]`` token ids that are no special token of the config (image, audio, ... placeholders)."""
+    """``[2, length]`` token ids that are no special token of the config (image, audio, ... placeholders). Two rows:
+    a flattened ``[2 * tokens]`` axis is then told from the sequence axis."""
     embeddings = model.get_input_embeddings()
     vocab_size = getattr(embeddings, "num_embeddings", None) or model.config.get_text_config().vocab_size
     special = {
@@ -113,7 +116,7 @@ def _probe_ids(model: PreTrainedModel, length: int, device: torch.device) -> Ten
     }
     ordinary = [i for i in range(min(vocab_size, 4096)) if i not in special]
     generator = torch.Generator().manual_seed(0)
-    choice = torch.randint(len(ordinary), (1, length), generator=generator)
+    choice = torch.randint(len(ordinary), (2, length), generator=generator)
     return torch.tensor(ordinary)[choice].to(device)
 
 
@@ -203,11 +206,54 @@ def _sharded_run(
                   kwargs: dict[str, Any]) -> Tensor:
         return token_local_attention(query, key, value, scaling)
 
-    with _probe_attention(attention), _hooks(model, compare):
+    with _probe_attention(attention), _hooks(model, compare), _local_index_trap(model, shard.length) as local_indices:
         output = model(input_ids=shard.of(input_ids), position_ids=shard.of(position_ids))
-    if culprits or shard.agree(whole.output, _first_tensor(output)):
-        return culprits
+    if culprits or local_indices or shard.agree(whole.output, _first_tensor(output)):
+        return culprits + local_indices
     return [Finding(type(model).__name__, "computes outputs that change when the sequence is split")]
+
+
+@contextmanager
+def _local_index_trap(model: nn.Module, length: int) -> Iterator[list[Finding]]:
+    """Within the block, report every ``torch.arange`` over ``0 .. length - 1`` (the shard's token indices) that a
+    module of ``model`` makes: under SP they are the local indices of one shard, whatever they feed. Such a
+    computation may change nothing below some index (Llama4 scales queries by ``log(floor(index / 8192))``), so
+    the short probe cannot see it in the outputs."""
+    names = {module: name for name, module in model.named_modules()}
+    running: list[nn.Module] = []
+    found: list[Finding] = []
+    original = torch.arange
+
+    def arange(*args: Any, **kwargs: Any) -> Tensor:
+        result = original(*args, **kwargs)
+        if running and result.dim() == 1 and result.numel() == length and bool(
+            (result == original(length, device=result.device, dtype=result.dtype)).all()
+        ):
+            caller = sys._getframe(1)
+            where = f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno}"
+            finding = Finding(_where(names, running[-1]), f"builds token indices from the length of its input "
+                              f"(torch.arange at {where}), which under SP is one shard's: local indices, not global ones")
+            if finding not in found:
+                found.append(finding)
+        return result
+
+    def enter(module: nn.Module, args: tuple) -> None:
+        running.append(module)
+
+    def leave(module: nn.Module, args: tuple, output: Any) -> None:
+        running.pop()
+
+    handles = [
+        handle for module in model.modules()
+        for handle in (module.register_forward_pre_hook(enter), module.register_forward_hook(leave))
+    ]
+    torch.arange = arange
+    try:
+        yield found
+    finally:
+        torch.arange = original
+        for handle in handles:
+            handle.remove()
 
 
 class _Shard:
@@ -275,9 +321,9 @@ def _check_rotary(model: PreTrainedModel, state: PatchState, whole: _WholeRun, s
 
     def length_dependent(module: nn.Module, call: _Call) -> bool:
         for boundary in boundaries:
-            positions = torch.arange(shard.whole_length, device=call.outputs[0].device) + max(boundary - shard.length, 0)
-            expected = _call_with_positions(module, call, positions[None], shard, whole_sequence=True)
-            got = _call_with_positions(module, call, shard.of(positions[None]), shard, whole_sequence=False)
+            offset = max(boundary - shard.length, 0)  # the whole sequence straddles the boundary, the first shard not
+            expected = _call_with_positions(module, call, offset, shard, whole_sequence=True)
+            got = _call_with_positions(module, call, offset, shard, whole_sequence=False)
             if not shard.all_agree(expected, got):
                 return True
         return False
@@ -309,27 +355,31 @@ def _is_rotary(module: nn.Module, call: _Call) -> bool:
     )
 
 
-def _call_with_positions(
-    module: nn.Module, call: _Call, positions: Tensor, shard: _Shard, whole_sequence: bool
-) -> list[Tensor]:
-    """``module`` called as in ``call`` but with ``positions`` (and, for a shard, its other per-token inputs cut to
-    the shard), restoring whatever state the call changes (dynamic RoPE caches its frequencies)."""
+def _call_with_positions(module: nn.Module, call: _Call, offset: int, shard: _Shard, whole_sequence: bool) -> list[Tensor]:
+    """``module`` called as in ``call`` but with its position ids moved up by ``offset`` (and, for a shard, every
+    per-token input cut to the shard), restoring whatever state the call changes (dynamic RoPE caches its
+    frequencies)."""
     args, kwargs = list(call.args), dict(call.kwargs)
+    index = position_ids_index(module)
+    in_args = index is not None and index < len(args)
+    if in_args:
+        args[index] = args[index] + offset
+    else:
+        kwargs["position_ids"] = kwargs["position_ids"] + offset
     if not whole_sequence:
         args = [_shard_of(a, shard) for a in args]
         kwargs = {k: _shard_of(v, shard) for k, v in kwargs.items()}
-    index = position_ids_index(module)
-    if index is not None and index < len(args):
-        args[index] = positions.to(args[index].dtype)
-    else:
-        kwargs["position_ids"] = positions.to(kwargs["position_ids"].dtype)
     with _restored(module):
         return _tensors(module(*args, **kwargs))
 
 
 def _shard_of(value: Any, shard: _Shard) -> Any:
-    if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == shard.whole_length:
-        return shard.of(value)
+    """``value`` cut to the shard along its token dimension (the last that is ``N`` long), if it has one."""
+    if not isinstance(value, Tensor):
+        return value
+    for dim in reversed(range(1, value.dim())):
+        if value.shape[dim] == shard.whole_length:
+            return value.narrow(dim, shard.start, shard.length)
     return value
 
 
