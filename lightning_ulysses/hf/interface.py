@@ -26,7 +26,7 @@ HANDLED_KWARGS = frozenset({"sliding_window", "position_ids", "is_causal", "s_au
 
 INERT_KWARGS = frozenset({
     "layer_idx", "use_cache", "output_attentions", "return_dict", "cache", "past_key_values", "cache_position",
-    "position_embeddings", "target_dtype", "layer_type", "kwargs",
+    "position_embeddings", "target_dtype", "layer_type",
 })
 """Keyword arguments that models pass along but that do not change what attention computes here (no KV cache
 runs under sequence parallelism)."""

@@ -141,13 +141,13 @@ def _whole_sequence_run(
         module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, scaling: float | None,
         kwargs: dict[str, Any],
     ) -> Tensor:
-        if module not in plans and module not in findings:
+        if module not in findings:
             pattern, why = recorded.pattern_of(attention_mask)
             plan, problems = read_layer_call(module, pattern, why, kwargs)
-            if plan is None:
+            if plan is not None and plans.setdefault(module, plan) != plan:
+                problems = ["is called with different attention patterns in one forward, and runs one plan per layer"]
+            if problems:
                 findings[module] = Finding(_where(names, module), "; ".join(problems))
-            else:
-                plans[module] = plan
         return token_local_attention(query, key, value, scaling)
 
     def record(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -162,7 +162,8 @@ def _whole_sequence_run(
         return [Finding(f"{type(model).__name__}", f"cannot be called with input_ids and position_ids alone ({error})")], run
     run.output = _first_tensor(output)
     for module, plan in plans.items():
-        module._ulysses_plan = plan
+        if module not in findings:
+            module._ulysses_plan = plan
     return list(findings.values()), run
 
 
