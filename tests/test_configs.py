@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 
 from lightning_ulysses.cli import main
 from lightning_ulysses.data import find_text_files
-from lightning_ulysses.model import build_config
+from lightning_ulysses.model import CausalLM, build_config
 from tests.launch import REPO_ROOT, Launcher, launch
 from tests.tiny import gathered_parameters
 
@@ -258,6 +258,14 @@ def test_slurm_script_matches_the_slurm_config() -> None:
     trainer = yaml.safe_load(CONFIGS["multinode_slurm"].read_text())["trainer"]
     assert int(sbatch["nodes"]) == trainer["num_nodes"]
     assert int(sbatch["ntasks-per-node"]) == int(sbatch["gpus-per-node"]) == trainer["devices"]
+
+
+def test_pretrained_weights_take_the_default_dtype(folders: dict[str, str]) -> None:
+    """The saved folder is bf16; without a Trainer (or under a strategy whose ``32-true`` casts nothing, as DDP's) the
+    loaded model is fp32 all the same, as ``from_config`` would build it: the precision decides, not the checkpoint."""
+    module = CausalLM(model=folders[MODEL_FOLDER], pretrained=True)
+    module.configure_model()
+    assert {p.dtype for p in module.parameters()} == {torch.float32}
 
 
 @pytest.mark.parametrize("case", CASES)
