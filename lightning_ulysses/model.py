@@ -35,11 +35,13 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         model: a config as a dict (``model_type`` plus any of its fields, e.g. ``{"model_type": "llama",
             "hidden_size": 256, ...}``; random weights), or the path of a local model folder (its
             ``config.json``; random weights unless ``pretrained``).
-        pretrained: load the weights of the folder ``model`` instead of initialising them randomly.
+        pretrained: load the weights of the folder ``model`` instead of initialising them randomly (any ZeRO stage;
+            in the dtype the Trainer's precision sets, not the checkpoint's).
         vocab_size: vocabulary size of the tokenizer (the CLI links it to ``data.vocab_size``). Overrides
             the config's for random weights; pretrained models must already have at least this many.
         learning_rate: peak AdamW learning rate, reached after ``warmup_steps``.
-        weight_decay: AdamW weight decay of the matrices (biases, norms and other 1-D weights get none).
+        weight_decay: AdamW weight decay of the matrices (biases, norms and other 1-D weights get none), told
+            apart by their real shapes, also under ZeRO-3.
         betas: AdamW betas.
         warmup_steps: linear warmup from 0; then cosine decay to ``min_lr_ratio * learning_rate`` at the
             Trainer's last step.
@@ -76,20 +78,18 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         """Build the transformer here, not in ``__init__``: under ZeRO-3 it is then partitioned as it is created.
 
         Under ZeRO-3, transformers is told so (:func:`_transformers_zero3`): ``from_pretrained`` then loads each
-        weight into its partitions and ``from_config`` initialises the partitioned weights. The weights take the
-        default dtype, as ``from_config`` gives them, not the checkpoint's: the Trainer's ``precision`` decides.
+        weight into its partitions and ``from_config`` initialises the partitioned weights.
         """
         if self.model is not None:
             return
         hp = self.hparams
+        # the default dtype, as from_config gives it, not the checkpoint's: the Trainer's precision decides
+        options = {"attn_implementation": "sdpa", "dtype": torch.get_default_dtype()}
         with _transformers_zero3(self._trainer.strategy if self._trainer is not None else None):
             if hp.pretrained:
-                self.model = AutoModelForCausalLM.from_pretrained(
-                    _local_folder(hp.model), attn_implementation="sdpa", dtype=torch.get_default_dtype()
-                )
+                self.model = AutoModelForCausalLM.from_pretrained(_local_folder(hp.model), **options)
             else:
-                config = build_config(hp.model, hp.vocab_size)
-                self.model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.get_default_dtype())
+                self.model = AutoModelForCausalLM.from_config(build_config(hp.model, hp.vocab_size), **options)
         if hp.pretrained:
             model_vocab = self.model.get_input_embeddings().num_embeddings
             if hp.vocab_size is not None and hp.vocab_size > model_vocab:
@@ -149,6 +149,7 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
             remove_ulysses_attention(self.model)  # undo the local patch (a no-op after UlyssesStrategy's teardown)
 
     def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW, weight decay on the matrices only, and the warmup + cosine schedule, stepped every optimizer step."""
         hp = self.hparams
         trainable = [p for p in self.parameters() if p.requires_grad]
         # by the real shape: ZeRO-3 keeps each parameter as a 1-D partition and its shape in ds_shape
