@@ -10,11 +10,14 @@ documents attend to each other).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import Strategy
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, get_cosine_with_min_lr_schedule_with_warmup
 
@@ -32,11 +35,13 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         model: a config as a dict (``model_type`` plus any of its fields, e.g. ``{"model_type": "llama",
             "hidden_size": 256, ...}``; random weights), or the path of a local model folder (its
             ``config.json``; random weights unless ``pretrained``).
-        pretrained: load the weights of the folder ``model`` instead of initialising them randomly.
+        pretrained: load the weights of the folder ``model`` instead of initialising them randomly (any ZeRO stage;
+            in the dtype the Trainer's precision sets, not the checkpoint's).
         vocab_size: vocabulary size of the tokenizer (the CLI links it to ``data.vocab_size``). Overrides
             the config's for random weights; pretrained models must already have at least this many.
         learning_rate: peak AdamW learning rate, reached after ``warmup_steps``.
-        weight_decay: AdamW weight decay of the matrices (biases, norms and other 1-D weights get none).
+        weight_decay: AdamW weight decay of the matrices (biases, norms and other 1-D weights get none), told
+            apart by their real shapes, also under ZeRO-3.
         betas: AdamW betas.
         warmup_steps: linear warmup from 0; then cosine decay to ``min_lr_ratio * learning_rate`` at the
             Trainer's last step.
@@ -70,21 +75,28 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         self.eval_loss = TokenCrossEntropy()
 
     def configure_model(self) -> None:
-        """Build the transformer here, not in ``__init__``: under ZeRO-3 it is then partitioned as it is created."""
+        """Build the transformer here, not in ``__init__``: under ZeRO-3 it is then partitioned as it is created.
+
+        Under ZeRO-3, transformers is told so (:func:`_transformers_zero3`): ``from_pretrained`` then loads each
+        weight into its partitions and ``from_config`` initialises the partitioned weights.
+        """
         if self.model is not None:
             return
         hp = self.hparams
+        # the default dtype, as from_config gives it, not the checkpoint's: the Trainer's precision decides
+        options = {"attn_implementation": "sdpa", "dtype": torch.get_default_dtype()}
+        with _transformers_zero3(self._trainer.strategy if self._trainer is not None else None):
+            if hp.pretrained:
+                self.model = AutoModelForCausalLM.from_pretrained(_local_folder(hp.model), **options)
+            else:
+                self.model = AutoModelForCausalLM.from_config(build_config(hp.model, hp.vocab_size), **options)
         if hp.pretrained:
-            self.model = AutoModelForCausalLM.from_pretrained(_local_folder(hp.model), attn_implementation="sdpa")
             model_vocab = self.model.get_input_embeddings().num_embeddings
             if hp.vocab_size is not None and hp.vocab_size > model_vocab:
                 raise ValueError(
                     f"The tokenizer has {hp.vocab_size} ids but the pretrained model embeds only {model_vocab}. Use the "
                     "tokenizer saved with the model (data.tokenizer=<model folder>)."
                 )
-        else:
-            config = build_config(hp.model, hp.vocab_size)
-            self.model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         if hp.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -137,11 +149,15 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
             remove_ulysses_attention(self.model)  # undo the local patch (a no-op after UlyssesStrategy's teardown)
 
     def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW, weight decay on the matrices only, and the warmup + cosine schedule, stepped every optimizer step."""
         hp = self.hparams
-        matrices = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
-        vectors = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        # by the real shape: ZeRO-3 keeps each parameter as a 1-D partition and its shape in ds_shape
+        matrices = [p for p in trainable if len(getattr(p, "ds_shape", p.shape)) >= 2]
+        vectors = [p for p in trainable if len(getattr(p, "ds_shape", p.shape)) < 2]
+        groups = [{"params": matrices, "weight_decay": hp.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(
-            [{"params": matrices, "weight_decay": hp.weight_decay}, {"params": vectors, "weight_decay": 0.0}],
+            [group for group in groups if group["params"]],  # an empty group would break the LR schedule under ZeRO
             lr=hp.learning_rate, betas=tuple(hp.betas),
         )
         total_steps = max(int(self.trainer.estimated_stepping_batches), 1)
@@ -168,6 +184,27 @@ def build_config(model: dict[str, Any] | str, vocab_size: int | None = None) -> 
     if vocab_size is not None:
         config.vocab_size = vocab_size
     return config
+
+
+@contextmanager
+def _transformers_zero3(strategy: Strategy | None) -> Iterator[None]:
+    """While a model is built under a ZeRO-3 DeepSpeed strategy, let transformers know (``HfDeepSpeedConfig``).
+
+    Otherwise ``from_pretrained`` builds the model on the meta device inside the strategy's ``zero.Init`` and
+    loads into empty partitions, and ``from_config`` initialises the partitions instead of the weights; told,
+    both gather one module at a time. Only for the build: the setting is global to the process, and a later
+    model (another Trainer, another strategy) must not inherit it.
+    """
+    if not getattr(strategy, "zero_stage_3", False):
+        yield
+        return
+    from transformers.integrations import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    hf_deepspeed_config = HfDeepSpeedConfig(strategy.config)  # noqa: F841 - transformers holds only a weak reference
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
 
 
 def _local_folder(path: str) -> Path:

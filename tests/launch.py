@@ -2,7 +2,8 @@
 
 ``launch("tests.test_x:worker", world_size=2, args={...})`` starts ``world_size`` Python processes
 (``python -m tests.launch``) with the environment of an external launcher (``MASTER_ADDR``,
-``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...), so Lightning joins them instead of spawning its own.
+``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...; or those of torchrun or srun), so Lightning joins them
+instead of spawning its own.
 Each calls ``worker(args)``; the return values come back in rank order. A failing or hanging rank
 fails the test with every rank's output, never a hang.
 """
@@ -24,6 +25,7 @@ from typing import Any, Literal
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+Launcher = Literal["env", "torchrun", "slurm"]
 
 
 def free_port() -> int:
@@ -38,7 +40,7 @@ def launch(
     args: dict[str, Any] | None = None,
     *,
     num_nodes: int = 1,
-    launcher: Literal["env", "torchrun"] = "env",
+    launcher: Launcher = "env",
     timeout: float = 600.0,
     extra_env: dict[str, str] | None = None,
 ) -> list[Any]:
@@ -46,7 +48,9 @@ def launch(
 
     ``launcher="env"`` starts every rank itself with the variables of a plain launcher (``RANK``, ``LOCAL_RANK``,
     ``NODE_RANK``, ...); ``"torchrun"`` starts one ``torchrun --node-rank i`` per node (``num_nodes`` launcher
-    processes on loopback), which starts that node's ranks.
+    processes on loopback), which starts that node's ranks; ``"slurm"`` starts every rank with the variables srun
+    gives a task (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_NTASKS``, ...) and no ``RANK`` or
+    ``MASTER_ADDR``, as ``configs/slurm_2x8.sh`` runs them (it exports ``MASTER_PORT``).
     """
     with tempfile.TemporaryDirectory() as tmp:
         run = _run(target, world_size, args, Path(tmp), num_nodes, launcher, extra_env, timeout, grace=5.0)
@@ -90,7 +94,7 @@ class _Run:
 
 def _run(
     target: str, world_size: int, args: dict[str, Any] | None, tmp_path: Path, num_nodes: int,
-    launcher: Literal["env", "torchrun"], extra_env: dict[str, str] | None, timeout: float, grace: float | None,
+    launcher: Launcher, extra_env: dict[str, str] | None, timeout: float, grace: float | None,
 ) -> _Run:
     per_node = world_size // num_nodes
     port = free_port()
@@ -110,6 +114,17 @@ def _run(
             ([sys.executable, "-m", "torch.distributed.run", f"--nnodes={num_nodes}", f"--node-rank={node}",
               f"--nproc-per-node={per_node}", "--master-addr=127.0.0.1", f"--master-port={port}", *worker], env)
             for node in range(num_nodes)
+        ]
+    elif launcher == "slurm":
+        names = [f"task {rank}" for rank in range(world_size)]
+        srun = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "ulysses-test", "SLURM_NNODES": str(num_nodes),
+                "SLURM_NTASKS": str(world_size), "SLURM_NTASKS_PER_NODE": str(per_node), "SLURM_NODELIST": "127.0.0.1",
+                "SLURM_CPUS_PER_TASK": "1"}
+        task_env = {key: value for key, value in env.items() if key != "MASTER_ADDR"}  # SLURM_NODELIST names it
+        commands = [
+            ([sys.executable, *worker], {**task_env, **srun, "SLURM_PROCID": str(rank),
+                                         "SLURM_LOCALID": str(rank % per_node), "SLURM_NODEID": str(rank // per_node)})
+            for rank in range(world_size)
         ]
     else:
         names = [f"rank {rank}" for rank in range(world_size)]
@@ -155,10 +170,11 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float, grace: float | None
 
 def _main() -> None:
     target, tmp = sys.argv[1], Path(sys.argv[2])
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))  # srun's tasks have no RANK
     module_name, function_name = target.split(":")
     worker = getattr(importlib.import_module(module_name), function_name)
     result = worker(torch.load(tmp / "args.pt", weights_only=False))
-    torch.save(result, tmp / f"result{os.environ['RANK']}.pt")
+    torch.save(result, tmp / f"result{rank}.pt")
 
 
 if __name__ == "__main__":
