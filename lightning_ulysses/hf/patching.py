@@ -123,7 +123,7 @@ def _log_head_layout(model: PreTrainedModel, sp_size: int) -> None:
         )
 
 
-def _configs(model: PreTrainedModel) -> list[PretrainedConfig]:
+def model_configs(model: PreTrainedModel) -> list[PretrainedConfig]:
     """Every config object of ``model``, its sub-configs (text, vision, ...) included, each once."""
     found: dict[int, PretrainedConfig] = {}
     pending = [sub.config for sub in model.modules() if isinstance(sub, PreTrainedModel)]
@@ -136,7 +136,7 @@ def _configs(model: PreTrainedModel) -> list[PretrainedConfig]:
 
 
 def _patch(model: PreTrainedModel, state: PatchState) -> None:
-    configs = _configs(model)
+    configs = model_configs(model)
     for module in model.modules():  # any of them may call the attention interface
         module._ulysses_state = state
     model._ulysses_original_attn = [(config, config._attn_implementation) for config in configs]

@@ -43,7 +43,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from lightning_ulysses.hf import interface
 from lightning_ulysses.hf.interface import ULYSSES_ATTN_IMPLEMENTATION, LayerPlan, read_layer_call
 from lightning_ulysses.hf.masks import RecordedMasks, recording_mask_interface
-from lightning_ulysses.hf.patching import PatchState, UnsupportedModelError, sequence_parallel_disabled
+from lightning_ulysses.hf.patching import PatchState, UnsupportedModelError, model_configs, sequence_parallel_disabled
 from lightning_ulysses.hf.rotary import position_ids_index, whole_sequence_rotary
 
 PROBE_TOKENS_PER_RANK = 11
@@ -111,18 +111,13 @@ def _probe_ids(model: PreTrainedModel, length: int, device: torch.device) -> Ten
     embeddings = model.get_input_embeddings()
     vocab_size = getattr(embeddings, "num_embeddings", None) or model.config.get_text_config().vocab_size
     special = {
-        value for config in _all_configs(model) for key, value in config.to_dict().items()
+        value for config in model_configs(model) for key, value in config.to_dict().items()
         if "token" in key and isinstance(value, int)
     }
     ordinary = [i for i in range(min(vocab_size, 4096)) if i not in special]
     generator = torch.Generator().manual_seed(0)
     choice = torch.randint(len(ordinary), (2, length), generator=generator)
     return torch.tensor(ordinary)[choice].to(device)
-
-
-def _all_configs(model: PreTrainedModel) -> list[Any]:
-    config = model.config
-    return [config] + [getattr(config, key) for key in config.sub_configs if getattr(config, key, None) is not None]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -401,7 +396,7 @@ def _position_boundaries(model: PreTrainedModel) -> set[int]:
     """0 and every ``*max_position*`` integer of the configs (rope parameters included): where length-dependent
     RoPE changes its frequencies."""
     found = {0}
-    pending: list[Any] = [config.to_dict() for config in _all_configs(model)]
+    pending: list[Any] = [config.to_dict() for config in model_configs(model)]
     while pending:
         item = pending.pop()
         for key, value in item.items():
