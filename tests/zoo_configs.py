@@ -39,10 +39,13 @@ TOP_K = 2
 WINDOW = 5  # sliding window, shorter than a shard
 CHUNK = 8  # chunked attention, shorter than a shard
 MIN_LAYERS = 2
-MAX_LAYERS = 12  # a layer pattern that needs more is cut here (and its missing layer kinds are reported)
+MAX_LAYERS = 24  # a layer pattern that needs more is cut here (and its missing layer kinds are reported)
 
 _QSA_INDEXER = {f"indexer_{k}": v for k, v in
                 dict(n_heads=HEADS, kv_heads=1, head_dim=HEAD_DIM, budget=8, compress_ratio=2).items()}
+
+_DRAFTER = {"text_config.hidden_size_per_layer_input": 0, "text_config.vocab_size_per_layer_input": 0,
+            "text_config.num_hidden_layers": 2, "text_config.num_kv_shared_layers": 2}
 
 # Per-family config fixes, keyed by model_type: {field: value} applied last to the config that the family's causal-LM
 # class takes ("a.b": field b of its sub-config a). A fix of the depth field pins the layer pattern to the fix's.
@@ -52,9 +55,9 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
     # the attention reads attn_config.rope_theta, which has no default, and clamps q/k/v to clip_qkv, default None
     "dbrx": {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0},
     # a drafter whose default does not validate: no per-layer input embeddings allowed
-    # every layer reads the key-value states shared by the target model's layers
-    "gemma4_assistant": {"text_config.hidden_size_per_layer_input": 0, "text_config.vocab_size_per_layer_input": 0,
-                         "text_config.num_hidden_layers": 2, "text_config.num_kv_shared_layers": 2},
+    # drafters of speculative decoding: every layer reads the key-value states of the target model's layers
+    "gemma4_assistant": _DRAFTER,
+    "gemma4_unified_assistant": _DRAFTER,
     "cohere_compass_text": {  # the default rope_parameters is empty, the rotary embedding reads one per layer type
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}},
     },
@@ -70,6 +73,8 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
     "gpt_neo": {"num_layers": 2, "attention_types": [[["global", "local"], 1]], "window_size": WINDOW},
     # hybrid layers share one attention block, which transformers cannot build for a single hybrid layer
     "zamba": {"num_hidden_layers": 4, "layers_block_type": ["linear_attention", "hybrid"] * 2},
+    # its shared block holds one adapter per hybrid layer, so no prefix has the full stack's modules: two hybrid layers
+    "zamba2": {"num_hidden_layers": 4, "layers_block_type": ["linear_attention", "hybrid"] * 2},
     "dory": {"num_hidden_layers": 4, "n_input_layers": 1, "n_recurrent_layers": 2, "n_output_layers": 1},
     # the last layers reuse the key-value states of earlier ones (num_kv_shared_layers of 35)
     "gemma3n_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
@@ -146,7 +151,7 @@ _RULES: list[tuple[str, Callable[[Any, PreTrainedConfig], Any]]] = [
     (r"is_decoder", _always(True)),  # the causal-LM use of models that can also run bidirectionally
     (r"dtype", _always(torch.float32)),
     # vocabulary
-    (r"(vocab_size|.*_vocab_size|vocab_size_.*)", _at_most(VOCAB)),
+    (r".*vocab.*", _at_most(VOCAB)),  # also hashed n-gram and per-layer-input vocabularies
     # features on
     (r"use_sliding_window", _always(True)),
     (r"(sliding_window|sliding_window_size|attention_window_size|local_attention_window_len)", _window),
