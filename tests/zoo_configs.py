@@ -577,3 +577,64 @@ def _data_token_ids(config: PreTrainedConfig) -> list[int]:
                 special.update(v for v in (value if isinstance(value, list) else [value]) if _is_int(v))
     vocab = config.get_text_config(decoder=True).vocab_size
     return [i for i in range(vocab) if i not in special]
+
+
+# ----------------------------------------------------------------------------------------------
+# what a tiny model has switched on
+# ----------------------------------------------------------------------------------------------
+_WINDOW_ATTRIBUTE = re.compile(r"(sliding_window|window_size|attention_window_size|local_window_size)")
+_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_top_k", "moe_k", "top_k_experts")
+
+
+def features(recipe: TinyRecipe, model: nn.Module) -> str:
+    """The features of the tiny model in a few words: its layer kinds, windows, experts, RoPE, towers, ..."""
+    config = recipe.config
+    text = config.get_text_config(decoder=True)
+    depth = _depth(text)
+    found = [f"{depth} layers" if depth is not None else "layers as the default"]
+    kinds = sorted({kind for name in _init_fields(type(text)) for kind in _per_layer_strings(text, name, depth)})
+    if len(kinds) > 1:
+        found.append("+".join(kind.removesuffix("_attention") for kind in kinds))
+    windows = sorted({value for m in [text, *model.modules()] for key, value in vars(m).items()
+                      if _WINDOW_ATTRIBUTE.fullmatch(key) and _is_int(value) and value > 0})
+    found += [f"window {w}" for w in windows]
+    if _is_int(chunk := _field_value(text, "attention_chunk_size")):
+        found.append(f"chunk {chunk}")
+    experts = next((v for v in (_field_value(text, n) for n in _EXPERT_FIELDS) if _is_int(v) and v > 1), None)
+    if experts is not None:
+        top_k = next((v for v in (_field_value(text, n) for n in _TOP_K_FIELDS) if _is_int(v)), "?")
+        found.append(f"MoE {experts}/top-{top_k}")
+    if _is_int(_field_value(text, "kv_lora_rank")):
+        found.append("MLA")
+    if any("sink" in name for name, _ in model.named_parameters()):
+        found.append("sinks")
+    found += _rope_features(text)
+    if any(_field_value(text, name) not in (None, _MISSING) for name in ("attn_logit_softcapping", "logits_soft_cap")):
+        found.append("softcap")
+    found += [name.removesuffix("_config") for name in config.sub_configs
+              if name != _text_config_path(config) and getattr(config, name, None) is not None]
+    if recipe.lost_layer_kinds:
+        found.append(f"{recipe.lost_layer_kinds} layer kinds beyond {MAX_LAYERS} layers untested")
+    return ", ".join(found)
+
+
+def _per_layer_strings(config: PreTrainedConfig, name: str, depth: int | None) -> list[str]:
+    value = _field_value(config, name)
+    if isinstance(value, list) and len(value) == depth and all(isinstance(v, str) for v in value):
+        return value
+    return []
+
+
+def _rope_features(config: PreTrainedConfig) -> list[str]:
+    rope = _field_value(config, "rope_parameters")
+    if not isinstance(rope, dict):
+        return []
+    per_kind = [rope] if "rope_type" in rope or "rope_theta" in rope else [v for v in rope.values() if isinstance(v, dict)]
+    found = sorted({f"rope={p['rope_type']}" for p in per_kind if p.get("rope_type", "default") != "default"})
+    if any(p.get("partial_rotary_factor", 1.0) < 1.0 for p in per_kind):
+        found.append("partial rotary")
+    no_rope = _field_value(config, "no_rope_layers")
+    if isinstance(no_rope, list) and 0 in no_rope:
+        found.append("NoPE layers")
+    return found
