@@ -201,7 +201,8 @@ def sp_run(entry: ZooEntry, prepared: Prepared, world_size: int) -> Outcome:
             return Outcome(REFUSED, _one_line(exc))
         return Outcome(ERROR, f"UnsupportedModelError after a training step: {_one_line(exc)}")
     except Exception as exc:  # noqa: BLE001 - any other failure of the SP run is the entry's ERROR
-        return Outcome(ERROR, _one_line(exc))
+        plain = f" (the plain model fails too: {prepared.reference_failed})" if prepared.reference_failed else ""
+        return Outcome(ERROR, _one_line(exc) + plain)
     finally:
         _free_process_groups(strategy)
     if prepared.reference_failed:

@@ -119,6 +119,9 @@ def _window(value: Any, default: PreTrainedConfig) -> Any:
     return WINDOW if value is None or _is_int(value) else value
 
 
+_WINDOW_FIELDS = r"(sliding_window|sliding_window_size|attention_window_size|local_attention_window_len)"
+_FEATURE_FIELD = re.compile(rf"({_WINDOW_FIELDS}|attention_chunk_size)")  # set also where the config derives them
+
 _HEAD_FIELDS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads", "decoder_attention_heads")
 
 
@@ -146,7 +149,7 @@ def _mamba_width(parts: int) -> Callable[[Any, PreTrainedConfig], Any]:
 # (field-name pattern, rule(old value, default config) -> new value); the first full match wins.
 _RULES: list[tuple[str, Callable[[Any, PreTrainedConfig], Any]]] = [
     # regularisation and generation state off, fp32
-    (r".*(dropout|pdrop|drop_prob|layerdrop|dropout_p|jitter_noise|jitter_eps|dropout_rate)", _zero_float),
+    (r".*(drop|jitter).*", _zero_float),  # dropout, attention_probs_dropout_prob, layerdrop, router jitter, ...
     (r"(use_cache|output_router_logits|add_cross_attention)", _always(False)),
     (r"is_decoder", _always(True)),  # the causal-LM use of models that can also run bidirectionally
     (r"dtype", _always(torch.float32)),
@@ -154,7 +157,8 @@ _RULES: list[tuple[str, Callable[[Any, PreTrainedConfig], Any]]] = [
     (r".*vocab.*", _at_most(VOCAB)),  # also hashed n-gram and per-layer-input vocabularies
     # features on
     (r"use_sliding_window", _always(True)),
-    (r"(sliding_window|sliding_window_size|attention_window_size|local_attention_window_len)", _window),
+    (_WINDOW_FIELDS, _window),
+    (r"local_attention", _always(2 * WINDOW)),  # ModernBERT's window is local_attention // 2
     (r"max_window_layers", _always(1)),
     (r"attention_chunk_size", _always(CHUNK)),
     # attention heads
@@ -265,7 +269,7 @@ def _shrunk_spec(default: PreTrainedConfig, token_ids: _TokenIds) -> ConfigSpec:
             spec.kwargs[name] = _shrunk_spec(value, token_ids)
             continue
         class_default = _class_default(f)
-        if class_default is None and value is not None:
+        if class_default is None and value is not None and not _FEATURE_FIELD.fullmatch(name):
             continue  # derived in __post_init__ (head_dim, layer_types, ...): derived again from the tiny fields
         new = _shrink(name, value, default, token_ids)
         if not _same(new, class_default):
