@@ -8,7 +8,7 @@ the KV cache go off, and the features a family has go on (sliding windows of 5 t
 both shorter than a shard; sliding layers where the family has a switch for them). The decoder keeps the
 shortest prefix of its default layer stack that holds every kind of layer the full stack has: layers are told
 apart by their module structure (module classes, parameter shapes and plain attributes such as
-``sliding_window``), read from the full-depth model built on the meta device.
+``sliding_window``), read from the full-depth model built without weight initialisation.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import CONFIG_MAPPING, PreTrainedConfig, PreTrainedModel
+from transformers.initialization import no_init_weights
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 SEQ_LEN = 32
@@ -374,8 +375,9 @@ def _prefix_depth(kinds: list[tuple]) -> int:
     return max(MIN_LAYERS, min(MAX_LAYERS, max(first_seen.values(), default=0) + 1))
 
 
-def _build_on_meta(model_class: type[PreTrainedModel], config: PreTrainedConfig) -> nn.Module:
-    with torch.device("meta"):
+def _build_uninitialised(model_class: type[PreTrainedModel], config: PreTrainedConfig) -> nn.Module:
+    """The model's modules only, for their structure (tiny widths, no weight init: faster than the meta device)."""
+    with no_init_weights():
         return model_class._from_config(config)
 
 
@@ -468,14 +470,14 @@ class _Decoder:
         if pinned is not None:  # the layer pattern is the family fix's
             return self._build(self.default, pinned), 0
         full = self._build(None, self.full_depth)
-        full_model = _build_on_meta(self.model_class, full)
+        full_model = _build_uninitialised(self.model_class, full)
         stacks = _decoder_stacks(full_model, self.full_depth)
         full_kinds = layer_kinds(full_model, stacks, self.full_depth)
         error: Exception | None = None
         for depth in sorted({MIN_LAYERS, _prefix_depth(full_kinds)}):
             try:
                 config = self._build(full, depth)
-                kinds = layer_kinds(_build_on_meta(self.model_class, config), stacks, depth)
+                kinds = layer_kinds(_build_uninitialised(self.model_class, config), stacks, depth)
             except Exception as exc:  # too few layers for the family's rules (no attention layer left, ...)
                 error = exc
                 continue
