@@ -265,9 +265,11 @@ def zoo_worker(args: dict[str, Any]) -> list[Outcome]:
 
 
 def merge(outcomes: list[Outcome]) -> Outcome:
-    """One entry's result from every rank's: the worst verdict; errors the largest; each distinct reason once."""
+    """One entry's result from every rank's: the worst verdict; errors the largest; each distinct reason once, a
+    rank's collective timeout (waiting for a rank that failed) after the failure itself."""
     worst = max(outcomes, key=lambda o: SEVERITY.index(o.verdict))
     reasons = list(dict.fromkeys(o.reason for o in outcomes if o.verdict == worst.verdict and o.reason))
+    reasons.sort(key=lambda reason: "Timed out" in reason)
     errors = [o for o in outcomes if o.loss_error is not None]
     return Outcome(
         worst.verdict, " | ".join(reasons),

@@ -55,8 +55,8 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
     # --- defaults that build no working model (real checkpoints set these) ---
     # the attention reads attn_config.rope_theta, which has no default, and clamps q/k/v to clip_qkv, default None
     "dbrx": {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0},
-    # a drafter whose default does not validate: no per-layer input embeddings allowed
-    # drafters of speculative decoding: every layer reads the key-value states of the target model's layers
+    # drafters of speculative decoding, whose default does not validate (no per-layer input embeddings allowed);
+    # every layer reads the key-value states of the target model's layers
     "gemma4_assistant": _DRAFTER,
     "gemma4_unified_assistant": _DRAFTER,
     "cohere_compass_text": {  # the default rope_parameters is empty, the rotary embedding reads one per layer type
@@ -76,10 +76,13 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
     "zamba": {"num_hidden_layers": 4, "layers_block_type": ["linear_attention", "hybrid"] * 2},
     # its shared block holds one adapter per hybrid layer, so no prefix has the full stack's modules: two hybrid layers
     "zamba2": {"num_hidden_layers": 4, "layers_block_type": ["linear_attention", "hybrid"] * 2},
+    # input, recurrent and output layers must add up to the depth; 4 layers hold a full-attention one
     "dory": {"num_hidden_layers": 4, "n_input_layers": 1, "n_recurrent_layers": 2, "n_output_layers": 1},
     # the last layers reuse the key-value states of earlier ones (num_kv_shared_layers of 35)
-    "gemma3n_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
-                     "layer_types": ["sliding_attention", "full_attention"] * 2},
+    "gemma3n_text": {
+        "num_hidden_layers": 4, "num_kv_shared_layers": 2, "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
+    },
     # --- inputs ---
     "musicgen": {"num_codebooks": 2},  # input rows are (sample, codebook) pairs: the 2 data rows are one sample
     "musicgen_melody": {"num_codebooks": 2},
@@ -179,7 +182,6 @@ _RULES: list[tuple[str, Callable[[Any, PreTrainedConfig], Any]]] = [
     (r"mamba_d_ssm", _mamba_width(1)),
     (r"(.*_head_dim|d_head|d_kv|dim_head|kv_channels|attention_head_dim|attention_head_size|mamba_headdim)",
      _at_most(HEAD_DIM)),
-    # experts
     # experts: on also where the default leaves their number or top-k unset
     (r"(num_experts|num_local_experts|n_routed_experts|moe_num_experts)", _at_most_or(EXPERTS)),
     (r"(num_experts_per_tok|num_experts_per_token|moe_topk|moe_top_k|moe_k|top_k_experts)", _at_most_or(TOP_K)),
@@ -199,7 +201,7 @@ _RULES: list[tuple[str, Callable[[Any, PreTrainedConfig], Any]]] = [
     (r"(hidden_size|d_model|n_embd|emb_dim|embedding_dim|embed_dim|embedding_size|word_embed_proj_dim|.*_hidden_size"
      r"|hidden_size_.*|lru_width|.*_embedding_size|.*_embed_dim|projector_.*_dim|.*_output_dim|out_hidden_size"
      r"|.*_channels?)", _at_most(HIDDEN)),  # convolution channels of vision and audio towers too
-    # depth (of sub-configs: the decoder's depth follows its layer pattern, see tiny_config)
+    # depth (of sub-configs: the decoder's depth follows its layer pattern, see tiny_recipe)
     (r"(num_hidden_layers|n_layer|num_layers|n_layers|encoder_layers|decoder_layers|depth|num_decoder_layers"
      r"|num_encoder_layers|.*_num_hidden_layers)", _at_most(MIN_LAYERS)),
 ]
@@ -473,7 +475,7 @@ class _Decoder:
         full_model = _build_uninitialised(self.model_class, full)
         stacks = _decoder_stacks(full_model, self.full_depth)
         full_kinds = layer_kinds(full_model, stacks, self.full_depth)
-        error: Exception | None = None
+        built: list[tuple[int, PreTrainedConfig]] = []  # (missing kinds, config) of each depth tried
         for depth in sorted({MIN_LAYERS, _prefix_depth(full_kinds)}):
             try:
                 config = self._build(full, depth)
@@ -481,12 +483,12 @@ class _Decoder:
             except Exception as exc:  # too few layers for the family's rules (no attention layer left, ...)
                 error = exc
                 continue
-            lost = len(set(full_kinds) - set(kinds))
-            if not lost:
+            built.append((len(set(full_kinds) - set(kinds)), config))
+            if not built[-1][0]:
                 break
-        else:
-            if error is not None:
-                raise error
+        if not built:
+            raise error
+        lost, config = min(built, key=lambda pair: pair[0])
         return config, lost
 
     def _build(self, full: PreTrainedConfig | None, depth: int | None) -> PreTrainedConfig:
@@ -602,7 +604,9 @@ def features(recipe: TinyRecipe, model: nn.Module) -> str:
     kinds = sorted({kind for name in _init_fields(type(text)) for kind in _per_layer_strings(text, name, depth)})
     if len(kinds) > 1:
         found.append("+".join(kind.removesuffix("_attention") for kind in kinds))
-    windows = sorted({value for m in [text, *model.modules()] for key, value in vars(m).items()
+    decoder = model.get_decoder()  # the language model of a vision-language model, not its towers
+    layers = [m for name in _decoder_stacks(decoder, depth or 0) for m in decoder.get_submodule(name).modules()]
+    windows = sorted({value for m in [text, *layers] for key, value in vars(m).items()
                       if _WINDOW_ATTRIBUTE.fullmatch(key) and _is_int(value) and value > 0})
     found += [f"window {w}" for w in windows]
     if _is_int(chunk := _field_value(text, "attention_chunk_size")):
@@ -621,7 +625,7 @@ def features(recipe: TinyRecipe, model: nn.Module) -> str:
     found += [name.removesuffix("_config") for name in config.sub_configs
               if name != _text_config_path(config) and getattr(config, name, None) is not None]
     if recipe.lost_layer_kinds:
-        found.append(f"{recipe.lost_layer_kinds} layer kinds beyond {MAX_LAYERS} layers untested")
+        found.append(f"{recipe.lost_layer_kinds} layer kinds of the full stack missing")
     return ", ".join(found)
 
 
