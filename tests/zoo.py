@@ -56,6 +56,7 @@ ROWS = 2
 MASKED_SPAN = (SHARD_LEN - 4, SHARD_LEN + 4)  # labels -100 across the shard border
 LR = 0.1
 SEED = 0
+PERTURBATION = 0.02  # std of the noise added to every initial weight
 LOSS_RTOL = 1e-5
 UPDATE_TOLERANCE = 1e-4
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # an entry that fails on one rank only frees the other after this
@@ -128,11 +129,18 @@ def make_samples(token_ids: list[int]) -> list[dict[str, Tensor]]:
 
 
 def build_model(recipe: TinyRecipe) -> tuple[torch.nn.Module, str]:
-    """The plain model and its attention: eager where the family has it, else SDPA."""
+    """The plain model and its attention (eager where the family has it, else SDPA), its seeded initial weights
+    perturbed so that no path is inert: families initialise gates, biases, sink logits, router weights and
+    convolutions to zero, which would hide what they compute."""
     try:
-        return recipe.build("eager", SEED), "eager"
+        model, attn_implementation = recipe.build("eager", SEED), "eager"
     except ValueError:  # the family does not implement eager attention
-        return recipe.build("sdpa", SEED), "sdpa"
+        model, attn_implementation = recipe.build("sdpa", SEED), "sdpa"
+    generator = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(PERTURBATION * torch.randn(parameter.shape, generator=generator))
+    return model, attn_implementation
 
 
 def prepare(entry: ZooEntry) -> Prepared:
