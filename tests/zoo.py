@@ -17,10 +17,11 @@ Each entry (one per ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, plu
 Data: 2 rows of 32 random token ids (no special tokens), labels -100 on a span across the shard border.
 
 All entries run inside one launch of 2 processes, one after the other, each caught on its own. The references are
-split between the two ranks and computed first, while no process group is busy; each rank saves the recipe, the
-initial weights and the reference result of its entries to a shared folder, which the SP runs then read. After
-each entry both ranks exchange their outcome on a process group of the harness's own, which also re-aligns them
-when an entry failed on one rank only (the other gives up at the strategy's collective timeout).
+split between the two ranks and computed first; each rank saves the recipe, the (perturbed, seeded) initial
+weights and the reference result of its entries to a shared folder, which the SP runs then read. After each entry
+the ranks exchange their outcomes on a process group of the harness's own. An entry that failed on one rank only
+releases the others after ``COLLECTIVE_TIMEOUT``; the ranks then make every process group afresh (see
+:class:`_World`), so that no abandoned collective reaches the next entry.
 
 ``python -m tests.zoo`` prints the table; ``python -m tests.zoo --markdown docs/model-support.md`` writes the page.
 """
@@ -59,7 +60,7 @@ SEED = 0
 PERTURBATION = 0.02  # std of the noise added to every initial weight
 LOSS_RTOL = 1e-5
 UPDATE_TOLERANCE = 1e-4
-COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # an entry that fails on one rank only frees the other after this
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # an entry that fails on one rank only frees the others after this
 HARNESS_TIMEOUT = timedelta(minutes=10)
 LAUNCH_TIMEOUT_S = 1800.0
 REGENERATE = "python -m tests.zoo --markdown docs/model-support.md"
@@ -100,6 +101,7 @@ class Outcome:
     update_error: float | None = None
     features: str = ""
     seconds: float = 0.0
+    missing_package: bool = False  # NOT BUILT for want of an optional package (the environment's, not the harness's)
 
 
 @dataclass
@@ -113,6 +115,7 @@ class Prepared:
     reference_loss: float | None = None
     reference_params: dict[str, Tensor] = field(default_factory=dict)
     not_built: str = ""  # why the config or the model could not be built
+    missing_package: bool = False  # ... because an optional package is not installed
     reference_failed: str = ""  # why the plain model could not run (the SP run may still be refused)
 
 
@@ -148,6 +151,8 @@ def prepare(entry: ZooEntry) -> Prepared:
     try:
         recipe = tiny_recipe(entry.model_type, entry.variant)
         model, attn_implementation = build_model(recipe)
+    except ImportError as exc:  # transformers' message names the package
+        return Prepared(not_built=_one_line(exc), missing_package=True)
     except Exception as exc:  # noqa: BLE001 - any failure to build is the entry's NOT BUILT reason
         return Prepared(not_built=_one_line(exc))
     initial = {name: value.detach().clone() for name, value in model.state_dict().items()}
@@ -178,9 +183,11 @@ class ZooModule(UlyssesLossMixin, L.LightningModule):
         super().__init__()
         self.model = model
         self.loss_scale = loss_scale
+        self.steps_started = 0
         self.losses: list[float] = []
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        self.steps_started += 1
         logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         loss = self.causal_lm_loss(logits, batch["shift_labels"]) * self.loss_scale
         self.losses.append(loss.item())
@@ -205,9 +212,9 @@ def sp_run(entry: ZooEntry, prepared: Prepared, world_size: int) -> Outcome:
     try:
         trainer.fit(module, loader)
     except UnsupportedModelError as exc:
-        if not module.losses:
+        if not module.steps_started:
             return Outcome(REFUSED, _one_line(exc))
-        return Outcome(ERROR, f"UnsupportedModelError after a training step: {_one_line(exc)}")
+        return Outcome(ERROR, f"refused inside a training step, not at set-up: {_one_line(exc)}")
     except Exception as exc:  # noqa: BLE001 - any other failure of the SP run is the entry's ERROR
         plain = f" (the plain model fails too: {prepared.reference_failed})" if prepared.reference_failed else ""
         return Outcome(ERROR, _one_line(exc) + plain)
@@ -251,25 +258,65 @@ def zoo_worker(args: dict[str, Any]) -> list[Outcome]:
     _quiet()
     entries: list[ZooEntry] = args["entries"]
     folder = Path(args["folder"])
-    world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    dist.init_process_group("gloo", timeout=HARNESS_TIMEOUT)
-    harness = dist.new_group(backend="gloo", timeout=HARNESS_TIMEOUT)  # the harness's own: no strategy uses it
-    for index in range(rank, len(entries), world_size):
+    world = _World(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    for index in range(world.rank, len(entries), world.size):
         torch.save(prepare(entries[index]), folder / f"{index}.pt")
-    dist.barrier(group=harness)
+    world.barrier()
     outcomes = []
     for index, entry in enumerate(entries):
         start = time.perf_counter()
         prepared: Prepared = torch.load(folder / f"{index}.pt", weights_only=False)
         if prepared.not_built:
-            outcome = Outcome(NOT_BUILT, prepared.not_built)
+            outcome = Outcome(NOT_BUILT, prepared.not_built, missing_package=prepared.missing_package)
         else:
-            outcome = sp_run(entry, prepared, world_size)
+            outcome = sp_run(entry, prepared, world.size)
         outcome.features, outcome.seconds = prepared.features, time.perf_counter() - start
-        everyone: list[Outcome | None] = [None] * world_size
-        dist.all_gather_object(everyone, outcome, group=harness)
+        everyone = world.gather(outcome)
+        if any((o.verdict, o.reason) != (outcome.verdict, outcome.reason) for o in everyone):
+            world.renew()  # the ranks parted ways: collectives one of them abandoned must not reach the next entry
         outcomes.append(merge(everyone))
     return outcomes
+
+
+class _World:
+    """The process groups of a zoo rank, on a store of its own that outlives them, so that they can be made afresh
+    after an entry that failed on some ranks only.
+
+    The default group (Lightning's, DeepSpeed's, the strategy's) and DeepSpeed's clone of it, through which ZeRO
+    reduces gradients, time out after ``COLLECTIVE_TIMEOUT``: a rank whose entry failed alone holds its peers that
+    long at most. DeepSpeed would otherwise make its clone with torch's default timeout of 30 minutes, whatever the
+    strategy's ``timeout``. The harness's own group, which exchanges each entry's outcome, waits longer.
+    """
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size, self.generation = rank, size, 0
+        self.store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, is_master=rank == 0,
+            timeout=HARNESS_TIMEOUT,
+        )
+        self.harness = self._connect()
+
+    def _connect(self) -> dist.ProcessGroup:
+        from deepspeed.utils import groups
+
+        store = dist.PrefixStore(f"world{self.generation}/", self.store)
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.size, timeout=COLLECTIVE_TIMEOUT)
+        groups._WORLD_GROUP = dist.new_group(ranks=list(range(self.size)), timeout=COLLECTIVE_TIMEOUT)
+        return dist.new_group(backend="gloo", timeout=HARNESS_TIMEOUT)
+
+    def renew(self) -> None:
+        """Every group destroyed and made again (a failed entry may have left messages in flight)."""
+        dist.destroy_process_group()
+        self.generation += 1
+        self.harness = self._connect()
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.harness)
+
+    def gather(self, outcome: Outcome) -> list[Outcome]:
+        everyone: list[Any] = [None] * self.size
+        dist.all_gather_object(everyone, outcome, group=self.harness)
+        return everyone
 
 
 def merge(outcomes: list[Outcome]) -> Outcome:
@@ -282,7 +329,7 @@ def merge(outcomes: list[Outcome]) -> Outcome:
     return Outcome(
         worst.verdict, " | ".join(reasons),
         max((o.loss_error for o in errors), default=None), max((o.update_error for o in errors), default=None),
-        worst.features, max(o.seconds for o in outcomes),
+        worst.features, max(o.seconds for o in outcomes), worst.missing_package,
     )
 
 
@@ -321,11 +368,10 @@ def format_table(results: dict[str, Outcome]) -> str:
 
 
 def markdown_page(results: dict[str, Outcome]) -> str:
-    """The generated model-support page: one row per family (and variant), PASS or REFUSED with the reason."""
-    rows = [
-        f"| `{name}` | {o.features} | {o.verdict} | {o.reason.replace('|', '/')} |"
-        for name, o in results.items() if name not in {entry.name for entry in CONTROL_ENTRIES}
-    ]
+    """The generated model-support page: one row per family (and variant), its verdict and the reason."""
+    controls = {entry.name for entry in CONTROL_ENTRIES}
+    shown = {name: outcome for name, outcome in results.items() if name not in controls}
+    rows = [f"| `{name}` | {o.features} | {o.verdict} | {_page_reason(o)} |" for name, o in shown.items()]
     return "\n".join([
         "# Model support",
         "",
@@ -334,18 +380,24 @@ def markdown_page(results: dict[str, Outcome]) -> str:
         f"```bash\n{REGENERATE}\n```",
         "",
         f"Every causal-LM family that transformers {transformers.__version__} registers, as a tiny seeded model with "
-        "its features on (sliding windows, MoE, MLA, ...), trained one step with `UlyssesStrategy(sp_size=2)` and "
-        "compared with one process of the plain model on the whole sequence. **PASS**: same loss (rtol 1e-5) and "
-        "same weight update (relative error < 1e-4). **REFUSED**: the strategy refuses the model at set-up, for the "
-        "reason given. Anything else is a bug.",
+        "its features on (sliding windows, MoE, MLA, ...; `tests/zoo_configs.py`), trained one step with "
+        "`UlyssesStrategy(sp_size=2)` and compared with one process of the plain model on the whole sequence. "
+        "**PASS**: same loss (rtol 1e-5) and same weight update (relative error < 1e-4). **REFUSED**: the strategy "
+        "refuses the model at set-up, for the reason given. Anything else is a bug.",
         "",
-        _counts(results),
+        _counts(shown),
         "",
         "| family | features | verdict | reason |",
         "|---|---|---|---|",
         *rows,
         "",
     ])
+
+
+def _page_reason(outcome: Outcome) -> str:
+    if outcome.verdict == FAIL:
+        return f"loss error {_error(outcome.loss_error)}, update error {_error(outcome.update_error)}"
+    return outcome.reason.replace("|", "/")
 
 
 def _counts(results: dict[str, Outcome]) -> str:
