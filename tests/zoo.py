@@ -168,8 +168,11 @@ def prepare(entry: ZooEntry) -> Prepared:
     except Exception as exc:  # noqa: BLE001 - the plain model cannot train on token ids alone
         prepared.reference_failed = _one_line(exc)
         return prepared
-    prepared.reference_loss = loss.item()
-    prepared.reference_params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    if not loss.isfinite() or all(torch.equal(params[name], initial[name]) for name in params):
+        prepared.reference_failed = f"the plain model's step is degenerate (loss {loss.item()}, or no weight moved)"
+        return prepared
+    prepared.reference_loss, prepared.reference_params = loss.item(), params
     return prepared
 
 
