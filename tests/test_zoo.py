@@ -47,4 +47,5 @@ def test_wrong_sp_loss_fails(zoo: dict[str, Outcome]) -> None:
     for entry in CONTROL_ENTRIES:
         outcome = zoo[entry.name]
         assert outcome.verdict == FAIL, outcome
-        assert outcome.loss_error == pytest.approx(1.0, rel=1e-3) and outcome.update_error == pytest.approx(1.0, rel=1e-3)
+        assert outcome.loss_error == pytest.approx(1.0, rel=1e-3)
+        assert outcome.update_error == pytest.approx(1.0, rel=1e-3)

@@ -203,19 +203,19 @@ class ZooModule(UlyssesLossMixin, L.LightningModule):
 def sp_run(entry: ZooEntry, prepared: Prepared, world_size: int) -> Outcome:
     """Train the entry one step under UlyssesStrategy and compare it with its reference (this rank's view)."""
     assert prepared.recipe is not None
-    model = prepared.recipe.build(prepared.attn_implementation, SEED)
-    model.load_state_dict(prepared.initial)
-    module = ZooModule(model, entry.sp_loss_scale)
     strategy = UlyssesStrategy(sp_size=SP_SIZE, stage=2, attn_implementation="sdpa", timeout=COLLECTIVE_TIMEOUT)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )
-    loader = DataLoader(make_samples(prepared.recipe.token_ids), batch_size=ROWS, collate_fn=collate)
+    module: ZooModule | None = None
     try:
-        trainer.fit(module, loader)
+        model = prepared.recipe.build(prepared.attn_implementation, SEED)
+        model.load_state_dict(prepared.initial)
+        module = ZooModule(model, entry.sp_loss_scale)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.fit(module, DataLoader(make_samples(prepared.recipe.token_ids), batch_size=ROWS, collate_fn=collate))
     except UnsupportedModelError as exc:
-        if not module.steps_started:
+        if module is not None and not module.steps_started:
             return Outcome(REFUSED, _one_line(exc))
         return Outcome(ERROR, f"refused inside a training step, not at set-up: {_one_line(exc)}")
     except Exception as exc:  # noqa: BLE001 - any other failure of the SP run is the entry's ERROR
@@ -225,6 +225,8 @@ def sp_run(entry: ZooEntry, prepared: Prepared, world_size: int) -> Outcome:
         _free_process_groups(strategy)
     if prepared.reference_failed:
         return Outcome(NOT_BUILT, f"the plain model ran no training step: {prepared.reference_failed}")
+    if not module.losses:
+        return Outcome(ERROR, "the Trainer ran no training step")
     return _compare(module, prepared)
 
 
@@ -417,7 +419,8 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path, help="also write the model-support page here")
     parser.add_argument("families", nargs="*", help="entries to run (default: all)")
     args = parser.parse_args()
-    entries = [e for e in zoo_entries() if not args.families or e.name in args.families or e.model_type in args.families]
+    wanted = set(args.families)
+    entries = [e for e in zoo_entries() if not wanted or e.name in wanted or e.model_type in wanted]
     results = run_zoo(entries)
     print(format_table(results))
     if args.markdown:

@@ -640,7 +640,9 @@ def _rope_features(config: PreTrainedConfig) -> list[str]:
     rope = _field_value(config, "rope_parameters")
     if not isinstance(rope, dict):
         return []
-    per_kind = [rope] if "rope_type" in rope or "rope_theta" in rope else [v for v in rope.values() if isinstance(v, dict)]
+    per_kind = [v for v in rope.values() if isinstance(v, dict)]  # one per layer type (Gemma 3 and kin) ...
+    if "rope_type" in rope or "rope_theta" in rope:
+        per_kind = [rope]  # ... or one for all layers
     found = sorted({f"rope={p['rope_type']}" for p in per_kind if p.get("rope_type", "default") != "default"})
     if any(p.get("partial_rotary_factor", 1.0) < 1.0 for p in per_kind):
         found.append("partial rotary")
