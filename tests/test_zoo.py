@@ -1,0 +1,51 @@
+"""The model zoo (see :mod:`tests.zoo`): every causal LM that transformers registers trains exactly like one
+process on the whole sequence under ``UlyssesStrategy(sp_size=2)``, or is refused at set-up.
+
+One test per entry, all from one 2-process launch; the table of every entry is printed once. An entry fails when
+its verdict is FAIL (ran and differs), ERROR (an exception other than the set-up refusal) or NOT BUILT (the harness
+could not build the tiny model or run the plain one: a harness bug to fix), and is skipped when building it needs
+an optional package that is not installed. The control tests check that the harness can fail: families known to
+match pass, and the same model with a wrong SP loss fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.zoo import CONTROL_ENTRIES, FAIL, PASS, REFUSED, Outcome, format_table, run_zoo, zoo_entries
+
+ENTRIES = [entry.name for entry in zoo_entries() if entry not in CONTROL_ENTRIES]
+KNOWN_TO_MATCH = ["llama", "mistral", "qwen3"]
+
+
+@pytest.fixture(scope="module")
+def zoo(request: pytest.FixtureRequest) -> dict[str, Outcome]:
+    results = run_zoo()
+    with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+        print("\n" + format_table(results))  # shown also when pytest captures output
+    return results
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_family_trains_exactly_or_is_refused(zoo: dict[str, Outcome], name: str) -> None:
+    outcome = zoo[name]
+    if outcome.missing_package:
+        pytest.skip(f"{name} needs a package that is not installed: {outcome.reason}")
+    assert outcome.verdict in (PASS, REFUSED), (
+        f"{name} [{outcome.features}]: {outcome.verdict} (loss error {outcome.loss_error}, "
+        f"update error {outcome.update_error}) {outcome.reason}"
+    )
+
+
+@pytest.mark.parametrize("name", KNOWN_TO_MATCH)
+def test_families_known_to_match_pass(zoo: dict[str, Outcome], name: str) -> None:
+    assert zoo[name].verdict == PASS, zoo[name]
+
+
+def test_wrong_sp_loss_fails(zoo: dict[str, Outcome]) -> None:
+    """The control entry doubles the SP loss: the harness must see a loss and an update off by a factor of 2."""
+    for entry in CONTROL_ENTRIES:
+        outcome = zoo[entry.name]
+        assert outcome.verdict == FAIL, outcome
+        assert outcome.loss_error == pytest.approx(1.0, rel=1e-3)
+        assert outcome.update_error == pytest.approx(1.0, rel=1e-3)

@@ -1,0 +1,433 @@
+"""The model zoo: every causal LM that the installed transformers registers, trained one step with sequence
+parallelism and compared with one process of the plain model on the whole sequence.
+
+The project's promise, checked family by family: a model that ``UlyssesStrategy`` accepts trains exactly like one
+process on the whole sequence; any other is refused at set-up with :class:`~lightning_ulysses.UnsupportedModelError`.
+Each entry (one per ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, plus :data:`VARIANT_ENTRIES` and the
+:data:`CONTROL_ENTRIES`) gets a tiny seeded config with its features on (:mod:`tests.zoo_configs`) and:
+
+* reference: the plain, unpatched model (eager attention where it has it, else SDPA) on one process on the whole
+  batch, token-mean next-token cross entropy, one SGD step;
+* SP run: the same initial weights wrapped in a LightningModule with :class:`~lightning_ulysses.UlyssesLossMixin`,
+  ``L.Trainer(devices=2, strategy=UlyssesStrategy(sp_size=2, stage=2, attn_implementation="sdpa"), max_steps=1)``;
+* verdict: ``PASS`` (loss within ``rtol`` 1e-5 and weight update within 1e-4 relative error, on every rank),
+  ``REFUSED`` (UnsupportedModelError before any training step), ``FAIL`` (ran and differs), ``ERROR`` (any other
+  exception in the SP run) or ``NOT BUILT`` (the tiny config or the plain reference could not be built or run).
+
+Data: 2 rows of 32 random token ids (no special tokens), labels -100 on a span across the shard border.
+
+All entries run inside one launch of 2 processes, one after the other, each caught on its own. The references are
+split between the two ranks and computed first; each rank saves the recipe, the (perturbed, seeded) initial
+weights and the reference result of its entries to a shared folder, which the SP runs then read. After each entry
+the ranks exchange their outcomes on a process group of the harness's own. An entry that failed on one rank only
+releases the others after ``COLLECTIVE_TIMEOUT``; the ranks then make every process group afresh (see
+:class:`_World`), so that no abandoned collective reaches the next entry.
+
+``python -m tests.zoo`` prints the table; ``python -m tests.zoo --markdown docs/model-support.md`` writes the page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+from torch import Tensor
+from torch.utils.data import DataLoader
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from lightning_ulysses import IGNORE_INDEX, UlyssesLossMixin, UlyssesStrategy, UnsupportedModelError
+from tests.launch import launch
+from tests.tiny import collate, relative_update_error
+from tests.zoo_configs import SEQ_LEN, SHARD_LEN, SP_SIZE, TinyRecipe, features, tiny_recipe
+
+ROWS = 2
+MASKED_SPAN = (SHARD_LEN - 4, SHARD_LEN + 4)  # labels -100 across the shard border
+LR = 0.1
+SEED = 0
+PERTURBATION = 0.02  # std of the noise added to every initial weight
+LOSS_RTOL = 1e-5
+UPDATE_TOLERANCE = 1e-4
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # an entry that fails on one rank only frees the others after this
+HARNESS_TIMEOUT = timedelta(minutes=10)
+LAUNCH_TIMEOUT_S = 1800.0
+REGENERATE = "python -m tests.zoo --markdown docs/model-support.md"
+
+PASS, REFUSED, FAIL, ERROR, NOT_BUILT = "PASS", "REFUSED", "FAIL", "ERROR", "NOT BUILT"
+SEVERITY = [PASS, REFUSED, FAIL, ERROR, NOT_BUILT]  # when the ranks disagree, the worst verdict is the entry's
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """One row of the zoo: a family (``model_type``), optionally with a config variant."""
+
+    name: str
+    model_type: str
+    variant: str | None = None
+    sp_loss_scale: float = 1.0  # a control entry's deliberately wrong SP loss
+
+
+VARIANT_ENTRIES = [("llama", "rope=dynamic"), ("phi3", "rope=longrope")]
+# entries that check the harness: families known to match must PASS, a wrong SP loss must FAIL
+CONTROL_ENTRIES = [ZooEntry("llama[control: SP loss x2]", "llama", sp_loss_scale=2.0)]
+
+
+def zoo_entries() -> list[ZooEntry]:
+    """Every causal-LM family transformers registers, the variants, and the control entries."""
+    entries = [ZooEntry(model_type, model_type) for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)]
+    entries += [ZooEntry(f"{model_type}[{variant}]", model_type, variant) for model_type, variant in VARIANT_ENTRIES]
+    return entries + CONTROL_ENTRIES
+
+
+@dataclass
+class Outcome:
+    """One rank's result for one entry (or the merged result of all ranks)."""
+
+    verdict: str
+    reason: str = ""
+    loss_error: float | None = None
+    update_error: float | None = None
+    features: str = ""
+    seconds: float = 0.0
+    missing_package: bool = False  # NOT BUILT for want of an optional package (the environment's, not the harness's)
+
+
+@dataclass
+class Prepared:
+    """What the rank that prepares an entry saves for both: the recipe, the initial weights, the reference."""
+
+    recipe: TinyRecipe | None = None
+    attn_implementation: str = ""  # the plain model's (the SP run builds the same model, then the strategy patches it)
+    features: str = ""
+    initial: dict[str, Tensor] = field(default_factory=dict)
+    reference_loss: float | None = None
+    reference_params: dict[str, Tensor] = field(default_factory=dict)
+    not_built: str = ""  # why the config or the model could not be built
+    missing_package: bool = False  # ... because an optional package is not installed
+    reference_failed: str = ""  # why the plain model could not run (the SP run may still be refused)
+
+
+# ----------------------------------------------------------------------------------------------
+# data and the reference
+# ----------------------------------------------------------------------------------------------
+def make_samples(token_ids: list[int]) -> list[dict[str, Tensor]]:
+    """``ROWS`` samples of ``SEQ_LEN`` token ids drawn from ``token_ids``; labels -100 on ``MASKED_SPAN``."""
+    generator = torch.Generator().manual_seed(SEED)
+    ids = torch.tensor(token_ids)[torch.randint(len(token_ids), (ROWS, SEQ_LEN), generator=generator)]
+    labels = ids.clone()
+    labels[:, slice(*MASKED_SPAN)] = IGNORE_INDEX
+    return [{"input_ids": ids[row], "labels": labels[row]} for row in range(ROWS)]
+
+
+def build_model(recipe: TinyRecipe) -> tuple[torch.nn.Module, str]:
+    """The plain model and its attention (eager where the family has it, else SDPA), its seeded initial weights
+    perturbed so that no path is inert: families initialise gates, biases, sink logits, router weights and
+    convolutions to zero, which would hide what they compute."""
+    try:
+        model, attn_implementation = recipe.build("eager", SEED), "eager"
+    except ValueError:  # the family does not implement eager attention
+        model, attn_implementation = recipe.build("sdpa", SEED), "sdpa"
+    generator = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(PERTURBATION * torch.randn(parameter.shape, generator=generator))
+    return model, attn_implementation
+
+
+def prepare(entry: ZooEntry) -> Prepared:
+    """Build the entry's tiny model and run the reference step (one process, whole sequences)."""
+    try:
+        recipe = tiny_recipe(entry.model_type, entry.variant)
+        model, attn_implementation = build_model(recipe)
+    except ImportError as exc:  # transformers' message names the package
+        return Prepared(not_built=_one_line(exc), missing_package=True)
+    except Exception as exc:  # noqa: BLE001 - any failure to build is the entry's NOT BUILT reason
+        return Prepared(not_built=_one_line(exc))
+    initial = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    prepared = Prepared(recipe, attn_implementation, features(recipe, model), initial)
+    try:
+        batch = collate(make_samples(recipe.token_ids))
+        logits = model(input_ids=batch["input_ids"]).logits
+        loss = F.cross_entropy(
+            logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE_INDEX
+        )
+        loss.backward()
+        torch.optim.SGD(model.parameters(), lr=LR).step()
+    except Exception as exc:  # noqa: BLE001 - the plain model cannot train on token ids alone
+        prepared.reference_failed = _one_line(exc)
+        return prepared
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    if not loss.isfinite() or all(torch.equal(params[name], initial[name]) for name in params):
+        prepared.reference_failed = f"the plain model's step is degenerate (loss {loss.item()}, or no weight moved)"
+        return prepared
+    prepared.reference_loss, prepared.reference_params = loss.item(), params
+    return prepared
+
+
+# ----------------------------------------------------------------------------------------------
+# the sequence-parallel run
+# ----------------------------------------------------------------------------------------------
+class ZooModule(UlyssesLossMixin, L.LightningModule):
+    """One causal-LM training step: forward with the shard's global position ids, the exact token mean, SGD."""
+
+    def __init__(self, model: torch.nn.Module, loss_scale: float) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_scale = loss_scale
+        self.steps_started = 0
+        self.losses: list[float] = []
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        self.steps_started += 1
+        logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        loss = self.causal_lm_loss(logits, batch["shift_labels"]) * self.loss_scale
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def sp_run(entry: ZooEntry, prepared: Prepared, world_size: int) -> Outcome:
+    """Train the entry one step under UlyssesStrategy and compare it with its reference (this rank's view)."""
+    assert prepared.recipe is not None
+    strategy = UlyssesStrategy(sp_size=SP_SIZE, stage=2, attn_implementation="sdpa", timeout=COLLECTIVE_TIMEOUT)
+    module: ZooModule | None = None
+    try:
+        model = prepared.recipe.build(prepared.attn_implementation, SEED)
+        model.load_state_dict(prepared.initial)
+        module = ZooModule(model, entry.sp_loss_scale)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.fit(module, DataLoader(make_samples(prepared.recipe.token_ids), batch_size=ROWS, collate_fn=collate))
+    except UnsupportedModelError as exc:
+        if module is not None and not module.steps_started:
+            return Outcome(REFUSED, _one_line(exc))
+        return Outcome(ERROR, f"refused inside a training step, not at set-up: {_one_line(exc)}")
+    except Exception as exc:  # noqa: BLE001 - any other failure of the SP run is the entry's ERROR
+        plain = f" (the plain model fails too: {prepared.reference_failed})" if prepared.reference_failed else ""
+        return Outcome(ERROR, _one_line(exc) + plain)
+    finally:
+        _free_process_groups(strategy)
+    if prepared.reference_failed:
+        return Outcome(NOT_BUILT, f"the plain model ran no training step: {prepared.reference_failed}")
+    if not module.losses:
+        return Outcome(ERROR, "the Trainer ran no training step")
+    return _compare(module, prepared)
+
+
+def _compare(module: ZooModule, prepared: Prepared) -> Outcome:
+    assert prepared.reference_loss is not None
+    got = {name: p.detach() for name, p in module.model.named_parameters()}
+    initial = {name: prepared.initial[name] for name in prepared.reference_params}
+    loss_error = abs(module.losses[-1] - prepared.reference_loss) / abs(prepared.reference_loss)
+    update_error = relative_update_error(initial, prepared.reference_params, got)
+    passed = loss_error <= LOSS_RTOL and update_error < UPDATE_TOLERANCE
+    return Outcome(PASS if passed else FAIL, "", loss_error, update_error)
+
+
+def _free_process_groups(strategy: UlyssesStrategy) -> None:
+    """The strategy makes an SP and a DP group per fit; a run of hundreds of fits frees them after each."""
+    try:
+        groups = {strategy.sp_group, strategy.dp_group} - {None}
+    except RuntimeError:  # the run failed before the topology existed
+        return
+    for group in groups:
+        dist.destroy_process_group(group)
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+# ----------------------------------------------------------------------------------------------
+# the launch
+# ----------------------------------------------------------------------------------------------
+def zoo_worker(args: dict[str, Any]) -> list[Outcome]:
+    """One rank: prepare its share of the entries, then run every entry's SP step with the other ranks."""
+    _quiet()
+    entries: list[ZooEntry] = args["entries"]
+    folder = Path(args["folder"])
+    world = _World(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    for index in range(world.rank, len(entries), world.size):
+        torch.save(prepare(entries[index]), folder / f"{index}.pt")
+    world.barrier()
+    outcomes = []
+    for index, entry in enumerate(entries):
+        start = time.perf_counter()
+        prepared: Prepared = torch.load(folder / f"{index}.pt", weights_only=False)
+        if prepared.not_built:
+            outcome = Outcome(NOT_BUILT, prepared.not_built, missing_package=prepared.missing_package)
+        else:
+            outcome = sp_run(entry, prepared, world.size)
+        outcome.features, outcome.seconds = prepared.features, time.perf_counter() - start
+        everyone = world.gather(outcome)
+        if any((o.verdict, o.reason) != (outcome.verdict, outcome.reason) for o in everyone):
+            world.renew()  # the ranks parted ways: collectives one of them abandoned must not reach the next entry
+        outcomes.append(merge(everyone))
+    return outcomes
+
+
+class _World:
+    """The process groups of a zoo rank, on a store of its own that outlives them, so that they can be made afresh
+    after an entry that failed on some ranks only.
+
+    The default group (Lightning's, DeepSpeed's, the strategy's) and DeepSpeed's clone of it, through which ZeRO
+    reduces gradients, time out after ``COLLECTIVE_TIMEOUT``: a rank whose entry failed alone holds its peers that
+    long at most. DeepSpeed would otherwise make its clone with torch's default timeout of 30 minutes, whatever the
+    strategy's ``timeout``. The harness's own group, which exchanges each entry's outcome, waits longer.
+    """
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size, self.generation = rank, size, 0
+        self.store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, is_master=rank == 0,
+            timeout=HARNESS_TIMEOUT,
+        )
+        self.harness = self._connect()
+
+    def _connect(self) -> dist.ProcessGroup:
+        from deepspeed.utils import groups
+
+        store = dist.PrefixStore(f"world{self.generation}/", self.store)
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.size, timeout=COLLECTIVE_TIMEOUT)
+        groups._WORLD_GROUP = dist.new_group(ranks=list(range(self.size)), timeout=COLLECTIVE_TIMEOUT)
+        return dist.new_group(backend="gloo", timeout=HARNESS_TIMEOUT)
+
+    def renew(self) -> None:
+        """Every group destroyed and made again (a failed entry may have left messages in flight)."""
+        dist.destroy_process_group()
+        self.generation += 1
+        self.harness = self._connect()
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.harness)
+
+    def gather(self, outcome: Outcome) -> list[Outcome]:
+        everyone: list[Any] = [None] * self.size
+        dist.all_gather_object(everyone, outcome, group=self.harness)
+        return everyone
+
+
+def merge(outcomes: list[Outcome]) -> Outcome:
+    """One entry's result from every rank's: the worst verdict; errors the largest; each distinct reason once, a
+    rank's collective timeout (waiting for a rank that failed) after the failure itself."""
+    worst = max(outcomes, key=lambda o: SEVERITY.index(o.verdict))
+    reasons = list(dict.fromkeys(o.reason for o in outcomes if o.verdict == worst.verdict and o.reason))
+    reasons.sort(key=lambda reason: "Timed out" in reason)
+    errors = [o for o in outcomes if o.loss_error is not None]
+    return Outcome(
+        worst.verdict, " | ".join(reasons),
+        max((o.loss_error for o in errors), default=None), max((o.update_error for o in errors), default=None),
+        worst.features, max(o.seconds for o in outcomes), worst.missing_package,
+    )
+
+
+def _quiet() -> None:
+    """The table is the output: no per-fit banners from Lightning, DeepSpeed or transformers."""
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "DeepSpeed", "deepspeed", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def run_zoo(entries: list[ZooEntry] | None = None) -> dict[str, Outcome]:
+    """Run the zoo on 2 CPU processes; entry name -> merged outcome."""
+    entries = zoo_entries() if entries is None else entries
+    with tempfile.TemporaryDirectory() as folder:
+        results = launch(
+            "tests.zoo:zoo_worker", SP_SIZE, {"entries": entries, "folder": folder}, timeout=LAUNCH_TIMEOUT_S
+        )
+    return {entry.name: outcome for entry, outcome in zip(entries, results[0])}
+
+
+# ----------------------------------------------------------------------------------------------
+# reports
+# ----------------------------------------------------------------------------------------------
+def format_table(results: dict[str, Outcome]) -> str:
+    """A plain-text table: entry, features, verdict, loss and update errors, reason; then the verdict counts."""
+    header = ("entry", "features", "verdict", "loss err", "update err", "s", "reason")
+    rows = [
+        (name, o.features, o.verdict, _error(o.loss_error), _error(o.update_error), f"{o.seconds:.1f}", o.reason)
+        for name, o in results.items()
+    ]
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header) - 1)]
+    lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1]
+             for row in [header, *rows]]
+    return "\n".join([*lines, "", _counts(results)])
+
+
+def markdown_page(results: dict[str, Outcome]) -> str:
+    """The generated model-support page: one row per family (and variant), its verdict and the reason."""
+    controls = {entry.name for entry in CONTROL_ENTRIES}
+    shown = {name: outcome for name, outcome in results.items() if name not in controls}
+    rows = [f"| `{name}` | {o.features} | {o.verdict} | {_page_reason(o)} |" for name, o in shown.items()]
+    return "\n".join([
+        "# Model support",
+        "",
+        "Generated by the model-zoo test (`tests/zoo.py`); do not edit by hand. Regenerate with",
+        "",
+        f"```bash\n{REGENERATE}\n```",
+        "",
+        f"Every causal-LM family that transformers {transformers.__version__} registers, as a tiny seeded model with "
+        "its features on (sliding windows, MoE, MLA, ...; `tests/zoo_configs.py`), trained one step with "
+        "`UlyssesStrategy(sp_size=2)` and compared with one process of the plain model on the whole sequence. "
+        "**PASS**: same loss (rtol 1e-5) and same weight update (relative error < 1e-4). **REFUSED**: the strategy "
+        "refuses the model at set-up, for the reason given. Anything else is a bug.",
+        "",
+        _counts(shown),
+        "",
+        "| family | features | verdict | reason |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+    ])
+
+
+def _page_reason(outcome: Outcome) -> str:
+    if outcome.verdict == FAIL:
+        return f"loss error {_error(outcome.loss_error)}, update error {_error(outcome.update_error)}"
+    return outcome.reason.replace("|", "/")
+
+
+def _counts(results: dict[str, Outcome]) -> str:
+    counts = {verdict: sum(o.verdict == verdict for o in results.values()) for verdict in SEVERITY}
+    return ", ".join(f"{verdict}: {count}" for verdict, count in counts.items() if count)
+
+
+def _error(value: float | None) -> str:
+    return "" if value is None else f"{value:.1e}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--markdown", type=Path, help="also write the model-support page here")
+    parser.add_argument("families", nargs="*", help="entries to run (default: all)")
+    args = parser.parse_args()
+    wanted = set(args.families)
+    entries = [e for e in zoo_entries() if not wanted or e.name in wanted or e.model_type in wanted]
+    results = run_zoo(entries)
+    print(format_table(results))
+    if args.markdown:
+        args.markdown.write_text(markdown_page(results))
+
+
+if __name__ == "__main__":
+    from tests.zoo import main as zoo_main  # run as tests.zoo, the module whose classes the ranks pickle
+
+    zoo_main()
