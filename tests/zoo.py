@@ -10,7 +10,8 @@ Each entry (one per ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, plu
   batch, token-mean next-token cross entropy, one SGD step;
 * SP run: the same initial weights wrapped in a LightningModule with :class:`~lightning_ulysses.UlyssesLossMixin`,
   ``L.Trainer(devices=2, strategy=UlyssesStrategy(sp_size=2, stage=2, attn_implementation="sdpa"), max_steps=1)``;
-* verdict: ``PASS`` (loss within ``rtol`` 1e-5 and weight update within 1e-4 relative error, on every rank),
+* verdict: ``PASS`` (loss within ``rtol`` 1e-5 and weight update within 1e-4 relative error, or 10x the plain
+  model's own eager-vs-SDPA difference where that is larger, on every rank),
   ``REFUSED`` (UnsupportedModelError before any training step), ``FAIL`` (ran and differs), ``ERROR`` (any other
   exception in the SP run) or ``NOT BUILT`` (the tiny config or the plain reference could not be built or run).
 
@@ -60,6 +61,7 @@ SEED = 0
 PERTURBATION = 0.02  # std of the noise added to every initial weight
 LOSS_RTOL = 1e-5
 UPDATE_TOLERANCE = 1e-4
+KERNEL_NOISE_FACTOR = 10  # the SP update may differ from the reference by 10x the plain model's eager-vs-SDPA difference
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # an entry that fails on one rank only frees the others after this
 HARNESS_TIMEOUT = timedelta(minutes=10)
 LAUNCH_TIMEOUT_S = 1800.0
@@ -117,6 +119,7 @@ class Prepared:
     not_built: str = ""  # why the config or the model could not be built
     missing_package: bool = False  # ... because an optional package is not installed
     reference_failed: str = ""  # why the plain model could not run (the SP run may still be refused)
+    update_tolerance: float = UPDATE_TOLERANCE  # raised to the plain model's own kernel noise (see _kernel_noise)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,23 +160,45 @@ def prepare(entry: ZooEntry) -> Prepared:
         return Prepared(not_built=_one_line(exc))
     initial = {name: value.detach().clone() for name, value in model.state_dict().items()}
     prepared = Prepared(recipe, attn_implementation, features(recipe, model), initial)
+    batch = collate(make_samples(recipe.token_ids))
     try:
-        batch = collate(make_samples(recipe.token_ids))
-        logits = model(input_ids=batch["input_ids"]).logits
-        loss = F.cross_entropy(
-            logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE_INDEX
-        )
-        loss.backward()
-        torch.optim.SGD(model.parameters(), lr=LR).step()
+        loss, params = reference_step(model, batch)
     except Exception as exc:  # noqa: BLE001 - the plain model cannot train on token ids alone
         prepared.reference_failed = _one_line(exc)
         return prepared
-    params = {name: p.detach().clone() for name, p in model.named_parameters()}
     if not loss.isfinite() or all(torch.equal(params[name], initial[name]) for name in params):
         prepared.reference_failed = f"the plain model's step is degenerate (loss {loss.item()}, or no weight moved)"
         return prepared
     prepared.reference_loss, prepared.reference_params = loss.item(), params
+    prepared.update_tolerance = max(UPDATE_TOLERANCE, KERNEL_NOISE_FACTOR * _kernel_noise(recipe, prepared, batch))
     return prepared
+
+
+def reference_step(model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    """One SGD step of the plain model on whole sequences: token-mean next-token cross entropy; the loss and the
+    updated parameters."""
+    logits = model(input_ids=batch["input_ids"]).logits
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
+                           ignore_index=IGNORE_INDEX)
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    return loss.detach(), {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _kernel_noise(recipe: TinyRecipe, prepared: Prepared, batch: dict[str, Tensor]) -> float:
+    """How far the plain model's own step moves between its eager and SDPA kernels (relative update error): deep
+    models amplify float rounding (24-layer Gemma 4: 9e-5), and the SP run may not be held closer than the plain
+    model is to itself. 0 when the family has one kernel only."""
+    if prepared.attn_implementation != "eager":
+        return 0.0
+    try:
+        model = recipe.build("sdpa", SEED)
+    except ValueError:  # no SDPA for this family
+        return 0.0
+    model.load_state_dict(prepared.initial)
+    _, params = reference_step(model, batch)
+    initial = {name: prepared.initial[name] for name in prepared.reference_params}
+    return relative_update_error(initial, prepared.reference_params, params)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,7 +241,7 @@ def sp_run(entry: ZooEntry, prepared: Prepared, world_size: int) -> Outcome:
         trainer.fit(module, DataLoader(make_samples(prepared.recipe.token_ids), batch_size=ROWS, collate_fn=collate))
     except UnsupportedModelError as exc:
         if module is not None and not module.steps_started:
-            return Outcome(REFUSED, _one_line(exc))
+            return Outcome(REFUSED, _refusal_reason(exc))
         return Outcome(ERROR, f"refused inside a training step, not at set-up: {_one_line(exc)}")
     except Exception as exc:  # noqa: BLE001 - any other failure of the SP run is the entry's ERROR
         plain = f" (the plain model fails too: {prepared.reference_failed})" if prepared.reference_failed else ""
@@ -236,7 +261,7 @@ def _compare(module: ZooModule, prepared: Prepared) -> Outcome:
     initial = {name: prepared.initial[name] for name in prepared.reference_params}
     loss_error = abs(module.losses[-1] - prepared.reference_loss) / abs(prepared.reference_loss)
     update_error = relative_update_error(initial, prepared.reference_params, got)
-    passed = loss_error <= LOSS_RTOL and update_error < UPDATE_TOLERANCE
+    passed = loss_error <= LOSS_RTOL and update_error < prepared.update_tolerance
     return Outcome(PASS if passed else FAIL, "", loss_error, update_error)
 
 
@@ -248,6 +273,12 @@ def _free_process_groups(strategy: UlyssesStrategy) -> None:
         return
     for group in groups:
         dist.destroy_process_group(group)
+
+
+def _refusal_reason(exc: UnsupportedModelError) -> str:
+    """The refused layers and why (the ``- layer: reason`` lines of the message), else its first sentence."""
+    lines = [line.strip()[2:] for line in str(exc).splitlines() if line.strip().startswith("- ")]
+    return "; ".join(lines)[:600] if lines else str(exc).split(". ")[0] + "."
 
 
 def _one_line(exc: BaseException) -> str:
@@ -387,8 +418,10 @@ def markdown_page(results: dict[str, Outcome]) -> str:
         f"Every causal-LM family that transformers {transformers.__version__} registers, as a tiny seeded model with "
         "its features on (sliding windows, MoE, MLA, ...; `tests/zoo_configs.py`), trained one step with "
         "`UlyssesStrategy(sp_size=2)` and compared with one process of the plain model on the whole sequence. "
-        "**PASS**: same loss (rtol 1e-5) and same weight update (relative error < 1e-4). **REFUSED**: the strategy "
-        "refuses the model at set-up, for the reason given. Anything else is a bug.",
+        "**PASS**: same loss (rtol 1e-5) and same weight update (relative error < 1e-4, or 10x the plain model's own "
+        "eager-vs-SDPA difference where that is larger: deep Gemma 4 stacks amplify float rounding to 9e-5). "
+        "**REFUSED**: the strategy refuses the model at set-up, for the reason given (the layer, then why). "
+        "Anything else is a bug.",
         "",
         _counts(shown),
         "",

@@ -26,7 +26,7 @@ HANDLED_KWARGS = frozenset({"sliding_window", "position_ids", "is_causal", "s_au
 
 INERT_KWARGS = frozenset({
     "layer_idx", "use_cache", "output_attentions", "return_dict", "cache", "past_key_values", "cache_position",
-    "position_embeddings", "target_dtype", "layer_type",
+    "position_embeddings", "target_dtype", "layer_type", "logits_to_keep",
 })
 """Keyword arguments that models pass along but that do not change what attention computes here (no KV cache
 runs under sequence parallelism)."""
@@ -123,7 +123,7 @@ def _hf_ulysses_attention(
         group=state.group, attn_fn=state.core, position_ids=state.position_ids, scale=scaling, dropout_p=dropout,
         window=plan.pattern.window, chunk=plan.pattern.chunk, sinks=kwargs["s_aux"] if plan.sinks else None,
     )
-    return out, None
+    return out.contiguous(), None  # as transformers' kernels return it: models .view() it
 
 
 AttentionInterface.register(ULYSSES_ATTN_IMPLEMENTATION, _hf_ulysses_attention)

@@ -177,6 +177,10 @@ def _guarded_forward(forward: Any, state: PatchState) -> Any:
         kwargs["use_cache"] = False
         if state.depth == 0:
             _read_batch_layout(kwargs, state)
+        elif takes_position_ids and kwargs.get("position_ids") is None and _tokens(args, kwargs) == _tokens((), {
+            "input_ids": state.position_ids}):
+            kwargs["position_ids"] = state.position_ids  # an outer model that does not pass them on (transformers
+            # would number this shard's tokens from 0)
         if not takes_position_ids:
             kwargs.pop("position_ids", None)
         state.depth += 1
@@ -186,6 +190,12 @@ def _guarded_forward(forward: Any, state: PatchState) -> Any:
             state.depth -= 1
 
     return guarded
+
+
+def _tokens(args: tuple, kwargs: dict[str, Any]) -> int | None:
+    """The sequence length of a model call's ``input_ids`` / ``inputs_embeds`` (``[B, N, ...]``), if it has them."""
+    inputs = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
+    return inputs.shape[1] if isinstance(inputs, Tensor) and inputs.dim() >= 2 else None
 
 
 def _read_batch_layout(kwargs: dict[str, Any], state: PatchState) -> None:

@@ -1,25 +1,30 @@
 """The set-up check: run a patched model once on a few tokens and refuse it unless every layer is exact.
 
-Detection is by what the model does, not by its name. Three short ``no_grad`` forwards in eval mode,
-with every attention layer replaced by *token-local attention* (each token attends only to itself:
-``out = v * sigmoid(scale * q.k)``, so queries, keys and values all still matter, but no information
-moves between tokens through attention):
+Detection is by what the model does, not by its name. A few short ``no_grad`` forwards in eval mode
+(two rows of ``N = sp * PROBE_TOKENS_PER_RANK`` tokens), with every attention layer replaced by
+*token-local attention* (each token attends only to itself: ``out = v * sigmoid(scale * q.k)``, so
+queries, keys and values all still matter, but no information moves between tokens through attention):
 
-1. **Whole sequence, one rank** (``[1, N]``, ``N = sp * PROBE_TOKENS_PER_RANK``). transformers builds its
-   masks through :func:`~lightning_ulysses.hf.masks.recording_mask_interface`; each attention layer's
-   call is read (:func:`~lightning_ulysses.hf.interface.read_layer_call`): the mask pattern it receives
-   (windows and chunks applied only through the mask included), its arguments (sinks, soft-capping,
-   bidirectional attention, model-computed biases are refused). Every module's inputs and outputs are kept.
-2. **Rotary embeddings** (``sp > 1``): every module that maps ``position_ids`` to a pair of per-token
+1. **Whole sequence, one rank.** transformers builds its masks through
+   :func:`~lightning_ulysses.hf.masks.recording_mask_interface`; each attention layer's call is read
+   (:func:`~lightning_ulysses.hf.interface.read_layer_call`): the mask pattern it receives (windows and
+   chunks applied only through the mask included) and its arguments (sinks; soft-capping, bidirectional
+   attention, model-computed biases are refused). Every module's inputs and outputs are kept.
+2. **Position numbering.** The plain model must compute the same with position ids ``0, 1, 2, ...`` as with
+   its own (RoBERTa counts from ``padding_idx + 1``): sequence parallelism must pass global ones.
+3. **Rotary embeddings** (``sp > 1``): every module that maps ``position_ids`` to a pair of per-token
    tensors (cos, sin) is called with positions around each ``max_position`` boundary of the config; where
    its output depends on the length (dynamic NTK, longrope), :func:`~lightning_ulysses.hf.rotary.whole_sequence_rotary`
    is installed and must make it exact.
-3. **Sharded** (``sp > 1``, this rank's ``[1, N / sp]`` shard, the real SP group). With attention
-   token-local, no module's per-token output may depend on where the sequence is cut: where one does,
-   something other than attention moves information between tokens (a convolution over the sequence, a
-   recurrent / linear-attention / state-space layer) or computes from local token indices. Every module
-   whose inputs agree with the whole run is compared on its own outputs (a small mixer is as visible as
-   a large one), the first that differs is named; the model's output must agree too.
+4. **As in training**: this rank's shard (the whole sequence at ``sp_size=1``), the real SP group, no masks
+   built. With attention token-local, no module's per-token output may differ from the whole run: where
+   one does, something other than attention moves information between tokens (a convolution over the
+   sequence, a recurrent / linear-attention / state-space layer), computes from local token indices, or
+   reads the attention mask outside attention (sparse-attention indexers). Every module whose inputs
+   agree with the whole run is compared on its own outputs (a small mixer is as visible as a large one)
+   and the first that differs is named; the model's output must agree too. ``torch.arange`` over the
+   shard's length is trapped as well: an index-dependent computation may change nothing at the probe's
+   few tokens (Llama4's temperature tuning starts at index 8192).
 
 The verdict is agreed over the SP group, so every rank raises the same :class:`UnsupportedModelError`.
 """
@@ -29,7 +34,7 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +48,13 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from lightning_ulysses.hf import interface
 from lightning_ulysses.hf.interface import ULYSSES_ATTN_IMPLEMENTATION, LayerPlan, read_layer_call
 from lightning_ulysses.hf.masks import RecordedMasks, recording_mask_interface
-from lightning_ulysses.hf.patching import PatchState, UnsupportedModelError, model_configs, sequence_parallel_disabled
+from lightning_ulysses.hf.patching import (
+    PatchState,
+    UnsupportedModelError,
+    model_configs,
+    sequence_parallel_disabled,
+    unpatched,
+)
 from lightning_ulysses.hf.rotary import position_ids_index, whole_sequence_rotary
 
 PROBE_TOKENS_PER_RANK = 11
@@ -94,10 +105,12 @@ def check_model(model: PreTrainedModel, state: PatchState) -> None:
         with torch.no_grad():
             findings, whole = _whole_sequence_run(model, state, input_ids, position_ids)
             findings = _agreed(findings, state)  # a forward that failed on one rank only must not leave the others waiting
+            if not findings:
+                findings = _check_position_numbering(model, input_ids, position_ids)
             if state.sp_size > 1 and not findings:
                 findings = _check_rotary(model, state, whole, shard)
-            if state.sp_size > 1 and not findings:
-                findings = _agreed(_sharded_run(model, state, input_ids, position_ids, whole, shard), state)
+            if not findings:
+                findings = _agreed(_training_run(model, state, input_ids, position_ids, whole, shard), state)
     finally:
         for module, training in modes.items():
             module.training = training
@@ -136,6 +149,10 @@ def _whole_sequence_run(
         module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, scaling: float | None,
         kwargs: dict[str, Any],
     ) -> Tensor:
+        if key.shape[2] != query.shape[2]:  # keys of its own (compressed, memory, ...): no stand-in attention here
+            findings[module] = Finding(_where(names, module), f"attends to {key.shape[2]} keys from {query.shape[2]} "
+                                       "queries: keys other than the sequence's tokens")
+            return query.new_zeros(*query.shape[:2], query.shape[2], value.shape[-1]).transpose(1, 2)
         if module not in findings:
             pattern, why = recorded.pattern_of(attention_mask)
             plan, problems = read_layer_call(module, pattern, why, kwargs)
@@ -169,19 +186,29 @@ def token_local_attention(query: Tensor, key: Tensor, value: Tensor, scale: floa
     key, value = (t.repeat_interleave(group, dim=1) for t in (key, value))
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     weight = torch.sigmoid(scale * (query * key).sum(-1, keepdim=True))
-    return (value * weight).transpose(1, 2)
+    return (value * weight).transpose(1, 2).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------
 # 2. sharded
 # ----------------------------------------------------------------------------------------------
-def _sharded_run(
+def _training_run(
     model: PreTrainedModel, state: PatchState, input_ids: Tensor, position_ids: Tensor, whole: _WholeRun,
     shard: _Shard,
 ) -> list[Finding]:
+    """The forward as training runs it: this rank's shard (the whole sequence at ``sp_size=1``), the real SP group,
+    no attention masks built; every module compared with the whole-sequence run."""
     names = {module: name for name, module in model.named_modules()}
     seen: dict[str, int] = {}
     culprits: list[Finding] = []
+    differs = (
+        "changes its output when the sequence is split: it mixes information between tokens outside attention (a "
+        "convolution over the sequence, a recurrent, linear-attention or state-space layer), computes from local token "
+        "indices, or reads the attention mask outside attention. Only softmax attention runs across the shards"
+        if state.sp_size > 1 else
+        "reads the [N, N] attention mask outside attention (its output changes when transformers builds none, as under "
+        "sequence parallelism)"
+    )
 
     def compare(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         name = names[module]
@@ -191,22 +218,35 @@ def _sharded_run(
             return
         inputs_agree = shard.inputs_agree(calls[index].inputs, _named_inputs(args, kwargs))
         if inputs_agree and not shard.all_agree(calls[index].outputs, _tensors(output)):
-            culprits.append(Finding(
-                _where(names, module),
-                "changes its output when the sequence is split: it mixes information between tokens outside attention "
-                "(a convolution over the sequence, a recurrent, linear-attention or state-space layer) or computes "
-                "from local token indices. Only softmax attention runs across the shards",
-            ))
+            culprits.append(Finding(_where(names, module), differs))
 
     def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, scaling: float | None,
                   kwargs: dict[str, Any]) -> Tensor:
         return token_local_attention(query, key, value, scaling)
 
-    with _probe_attention(attention), _hooks(model, compare), _local_index_trap(model, shard.length) as local_indices:
-        output = model(input_ids=shard.of(input_ids), position_ids=shard.of(position_ids))
+    trap = _local_index_trap(model, shard.length) if state.sp_size > 1 else nullcontext([])
+    try:
+        with _probe_attention(attention), _hooks(model, compare), trap as local_indices:
+            output = model(input_ids=shard.of(input_ids), position_ids=shard.of(position_ids))
+    except Exception as error:  # noqa: BLE001 - the reason to refuse, with its text
+        return [Finding(type(model).__name__, "fails when run as under sequence parallelism, where transformers builds no "
+                        f"attention mask ({type(error).__name__}: {error})")]
     if culprits or local_indices or shard.agree(whole.output, _first_tensor(output)):
         return culprits + local_indices
-    return [Finding(type(model).__name__, "computes outputs that change when the sequence is split")]
+    return [Finding(type(model).__name__, differs)]
+
+
+def _check_position_numbering(model: PreTrainedModel, input_ids: Tensor, position_ids: Tensor) -> list[Finding]:
+    """Refuse a model whose own positions are not ``0, 1, 2, ...`` (RoBERTa counts from ``padding_idx + 1``): the global
+    position ids that sequence parallelism must pass would change what it computes."""
+    with unpatched(model):
+        given = _first_tensor(model(input_ids=input_ids, position_ids=position_ids, use_cache=False))
+        own = _first_tensor(model(input_ids=input_ids, use_cache=False))
+    if given is None or own is None or _close(own, given):
+        return []
+    return [Finding(type(model).__name__, "numbers its positions other than 0, 1, 2, ... (its output changes when given "
+                    "those position ids; e.g. RoBERTa counts from padding_idx + 1), and sequence parallelism must give "
+                    "each shard its global position ids")]
 
 
 @contextmanager
