@@ -85,7 +85,6 @@ def apply_ulysses_attention(model: nn.Module, group: ProcessGroup | None, sp_siz
     for hf_model in outermost_models(model):
         if "_ulysses_original_attn" in hf_model.__dict__:
             continue
-        _check_dispatch(hf_model)
         _log_head_layout(hf_model, sp_size)
         state = PatchState(group, core, sp_size)
         _patch(hf_model, state)
@@ -94,16 +93,6 @@ def apply_ulysses_attention(model: nn.Module, group: ProcessGroup | None, sp_siz
         except BaseException:
             _unpatch(hf_model)
             raise
-
-
-def _check_dispatch(model: PreTrainedModel) -> None:
-    for sub in model.modules():
-        if isinstance(sub, PreTrainedModel) and not type(sub)._supports_attention_backend:
-            raise UnsupportedModelError(
-                f"{type(sub).__name__} does not dispatch attention through transformers' AttentionInterface, so Ulysses "
-                "attention cannot be swapped in. Use an architecture that does (Llama, Mistral, Qwen2/3, Gemma, ...), or "
-                "call lightning_ulysses.ulysses_attention from your own attention module."
-            )
 
 
 def _log_head_layout(model: PreTrainedModel, sp_size: int) -> None:

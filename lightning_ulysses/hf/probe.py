@@ -149,10 +149,15 @@ def _whole_sequence_run(
         module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, scaling: float | None,
         kwargs: dict[str, Any],
     ) -> Tensor:
-        if key.shape[2] != query.shape[2]:  # keys of its own (compressed, memory, ...): no stand-in attention here
-            findings[module] = Finding(_where(names, module), f"attends to {key.shape[2]} keys from {query.shape[2]} "
-                                       "queries: keys other than the sequence's tokens")
-            return query.new_zeros(*query.shape[:2], query.shape[2], value.shape[-1]).transpose(1, 2)
+        tokens = input_ids.shape[1]
+        if query.dim() != 4 or query.shape[2] != tokens or query.shape[0] != input_ids.shape[0]:
+            findings[module] = Finding(_where(names, module), f"passes attention tensors shaped {tuple(query.shape)}, not "
+                                       f"[batch, heads, tokens={tokens}, dim] as transformers' attention interface does")
+            return torch.zeros_like(query)
+        if key.shape[2] != tokens:  # keys of its own (compressed, memory, ...): no stand-in attention here
+            findings[module] = Finding(_where(names, module), f"attends to {key.shape[2]} keys from {tokens} queries: "
+                                       "keys other than the sequence's tokens")
+            return query.new_zeros(*query.shape[:2], tokens, value.shape[-1]).transpose(1, 2)
         if module not in findings:
             pattern, why = recorded.pattern_of(attention_mask)
             plan, problems = read_layer_call(module, pattern, why, kwargs)
@@ -378,7 +383,7 @@ def _check_rotary(model: PreTrainedModel, state: PatchState, whole: _WholeRun, s
 
 
 def _is_rotary(module: nn.Module, call: _Call) -> bool:
-    """A module that maps ``position_ids`` to a pair of per-token tensors, holding no embedding table."""
+    """A module without weights that maps ``position_ids`` to a pair of per-token tensors."""
     try:
         bound = inspect.signature(module.forward).bind(*call.args, **call.kwargs)
     except TypeError:
@@ -387,7 +392,7 @@ def _is_rotary(module: nn.Module, call: _Call) -> bool:
     return (
         isinstance(positions, Tensor) and len(call.outputs) == 2
         and all(t.dim() >= 2 and t.shape[-2] == positions.shape[-1] for t in call.outputs)
-        and not any(isinstance(m, nn.Embedding) for m in module.modules())
+        and next(module.parameters(), None) is None
     )
 
 
