@@ -54,7 +54,7 @@ from lightning_ulysses.checkpoint import (
 from lightning_ulysses.failures import NonFiniteLoss, NonFiniteLossGuard
 from lightning_ulysses.loss import STEP_TOKENS_KEY, StepTokenCounts
 from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
-from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.resume import ResumableLoader, is_resumable
 from lightning_ulysses.sharding import prepare_batch, shard_batch
 from lightning_ulysses.topology import SequenceParallelTopology, divisors
@@ -86,6 +86,10 @@ class UlyssesStrategy(DeepSpeedStrategy):
             the ``[tokens, vocab]`` logits.
         activation_checkpointing: keep only each decoder layer's inputs, recompute the layer in the backward.
         offload_activations: keep those inputs in CPU memory (pinned) instead of on the GPU.
+        sequence_mixers: what to do with token mixers other than attention (convolutions over the sequence, linear
+            attention, state-space layers), which the set-up check finds: ``"refuse"`` the model (default), or
+            ``"gather"``: run each on the whole sequence on every rank (exact, at ``sp_size`` times their compute and
+            with their activations at full length; see :mod:`lightning_ulysses.hf.mixers`).
         **deepspeed_strategy_kwargs: anything :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`
             takes (``stage``, ``config``, offload options, ...).
     """
@@ -102,6 +106,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         tiled_loss: TileSetting = False,
         activation_checkpointing: bool = False,
         offload_activations: bool = False,
+        sequence_mixers: SequenceMixers = "refuse",
         **deepspeed_strategy_kwargs: Any,
     ) -> None:
         super().__init__(**deepspeed_strategy_kwargs)
@@ -110,6 +115,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
             raise ValueError(f"sp_size must be a positive integer or 'auto', got {sp_size!r}.")
         if attn_implementation != "auto":
             resolve_attn_implementation(attn_implementation, "cuda")  # refuse unknown names before any work
+        if sequence_mixers not in ("refuse", "gather"):
+            raise ValueError(f"sequence_mixers must be 'refuse' or 'gather', got {sequence_mixers!r}.")
+        self.sequence_mixers = sequence_mixers
         self._requested_sp_size = sp_size
         self._requested_attn_implementation = attn_implementation
         if loss_normalization not in ("sp_group", "global"):
@@ -229,7 +237,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
         assert self.lightning_module is not None
         super().setup(trainer)
         # after DeepSpeed's engine exists: the set-up check runs a short forward (ZeRO-3 gathers the weights for it)
-        apply_ulysses_attention(self.lightning_module, self.sp_group, self.sp_size, self.attn_implementation)
+        apply_ulysses_attention(
+            self.lightning_module, self.sp_group, self.sp_size, self.attn_implementation, self.sequence_mixers
+        )
         apply_memory_options(self.lightning_module, self.memory)
         if trainer.state.fn == TrainerFn.FITTING:
             self.nonfinite_loss.setup(self.model)

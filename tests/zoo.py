@@ -35,7 +35,7 @@ import os
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,7 @@ from torch.utils.data import DataLoader
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from lightning_ulysses import IGNORE_INDEX, UlyssesLossMixin, UlyssesStrategy, UnsupportedModelError
+from lightning_ulysses.hf import SequenceMixers
 from tests.launch import launch
 from tests.tiny import collate, relative_update_error
 from tests.zoo_configs import SEQ_LEN, SHARD_LEN, SP_SIZE, TinyRecipe, features, tiny_recipe
@@ -67,8 +68,8 @@ HARNESS_TIMEOUT = timedelta(minutes=10)
 LAUNCH_TIMEOUT_S = 1800.0
 REGENERATE = "python -m tests.zoo --markdown docs/model-support.md"
 
-PASS, REFUSED, FAIL, ERROR, NOT_BUILT = "PASS", "REFUSED", "FAIL", "ERROR", "NOT BUILT"
-SEVERITY = [PASS, REFUSED, FAIL, ERROR, NOT_BUILT]  # when the ranks disagree, the worst verdict is the entry's
+PASS, GATHER, REFUSED, FAIL, ERROR, NOT_BUILT = "PASS", "GATHER", "REFUSED", "FAIL", "ERROR", "NOT BUILT"
+SEVERITY = [PASS, GATHER, REFUSED, FAIL, ERROR, NOT_BUILT]  # when the ranks disagree, the worst verdict is the entry's
 
 
 @dataclass(frozen=True)
@@ -225,11 +226,16 @@ class ZooModule(UlyssesLossMixin, L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR)
 
 
-def sp_run(entry: ZooEntry, prepared: Prepared, world_size: int) -> Outcome:
-    """Train the entry one step under UlyssesStrategy and compare it with its reference (this rank's view)."""
+def sp_run(entry: ZooEntry, prepared: Prepared, world_size: int, sequence_mixers: SequenceMixers = "refuse") -> Outcome:
+    """Train the entry one step under UlyssesStrategy and compare it with its reference (this rank's view). A model
+    refused only for token mixers outside attention is run again with ``sequence_mixers="gather"``: ``GATHER`` when
+    that is exact."""
     assert prepared.recipe is not None
-    strategy = UlyssesStrategy(sp_size=SP_SIZE, stage=2, attn_implementation="sdpa", timeout=COLLECTIVE_TIMEOUT)
+    strategy = UlyssesStrategy(
+        sp_size=SP_SIZE, stage=2, attn_implementation="sdpa", timeout=COLLECTIVE_TIMEOUT, sequence_mixers=sequence_mixers
+    )
     module: ZooModule | None = None
+    refused: Outcome | None = None
     try:
         model = prepared.recipe.build(prepared.attn_implementation, SEED)
         model.load_state_dict(prepared.initial)
@@ -240,14 +246,21 @@ def sp_run(entry: ZooEntry, prepared: Prepared, world_size: int) -> Outcome:
         )
         trainer.fit(module, DataLoader(make_samples(prepared.recipe.token_ids), batch_size=ROWS, collate_fn=collate))
     except UnsupportedModelError as exc:
-        if module is not None and not module.steps_started:
-            return Outcome(REFUSED, _refusal_reason(exc))
-        return Outcome(ERROR, f"refused inside a training step, not at set-up: {_one_line(exc)}")
+        if module is None or module.steps_started:
+            return Outcome(ERROR, f"refused inside a training step, not at set-up: {_one_line(exc)}")
+        refused = Outcome(REFUSED, _refusal_reason(exc))
+        if sequence_mixers != "refuse" or "sequence_mixers='gather'" not in str(exc):
+            return refused
     except Exception as exc:  # noqa: BLE001 - any other failure of the SP run is the entry's ERROR
         plain = f" (the plain model fails too: {prepared.reference_failed})" if prepared.reference_failed else ""
         return Outcome(ERROR, _one_line(exc) + plain)
     finally:
         _free_process_groups(strategy)
+    if refused is not None:  # refused for its token mixers only: run them on the whole sequence
+        gathered = sp_run(entry, prepared, world_size, "gather")
+        if gathered.verdict != PASS:
+            return gathered
+        return replace(gathered, verdict=GATHER, reason=f"exact with sequence_mixers='gather' ({refused.reason})")
     if prepared.reference_failed:
         return Outcome(NOT_BUILT, f"the plain model ran no training step: {prepared.reference_failed}")
     if not module.losses:
@@ -420,6 +433,9 @@ def markdown_page(results: dict[str, Outcome]) -> str:
         "`UlyssesStrategy(sp_size=2)` and compared with one process of the plain model on the whole sequence. "
         "**PASS**: same loss (rtol 1e-5) and same weight update (relative error < 1e-4, or 10x the plain model's own "
         "eager-vs-SDPA difference where that is larger: deep Gemma 4 stacks amplify float rounding to 9e-5). "
+        "**GATHER**: refused by default for token mixers outside attention (convolutions, linear attention, state-space "
+        "layers), and exact with `UlyssesStrategy(sequence_mixers=\"gather\")`, which runs those layers on the whole "
+        "sequence on every rank (sp_size times their compute). "
         "**REFUSED**: the strategy refuses the model at set-up, for the reason given (the layer, then why). "
         "Anything else is a bug.",
         "",

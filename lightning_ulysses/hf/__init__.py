@@ -10,6 +10,7 @@ that every layer of a patched model runs exactly (or the model is refused).
 
 from lightning_ulysses.hf.interface import ULYSSES_ATTN_IMPLEMENTATION
 from lightning_ulysses.hf.patching import (
+    SequenceMixers,
     UnsupportedModelError,
     apply_ulysses_attention,
     outermost_models,
@@ -20,6 +21,7 @@ from lightning_ulysses.hf.patching import (
 
 __all__ = [
     "ULYSSES_ATTN_IMPLEMENTATION",
+    "SequenceMixers",
     "UnsupportedModelError",
     "apply_ulysses_attention",
     "outermost_models",

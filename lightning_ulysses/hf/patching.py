@@ -27,7 +27,7 @@ import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
@@ -59,6 +59,9 @@ class PatchState:
     """``False`` inside :func:`unpatched`: the model runs as plain transformers."""
     depth: int = 0
     """Nesting of patched forwards (a vision-language model calls its language model): the outermost one reads the batch."""
+    gather_mixers: bool = False
+    """Run token mixers other than attention on the whole sequence (:mod:`lightning_ulysses.hf.mixers`) instead of
+    refusing the model."""
 
 
 def outermost_models(module: nn.Module) -> list[PreTrainedModel]:
@@ -72,21 +75,31 @@ def outermost_models(module: nn.Module) -> list[PreTrainedModel]:
     return found
 
 
-def apply_ulysses_attention(model: nn.Module, group: ProcessGroup | None, sp_size: int, core: str) -> None:
+SequenceMixers = Literal["refuse", "gather"]
+
+
+def apply_ulysses_attention(
+    model: nn.Module, group: ProcessGroup | None, sp_size: int, core: str, sequence_mixers: SequenceMixers = "refuse"
+) -> None:
     """Make every transformers ``PreTrainedModel`` inside ``model`` run Ulysses attention over ``group``, or refuse it.
 
     Any head count runs (see :mod:`lightning_ulysses.heads`; a layout with inert heads is logged with its
     overhead). The model must be callable (under ZeRO-3: after DeepSpeed's engine exists): a short forward
     checks it (:func:`~lightning_ulysses.hf.probe.check_model`; collective over ``group``) and raises
-    :class:`UnsupportedModelError`, naming the layers, for anything that would not run exactly. Idempotent.
+    :class:`UnsupportedModelError`, naming the layers, for anything that would not run exactly. Token mixers other
+    than attention (convolutions, linear attention, state-space layers) are refused, or with
+    ``sequence_mixers="gather"`` run on the whole sequence on every rank (:mod:`lightning_ulysses.hf.mixers`).
+    Idempotent.
     """
+    if sequence_mixers not in ("refuse", "gather"):
+        raise ValueError(f"sequence_mixers must be 'refuse' or 'gather', got {sequence_mixers!r}.")
     from lightning_ulysses.hf.probe import check_model
 
     for hf_model in outermost_models(model):
         if "_ulysses_original_attn" in hf_model.__dict__:
             continue
         _log_head_layout(hf_model, sp_size)
-        state = PatchState(group, core, sp_size)
+        state = PatchState(group, core, sp_size, gather_mixers=sequence_mixers == "gather")
         _patch(hf_model, state)
         try:
             check_model(hf_model, state)
@@ -144,9 +157,11 @@ def _unpatch(model: PreTrainedModel) -> None:
             del sub.forward  # the guard was an instance attribute over the class's forward
         for name in ("_ulysses_state", "_ulysses_plan"):
             sub.__dict__.pop(name, None)
+    from lightning_ulysses.hf.mixers import remove_gather_whole_sequence
     from lightning_ulysses.hf.rotary import remove_whole_sequence_rotary
 
     remove_whole_sequence_rotary(model)
+    remove_gather_whole_sequence(model)
 
 
 def remove_ulysses_attention(model: nn.Module) -> None:

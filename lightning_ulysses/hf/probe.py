@@ -35,12 +35,13 @@ import inspect
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -48,6 +49,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from lightning_ulysses.hf import interface
 from lightning_ulysses.hf.interface import ULYSSES_ATTN_IMPLEMENTATION, LayerPlan, read_layer_call
 from lightning_ulysses.hf.masks import RecordedMasks, recording_mask_interface
+from lightning_ulysses.hf.mixers import TokenDims, gather_whole_sequence, remove_gather_whole_sequence
 from lightning_ulysses.hf.patching import (
     PatchState,
     UnsupportedModelError,
@@ -69,10 +71,17 @@ def tolerance(dtype: torch.dtype) -> float:
 
 @dataclass(frozen=True)
 class Finding:
-    """One reason to refuse: where (module path and class) and what."""
+    """One reason to refuse: where (module path and class) and what. A module that only mixes tokens outside
+    attention also carries its path and where the sequence runs in its tensors, so that it can be run on the
+    whole sequence instead (:mod:`lightning_ulysses.hf.mixers`)."""
 
     where: str
     problem: str
+    mixer: str | None = None
+    dims: TokenDims | None = None
+    enclosing: tuple[tuple[str, TokenDims | None], ...] = ()
+    """The modules around ``mixer`` whose outputs differ too, innermost first: where to gather when ``mixer``'s own
+    inputs are not the sequence (a convolution fed by another convolution's padded output)."""
 
 
 @dataclass
@@ -110,12 +119,12 @@ def check_model(model: PreTrainedModel, state: PatchState) -> None:
             if state.sp_size > 1 and not findings:
                 findings = _check_rotary(model, state, whole, shard)
             if not findings:
-                findings = _agreed(_training_run(model, state, input_ids, position_ids, whole, shard), state)
+                findings = _run_as_in_training(model, state, input_ids, position_ids, whole, shard)
     finally:
         for module, training in modes.items():
             module.training = training
     if findings:
-        raise UnsupportedModelError(_refusal(model, findings))
+        raise UnsupportedModelError(_refusal(model, findings, suggest_gather=not state.gather_mixers))
 
 
 def _probe_ids(model: PreTrainedModel, length: int, device: torch.device) -> Tensor:
@@ -197,6 +206,45 @@ def token_local_attention(query: Tensor, key: Tensor, value: Tensor, scale: floa
 # ----------------------------------------------------------------------------------------------
 # 2. sharded
 # ----------------------------------------------------------------------------------------------
+def _run_as_in_training(
+    model: PreTrainedModel, state: PatchState, input_ids: Tensor, position_ids: Tensor, whole: _WholeRun,
+    shard: _Shard,
+) -> list[Finding]:
+    """Step 5; with ``state.gather_mixers``, each module found mixing tokens is run on the whole sequence and the
+    step repeated (a mixer hides the ones after it), until the model is exact or a finding remains that gathering
+    does not remove. Where gathering a module's inputs is not enough, the module around it is gathered instead,
+    never one that holds an attention layer (that would run the attention on every rank)."""
+    modules = dict(model.named_modules())
+    attention = [name for name, module in modules.items() if "_ulysses_plan" in module.__dict__]
+    gathered: dict[str, str] = {}  # the mixer found -> the module gathered for it
+    while True:
+        findings = _agreed(_training_run(model, state, input_ids, position_ids, whole, shard), state)
+        if not state.gather_mixers or not findings or any(f.mixer is None for f in findings):
+            break
+        for finding in findings:
+            levels = [(finding.mixer, finding.dims), *finding.enclosing]
+            names = [name for name, _ in levels]
+            tried = gathered.get(finding.mixer)
+            later = names.index(tried) + 1 if tried in names else 0
+            choice = next((
+                (name, dims) for name, dims in levels[later:]
+                if dims is not None and not any(a == name or a.startswith(name + ".") for a in attention)
+            ), None)
+            if choice is None:
+                return findings
+            if tried is not None:
+                remove_gather_whole_sequence(modules[tried])
+            gather_whole_sequence(modules[choice[0]], state, choice[1])
+            gathered[finding.mixer] = choice[0]
+    if gathered and not findings:
+        rank_zero_info(
+            f"{type(model).__name__}: {len(gathered)} token mixers outside attention run on the whole sequence on every "
+            f"rank (sequence_mixers='gather'): {', '.join(gathered.values())}. Exact, at {state.sp_size}x their compute "
+            "and with their activations at full length."
+        )
+    return findings
+
+
 def _training_run(
     model: PreTrainedModel, state: PatchState, input_ids: Tensor, position_ids: Tensor, whole: _WholeRun,
     shard: _Shard,
@@ -219,11 +267,16 @@ def _training_run(
         name = names[module]
         index = seen[name] = seen.get(name, -1) + 1
         calls = whole.calls.get(name, [])
-        if culprits or index >= len(calls):
+        encloses = bool(culprits) and culprits[0].mixer is not None and culprits[0].mixer.startswith(name + ".")
+        if (culprits and not encloses) or index >= len(calls):
             return
-        inputs_agree = shard.inputs_agree(calls[index].inputs, _named_inputs(args, kwargs))
-        if inputs_agree and not shard.all_agree(calls[index].outputs, _tensors(output)):
-            culprits.append(Finding(_where(names, module), differs))
+        local_inputs, local_outputs = _named_inputs(args, kwargs), _tensors(output)
+        if shard.inputs_agree(calls[index].inputs, local_inputs) and not shard.all_agree(calls[index].outputs, local_outputs):
+            dims = shard.token_dims(calls[index], local_inputs, local_outputs) if state.sp_size > 1 else None
+            if encloses:
+                culprits[0] = replace(culprits[0], enclosing=(*culprits[0].enclosing, (name, dims)))
+            else:
+                culprits.append(Finding(_where(names, module), differs, name if state.sp_size > 1 else None, dims))
 
     def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, scaling: float | None,
                   kwargs: dict[str, Any]) -> Tensor:
@@ -317,6 +370,36 @@ class _Shard:
                 a == b for d, (a, b) in enumerate(zip(whole.shape, local.shape)) if d != dim
             ):
                 return whole.narrow(dim, self.start, self.length)
+        return None
+
+    def token_dims(self, whole: _Call, local_inputs: dict[str, Tensor], local_outputs: list[Tensor]) -> TokenDims | None:
+        """Where the sequence runs in a module's inputs and outputs (:class:`TokenDims`), from its whole-sequence and
+        its shard call; None when an output is not one the shard's rows can be cut from."""
+        inputs = {}
+        for key, local in local_inputs.items():
+            dim = self._sequence_dim(whole.inputs.get(key), local, extra=False)
+            if dim is not None:
+                inputs[key] = dim
+        outputs = {}
+        if len(whole.outputs) != len(local_outputs):
+            return None
+        for i, (w, l) in enumerate(zip(whole.outputs, local_outputs)):
+            dim = self._sequence_dim(w, l, extra=True)
+            if dim is None and w.shape != l.shape:
+                return None
+            if dim is not None:
+                outputs[i] = dim
+        return TokenDims(inputs, outputs)
+
+    def _sequence_dim(self, whole: Tensor | None, local: Tensor, extra: bool) -> int | None:
+        """The dimension that is ``N`` long in ``whole`` and ``N / sp`` in ``local`` (or, with ``extra``, longer than
+        those by the same constant), every other dimension equal."""
+        if whole is None or whole.dim() != local.dim():
+            return None
+        for dim, (w, l) in enumerate(zip(whole.shape, local.shape)):
+            others_equal = all(a == b for d, (a, b) in enumerate(zip(whole.shape, local.shape)) if d != dim)
+            if others_equal and w - l == self.whole_length - self.length and (l == self.length or extra and l > self.length):
+                return dim
         return None
 
     def agree(self, whole: Tensor | None, local: Tensor | None) -> bool:
@@ -481,11 +564,16 @@ def _where(names: dict[nn.Module, str], module: nn.Module) -> str:
     return f"{names.get(module, '?') or '<model>'} ({type(module).__name__})"
 
 
-def _refusal(model: PreTrainedModel, findings: list[Finding]) -> str:
+def _refusal(model: PreTrainedModel, findings: list[Finding], suggest_gather: bool) -> str:
     shown = findings[:8]
     lines = [f"  - {f.where}: {f.problem}" for f in shown]
     if len(findings) > len(shown):
         lines.append(f"  - ... and {len(findings) - len(shown)} more")
+    if suggest_gather and all(f.mixer is not None for f in findings):
+        lines.append(
+            "  UlyssesStrategy(sequence_mixers='gather') runs such layers on the whole sequence on every rank instead: "
+            "exact, at sp_size times their compute and with their activations at full length."
+        )
     return (
         f"{type(model).__name__} cannot be trained exactly with Ulysses sequence parallelism; lightning-ulysses checked "
         "it at set-up, before any step:\n" + "\n".join(lines) + "\n"

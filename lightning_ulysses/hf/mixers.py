@@ -1,0 +1,122 @@
+"""Token mixers other than attention, run exactly by gathering the whole sequence (an opt-in fallback).
+
+A convolution over the sequence, a linear-attention, recurrent or state-space layer needs the tokens
+before this rank's shard. :func:`gather_whole_sequence` makes such a module exact without knowing
+what it computes: every rank all-gathers the module's per-token inputs along the sequence, runs the
+module on the whole sequence and keeps its own shard of the outputs::
+
+    x [B, N/sp, C] --all-gather--> [B, N, C] --module--> [B, N, C'] --keep this rank's rows--> [B, N/sp, C']
+
+The backward is the matching reduce-scatter: every rank's output rows send their gradient to the
+inputs of every shard, and each parameter's gradient is this rank's share, summed over the SP group
+by DeepSpeed's gradient average like every other replicated weight. The price is the point of sequence
+parallelism for these layers: each rank computes them for the whole sequence (``sp_size`` times the
+FLOPs) and holds their inputs and intermediates at full length. Hence opt-in,
+``UlyssesStrategy(sequence_mixers="gather")``, with the layers and their cost logged; the set-up check
+(:mod:`lightning_ulysses.hf.probe`) finds the modules and verifies that the wrapped model is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from lightning_ulysses.hf.patching import PatchState
+
+
+@dataclass(frozen=True)
+class TokenDims:
+    """Where the sequence runs in a module's per-token inputs (by argument key, as ``arg0``, ``hidden_states``,
+    ``position_embeddings.1``) and outputs (by position among the output tensors; an output may be longer than
+    the sequence by a constant, as a padded convolution's ``N + k - 1``)."""
+
+    inputs: dict[str, int]
+    outputs: dict[int, int]
+
+
+class _GatherSequence(torch.autograd.Function):
+    """``[..., N/P, ...]`` shards of ``group`` -> ``[..., N, ...]`` along ``dim``; backward: sum of every rank's gradient,
+    this rank's shard of it (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        shards = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shards, x.contiguous(), group=group)
+        return torch.cat(shards, dim=dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)  # gloo has no reduce-scatter; the extra bytes are those of one shard
+        size = dist.get_world_size(ctx.group)
+        return grad.tensor_split(size, dim=ctx.dim)[dist.get_rank(ctx.group)], None, None
+
+
+def gather_whole_sequence(module: nn.Module, state: PatchState, dims: TokenDims) -> None:
+    """Run ``module`` on the whole sequence of the SP group (see the module docstring). Idempotent."""
+    if "_ulysses_gather_hooks" in module.__dict__:
+        return
+
+    def gather_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not state.enabled or state.group is None:
+            return None
+        module._ulysses_shard_length = None
+        args = tuple(_gather_tree(a, f"arg{i}", dims.inputs, state.group, module) for i, a in enumerate(args))
+        kwargs = {k: _gather_tree(v, k, dims.inputs, state.group, module) for k, v in kwargs.items()}
+        return args, kwargs
+
+    def keep_shard(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        length = module.__dict__.pop("_ulysses_shard_length", None)
+        if length is None:
+            return None
+        rank, counter = dist.get_rank(state.group), iter(range(1 << 30))
+        return _map_tensors(output, lambda t: _shard(t, dims.outputs.get(next(counter)), length, rank, state.sp_size))
+
+    module._ulysses_gather_hooks = (
+        module.register_forward_pre_hook(gather_inputs, with_kwargs=True),
+        module.register_forward_hook(keep_shard, with_kwargs=True),
+    )
+
+
+def remove_gather_whole_sequence(model: nn.Module) -> None:
+    """Undo :func:`gather_whole_sequence` on ``model`` and every module inside it."""
+    for module in model.modules():
+        for handle in module.__dict__.pop("_ulysses_gather_hooks", ()):
+            handle.remove()
+
+
+def _gather_tree(value: Any, key: str, dims: dict[str, int], group: ProcessGroup, module: nn.Module) -> Any:
+    if isinstance(value, Tensor):
+        dim = dims.get(key)
+        if dim is None:
+            return value
+        module._ulysses_shard_length = value.shape[dim]
+        return _GatherSequence.apply(value, group, dim)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_gather_tree(v, f"{key}.{i}", dims, group, module) for i, v in enumerate(value))
+    return value
+
+
+def _shard(tensor: Tensor, dim: int | None, length: int, rank: int, sp_size: int) -> Tensor:
+    """This rank's ``length`` rows of a whole-sequence output, plus the constant number an output longer than the
+    sequence carries past it (a padded convolution's ``k - 1``)."""
+    if dim is None:
+        return tensor
+    extra = tensor.shape[dim] - length * sp_size
+    return tensor.narrow(dim, rank * length, length + extra)
+
+
+def _map_tensors(value: Any, fn: Any) -> Any:
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return type(value)({k: _map_tensors(v, fn) for k, v in value.items()})
+    return value
