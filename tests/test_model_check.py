@@ -226,7 +226,10 @@ SP_CASES: dict[str, Any] = {  # the sequence (SEQ=40) runs beyond the original m
     "local_index_scale": lambda: tiny_model("llama4_text", **LLAMA4),  # temperature tuning scales q by local index
     "short_convolution": lambda: tiny_model("lfm2", layer_types=["conv", "full_attention"]),
     "user_written_mixer": _llama_with_a_mixer,
+    "short_convolution_gathered": lambda: tiny_model("lfm2", layer_types=["conv", "full_attention"]),
+    "user_written_mixer_gathered": _llama_with_a_mixer,
 }
+GATHERED = {"short_convolution_gathered", "user_written_mixer_gathered"}  # run with sequence_mixers="gather"
 
 
 def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
@@ -241,16 +244,26 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
             expected = plain_logits(model, ids, positions)
         else:
             expected = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        expected.sum().backward()
+        expected_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
         try:
-            apply_ulysses_attention(model, dist.group.WORLD, sp_size=2, core="sdpa")
+            mixers = "gather" if name in GATHERED else "refuse"
+            apply_ulysses_attention(model, dist.group.WORLD, sp_size=2, core="sdpa", sequence_mixers=mixers)
         except UnsupportedModelError as error:
             results[name] = {"refused": str(error)}
             continue
         batch = shard_batch(prepare_batch({"input_ids": ids, "position_ids": positions}, 2), rank, 2)
         local = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        local.sum().backward()  # summed over the ranks: the gradient of the whole sequence's logits sum
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if n in expected_grads}
+        for grad in grads.values():
+            dist.all_reduce(grad)
         results[name] = {
             "error": relative_error(gather_sequence(local, dist.group.WORLD), expected),
+            "grad_error": max(relative_error(grads[n], g) for n, g in expected_grads.items() if g.norm() > 0),
             "whole_sequence_rotary": [n for n, m in model.named_modules() if "_ulysses_rotary_hooks" in m.__dict__],
+            "gathered": [n for n, m in model.named_modules() if "_ulysses_gather_hooks" in m.__dict__],
         }
     dist.destroy_process_group()
     return results
@@ -267,13 +280,13 @@ def test_length_dependent_rope_sees_the_whole_sequence(sp_results: list[dict[str
     for rank_results in sp_results:
         got = rank_results[name]
         assert got["whole_sequence_rotary"] == ["model.rotary_emb"]
-        assert got["error"] < 1e-5
+        assert got["error"] < 1e-5 and got["grad_error"] < 1e-5
 
 
 @pytest.mark.parametrize("name", ["attention_sinks", "chunked_attention"])
 def test_sinks_and_chunks_run_exactly_across_ranks(sp_results: list[dict[str, Any]], name: str) -> None:
     for rank_results in sp_results:
-        assert rank_results[name]["error"] < 1e-5
+        assert rank_results[name]["error"] < 1e-5 and rank_results[name]["grad_error"] < 1e-5
 
 
 @pytest.mark.parametrize(
@@ -292,3 +305,14 @@ def test_token_mixers_and_local_indices_are_refused_on_every_rank(
     messages = [rank_results[name]["refused"] for rank_results in sp_results]
     assert messages[0] == messages[1]  # every rank raises the same error
     assert re.search(refusal, messages[0])
+
+
+@pytest.mark.parametrize(
+    ("name", "gathered"),
+    [("short_convolution_gathered", ["model.layers.0.conv"]), ("user_written_mixer_gathered", ["model.layers.1.mlp.1"])],
+)
+def test_gathered_token_mixers_run_exactly(sp_results: list[dict[str, Any]], name: str, gathered: list[str]) -> None:
+    for rank_results in sp_results:
+        got = rank_results[name]
+        assert got["gathered"] == gathered
+        assert got["error"] < 1e-5 and got["grad_error"] < 1e-5
