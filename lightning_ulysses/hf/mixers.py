@@ -7,9 +7,10 @@ module on the whole sequence and keeps its own shard of the outputs::
 
     x [B, N/sp, C] --all-gather--> [B, N, C] --module--> [B, N, C'] --keep this rank's rows--> [B, N/sp, C']
 
-The backward is the matching reduce-scatter: every rank's output rows send their gradient to the
-inputs of every shard, and each parameter's gradient is this rank's share, summed over the SP group
-by DeepSpeed's gradient average like every other replicated weight. The price is the point of sequence
+The backward is the matching reduce-scatter (an all-reduce of the whole gradient, then this rank's
+rows: gloo has no reduce-scatter): every rank's output rows send their gradient to the inputs of every
+shard, and each parameter's gradient is this rank's share, summed over the SP group by DeepSpeed's
+gradient average like every other replicated weight. The price is the point of sequence
 parallelism for these layers: each rank computes them for the whole sequence (``sp_size`` times the
 FLOPs) and holds their inputs and intermediates at full length. Hence opt-in,
 ``UlyssesStrategy(sequence_mixers="gather")``, with the layers and their cost logged; the set-up check
@@ -53,7 +54,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)  # gloo has no reduce-scatter; the extra bytes are those of one shard
+        dist.all_reduce(grad, group=ctx.group)
         size = dist.get_world_size(ctx.group)
         return grad.tensor_split(size, dim=ctx.dim)[dist.get_rank(ctx.group)], None, None
 
