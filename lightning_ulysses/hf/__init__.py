@@ -4,7 +4,8 @@ that every layer of a patched model runs exactly (or the model is refused).
 * :mod:`~lightning_ulysses.hf.patching`: :func:`apply_ulysses_attention` / :func:`remove_ulysses_attention`;
 * :mod:`~lightning_ulysses.hf.interface`: the ``"ulysses"`` attention-interface entry and each layer's plan;
 * :mod:`~lightning_ulysses.hf.masks`: the attention pattern a model asks for through its masks;
-* :mod:`~lightning_ulysses.hf.probe`: the set-up check (detection by what the model does);
+* :mod:`~lightning_ulysses.hf.check`: the set-up check (detection by what the model does; one module per step);
+* :mod:`~lightning_ulysses.hf.mixers`: token mixers other than attention run on the whole sequence (opt-in);
 * :mod:`~lightning_ulysses.hf.rotary`: length-dependent RoPE computed for the whole sequence.
 """
 

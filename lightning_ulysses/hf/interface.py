@@ -3,7 +3,7 @@
 Transformers models call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, query, key,
 value, attention_mask, scaling=..., dropout=..., **kwargs)`` with ``[B, H, N/sp, D]`` tensors. Every
 argument that changes the result must be understood, or the layer is refused: the set-up check
-(:mod:`lightning_ulysses.hf.probe`) reads each layer's call once, with :func:`read_layer_call`, and
+(:mod:`lightning_ulysses.hf.check`) reads each layer's call once, with :func:`read_layer_call`, and
 stores a :class:`LayerPlan` on the module; training then runs that plan.
 """
 

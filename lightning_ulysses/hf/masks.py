@@ -13,7 +13,7 @@ Ulysses attention runs three patterns, all O(N) (documents come from the positio
 * ``chunk=c``: ... and only tokens of its chunk (``position // c``, Llama4's ``attention_chunk_size``).
 
 :func:`recording_mask_interface` is registered as the ``"ulysses"`` mask interface while the set-up check
-(:mod:`lightning_ulysses.hf.probe`) runs its short forward: it materialises transformers' own mask and
+(:mod:`lightning_ulysses.hf.check`) runs its short forward: it materialises transformers' own mask and
 identifies the pattern from the mask function, evaluated on index pairs around the window or chunk size
 (so a window of 128k tokens is read exactly from a probe of a few tokens). During training the interface
 is not registered: transformers then builds no ``[N, N]`` mask at all.

@@ -14,7 +14,7 @@ gradient average like every other replicated weight. The price is the point of s
 parallelism for these layers: each rank computes them for the whole sequence (``sp_size`` times the
 FLOPs) and holds their inputs and intermediates at full length. Hence opt-in,
 ``UlyssesStrategy(sequence_mixers="gather")``, with the layers and their cost logged; the set-up check
-(:mod:`lightning_ulysses.hf.probe`) finds the modules and verifies that the wrapped model is exact.
+(:mod:`lightning_ulysses.hf.check`) finds the modules and verifies that the wrapped model is exact.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 :func:`apply_ulysses_attention` points every (sub-)config of every ``PreTrainedModel`` inside a module at
 the ``"ulysses"`` attention implementation (:mod:`lightning_ulysses.hf.interface`; the ``"sdpa"`` and
 flash entries stay as they are for other models), tags the modules that hold those configs, wraps each
-model's ``forward``, and then checks the model by what it does (:mod:`lightning_ulysses.hf.probe`):
+model's ``forward``, and then checks the model by what it does (:mod:`lightning_ulysses.hf.check`):
 every layer runs exactly or the model is refused with :class:`UnsupportedModelError`, before any step.
 
 The wrapped ``forward``:
@@ -85,7 +85,7 @@ def apply_ulysses_attention(
 
     Any head count runs (see :mod:`lightning_ulysses.heads`; a layout with inert heads is logged with its
     overhead). The model must be callable (under ZeRO-3: after DeepSpeed's engine exists): a short forward
-    checks it (:func:`~lightning_ulysses.hf.probe.check_model`; collective over ``group``) and raises
+    checks it (:func:`~lightning_ulysses.hf.check.check_model`; collective over ``group``) and raises
     :class:`UnsupportedModelError`, naming the layers, for anything that would not run exactly. Token mixers other
     than attention (convolutions, linear attention, state-space layers) are refused, or with
     ``sequence_mixers="gather"`` run on the whole sequence on every rank (:mod:`lightning_ulysses.hf.mixers`).
@@ -93,7 +93,7 @@ def apply_ulysses_attention(
     """
     if sequence_mixers not in ("refuse", "gather"):
         raise ValueError(f"sequence_mixers must be 'refuse' or 'gather', got {sequence_mixers!r}.")
-    from lightning_ulysses.hf.probe import check_model
+    from lightning_ulysses.hf.check import check_model
 
     for hf_model in outermost_models(model):
         if "_ulysses_original_attn" in hf_model.__dict__:

@@ -1,0 +1,89 @@
+"""The set-up check: run a patched model once on a few tokens and refuse it unless every layer is exact.
+
+Detection is by what the model does, not by its name. A few short ``no_grad`` forwards in eval mode
+(two rows of ``N = sp * PROBE_TOKENS_PER_RANK`` tokens), with every attention layer replaced by
+*token-local attention* (each token attends only to itself: ``out = v * sigmoid(scale * q.k)``, so
+queries, keys and values all still matter, but no information moves between tokens through attention):
+
+1. **Whole sequence, one rank.** transformers builds its masks through
+   :func:`~lightning_ulysses.hf.masks.recording_mask_interface`; each attention layer's call is read
+   (:func:`~lightning_ulysses.hf.interface.read_layer_call`): the mask pattern it receives (windows and
+   chunks applied only through the mask included) and its arguments (sinks; soft-capping, bidirectional
+   attention, model-computed biases are refused). Every module's inputs and outputs are kept.
+2. **Position numbering.** The plain model must compute the same with position ids ``0, 1, 2, ...`` as with
+   its own (RoBERTa counts from ``padding_idx + 1``): sequence parallelism must pass global ones.
+3. **Rotary embeddings** (``sp > 1``): every module that maps ``position_ids`` to a pair of per-token
+   tensors (cos, sin) is called with positions around each ``max_position`` boundary of the config; where
+   its output depends on the length (dynamic NTK, longrope), :func:`~lightning_ulysses.hf.rotary.whole_sequence_rotary`
+   is installed and must make it exact.
+4. **As in training**: this rank's shard (the whole sequence at ``sp_size=1``), the real SP group, no masks
+   built. With attention token-local, no module's per-token output may differ from the whole run: where
+   one does, something other than attention moves information between tokens (a convolution over the
+   sequence, a recurrent / linear-attention / state-space layer), computes from local token indices, or
+   reads the attention mask outside attention (sparse-attention indexers). Every module whose inputs
+   agree with the whole run is compared on its own outputs (a small mixer is as visible as a large one)
+   and the first that differs is named; the model's output must agree too. ``torch.arange`` over the
+   shard's length is trapped as well: an index-dependent computation may change nothing at the probe's
+   few tokens (Llama4's temperature tuning starts at index 8192).
+
+The verdict is agreed over the SP group, so every rank raises the same :class:`UnsupportedModelError`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from lightning_ulysses.hf.check.findings import agreed, refusal
+from lightning_ulysses.hf.check.rope import check_rotary
+from lightning_ulysses.hf.check.shard import Shard
+from lightning_ulysses.hf.check.training import run_as_in_training
+from lightning_ulysses.hf.check.whole import check_position_numbering, whole_sequence_run
+from lightning_ulysses.hf.patching import PatchState, UnsupportedModelError, model_configs
+
+PROBE_TOKENS_PER_RANK = 11
+"""Tokens per rank in the probe: an odd count, so that the sequence dimension is told from model dimensions."""
+
+
+def check_model(model: PreTrainedModel, state: PatchState) -> None:
+    """Check a patched ``model`` (see the module docstring); store each attention layer's plan on it, or raise
+    :class:`UnsupportedModelError` naming every layer that would not run exactly. Collective over ``state.group``."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    input_ids = probe_ids(model, state.sp_size * PROBE_TOKENS_PER_RANK, device)
+    position_ids = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
+    rank = 0 if state.group is None else dist.get_rank(state.group)
+    shard = Shard(rank, state.sp_size, input_ids.shape[1])
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            findings, whole = whole_sequence_run(model, state, input_ids, position_ids)
+            findings = agreed(findings, state)  # a forward that failed on one rank only must not leave the others waiting
+            if not findings:
+                findings = check_position_numbering(model, input_ids, position_ids)
+            if state.sp_size > 1 and not findings:
+                findings = check_rotary(model, state, whole, shard)
+            if not findings:
+                findings = run_as_in_training(model, state, input_ids, position_ids, whole, shard)
+    finally:
+        for module, training in modes.items():
+            module.training = training
+    if findings:
+        raise UnsupportedModelError(refusal(model, findings, suggest_gather=not state.gather_mixers))
+
+
+def probe_ids(model: PreTrainedModel, length: int, device: torch.device) -> Tensor:
+    """``[2, length]`` token ids that are no special token of the config (image, audio, ... placeholders). Two rows:
+    a flattened ``[2 * tokens]`` axis is then told from the sequence axis."""
+    embeddings = model.get_input_embeddings()
+    vocab_size = getattr(embeddings, "num_embeddings", None) or model.config.get_text_config().vocab_size
+    special = {
+        value for config in model_configs(model) for key, value in config.to_dict().items()
+        if "token" in key and isinstance(value, int)
+    }
+    ordinary = [i for i in range(min(vocab_size, 4096)) if i not in special]
+    generator = torch.Generator().manual_seed(0)
+    choice = torch.randint(len(ordinary), (2, length), generator=generator)
+    return torch.tensor(ordinary)[choice].to(device)

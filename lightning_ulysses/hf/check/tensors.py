@@ -1,0 +1,64 @@
+"""The tensors of module calls: recorded, named, mapped; forward hooks on every module."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+
+@dataclass
+
+
+class Call:
+    """One call of a module in the whole-sequence run: its tensors, for comparison with the sharded run."""
+
+    inputs: dict[str, Tensor]
+    outputs: list[Tensor]
+    args: tuple
+    kwargs: dict[str, Any]
+
+
+def tensors_of(value: Any) -> list[Tensor]:
+    """Every tensor in a (nested) output or argument structure, in order."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_of(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_of(v)]
+    if hasattr(value, "to_tuple"):  # transformers ModelOutput
+        return tensors_of(value.to_tuple())
+    return []
+
+
+def named_inputs(args: tuple, kwargs: dict[str, Any]) -> dict[str, Tensor]:
+    """The tensors among a call's arguments, keyed by position or name (``arg0``, ``position_embeddings.1``, ...)."""
+    named: dict[str, Tensor] = {}
+    for key, value in [(f"arg{i}", a) for i, a in enumerate(args)] + list(kwargs.items()):
+        tensors = tensors_of(value)
+        if isinstance(value, Tensor):
+            named[key] = value
+        else:
+            named.update({f"{key}.{i}": t for i, t in enumerate(tensors)})
+    return named
+
+
+def first_tensor(output: Any) -> Tensor | None:
+    tensors = tensors_of(output)
+    return tensors[0] if tensors else None
+
+
+@contextmanager
+
+
+def hooks(model: nn.Module, hook: Any) -> Iterator[None]:
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,156 @@
+"""Step 4 of the set-up check: the forward as training runs it (this rank's shard, no masks), compared module by
+module with the whole-sequence run; with ``sequence_mixers="gather"``, the token mixers it finds gathered."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+from lightning_ulysses.hf.check.findings import Finding, agreed, module_label
+from lightning_ulysses.hf.check.shard import Shard
+from lightning_ulysses.hf.check.tensors import first_tensor, hooks, named_inputs, tensors_of
+from lightning_ulysses.hf.check.whole import WholeRun, probe_attention, token_local_attention
+from lightning_ulysses.hf.mixers import gather_whole_sequence, remove_gather_whole_sequence
+from lightning_ulysses.hf.patching import PatchState
+
+
+def run_as_in_training(
+    model: PreTrainedModel, state: PatchState, input_ids: Tensor, position_ids: Tensor, whole: WholeRun,
+    shard: Shard,
+) -> list[Finding]:
+    """Step 4; with ``state.gather_mixers``, each module found mixing tokens is run on the whole sequence and the
+    step repeated (a mixer hides the ones after it), until the model is exact or a finding remains that gathering
+    does not remove. Where gathering a module's inputs is not enough, the module around it is gathered instead,
+    never one that holds an attention layer (that would run the attention on every rank)."""
+    modules = dict(model.named_modules())
+    attention = [name for name, module in modules.items() if "_ulysses_plan" in module.__dict__]
+    gathered: dict[str, str] = {}  # the mixer found -> the module gathered for it
+    while True:
+        findings = agreed(training_run(model, state, input_ids, position_ids, whole, shard), state)
+        if not state.gather_mixers or not findings or any(f.mixer is None for f in findings):
+            break
+        for finding in findings:
+            levels = [(finding.mixer, finding.dims), *finding.enclosing]
+            names = [name for name, _ in levels]
+            tried = gathered.get(finding.mixer)
+            later = names.index(tried) + 1 if tried in names else 0
+            choice = next((
+                (name, dims) for name, dims in levels[later:]
+                if dims is not None and not any(a == name or a.startswith(name + ".") for a in attention)
+            ), None)
+            if choice is None:
+                return findings
+            if tried is not None:
+                remove_gather_whole_sequence(modules[tried])
+            gather_whole_sequence(modules[choice[0]], state, choice[1])
+            gathered[finding.mixer] = choice[0]
+    if gathered and not findings:
+        rank_zero_info(
+            f"{type(model).__name__}: {len(gathered)} token mixers outside attention run on the whole sequence on every "
+            f"rank (sequence_mixers='gather'): {', '.join(gathered.values())}. Exact, at {state.sp_size}x their compute "
+            "and with their activations at full length."
+        )
+    return findings
+
+
+def training_run(
+    model: PreTrainedModel, state: PatchState, input_ids: Tensor, position_ids: Tensor, whole: WholeRun,
+    shard: Shard,
+) -> list[Finding]:
+    """The forward as training runs it: this rank's shard (the whole sequence at ``sp_size=1``), the real SP group,
+    no attention masks built; every module compared with the whole-sequence run."""
+    names = {module: name for name, module in model.named_modules()}
+    seen: dict[str, int] = {}
+    culprits: list[Finding] = []
+    differs = (
+        "changes its output when the sequence is split: it mixes information between tokens outside attention (a "
+        "convolution over the sequence, a recurrent, linear-attention or state-space layer), computes from local token "
+        "indices, or reads the attention mask outside attention. Only softmax attention runs across the shards"
+        if state.sp_size > 1 else
+        "reads the [N, N] attention mask outside attention (its output changes when transformers builds none, as under "
+        "sequence parallelism)"
+    )
+
+    def compare(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        name = names[module]
+        index = seen[name] = seen.get(name, -1) + 1
+        calls = whole.calls.get(name, [])
+        encloses = bool(culprits) and culprits[0].mixer is not None and culprits[0].mixer.startswith(name + ".")
+        if (culprits and not encloses) or index >= len(calls):
+            return
+        local_inputs, local_outputs = named_inputs(args, kwargs), tensors_of(output)
+        if shard.inputs_agree(calls[index].inputs, local_inputs) and not shard.all_agree(calls[index].outputs, local_outputs):
+            dims = shard.token_dims(calls[index], local_inputs, local_outputs) if state.sp_size > 1 else None
+            if encloses:
+                culprits[0] = replace(culprits[0], enclosing=(*culprits[0].enclosing, (name, dims)))
+            else:
+                culprits.append(Finding(module_label(names, module), differs, name if state.sp_size > 1 else None, dims))
+
+    def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, scaling: float | None,
+                  kwargs: dict[str, Any]) -> Tensor:
+        return token_local_attention(query, key, value, scaling)
+
+    trap = local_index_trap(model, shard.length) if state.sp_size > 1 else nullcontext([])
+    try:
+        with probe_attention(attention), hooks(model, compare), trap as local_indices:
+            output = model(input_ids=shard.of(input_ids), position_ids=shard.of(position_ids))
+    except Exception as error:  # noqa: BLE001 - the reason to refuse, with its text
+        return [Finding(type(model).__name__, "fails when run as under sequence parallelism, where transformers builds no "
+                        f"attention mask ({type(error).__name__}: {error})")]
+    if culprits or local_indices or shard.agree(whole.output, first_tensor(output)):
+        return culprits + local_indices
+    return [Finding(type(model).__name__, differs)]
+
+
+@contextmanager
+
+
+def local_index_trap(model: nn.Module, length: int) -> Iterator[list[Finding]]:
+    """Within the block, report every ``torch.arange`` over ``0 .. length - 1`` (the shard's token indices) that a
+    module of ``model`` makes: under SP they are the local indices of one shard, whatever they feed. Such a
+    computation may change nothing below some index (Llama4 scales queries by ``log(floor(index / 8192))``), so
+    the short probe cannot see it in the outputs."""
+    names = {module: name for name, module in model.named_modules()}
+    running: list[nn.Module] = []
+    found: list[Finding] = []
+    original = torch.arange
+
+    def arange(*args: Any, **kwargs: Any) -> Tensor:
+        result = original(*args, **kwargs)
+        if running and result.dim() == 1 and result.numel() == length and bool(
+            (result == original(length, device=result.device, dtype=result.dtype)).all()
+        ):
+            caller = sys._getframe(1)
+            where = f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno}"
+            finding = Finding(module_label(names, running[-1]), f"builds token indices from the length of its input "
+                              f"(torch.arange at {where}), which under SP is one shard's: local indices, not global ones")
+            if finding not in found:
+                found.append(finding)
+        return result
+
+    def enter(module: nn.Module, args: tuple) -> None:
+        running.append(module)
+
+    def leave(module: nn.Module, args: tuple, output: Any) -> None:
+        running.pop()
+
+    handles = [
+        handle for module in model.modules()
+        for handle in (module.register_forward_pre_hook(enter), module.register_forward_hook(leave))
+    ]
+    torch.arange = arange
+    try:
+        yield found
+    finally:
+        torch.arange = original
+        for handle in handles:
+            handle.remove()
