@@ -271,6 +271,9 @@ def test_causal_lm_under_sp_equals_one_process(sp_results: list[dict[str, Any]],
             assert got["test_loss"] == pytest.approx(expected_val_loss, rel=1e-5)
             assert got["test_ppl"] == pytest.approx(got["val_ppl"], rel=1e-6)
             check_predictions(got["predictions"], corpus, case)
+        if case["fit"]:
+            error = relative_update_error(initial, expected, got["params"])
+            assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
 
 
 def check_predictions(predictions: list[dict[str, Tensor]], folder: Path, case: dict[str, Any]) -> None:
@@ -288,6 +291,3 @@ def check_predictions(predictions: list[dict[str, Tensor]], folder: Path, case: 
             expected = model(input_ids=sample["input_ids"][None]).logits[0, :-1].log_softmax(-1)
         expected = expected.gather(-1, sample["input_ids"][1:, None])[:, 0]
         torch.testing.assert_close(log_probs[: n - 1], expected, rtol=1e-5, atol=1e-5)
-        if case["fit"]:
-            error = relative_update_error(initial, expected, got["params"])
-            assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
