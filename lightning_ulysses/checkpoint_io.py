@@ -92,15 +92,13 @@ def save_atomically(engine: Any, filepath: str | Path, client_state: dict[str, A
 
 def _plan(target: Path) -> tuple[Path, Path, str, str | None]:
     """Rank 0: ``(target, directory to write, fresh tag, error)``. An existing directory is written in place under a
-    new tag; a new path under a staging name (the remains of earlier interrupted saves to it are removed)."""
+    new tag, a new path under a staging name; the staged remains of earlier interrupted saves to it are removed."""
     tag = f"{TAG_PREFIX}-{uuid.uuid4().hex[:12]}"
-    save_dir = target
+    key = hashlib.sha1(target.name.encode()).hexdigest()[:8]  # the name itself could fool Lightning's hpc_ckpt_N search
+    save_dir = target if target.is_dir() else target.parent / f"{STAGING_PREFIX}{key}-{tag}"
     try:
-        if not target.is_dir():
-            key = hashlib.sha1(target.name.encode()).hexdigest()[:8]  # the name itself could fool Lightning's hpc_ckpt_N search
-            for stale in target.parent.glob(f"{STAGING_PREFIX}{key}-*"):
-                shutil.rmtree(stale, ignore_errors=True)
-            save_dir = target.parent / f"{STAGING_PREFIX}{key}-{tag}"
+        for stale in target.parent.glob(f"{STAGING_PREFIX}{key}-*"):  # earlier saves to this path, interrupted
+            shutil.rmtree(stale, ignore_errors=True)
         save_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         return target, save_dir, tag, str(error)
