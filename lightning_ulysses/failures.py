@@ -126,8 +126,10 @@ class NonFiniteLossGuard:
 class Heartbeat:
     """A daemon thread that bumps this rank's counter in the rendezvous ``store`` every ``period`` seconds.
 
-    The counters (``lightning_ulysses/heartbeat/<rank>``) are read with ``store.add(key, 0)``, which never waits
-    for a key. The thread ends quietly when the store stops answering (its host process died).
+    Keys: ``lightning_ulysses/heartbeat/<rank>`` (the counter, read with ``store.add(key, 0)``, which never waits for a
+    key) and ``lightning_ulysses/left/<rank>``, set by :meth:`stop` when the rank leaves in order (its run ended, or
+    its own error is on its way out), so that only ranks that vanished are reported dead. The thread ends quietly
+    when the store stops answering (the process hosting it is gone).
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, period: float = 1.0) -> None:
@@ -139,12 +141,21 @@ class Heartbeat:
     def key(rank: int) -> str:
         return f"lightning_ulysses/heartbeat/{rank}"
 
+    @staticmethod
+    def left_key(rank: int) -> str:
+        return f"lightning_ulysses/left/{rank}"
+
     def start(self) -> None:
+        self.store.delete_key(self.left_key(self.rank))  # left by an earlier run of this process
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+        try:
+            self.store.set(self.left_key(self.rank), "1")
+        except Exception:  # the store is gone with its host: nobody is left to ask
+            pass
 
     def _beat(self) -> None:
         try:
@@ -156,20 +167,21 @@ class Heartbeat:
             return
 
     def silent_ranks(self) -> list[int]:
-        """The other ranks whose counter did not move for 2.5 periods (blocks that long). Raises if the store
-        does not answer."""
+        """The other ranks whose counter did not move for 2.5 periods (blocks that long) and that did not leave in
+        order. Raises if the store does not answer."""
         before = [self.store.add(self.key(rank), 0) for rank in range(self.world_size)]
         time.sleep(2.5 * self.period)
         after = [self.store.add(self.key(rank), 0) for rank in range(self.world_size)]
-        return [rank for rank in range(self.world_size) if rank != self.rank and after[rank] == before[rank]]
+        return [rank for rank in range(self.world_size)
+                if rank != self.rank and after[rank] == before[rank] and not self.store.check([self.left_key(rank)])]
 
     def dead_ranks_report(self) -> str | None:
-        """A sentence naming the ranks that have stopped, for an error that a collective raised; None if all live."""
+        """A sentence naming the ranks that vanished, for an error that a collective raised; None if none did."""
         try:
             silent = self.silent_ranks()
         except Exception as error:
             return (f"the job's rendezvous store stopped answering ({type(error).__name__}: {error}): the process that "
-                    "hosts it has died, rank 0 unless torchrun hosts it")
+                    "hosts it (rank 0, unless torchrun hosts it) has exited or died; see its log")
         if not silent:
             return None
         return (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped: no heartbeat for "

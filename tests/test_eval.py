@@ -15,6 +15,7 @@ per-batch means, or a loss off by ``sp``, misses by far more.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from typing import Any
@@ -38,8 +39,12 @@ TRAIN_BATCH, EVAL_BATCH = 2, 3
 TWO_RANKS = {"sp2_zero2": dict(sp=2, stage=2), "sp2_zero3": dict(sp=2, stage=3), "dp2_zero3": dict(sp=1, stage=3)}
 ODD_EVAL = {**EVAL, "num": 13}  # 7 samples on DP rank 0, 6 and a repeat on DP rank 1: 3 batches each
 ODD_DP2 = {
-    "dp2_zero1": dict(sp=1, stage=1), "dp2_zero2": dict(sp=1, stage=2), "dp2_zero3": dict(sp=1, stage=3),
-    "dp2_zero1_memory_options": dict(sp=1, stage=1, memory=dict(tiled_mlp=True, activation_checkpointing=True)),
+    "dp2_zero1": dict(sp=1, stage=1), "dp2_zero2": dict(sp=1, stage=2),
+    # every parameter partitioned (the tiny model's are all below ZeRO-3's default persistence threshold)
+    "dp2_zero3": dict(sp=1, stage=3, strategy=dict(config={
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True})),
+    "dp2_zero1_memory_options": dict(sp=1, stage=1, strategy=dict(tiled_mlp=True, activation_checkpointing=True)),
 }
 
 
@@ -73,7 +78,7 @@ class EvalCausalLM(TinyCausalLM):
 
 def _trainer(case: dict[str, Any], world_size: int, **kwargs: Any) -> L.Trainer:
     strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa",
-                               **case.get("memory", {}))
+                               **copy.deepcopy(case.get("strategy", {})))  # Lightning fills in a DeepSpeed config
     return L.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, **kwargs,
