@@ -62,6 +62,12 @@ def save_atomically(engine: Any, filepath: str | Path, client_state: dict[str, A
                     exclude_frozen_parameters: bool = False) -> None:
     """Save DeepSpeed ``engine``'s checkpoint (with Lightning's ``client_state``) to the directory ``filepath``,
     committed on every rank or not at all (see the module docstring). A collective: every rank calls it."""
+    if engine.checkpoint_engine.is_decoupled():
+        raise CheckpointSaveError(
+            f"DeepSpeed's {type(engine.checkpoint_engine).__name__} writes checkpoints in the background, so a save "
+            "could not be committed once its files are complete. Remove the asynchronous writer from the DeepSpeed "
+            "config ('checkpoint': {'writer': ...})."
+        )
     rank, world_size = dist.get_rank(), dist.get_world_size()
     plan: list[Any] = [_plan(Path(filepath)) if rank == 0 else None]
     dist.broadcast_object_list(plan)
