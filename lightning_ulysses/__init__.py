@@ -3,6 +3,7 @@
 from lightning_ulysses.attention import ulysses_attention
 from lightning_ulysses.callbacks import SequenceParallelMonitor, SequenceParallelParityCheck
 from lightning_ulysses.checkpoint import check_resumable, convert_checkpoint, export_hf_model, is_universal_checkpoint
+from lightning_ulysses.checkpoint_io import CheckpointSaveError, CorruptCheckpointError, check_integrity
 from lightning_ulysses.data import ByteTokenizer, LongTextDataModule
 from lightning_ulysses.flops import TransformerFlops
 from lightning_ulysses.heads import HeadLayout, plan_heads
@@ -32,6 +33,8 @@ __all__ = [
     "IGNORE_INDEX",
     "ByteTokenizer",
     "CausalLM",
+    "CheckpointSaveError",
+    "CorruptCheckpointError",
     "HeadLayout",
     "LongTextDataModule",
     "MemoryOptions",
@@ -47,6 +50,7 @@ __all__ = [
     "UnsupportedModelError",
     "apply_memory_options",
     "apply_ulysses_attention",
+    "check_integrity",
     "check_resumable",
     "checkpoint_activations",
     "convert_checkpoint",

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +40,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from lightning_ulysses.checkpoint_io import check_integrity, read_pointer
 from lightning_ulysses.hf import ULYSSES_ATTN_IMPLEMENTATION
 
 
@@ -54,13 +56,8 @@ def is_universal_checkpoint(checkpoint_dir: str | Path) -> bool:
     return (Path(checkpoint_dir) / UNIVERSAL_LATEST).is_file()
 
 
-def _tag(checkpoint_dir: Path, pointer: str = "latest") -> str:
-    """The tag folder that DeepSpeed's pointer file names (``latest``; ``latest_universal`` once converted)."""
-    return (checkpoint_dir / pointer).read_text().strip()
-
-
 def _model_states_file(checkpoint_dir: Path) -> Path:
-    tag = _tag(checkpoint_dir)
+    tag = read_pointer(checkpoint_dir)
     files = sorted((checkpoint_dir / tag).glob("*model_states.pt"))
     if not files:
         raise FileNotFoundError(f"{checkpoint_dir / tag} holds no DeepSpeed *model_states.pt file.")
@@ -101,7 +98,7 @@ def check_resumable(checkpoint_dir: str | Path, num_processes: int, zero_stage: 
 
 
 def _universal_tag_dir(checkpoint_dir: Path) -> Path:
-    return checkpoint_dir / _tag(checkpoint_dir, UNIVERSAL_LATEST)
+    return checkpoint_dir / read_pointer(checkpoint_dir, UNIVERSAL_LATEST)
 
 
 def _check_zero3_universal(checkpoint_dir: Path) -> None:
@@ -138,7 +135,7 @@ def repair_zero3_universal_load(optimizer: Any, checkpoint_dir: str | Path) -> N
         group.update({key: value for key, value in saved_group.items() if key != "params"})
 
 
-def convert_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path) -> None:
+def convert_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path, overwrite: bool = False) -> None:
     """Write a universal copy of a DeepSpeed checkpoint directory, which resumes on any layout.
 
     Reads every process's ZeRO partitions of the checkpoint (any ZeRO stage and process count, offline in
@@ -153,11 +150,17 @@ def convert_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path) -> No
     that :func:`load_untrained_state` restores.
 
     Args:
-        checkpoint_dir: the directory that ``trainer.save_checkpoint`` or ``ModelCheckpoint`` wrote.
-        output_dir: the directory to write (created; pass it as ``ckpt_path``).
+        checkpoint_dir: the directory that ``trainer.save_checkpoint`` or ``ModelCheckpoint`` wrote; its files are
+            checked whole first (:func:`~lightning_ulysses.checkpoint_io.check_integrity`).
+        output_dir: the directory to write (created; pass it as ``ckpt_path``). Refused if it holds anything, unless
+            ``overwrite``; always refused if it is ``checkpoint_dir``, inside it or around it. Its pointer
+            (``latest_universal``) is written last, so an interrupted conversion does not load.
+        overwrite: replace what ``output_dir`` holds.
     """
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
-    tag = _tag(checkpoint_dir)
+    _check_conversion_output(checkpoint_dir, output_dir, overwrite)
+    check_integrity(checkpoint_dir)
+    tag = read_pointer(checkpoint_dir)
     model_state = torch.load(_model_states_file(checkpoint_dir), map_location="cpu", weights_only=False)
     shapes = {name: shape for group in model_state["param_shapes"] for name, shape in group.items()}
     optim_files = sorted((checkpoint_dir / tag).glob("*zero_pp_rank_*_optim_states.pt"), key=_rank_of)
@@ -210,6 +213,27 @@ def convert_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path) -> No
     (output_dir / UNIVERSAL_LATEST).write_text(tag)
 
 
+def _check_conversion_output(checkpoint_dir: Path, output_dir: Path, overwrite: bool) -> None:
+    """Refuse an output that would overwrite the input, or anything not meant to be replaced."""
+    source, target = checkpoint_dir.resolve(), output_dir.resolve()
+    if source == target or source in target.parents or target in source.parents:
+        raise ValueError(
+            f"convert_checkpoint cannot write {output_dir}: it is the checkpoint {checkpoint_dir} being converted, inside "
+            "it or around it, whose files the conversion would overwrite or delete while reading them. Write the "
+            f"converted checkpoint to a directory of its own, e.g. {str(checkpoint_dir).rstrip('/')}-universal."
+        )
+    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
+        if not overwrite:
+            raise ValueError(
+                f"convert_checkpoint will not write into {output_dir}: it exists and is not an empty directory. Choose a "
+                "new directory, or pass overwrite=True (--overwrite true) to replace what it holds."
+            )
+        if output_dir.is_dir():
+            shutil.rmtree(output_dir)
+        else:
+            output_dir.unlink()
+
+
 def load_untrained_state(module: torch.nn.Module, checkpoint_dir: str | Path) -> None:
     """Copy the frozen parameters and persistent buffers that :func:`convert_checkpoint` kept into ``module``
     (the module DeepSpeed's engine wraps), on every rank alike; DeepSpeed's universal loader skips them."""
@@ -220,8 +244,9 @@ def load_untrained_state(module: torch.nn.Module, checkpoint_dir: str | Path) ->
     if not file.is_file():
         return
     tensors = dict(module.named_parameters()) | dict(module.named_buffers())
-    # mmap: every rank of a node reads the same pages instead of holding its own copy (a LoRA base is the whole model)
-    for name, value in torch.load(file, map_location="cpu", mmap=True, weights_only=False).items():
+    # mmap: every rank of a node reads the same pages instead of holding its own copy (a LoRA base is the whole model);
+    # weights_only: the file holds tensors only, and nothing else may run when it is read
+    for name, value in torch.load(file, map_location="cpu", mmap=True, weights_only=True).items():
         tensor = tensors[name]
         # a ZeRO-3 partitioned parameter is gathered, set on every rank, and partitioned again
         with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0, enabled=hasattr(tensor, "ds_id")):
@@ -275,7 +300,7 @@ def export_hf_model(
     """Write the weights of a DeepSpeed checkpoint into ``model`` and ``model.save_pretrained(output_dir)``.
 
     Works from any layout (ZeRO stage, process count) and from converted checkpoints, in one process without
-    DeepSpeed's engine.
+    DeepSpeed's engine. The checkpoint's files are checked whole first.
 
     Args:
         checkpoint_dir: the directory that ``trainer.save_checkpoint`` or ``ModelCheckpoint`` wrote, or
@@ -294,8 +319,10 @@ def export_hf_model(
             "Pass a plain model (e.g. AutoModelForCausalLM.from_config(config)) or call remove_ulysses_attention first."
         )
     if is_universal_checkpoint(checkpoint_dir):
+        check_integrity(checkpoint_dir, UNIVERSAL_LATEST)
         state_dict = _universal_fp32_state_dict(Path(checkpoint_dir))
     else:
+        check_integrity(checkpoint_dir)
         state_dict = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir))
     weights = {key[len(prefix):]: value for key, value in state_dict.items() if key.startswith(prefix)}
     if not weights:
@@ -312,7 +339,7 @@ def _universal_fp32_state_dict(checkpoint_dir: Path) -> dict[str, Tensor]:
     """The full fp32 weights of a converted checkpoint, tied parameters included (as ``zero_to_fp32`` gives them)."""
     tag_dir = _universal_tag_dir(checkpoint_dir)
     state_dict = {
-        folder.name: torch.load(folder / "fp32.pt", map_location="cpu", weights_only=False)["param"]
+        folder.name: torch.load(folder / "fp32.pt", map_location="cpu", weights_only=True)["param"]
         for folder in (tag_dir / "zero").iterdir() if folder.is_dir()
     }
     model_state = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)

@@ -7,6 +7,11 @@ reduction without a word. :class:`NonFiniteLossGuard` checks every training loss
 as ``UlyssesStrategy(nonfinite_loss=...)`` says, raises the same error on every rank (``"raise"``) or
 warns and skips the optimizer step (``"skip"``).
 
+A rank that dies without a Python error (``kill -9``, the out-of-memory killer) leaves its peers with a bare
+"Connection reset by peer" (gloo) or a timeout (NCCL) that names no rank. :class:`Heartbeat` keeps a counter
+per rank in the job's rendezvous store, bumped by a background thread; after a collective fails, the
+survivors read which counters stopped (:meth:`Heartbeat.dead_ranks_report`) and say so.
+
 How a step is skipped: the NaN/inf of the loss reaches every gradient partition through the backward and
 the gradient reduction, and DeepSpeed's ZeRO optimizers (stages 1-3, every precision with its default
 ``check_grad_overflow``) discard a step whose global gradient norm is not finite: no weight or optimizer-state
@@ -19,6 +24,8 @@ that AMP's gradient scaler skips).
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any, Literal
 
 import torch
@@ -114,3 +121,69 @@ class NonFiniteLossGuard:
                 "learning rate or gradient clipping, or check the data from here on."
             )
         rank_zero_warn(f"Skipped global step {global_step}: non-finite training loss at {flagged}.")
+
+
+class Heartbeat:
+    """A daemon thread that bumps this rank's counter in the rendezvous ``store`` every ``period`` seconds.
+
+    Keys: ``lightning_ulysses/heartbeat/<rank>`` (the counter, read with ``store.add(key, 0)``, which never waits for a
+    key) and ``lightning_ulysses/left/<rank>``, set by :meth:`stop` when the rank leaves in order (its run ended, or
+    its own error is on its way out), so that only ranks that vanished are reported dead. The thread ends quietly
+    when the store stops answering (the process hosting it is gone).
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int, period: float = 1.0) -> None:
+        self.store, self.rank, self.world_size, self.period = store, rank, world_size, period
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="lightning-ulysses-heartbeat", daemon=True)
+
+    @staticmethod
+    def key(rank: int) -> str:
+        return f"lightning_ulysses/heartbeat/{rank}"
+
+    @staticmethod
+    def left_key(rank: int) -> str:
+        return f"lightning_ulysses/left/{rank}"
+
+    def start(self) -> None:
+        self.store.delete_key(self.left_key(self.rank))  # left by an earlier run of this process
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        try:
+            self.store.set(self.left_key(self.rank), "1")
+        except Exception:  # the store is gone with its host: nobody is left to ask
+            pass
+
+    def _beat(self) -> None:
+        try:
+            while True:
+                self.store.add(self.key(self.rank), 1)
+                if self._stop.wait(self.period):
+                    return
+        except Exception:  # the store is gone: dead_ranks_report says so on this rank's failure
+            return
+
+    def silent_ranks(self) -> list[int]:
+        """The other ranks whose counter did not move for 2.5 periods (blocks that long) and that did not leave in
+        order. Raises if the store does not answer."""
+        before = [self.store.add(self.key(rank), 0) for rank in range(self.world_size)]
+        time.sleep(2.5 * self.period)
+        after = [self.store.add(self.key(rank), 0) for rank in range(self.world_size)]
+        return [rank for rank in range(self.world_size)
+                if rank != self.rank and after[rank] == before[rank] and not self.store.check([self.left_key(rank)])]
+
+    def dead_ranks_report(self) -> str | None:
+        """A sentence naming the ranks that vanished, for an error that a collective raised; None if none did."""
+        try:
+            silent = self.silent_ranks()
+        except Exception as error:
+            return (f"the job's rendezvous store stopped answering ({type(error).__name__}: {error}): the process that "
+                    "hosts it (rank 0, unless torchrun hosts it) has exited or died; see its log")
+        if not silent:
+            return None
+        return (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped: no heartbeat for "
+                f"{2.5 * self.period:g} s, so the process died without a Python error (killed, e.g. by kill -9 or the "
+                "out-of-memory killer, or crashed); see its log and the system's (dmesg)")

@@ -169,12 +169,17 @@ class StepTokenCounts:
     """Wraps a training loader: reads each optimizer step's ``accumulate`` batches ahead, counts their valid
     next-token labels (as :func:`~lightning_ulysses.prepare_batch` sets them) and adds the step's count to
     every batch of the step as ``STEP_TOKENS_KEY``. Everything else is the wrapped loader's (sampler,
-    length), so Lightning still sets the sampler's epoch. Steps are counted from the start of the epoch, as
-    Lightning groups micro-batches."""
+    length), so Lightning still sets the sampler's epoch.
 
-    def __init__(self, loader: Any, accumulate: int) -> None:
+    Steps are grouped from where the epoch's iteration starts (its first batch, or the step boundary a
+    checkpoint resumes at), as Lightning groups micro-batches, and never reach past the batches that the epoch
+    trains: ``remaining_batches()``, read when the loop fetches the iteration's first batch, caps them
+    (``limit_train_batches``, a shorter last step at the end of a run)."""
+
+    def __init__(self, loader: Any, accumulate: int, remaining_batches: Callable[[], float]) -> None:
         self.loader = loader
         self.accumulate = accumulate
+        self.remaining_batches = remaining_batches
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.loader, name)
@@ -183,7 +188,8 @@ class StepTokenCounts:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        batches = iter(self.loader)
+        remaining = self.remaining_batches()
+        batches = islice(self.loader, None if remaining == float("inf") else int(remaining))
         while step := list(islice(batches, self.accumulate)):
             tokens = sum(int((prepare_batch(batch, 1)["shift_labels"] != IGNORE_INDEX).sum()) for batch in step)
             for batch in step:

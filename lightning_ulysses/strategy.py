@@ -7,7 +7,12 @@ What it adds to :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`:
   group see the same samples and one epoch has the step count of DDP on ``dp_size`` ranks; the training
   loader resumes inside an epoch (:mod:`lightning_ulysses.resume`);
 * every batch is padded, positioned, labelled and cut to this rank's ``[B, N / sp]`` shard
-  (:mod:`lightning_ulysses.sharding`) on its way to the device;
+  (:mod:`lightning_ulysses.sharding`) on its way to the device; evaluation and prediction run the same
+  batches on every DP rank (:mod:`lightning_ulysses.eval_data`);
+* checkpoints are saved atomically and checked before loading (:mod:`lightning_ulysses.checkpoint_io`),
+  resume at the first untrained batch wherever they were taken (:mod:`lightning_ulysses.resume`), and
+  SIGTERM / SLURM's requeue signal save one at a point that all ranks agree on (:mod:`lightning_ulysses.preemption`);
+* a rank that dies is named by the survivors (:class:`~lightning_ulysses.failures.Heartbeat`);
 * every transformers model inside the LightningModule runs all-to-all attention
   (:mod:`lightning_ulysses.hf`), checked at set-up to run exactly or be refused, optionally with tiled MLPs and checkpointed, offloaded layers
   (:mod:`lightning_ulysses.memory`);
@@ -41,7 +46,7 @@ from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.optim import Optimizer
@@ -49,14 +54,19 @@ from typing_extensions import override
 
 from lightning_ulysses.attention import gather_sequence, resolve_attn_implementation
 from lightning_ulysses.checkpoint import (
-    check_resumable, is_universal_checkpoint, load_untrained_state, repair_zero3_universal_load,
+    UNIVERSAL_LATEST, check_resumable, is_universal_checkpoint, load_untrained_state, repair_zero3_universal_load,
 )
-from lightning_ulysses.failures import NonFiniteLoss, NonFiniteLossGuard
+from lightning_ulysses.checkpoint_io import POINTER, check_integrity, save_atomically
+from lightning_ulysses.eval_data import DUPLICATES_KEY, drop_rows, pad_over_dp_ranks
+from lightning_ulysses.failures import Heartbeat, NonFiniteLoss, NonFiniteLossGuard
 from lightning_ulysses.loss import STEP_TOKENS_KEY, StepTokenCounts
 from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
 from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove_ulysses_attention
-from lightning_ulysses.resume import ResumableLoader, is_resumable
-from lightning_ulysses.sharding import prepare_batch, shard_batch
+from lightning_ulysses.preemption import PreemptionSignals
+from lightning_ulysses.resume import (
+    ResumableLoader, check_accumulation_windows, is_resumable, rewind_to_step_boundary,
+)
+from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
 from lightning_ulysses.topology import SequenceParallelTopology, divisors
 
 log = logging.getLogger(__name__)
@@ -128,6 +138,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
         self._topology: SequenceParallelTopology | None = None
         self._sp_group: dist.ProcessGroup | None = None
         self._dp_group: dist.ProcessGroup | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._applied_steps = 0  # Lightning's global step once it has counted the last step DeepSpeed applied
+        self._duplicate_rows: Tensor | None = None  # evaluation / prediction: [B] bool, the current batch's repeats
 
     # ------------------------------------------------------------------------------------------
     # topology
@@ -223,6 +236,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
         # subgroups do not inherit the default group's timeout: without it a stalled rank holds its peers for torch's default
         self._sp_group, _ = dist.new_subgroups_by_enumeration(self._topology.sp_group_ranks, timeout=self._timeout)
         self._dp_group, _ = dist.new_subgroups_by_enumeration(self._topology.dp_group_ranks, timeout=self._timeout)
+        self._heartbeat = Heartbeat(dist.distributed_c10d._get_default_store(), self.global_rank, self.world_size)
+        self._heartbeat.start()
 
     @property
     @override
@@ -243,25 +258,49 @@ class UlyssesStrategy(DeepSpeedStrategy):
         apply_memory_options(self.lightning_module, self.memory)
         if trainer.state.fn == TrainerFn.FITTING:
             self.nonfinite_loss.setup(self.model)
+        if not isinstance(trainer._signal_connector, PreemptionSignals):  # registers its handlers after set-up
+            trainer._signal_connector = PreemptionSignals(trainer)
+
+    @override
+    def on_train_start(self) -> None:
+        check_accumulation_windows(self.lightning_module.trainer)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        trainer = self.lightning_module.trainer
+        batches_before = trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1  # this batch is counted
+        if batches_before % trainer.accumulate_grad_batches == 0:  # an optimizer step begins: a safe point
+            trainer._signal_connector.at_step_boundary(trainer)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer
         if not trainer.training:
-            return dataloader
+            return pad_over_dp_ranks(dataloader)
         if is_resumable(dataloader):
-            dataloader = ResumableLoader(dataloader, trainer.fit_loop, self.dp_size)
+            dataloader = ResumableLoader(dataloader, trainer.fit_loop, self.dp_size, lambda: self.optimizer_step_in_flight)
         if self.loss_normalization == "global":
-            dataloader = StepTokenCounts(dataloader, trainer.accumulate_grad_batches)
+            fit_loop = trainer.fit_loop
+            dataloader = StepTokenCounts(
+                dataloader, trainer.accumulate_grad_batches,
+                lambda: fit_loop.max_batches - fit_loop.epoch_loop.batch_progress.current.ready,
+            )
         return dataloader
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        if isinstance(batch, Mapping) and STEP_TOKENS_KEY in batch:
+        self._duplicate_rows = None
+        if isinstance(batch, Mapping) and (STEP_TOKENS_KEY in batch or DUPLICATES_KEY in batch):
             batch = dict(batch)
-            self.step_valid_tokens = int(batch.pop(STEP_TOKENS_KEY))
+            if STEP_TOKENS_KEY in batch:
+                self.step_valid_tokens = int(batch.pop(STEP_TOKENS_KEY))
+            if DUPLICATES_KEY in batch:
+                self._duplicate_rows = batch.pop(DUPLICATES_KEY)
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        return shard_batch(prepare_batch(batch, self.sp_size), self.sp_rank, self.sp_size)
+        batch = shard_batch(prepare_batch(batch, self.sp_size), self.sp_rank, self.sp_size)
+        if self._duplicate_rows is not None:  # repeated to even out the DP ranks: no token of theirs counts
+            batch["shift_labels"][self._duplicate_rows.to(batch["shift_labels"].device)] = IGNORE_INDEX
+        return batch
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -281,8 +320,24 @@ class UlyssesStrategy(DeepSpeedStrategy):
         last_micro_batch = engine.is_gradient_accumulation_boundary()
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if last_micro_batch:
-            self.nonfinite_loss.check_step(engine.was_step_applied(), self.lightning_module.trainer.global_step)
+            global_step = self.lightning_module.trainer.global_step  # counted once the LightningModule hook returns
+            self._applied_steps = global_step + 1
+            self.nonfinite_loss.check_step(engine.was_step_applied(), global_step)
         return output
+
+    @property
+    def optimizer_step_in_flight(self) -> bool:
+        """Whether DeepSpeed has run an optimizer step that Lightning has not counted yet (inside ``optimizer_step``)."""
+        return self._applied_steps > self.lightning_module.trainer.global_step
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        output = super().predict_step(*args, **kwargs)
+        if self._duplicate_rows is None:
+            return output
+        keep = ~self._duplicate_rows
+        drop_rows(args[0] if args else kwargs["batch"], keep)  # the batch that on_predict_batch_end and writers see
+        return drop_rows(output, keep)
 
     def gather_sequence(self, local: Tensor) -> Tensor:
         """``[B, N/sp, ...]`` per-token outputs of this rank -> ``[B, N, ...]`` in sequence order, on every SP rank."""
@@ -294,22 +349,42 @@ class UlyssesStrategy(DeepSpeedStrategy):
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """DeepSpeed's checkpoint directory, committed atomically (:func:`~lightning_ulysses.checkpoint_io.save_atomically`),
+        with the loop state of the last optimizer step when saved inside one (:mod:`lightning_ulysses.resume`)."""
+        if storage_options is not None:
+            raise TypeError("UlyssesStrategy saves DeepSpeed checkpoint directories, without storage_options.")
+        trainer = self.lightning_module.trainer
+        if "loops" in checkpoint and trainer.state.fn == TrainerFn.FITTING:
+            rewind_to_step_boundary(checkpoint["loops"]["fit_loop"], trainer.fit_loop, self.optimizer_step_in_flight)
+        client_state = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
+        save_atomically(self.deepspeed_engine, filepath, client_state,
+                        exclude_frozen_parameters=self.exclude_frozen_parameters)
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        universal = False
-        if Path(checkpoint_path).is_dir():  # a DeepSpeed directory; refuse a layout it cannot restore before loading
-            assert isinstance(self.config, dict)
-            zero_stage = self.config.get("zero_optimization", {}).get("stage", 0)
-            check_resumable(checkpoint_path, self.world_size, zero_stage)
-            universal = is_universal_checkpoint(checkpoint_path)
-            if universal and self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
-                raise ValueError(
-                    f"{checkpoint_path} is a converted (universal) checkpoint, which DeepSpeed loads only to resume "
-                    "trainer.fit. Evaluate from the checkpoint as saved (on its own process count and ZeRO stage) or "
-                    "from its weights (export_hf_model)."
-                )
-            # DeepSpeed reads its "checkpoint.load_universal" setting only when loading, and the engine exists by now
-            self.deepspeed_engine._config.load_universal_checkpoint = universal
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        if not Path(checkpoint_path).is_dir():  # a single file (load_full_weights), or a path Lightning explains
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        # a DeepSpeed directory: refuse a damaged one, or a layout it cannot restore, before loading anything
+        universal = is_universal_checkpoint(checkpoint_path)
+        check_integrity(checkpoint_path, UNIVERSAL_LATEST if universal else POINTER)
+        assert isinstance(self.config, dict)
+        zero_stage = self.config.get("zero_optimization", {}).get("stage", 0)
+        check_resumable(checkpoint_path, self.world_size, zero_stage)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if universal and not fitting:
+            raise ValueError(
+                f"{checkpoint_path} is a converted (universal) checkpoint, which DeepSpeed loads only to resume "
+                "trainer.fit. Evaluate from the checkpoint as saved (on its own process count and ZeRO stage) or "
+                "from its weights (export_hf_model)."
+            )
+        # DeepSpeed reads its "checkpoint.load_universal" setting only when loading, and the engine exists by now
+        self.deepspeed_engine._config.load_universal_checkpoint = universal
+        # as DeepSpeedStrategy loads, without its check for a tag folder named "checkpoint" (ours are checkpoint-<id>)
+        _, checkpoint = self.deepspeed_engine.load_checkpoint(
+            checkpoint_path, load_optimizer_states=fitting, load_lr_scheduler_states=False,
+            load_module_strict=self.lightning_module.strict_loading,
+        )
         if universal:
             load_untrained_state(self.deepspeed_engine.module, checkpoint_path)
             if self.deepspeed_engine.zero_optimization_stage() == 3:
@@ -317,10 +392,21 @@ class UlyssesStrategy(DeepSpeedStrategy):
         return checkpoint
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A collective that failed because a peer died names no rank: name the ranks whose heartbeat stopped."""
+        if isinstance(exception, RuntimeError) and self._heartbeat is not None:
+            report = self._heartbeat.dead_ranks_report()
+            if report:
+                log.error(rank_prefixed_message(f"lightning-ulysses: {report}.", self.global_rank))
+
+    @override
     def teardown(self) -> None:
         if self.lightning_module is not None:
             remove_ulysses_attention(self.lightning_module)
             remove_memory_options(self.lightning_module)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         super().teardown()
 
     @classmethod

@@ -67,10 +67,12 @@ def launch(
 
 @dataclass
 class RankExit:
-    """How one rank ended: its exit code (None if it was still running at the timeout and was killed)."""
+    """How one rank ended: its exit code (None if it was still running at the timeout and was killed), its output,
+    and what its function returned (None if it did not return)."""
 
     returncode: int | None
     output: str
+    result: Any = None
 
 
 def launch_to_exit(target: str, world_size: int, args: dict[str, Any] | None = None, *, timeout: float) -> list[RankExit]:
@@ -78,9 +80,11 @@ def launch_to_exit(target: str, world_size: int, args: dict[str, Any] | None = N
     ``timeout`` seconds, or it is killed and reported with ``returncode=None``. For failure tests."""
     with tempfile.TemporaryDirectory() as tmp:
         run = _run(target, world_size, args, Path(tmp), 1, "env", None, timeout, grace=None)
+        results = [Path(tmp) / f"result{rank}.pt" for rank in range(world_size)]
         return [
-            RankExit(None if name in run.killed else proc.returncode, out)
-            for name, proc, out in zip(run.names, run.procs, run.outputs)
+            RankExit(None if name in run.killed else proc.returncode, out,
+                     torch.load(result, weights_only=False) if result.is_file() else None)
+            for name, proc, out, result in zip(run.names, run.procs, run.outputs, results)
         ]
 
 

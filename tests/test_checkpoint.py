@@ -18,6 +18,7 @@ the converted two-process SGD checkpoints.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,10 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
-from lightning_ulysses import UlyssesStrategy, check_resumable, convert_checkpoint, export_hf_model
+from lightning_ulysses import (
+    UlyssesStrategy, check_resumable, convert_checkpoint, export_hf_model, is_universal_checkpoint,
+)
+from lightning_ulysses.checkpoint import UNTRAINED_STATE_FILE, load_untrained_state
 from lightning_ulysses.cli import main
 from tests.launch import launch
 from tests.tiny import (
@@ -363,3 +367,47 @@ def test_frozen_parameters_come_back_from_a_converted_checkpoint(
         assert resumed.keys() == saved.keys()
         for name, value in saved.items():  # the trained weights (AdamW state) and the frozen norm alike
             torch.testing.assert_close(resumed[name], value, rtol=1e-6, atol=0, msg=f"rank {rank}: {name}")
+
+
+def test_convert_checkpoint_refuses_its_input_or_a_non_empty_output(
+    results: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    source = Path(results[0]["sp2_zero2"]["path"])
+    files = {path: path.stat().st_mtime_ns for path in source.rglob("*") if path.is_file()}
+    for output in (source, source / "universal", source.parent):  # itself, inside it, around it
+        with pytest.raises(ValueError, match="it is the checkpoint .* being converted, inside it or around it"):
+            convert_checkpoint(source, output, overwrite=True)
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "notes.txt").write_text("kept")
+    with pytest.raises(ValueError, match=r"exists and is not an empty directory.*overwrite=True"):
+        convert_checkpoint(source, occupied)
+    assert (occupied / "notes.txt").read_text() == "kept"
+    convert_checkpoint(source, occupied, overwrite=True)
+    assert not (occupied / "notes.txt").exists() and is_universal_checkpoint(occupied)
+    assert {path: path.stat().st_mtime_ns for path in source.rglob("*") if path.is_file()} == files, "input changed"
+    check_resumable(source, 2, 2)
+
+
+class _Payload:
+    """Unpickling it creates ``marker``: what a tampered checkpoint file could run on every rank."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Path.touch, (self.marker,)
+
+
+def test_files_of_tensors_are_loaded_without_running_their_code(tmp_path: Path) -> None:
+    marker, checkpoint = tmp_path / "code_ran", tmp_path / "universal"
+    tag = checkpoint / "checkpoint"
+    (tag / "zero" / "model.norm.weight").mkdir(parents=True)
+    (checkpoint / "latest_universal").write_text("checkpoint")
+    torch.save({"model.norm.weight": _Payload(marker)}, tag / UNTRAINED_STATE_FILE)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        load_untrained_state(tiny_llama(), checkpoint)
+    torch.save({"param": _Payload(marker)}, tag / "zero" / "model.norm.weight" / "fp32.pt")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        export_hf_model(checkpoint, tiny_llama(), tmp_path / "hf", prefix="")
+    assert not marker.exists()

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lightning_ulysses.checkpoint_io import check_integrity
 from lightning_ulysses.cli import main
 from tests.launch import REPO_ROOT
 
@@ -95,13 +96,13 @@ def test_quickstart_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     val_losses = [loss for _, loss in logged(first, "val_loss")]
     assert len(val_losses) == 2 and val_losses[1] < val_losses[0]
     checkpoint = first / "checkpoints" / "last.ckpt"
-    assert (checkpoint / "checkpoint").is_dir(), f"no DeepSpeed checkpoint in {checkpoint}"
+    check_integrity(checkpoint)  # a committed DeepSpeed checkpoint, every file whole
 
     run_cli("fit", "--config", str(first / "config.yaml"), "--ckpt_path", str(checkpoint), "--trainer.max_steps", "10")
     resumed = tmp_path / "quickstart" / "version_1"
     steps = [step for step, _ in logged(resumed, "train_loss")]
     assert steps == [8, 9], f"the resumed run did not continue at step 8: {steps}"
-    assert (resumed / "checkpoints" / "last.ckpt" / "checkpoint").is_dir()
+    check_integrity(resumed / "checkpoints" / "last.ckpt")
 
     # the 2-process checkpoint, converted, resumes on 1 process (tied embeddings, AdamW)
     universal = tmp_path / "last-universal"

@@ -3,7 +3,10 @@
 Every case evaluates a tiny Llama through ``L.Trainer`` on CPU processes (gloo) three ways: in the
 validation loop of ``fit``, with ``trainer.validate`` on the fitted engine, and with ``trainer.test``
 on a fresh Trainer (DeepSpeed's inference engine), then predicts per-token log-probabilities that
-must come back in whole-sequence order and equal one process's (``rtol=1e-5``). The eval data differ from the training data in
+must come back in whole-sequence order and equal one process's (``rtol=1e-5``). With an odd number of
+samples on 2 DP ranks (every ZeRO stage, and the memory options whose tiled MLP agrees on tiles over all
+ranks), every loop must run the same batches on both ranks, count each sample once in the metrics and
+predict each sample exactly once. The eval data differ from the training data in
 batch size, in length (not a multiple of sp) and in valid tokens per row (padding, masked labels), so
 shards and batches carry unequal token counts. The token-weighted loss, perplexity and accuracy must
 equal a single-process evaluation with the same weights to ``rtol=1e-5``; a mean of per-rank or
@@ -12,6 +15,7 @@ per-batch means, or a loss off by ``sp``, misses by far more.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from typing import Any
@@ -33,6 +37,15 @@ TRAIN = dict(num=8, seq_len=16, seed=1)
 EVAL = dict(num=12, seq_len=31, seed=2, masked_spans=[(0, 9)], padding=13)
 TRAIN_BATCH, EVAL_BATCH = 2, 3
 TWO_RANKS = {"sp2_zero2": dict(sp=2, stage=2), "sp2_zero3": dict(sp=2, stage=3), "dp2_zero3": dict(sp=1, stage=3)}
+ODD_EVAL = {**EVAL, "num": 13}  # 7 samples on DP rank 0, 6 and a repeat on DP rank 1: 3 batches each
+ODD_DP2 = {
+    "dp2_zero1": dict(sp=1, stage=1), "dp2_zero2": dict(sp=1, stage=2),
+    # every parameter partitioned (the tiny model's are all below ZeRO-3's default persistence threshold)
+    "dp2_zero3": dict(sp=1, stage=3, strategy=dict(config={
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True})),
+    "dp2_zero1_memory_options": dict(sp=1, stage=1, strategy=dict(tiled_mlp=True, activation_checkpointing=True)),
+}
 
 
 class EvalCausalLM(TinyCausalLM):
@@ -64,7 +77,8 @@ class EvalCausalLM(TinyCausalLM):
 
 
 def _trainer(case: dict[str, Any], world_size: int, **kwargs: Any) -> L.Trainer:
-    strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa")
+    strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa",
+                               **copy.deepcopy(case.get("strategy", {})))  # Lightning fills in a DeepSpeed config
     return L.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, **kwargs,
@@ -75,12 +89,47 @@ def _metrics(trainer: L.Trainer, stage: str) -> dict[str, float]:
     return {name: trainer.callback_metrics[f"{stage}_{name}"].item() for name in ("loss", "ppl", "acc")}
 
 
+def _indexed_loader(data: dict[str, Any]) -> DataLoader:
+    samples = [dict(sample, index=torch.tensor(i)) for i, sample in enumerate(make_samples(**data))]
+    return DataLoader(samples, batch_size=EVAL_BATCH, collate_fn=collate)
+
+
+def _predict(trainer: L.Trainer, loader: DataLoader, seq_len: int) -> dict[int, Tensor]:
+    """Each predicted sample's log-probabilities, without the padding to a multiple of sp; a repeat would raise."""
+    predicted: dict[int, Tensor] = {}
+    for output in trainer.predict(EvalCausalLM(), loader):
+        for i, log_probs in zip(output["index"].tolist(), output["log_probs"]):
+            assert i not in predicted, f"sample {i} predicted twice"
+            predicted[i] = log_probs[:seq_len]
+    return predicted
+
+
+def odd_eval_worker(args: dict[str, Any]) -> dict[str, Any]:
+    """Validation inside fit (the first case only), standalone validation and test, and prediction of ODD_EVAL."""
+    world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown deletes it
+    results = {}
+    for index, (name, case) in enumerate(args["cases"].items()):
+        loader = _indexed_loader(ODD_EVAL)
+        result = results[name] = {}
+        if index == 0:
+            module = EvalCausalLM()
+            trainer = _trainer(case, world_size, max_epochs=1)
+            trainer.fit(module, DataLoader(make_samples(**TRAIN), batch_size=TRAIN_BATCH, collate_fn=collate), loader)
+            result.update(in_fit=_metrics(trainer, "val"), fitted=gathered_parameters(module.model, case["stage"] == 3))
+            trainer.test(EvalCausalLM(), loader, verbose=False)
+            result["test"] = _metrics(trainer, "test")
+        trainer = _trainer(case, world_size)
+        trainer.validate(EvalCausalLM(), loader, verbose=False)
+        result["validate"] = _metrics(trainer, "val")
+        result["predict"] = _predict(_trainer(case, world_size), loader, ODD_EVAL["seq_len"])
+    return results
+
+
 def eval_worker(args: dict[str, Any]) -> dict[str, Any]:
     world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown deletes it
     results = {}
     for name, case in args["cases"].items():
-        eval_samples = [dict(sample, index=torch.tensor(i)) for i, sample in enumerate(make_samples(**EVAL))]
-        eval_loader = DataLoader(eval_samples, batch_size=EVAL_BATCH, collate_fn=collate)
+        eval_loader = _indexed_loader(EVAL)
         train_loader = DataLoader(make_samples(**TRAIN), batch_size=TRAIN_BATCH, collate_fn=collate)
         module = EvalCausalLM()
         trainer = _trainer(case, world_size, max_epochs=1)
@@ -93,31 +142,27 @@ def eval_worker(args: dict[str, Any]) -> dict[str, Any]:
         fresh = _trainer(case, world_size)
         fresh.test(EvalCausalLM(), eval_loader, verbose=False)
         tested = _metrics(fresh, "test")
-        predicted = {
-            int(i): log_probs[: EVAL["seq_len"]]  # drop the padding to a multiple of sp
-            for output in fresh.predict(EvalCausalLM(), eval_loader)
-            for i, log_probs in zip(output["index"], output["log_probs"])
-        }
+        predicted = _predict(fresh, eval_loader, EVAL["seq_len"])
         results[name] = {"in_fit": in_fit, "validate": after_fit, "fitted": fitted, "test": tested,
                          "predict": predicted}
     return results
 
 
-def _reference_logits(params: dict[str, Tensor] | None) -> tuple[Tensor, Tensor]:
+def _reference_logits(params: dict[str, Tensor] | None, data: dict[str, Any] = EVAL) -> tuple[Tensor, Tensor]:
     """One process, whole sequences, plain transformers: ``logits [S, N-1, V]`` and their labels ``[S, N-1]``."""
     model = tiny_llama()
     if params is not None:
         model.load_state_dict(params)
-    batch = collate(make_samples(**EVAL))
+    batch = collate(make_samples(**data))
     labels = batch["labels"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)[:, 1:]
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
     return logits, labels
 
 
-def reference_metrics(params: dict[str, Tensor] | None) -> dict[str, float]:
+def reference_metrics(params: dict[str, Tensor] | None, data: dict[str, Any] = EVAL) -> dict[str, float]:
     """Token-weighted loss, perplexity and accuracy of one process over every eval sequence."""
-    logits, labels = _reference_logits(params)
+    logits, labels = _reference_logits(params, data)
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX).item()
     valid = labels != IGNORE_INDEX
     accuracy = ((logits.argmax(-1) == labels) & valid).sum().item() / valid.sum().item()
@@ -137,8 +182,8 @@ def _check(results: list[dict[str, Any]], name: str) -> None:
                 )
 
 
-def _check_predict(results: list[dict[str, Any]], name: str, sp: int) -> None:
-    logits, labels = _reference_logits(None)
+def _check_predict(results: list[dict[str, Any]], name: str, sp: int, data: dict[str, Any] = EVAL) -> None:
+    logits, labels = _reference_logits(None, data)
     valid = labels != IGNORE_INDEX
     expected = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * valid
     expected = torch.cat([expected, torch.zeros(len(expected), 1)], dim=1)  # the last token predicts nothing
@@ -161,6 +206,28 @@ def two_rank_results() -> list[dict[str, Any]]:
 def test_two_ranks_eval_equals_single_process(two_rank_results: list[dict[str, Any]], name: str) -> None:
     _check(two_rank_results, name)
     _check_predict(two_rank_results, name, TWO_RANKS[name]["sp"])
+
+
+@pytest.fixture(scope="module")
+def odd_results() -> list[dict[str, Any]]:
+    return launch("tests.test_eval:odd_eval_worker", 2, {"cases": ODD_DP2})
+
+
+@pytest.mark.parametrize("name", ODD_DP2)
+def test_samples_that_do_not_divide_over_dp_ranks_count_once(odd_results: list[dict[str, Any]], name: str) -> None:
+    initial = reference_metrics(None, ODD_EVAL)
+    first = next(iter(ODD_DP2))
+    for rank, result in enumerate(odd_results):
+        got = result[name]
+        checks = [("validate", initial)]
+        if name == first:
+            checks += [("in_fit", reference_metrics(result[name]["fitted"], ODD_EVAL)), ("test", initial)]
+        for where, expected in checks:
+            for metric, value in expected.items():
+                assert got[where][metric] == pytest.approx(value, rel=1e-5), (
+                    f"{name} rank {rank} {where} {metric}: {got[where][metric]} != single process {value}"
+                )
+    _check_predict(odd_results, name, sp=1, data=ODD_EVAL)
 
 
 

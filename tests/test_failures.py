@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from lightning_ulysses import SequenceParallelMonitor, UlyssesStrategy, prepare_batch
 from lightning_ulysses.callbacks import format_summary
-from lightning_ulysses.failures import NonFiniteLossGuard
+from lightning_ulysses.failures import Heartbeat, NonFiniteLossGuard
 from tests.launch import RankExit, launch, launch_to_exit
 from tests.tiny import (
     TinyCausalLM, collate, gathered_parameters, make_samples, reference_training, relative_update_error, tiny_llama,
@@ -200,3 +200,26 @@ def test_skipping_stops_when_every_step_is_non_finite(one_process_group: None) -
     guard.check_loss(nan, 5, batch_idx=5)
     with pytest.raises(FloatingPointError, match=r"global step 5 .* and 3 optimizer steps in a row skipped"):
         guard.check_step(False, 5)
+
+
+def test_heartbeats_name_the_ranks_that_vanished_not_those_that_left() -> None:
+    """Without processes: three heartbeats on one store; rank 1's stops without leaving (as in a process killed by
+    SIGKILL), rank 2 leaves in order (its run ended, or its own error is on its way out), then runs again and
+    vanishes."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=5), wait_for_workers=False)
+    beats = [Heartbeat(store, rank, 3, period=0.2) for rank in range(3)]
+    for beat in beats:
+        beat.start()
+    time.sleep(0.5)
+    assert beats[0].dead_ranks_report() is None
+    beats[1]._stop.set()  # the thread stops, and nothing else happens
+    beats[1]._thread.join()
+    beats[2].stop()
+    report = beats[0].dead_ranks_report()
+    assert report is not None and report.startswith("rank 1 stopped: no heartbeat for 0.5 s"), report
+    again = Heartbeat(store, 2, 3, period=0.2)  # the next fit of that process
+    again.start()
+    again._stop.set()
+    again._thread.join()
+    assert beats[0].dead_ranks_report().startswith("ranks 1, 2 stopped")
+    beats[0].stop()

@@ -6,6 +6,11 @@ numbers of valid tokens, so the global token mean differs from the default avera
 every micro-batch loss (the exact token mean of that micro-batch over all ranks, ``rtol=1e-5``) and the
 final weights (relative update error ``< 1e-4``). One run is interrupted after its first step and
 resumed from that checkpoint: the step's token count must cover the resumed step's micro-batches only.
+
+With ``limit_train_batches=3`` and 2 micro-batches a step, the token counts must not read the batch past the limit
+(which never trains): the loader serves exactly the 3 batches, and the one step equals the reference. The same
+limit with a second epoch is refused before training (DeepSpeed would add the third batch to the next epoch's
+first step).
 """
 
 from __future__ import annotations
@@ -49,9 +54,40 @@ def _fit(case: dict[str, Any], world_size: int, callbacks: list[L.Callback], ckp
     return module
 
 
+class RecordingSamples(list):
+    """Samples that record which indices the loader read."""
+
+    def __init__(self, samples: list[dict[str, Tensor]]) -> None:
+        super().__init__(samples)
+        self.read: list[int] = []
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        self.read.append(index)
+        return super().__getitem__(index)
+
+
+def _fit_limited(world_size: int, max_epochs: int) -> tuple[TinyCausalLM, RecordingSamples]:
+    """sp=2, ZeRO-2, 3 batches an epoch (limit_train_batches) of 2 micro-batches a step."""
+    module, samples = TinyCausalLM(lr=LR), RecordingSamples(make_samples(**DATA))
+    strategy = UlyssesStrategy(sp_size=2, stage=2, attn_implementation="sdpa", loss_normalization="global")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=max_epochs, limit_train_batches=3,
+        accumulate_grad_batches=ACCUMULATE, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, DataLoader(samples, batch_size=BATCH, collate_fn=collate))
+    return module, samples
+
+
 def global_worker(args: dict[str, Any]) -> dict[str, Any]:
     world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown deletes it
-    results = {}
+    module, samples = _fit_limited(world_size, max_epochs=1)
+    results: dict[str, Any] = {"limited": {"read": samples.read, "losses": module.losses,
+                                           "params": gathered_parameters(module.model, False)}}
+    try:
+        _fit_limited(world_size, max_epochs=2)
+    except ValueError as error:
+        results["limited_two_epochs_error"] = str(error)
     for name, case in args["cases"].items():
         losses, ckpt_path = [], None
         if "resume_after" in case:
@@ -64,7 +100,7 @@ def global_worker(args: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
-def reference_global_training(dp_size: int) -> tuple[list[float], dict[str, Tensor]]:
+def reference_global_training(dp_size: int, steps: int = STEPS) -> tuple[list[float], dict[str, Tensor]]:
     """One process: each step's micro-batches of every DP rank concatenated, one token mean, one SGD step.
     Returns the token mean of each micro-batch (all DP ranks together) and the final parameters."""
     samples = make_samples(**DATA)
@@ -72,7 +108,7 @@ def reference_global_training(dp_size: int) -> tuple[list[float], dict[str, Tens
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     per_rank = [epoch_order(samples, dp_size, d, epoch=0) for d in range(dp_size)]
     micro_batch_losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         micro_batches = [
             [per_rank[d][(step * ACCUMULATE + m) * BATCH + i] for d in range(dp_size) for i in range(BATCH)]
             for m in range(ACCUMULATE)
@@ -104,3 +140,17 @@ def test_global_normalization_equals_one_process_over_the_whole_step(results: li
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected_losses), rtol=1e-5, atol=0)
         error = relative_update_error(initial, expected, got["params"])
         assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
+
+
+def test_global_counts_never_read_past_the_batches_that_train(results: list[dict[str, Any]]) -> None:
+    expected_losses, expected = reference_global_training(dp_size=1, steps=1)
+    initial = {n: p.detach() for n, p in tiny_llama().named_parameters()}
+    for rank, result in enumerate(results):
+        got = result["limited"]
+        assert len(got["read"]) == 3 * BATCH, f"rank {rank} read samples {got['read']}, beyond the 3 batches that train"
+        torch.testing.assert_close(torch.tensor(got["losses"][:ACCUMULATE]), torch.tensor(expected_losses), rtol=1e-5,
+                                   atol=0)
+        error = relative_update_error(initial, expected, got["params"])
+        assert error < 1e-4, f"rank {rank}: the one optimizer step vs one process, relative error {error:.2e}"
+        assert "3 batches, not a multiple of accumulate_grad_batches=2" in result.get("limited_two_epochs_error", ""), (
+            result.get("limited_two_epochs_error"))

@@ -1,6 +1,7 @@
-"""The resumable training loader, without processes: what a resumed rank loads after a mid-epoch checkpoint.
+"""The resumable training loader and the saved loop state, without processes: where a checkpoint resumes.
 
-The multi-process proof (resumed runs equal uninterrupted ones) is in tests/test_checkpoint.py.
+The multi-process proofs (resumed runs equal uninterrupted ones) are in tests/test_checkpoint.py (checkpoints at
+step ends, layouts, conversion) and tests/test_preemption.py (checkpoints and signals inside steps).
 """
 
 from __future__ import annotations
@@ -11,16 +12,27 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
-from lightning_ulysses.resume import ResumableLoader, is_resumable
+from lightning_ulysses.resume import (
+    ResumableLoader, check_accumulation_windows, is_resumable, resume_batch, rewind_to_step_boundary,
+)
 
 DATASET = list(range(24))
 
 
-def fit_loop(epoch: int, batches: int, epoch_batches: float = float("inf")) -> SimpleNamespace:
-    """The counters of Lightning's fit loop that the loader reads."""
+def fit_loop(epoch: int, steps: int, epoch_batches: float = float("inf"), accumulate: int = 1,
+             step_schedulers: int = 0) -> SimpleNamespace:
+    """The parts of Lightning's fit loop that the loader and the rewind read: ``steps`` optimizer steps completed in
+    ``epoch`` (automatic optimization), ``step_schedulers`` LR schedulers stepped every optimizer step."""
+    trainer = SimpleNamespace(
+        lightning_module=SimpleNamespace(automatic_optimization=True), accumulate_grad_batches=accumulate,
+        global_step=steps, lr_scheduler_configs=[SimpleNamespace(interval="step")] * step_schedulers,
+    )
+    step = SimpleNamespace(current=SimpleNamespace(completed=steps))
     return SimpleNamespace(
+        trainer=trainer,
         epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=epoch)),
-        epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(current=SimpleNamespace(ready=batches))),
+        epoch_loop=SimpleNamespace(automatic_optimization=SimpleNamespace(
+            optim_progress=SimpleNamespace(optimizer=SimpleNamespace(step=step)))),
         max_batches=epoch_batches,
     )
 
@@ -92,3 +104,63 @@ def test_only_loaders_batched_by_torchs_batch_sampler_are_wrapped() -> None:
 
     assert not is_resumable(StatefulLoader(DATASET, batch_size=2))
     assert not is_resumable([{"input_ids": torch.ones(1, 4)}])
+
+
+def saved_loop_state(ready: int, started: int, processed: int, completed: int, steps: int) -> dict:
+    """``checkpoint["loops"]["fit_loop"]`` as Lightning saves it, with 10 batches and 4 steps of earlier epochs."""
+    def counters(offset: int) -> dict:
+        return dict(ready=ready + offset, started=started + offset, processed=processed + offset,
+                    completed=completed + offset)
+
+    step = {"total": dict(ready=steps + 4, completed=steps + 4), "current": dict(ready=steps, completed=steps)}
+    return {
+        "epoch_loop.batch_progress": {"total": counters(10), "current": counters(0), "is_last_batch": False},
+        "epoch_loop.automatic_optimization.optim_progress": {"optimizer": {"step": step}},
+        "epoch_loop.state_dict": {"_batches_that_stepped": steps + 4},
+    }
+
+
+def test_a_checkpoint_inside_an_accumulation_resumes_at_the_steps_first_micro_batch() -> None:
+    # 2 micro-batches a step, 1 step done; saved in the training step of batch 3 (batch 2 is accumulated, not applied)
+    loop, state = fit_loop(0, steps=1, accumulate=2), saved_loop_state(4, 4, 3, 3, steps=1)
+    assert resume_batch(loop) == 2
+    rewind_to_step_boundary(state, loop, step_in_flight=False)
+    assert state["epoch_loop.batch_progress"]["current"] == dict(ready=2, started=2, processed=2, completed=2)
+    assert state["epoch_loop.batch_progress"]["total"] == dict(ready=12, started=12, processed=12, completed=12)
+    assert state["epoch_loop.state_dict"]["_batches_that_stepped"] == 5  # the steps, as after batch 2's end
+
+
+def test_a_checkpoint_after_the_step_is_left_as_lightning_resumes_it() -> None:
+    loop, state = fit_loop(0, steps=2, accumulate=2), saved_loop_state(4, 4, 4, 3, steps=2)  # on_train_batch_end
+    before = {key: dict(value) if isinstance(value, dict) else value for key, value in state.items()}
+    rewind_to_step_boundary(state, loop, step_in_flight=False)
+    assert state == before and resume_batch(loop) == 4
+
+
+def test_a_checkpoint_inside_optimizer_step_counts_the_applied_step() -> None:
+    loop, state = fit_loop(0, steps=1, accumulate=2), saved_loop_state(4, 4, 3, 3, steps=1)
+    assert resume_batch(loop, step_in_flight=True) == 4
+    rewind_to_step_boundary(state, loop, step_in_flight=True)
+    assert state["epoch_loop.batch_progress"]["current"] == dict(ready=4, started=4, processed=4, completed=4)
+    assert state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"] == {
+        "total": dict(ready=6, completed=6), "current": dict(ready=2, completed=2)}
+    assert state["epoch_loop.state_dict"]["_batches_that_stepped"] == 6
+    with pytest.raises(RuntimeError, match="between the optimizer step and the learning-rate scheduler's step"):
+        rewind_to_step_boundary(saved_loop_state(4, 4, 3, 3, steps=1), fit_loop(0, 1, accumulate=2, step_schedulers=1),
+                                step_in_flight=True)
+
+
+def trainer_for_windows(batches: int, max_epochs: int, max_steps: int, epoch: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(accumulate_grad_batches=2, num_training_batches=batches, max_epochs=max_epochs,
+                           max_steps=max_steps, current_epoch=epoch)
+
+
+def test_an_epoch_that_is_not_a_multiple_of_the_accumulation_is_refused_when_training_goes_on() -> None:
+    with pytest.raises(ValueError, match=r"5 batches, not a multiple of accumulate_grad_batches=2.*limit_train_batches=4"):
+        check_accumulation_windows(trainer_for_windows(5, max_epochs=2, max_steps=-1))
+    with pytest.raises(ValueError, match="not a multiple"):
+        check_accumulation_windows(trainer_for_windows(5, max_epochs=-1, max_steps=3))  # step 3 is in epoch 1
+    check_accumulation_windows(trainer_for_windows(5, max_epochs=1, max_steps=-1))  # the run ends with the epoch
+    check_accumulation_windows(trainer_for_windows(5, max_epochs=-1, max_steps=2))  # ... or at its last full step
+    check_accumulation_windows(trainer_for_windows(5, max_epochs=3, max_steps=-1, epoch=2))  # resumed in the last
+    check_accumulation_windows(trainer_for_windows(6, max_epochs=2, max_steps=-1))

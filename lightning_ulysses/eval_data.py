@@ -1,0 +1,96 @@
+"""Evaluation and prediction when the samples do not divide over the DP ranks: every rank runs the same batches.
+
+Every forward under ZeRO-3 gathers parameters from all ranks, and tiled MLPs agree on their tile count with an
+all-reduce: a rank that runs one batch fewer than the others leaves them blocked in those collectives (until the
+timeout). Lightning's validation and test samplers (``DistributedSampler``) pad every DP rank to
+``ceil(N / dp)`` samples with repeats of the first ones, as for DDP, so the batch counts agree, but each repeat
+counts twice in the metrics; its predict sampler repeats nothing and leaves the ranks with different counts.
+
+:func:`pad_over_dp_ranks` gives every evaluation and prediction loader that padded sampler and wraps it in
+:class:`MarkDuplicates`, which marks the repeated rows of each batch (always the last ones of a rank's stream).
+The strategy then masks their labels (``shift_labels = IGNORE_INDEX``), so token losses and the metrics of
+:mod:`lightning_ulysses.metrics` count every sample once, and drops their rows from ``predict_step``'s output,
+from the batch that later hooks see and from the batch indices that prediction writers get
+(:func:`drop_rows`). Loaders whose sampler is not Lightning's distributed one are left as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper, _IndexBatchSamplerWrapper
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from torch.utils.data import DistributedSampler
+
+DUPLICATES_KEY = "_ulysses_duplicate_rows"
+"""Batch entry (added by :class:`MarkDuplicates`, removed by the strategy): ``[B]`` bool, True for a repeated sample."""
+
+
+def pad_over_dp_ranks(loader: Any) -> Any:
+    """``loader`` with the same number of samples on every DP rank and its repeats marked (see the module docstring).
+
+    Lightning's predict sampler (no repeats) is replaced in place by its padded counterpart, in the batch sampler
+    that the loader iterates.
+    """
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    inner = batch_sampler._batch_sampler if isinstance(batch_sampler, _IndexBatchSamplerWrapper) else batch_sampler
+    sampler = getattr(inner, "sampler", None)
+    if isinstance(sampler, UnrepeatedDistributedSamplerWrapper):
+        sampler = DistributedSamplerWrapper(
+            sampler.dataset._sampler, num_replicas=sampler.num_replicas, rank=sampler.rank, shuffle=False
+        )
+        inner.sampler = sampler  # read at every iteration, and by len()
+    if not isinstance(sampler, DistributedSampler) or sampler.drop_last:
+        return loader
+    unique = len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))
+    return loader if unique == sampler.num_samples else MarkDuplicates(loader, unique)
+
+
+class MarkDuplicates:
+    """Wraps an evaluation or prediction loader whose rank holds ``unique`` samples followed by repeats.
+
+    Each dict batch that holds repeats gets ``DUPLICATES_KEY``: ``[B]`` bool, True from the ``unique``-th row of the
+    rank's stream on; with Lightning's index-tracking batch sampler (prediction), the batch's recorded indices lose
+    those rows. Everything else (``len``, ``batch_sampler``, ...) is the wrapped loader's.
+    """
+
+    def __init__(self, loader: Any, unique: int) -> None:
+        self.loader, self.unique = loader, unique
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        batch_sampler = getattr(self.loader, "batch_sampler", None)
+        seen = 0
+        for index, batch in enumerate(self.loader):
+            if not isinstance(batch, Mapping) or "input_ids" not in batch:
+                yield batch  # the strategy refuses it with the reason
+                continue
+            rows = len(batch["input_ids"])
+            duplicate = torch.arange(seen, seen + rows) >= self.unique
+            seen += rows
+            if duplicate.any():
+                if isinstance(batch_sampler, _IndexBatchSamplerWrapper):
+                    del batch_sampler.seen_batch_indices[index][rows - int(duplicate.sum()):]
+                batch = {**batch, DUPLICATES_KEY: duplicate}
+            yield batch
+
+
+def drop_rows(data: Any, keep: Tensor) -> Any:
+    """``data`` with every tensor whose first dimension is the batch (``len(keep)``) cut to the rows in ``keep``
+    (``[B]`` bool); other values as they are. Dict batches are changed in place (later hooks see the same dict)."""
+    def cut(tensor: Tensor) -> Tensor:
+        return tensor[keep.to(tensor.device)] if tensor.dim() and len(tensor) == len(keep) else tensor
+
+    if isinstance(data, dict):
+        data.update(apply_to_collection(data, Tensor, cut))
+        return data
+    return apply_to_collection(data, Tensor, cut)
