@@ -233,6 +233,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         if self.root_device.type == "cpu":
             _skip_deepspeed_shared_memory_kernel()
         self._init_deepspeed_distributed()
+        _bound_deepspeed_world_group(self.world_size, self._timeout)
         # subgroups do not inherit the default group's timeout: without it a stalled rank holds its peers for torch's default
         self._sp_group, _ = dist.new_subgroups_by_enumeration(self._topology.sp_group_ranks, timeout=self._timeout)
         self._dp_group, _ = dist.new_subgroups_by_enumeration(self._topology.dp_group_ranks, timeout=self._timeout)
@@ -429,6 +430,16 @@ UlyssesStrategy.register_strategies(StrategyRegistry)
 def _nodes_of(ranks: list[int], processes_per_node: int) -> int:
     """How many nodes the global ``ranks`` live on (launchers number ranks node by node)."""
     return len({rank // processes_per_node for rank in ranks})
+
+
+def _bound_deepspeed_world_group(world_size: int, timeout: Any) -> None:
+    """DeepSpeed clones the world group for its own collectives (``groups._clone_world_group``) without a timeout, so
+    a rank that fails before the engine exists would hold its peers for torch's default 30 minutes. Create that clone
+    first, with the strategy's timeout (DeepSpeed keeps it until the world group is destroyed)."""
+    from deepspeed.utils import groups
+
+    if groups._WORLD_GROUP is None:
+        groups._WORLD_GROUP = dist.new_group(ranks=list(range(world_size)), timeout=timeout)
 
 
 def _skip_deepspeed_shared_memory_kernel() -> None:

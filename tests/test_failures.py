@@ -75,6 +75,30 @@ def failing_worker(args: dict[str, Any]) -> None:
     _fit("stall_then_raise", sp=2, world_size=world_size)
 
 
+class FailingOptimizerSetup(TinyCausalLM):
+    """Rank 1 fails while building its optimizer: its peer waits in DeepSpeed's engine set-up."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.global_rank == 1:
+            raise RuntimeError("rank 1 fails on purpose in configure_optimizers")
+        return super().configure_optimizers()
+
+
+def failing_setup_worker(args: dict[str, Any]) -> None:
+    strategy = UlyssesStrategy(sp_size=2, stage=2, attn_implementation="sdpa", timeout=timedelta(seconds=PG_TIMEOUT_S))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(FailingOptimizerSetup(), DataLoader(make_samples(num=4, seq_len=16), batch_size=2, collate_fn=collate))
+
+
+def test_rank_failing_before_the_engine_exists_ends_every_rank_within_the_timeout() -> None:
+    # DeepSpeed's own clone of the world group used torch's 30-minute default; the launcher allows far less
+    exits = launch_to_exit("tests.test_failures:failing_setup_worker", 2, timeout=START_UP_S + 2 * PG_TIMEOUT_S)
+    for rank, exit in enumerate(exits):
+        assert exit.returncode not in (None, 0), f"rank {rank} did not end with an error:\n{exit.output[-3000:]}"
+    assert "rank 1 fails on purpose in configure_optimizers" in exits[1].output
+
+
 @pytest.fixture(scope="module")
 def exits() -> list[RankExit]:
     return launch_to_exit("tests.test_failures:failing_worker", 2, timeout=START_UP_S + STALL_S + 2 * PG_TIMEOUT_S)
