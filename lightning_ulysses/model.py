@@ -87,7 +87,7 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         options = {"attn_implementation": "sdpa", "dtype": torch.get_default_dtype()}
         with _transformers_zero3(self._trainer.strategy if self._trainer is not None else None):
             if hp.pretrained:
-                self.model = AutoModelForCausalLM.from_pretrained(_local_folder(hp.model), **options)
+                self.model = _load_pretrained(hp.model, **options)
             else:
                 self.model = AutoModelForCausalLM.from_config(build_config(hp.model, hp.vocab_size), **options)
         if hp.pretrained:
@@ -184,6 +184,31 @@ def build_config(model: dict[str, Any] | str, vocab_size: int | None = None) -> 
     if vocab_size is not None:
         config.vocab_size = vocab_size
     return config
+
+
+def _load_pretrained(folder: str, **options: Any) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` that refuses a partial load.
+
+    transformers initialises a weight the folder lacks (or holds in another shape, when told to ignore sizes) at
+    random and only logs it: fine-tuning would then start from a model that is not the pretrained one. Under ZeRO-3
+    it reports missing weights but not unused ones (``unexpected_keys`` stays empty there), so those are checked
+    under ZeRO 1/2 and on one process only.
+    """
+    model, info = AutoModelForCausalLM.from_pretrained(_local_folder(folder), output_loading_info=True, **options)
+    problems = {
+        "missing from the folder (would be initialised at random)": info["missing_keys"],
+        "of another shape in the folder": [str(key) for key in info["mismatched_keys"]],
+        "not used by the model": info["unexpected_keys"],
+        "load errors": info["error_msgs"],
+    }
+    found = {what: sorted(keys) for what, keys in problems.items() if keys}
+    if found:
+        listed = "; ".join(f"{what}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}" for what, keys in found.items())
+        raise ValueError(
+            f"model.model={folder!r} does not hold exactly the weights of {type(model).__name__} ({listed}). Use the "
+            "folder saved with this architecture, or train from the config (model.pretrained=false)."
+        )
+    return model
 
 
 @contextmanager

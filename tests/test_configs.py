@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from lightning_ulysses.cli import main
 from lightning_ulysses.data import find_text_files
@@ -277,6 +278,22 @@ def test_pretrained_weights_take_the_default_dtype(folders: dict[str, str]) -> N
     module = CausalLM(model=folders[MODEL_FOLDER], pretrained=True)
     module.configure_model()
     assert {p.dtype for p in module.parameters()} == {torch.float32}
+
+
+def test_a_folder_missing_weights_is_refused(folders: dict[str, str], tmp_path: Path) -> None:
+    """transformers initialises a weight the folder lacks at random and only logs it; fine-tuning must not start
+    from such a model. One weight removed, one renamed: each named."""
+    folder = tmp_path / "damaged"
+    shutil.copytree(folders[MODEL_FOLDER], folder)
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    weights["model.layers.0.self_attn.q_proj.weights"] = weights.pop("model.layers.0.self_attn.q_proj.weight")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="does not hold exactly the weights") as refusal:
+        CausalLM(model=str(folder), pretrained=True).configure_model()
+    for key in ["model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight",
+                "model.layers.0.self_attn.q_proj.weights"]:
+        assert key in str(refusal.value)
 
 
 @pytest.mark.parametrize("case", CASES)
