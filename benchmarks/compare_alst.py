@@ -6,8 +6,11 @@ formula below is exact) from the same seed, on the same batches in the same orde
 
 * **ours**: ``UlyssesStrategy`` + :class:`tests.tiny.TinyCausalLM` (token-weighted loss) in ``L.Trainer``;
 * **ALST**: ``UlyssesSPAttentionHF.register_with_transformers`` + ``UlyssesSPDataLoaderAdapter`` +
-  ``deepspeed.initialize(mpu=...)`` and the loss recipe of DeepSpeed's ALST tutorial and of the HF
-  Trainer (a differentiable ``all_gather`` of per-rank mean losses, weighted by valid tokens).
+  ``deepspeed.initialize(mpu=...)`` and the loss of DeepSpeed's ALST tutorial, line for line (the model's
+  ``loss_function`` on pre-shifted labels, a differentiable ``all_gather`` of per-rank means weighted by
+  valid tokens). As in ArcticTraining's trainer, the model outputs are freed before backward, and the
+  DeepSpeed config is ours to the letter: DeepSpeed's default ``gradient_clipping`` (1.0) would clip ALST
+  alone, since Lightning writes ``Trainer(gradient_clip_val=None)`` into ours as 0.
 
 One run reports, per side: the median step time, with the two sides' steps interleaved one by one in
 the same processes (after each of ours' steps, one ALST step) so that the load of the machine moves
@@ -28,6 +31,7 @@ CPU (gloo, the default here) or CUDA (NCCL). Writes a markdown report::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import os
@@ -43,14 +47,14 @@ from typing import Any, Callable, Iterator
 import lightning as L
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from benchmarks.measure import PeakMemory
+from benchmarks.measure import PeakMemory, SavedForBackward
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("ours", "alst")
+MEMORY_ORDER = ("alst", "ours", "ours", "alst")  # each side measured first once and last once
 
 
 @dataclass(frozen=True)
@@ -191,6 +195,7 @@ class Block:
     losses: list[float]
     grad_norm: float | None = None
     params: dict[str, Tensor] | None = None
+    saved_for_backward: int | None = None  # first step, agreement blocks only
 
 
 @dataclass
@@ -236,9 +241,18 @@ class _OursBlock(L.Callback):
         self.check_agreement = check_agreement
         self.grad_norm: float | None = None
         self.peak = 0
+        self.saved: SavedForBackward | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.memory.reset()
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.check_agreement and self.saved is None:
+            self.saved = SavedForBackward().__enter__()
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Tensor) -> None:
+        if self.saved is not None and trainer.global_step == 0:
+            self.saved.__exit__()
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if self.check_agreement and self.grad_norm is None:
@@ -257,6 +271,7 @@ def run_ours(config: BenchmarkConfig, batches: list[dict[str, Tensor]], counter:
         peak_memory=recorder.peak, all_to_all_calls=counter.calls - calls, all_to_all_bytes=counter.bytes_to_peers - sent,
         losses=module.losses, grad_norm=recorder.grad_norm,
         params=gathered_parameters(module.model, config.stage) if check_agreement else None,
+        saved_for_backward=recorder.saved.bytes if recorder.saved else None,
     )
 
 
@@ -271,18 +286,19 @@ def register_alst(config: BenchmarkConfig) -> Any:
     )
 
 
-def alst_loss(logits: Tensor, shift_labels: Tensor, sp_group: dist.ProcessGroup) -> Tensor:
-    """The ALST tutorial's / HF Trainer's SP loss: per-rank mean, all-gathered with autograd, token-weighted."""
+def alst_loss(model: torch.nn.Module, logits: Tensor, shift_labels: Tensor, sp_group: dist.ProcessGroup) -> Tensor:
+    """The loss of DeepSpeed's ALST tutorial, line for line: the model's own ``loss_function`` on this rank's
+    pre-shifted labels, then the per-rank means all-gathered with autograd and weighted by valid tokens."""
     from torch.distributed.nn.functional import all_gather
 
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), shift_labels.flatten(), ignore_index=-100)
-    good_tokens = (shift_labels != -100).sum()
+    loss = model.loss_function(logits=logits, labels=None, shift_labels=shift_labels, vocab_size=model.config.vocab_size)
+    good_tokens = (shift_labels != -100).view(-1).sum()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # all_gather is deprecated in favour of functional collectives
         losses_per_rank = all_gather(loss, group=sp_group)
-        tokens_per_rank = all_gather(good_tokens, group=sp_group)
-    total_loss = sum(losses_per_rank[r] * tokens_per_rank[r] for r in range(len(losses_per_rank)) if tokens_per_rank[r])
-    return total_loss / max(sum(tokens_per_rank), 1)
+        good_tokens_per_rank = all_gather(good_tokens, group=sp_group)
+    total_loss = sum(losses_per_rank[rank] * good_tokens_per_rank[rank] for rank in range(len(losses_per_rank)))
+    return total_loss / max(sum(good_tokens_per_rank), 1)
 
 
 class AlstLoop:
@@ -297,7 +313,10 @@ class AlstLoop:
         self.device = _device(config)
         model = tiny_llama(**config.model_overrides)
         ds_config = copy.deepcopy(UlyssesStrategy(stage=config.stage).config)  # the ZeRO settings ours runs with
-        ds_config.update(train_micro_batch_size_per_gpu=config.batch_size, gradient_accumulation_steps=1)
+        # Lightning writes Trainer(gradient_clip_val=None) into ours as 0.0; DeepSpeed's own default is 1.0, which
+        # clipped ALST's updates whenever the gradient norm passed 1 (the "ALST differs from one process" of larger models)
+        ds_config.update(train_micro_batch_size_per_gpu=config.batch_size, gradient_accumulation_steps=1,
+                         gradient_clipping=0.0)
         if config.precision == "bf16":
             ds_config["bf16"] = {"enabled": True}
         self.engine, *_ = deepspeed.initialize(
@@ -311,11 +330,20 @@ class AlstLoop:
         ))
         self.losses: list[float] = []
         self.grad_norm: float | None = None
+        self.saved_for_backward: int | None = None
 
     def step(self, check_agreement: bool = False) -> None:
         batch = {key: value.to(self.device) for key, value in next(self.batches).items()}
-        logits = self.engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        loss = alst_loss(logits, batch["shift_labels"], self.sp_group)
+        shift_labels = batch.pop("shift_labels").contiguous()  # the adapter's slice of [B > 1, N]; loss_function views it
+        record = check_agreement and self.saved_for_backward is None
+        with SavedForBackward() if record else contextlib.nullcontext() as saved:
+            outputs = self.engine(**batch)
+            loss = alst_loss(self.engine.module, outputs.logits, shift_labels, self.sp_group)
+        if record:
+            self.saved_for_backward = saved.bytes
+        # ArcticTraining's trainer frees the outputs before backward (the tutorial's loop keeps them, and with them
+        # the [B, N/sp, V] logits, alive through backward: that would charge ALST memory ours does not spend)
+        del outputs
         self.engine.backward(loss)
         if check_agreement and self.grad_norm is None:
             self.grad_norm = full_grad_norm(list(self.engine.module.parameters()))
@@ -335,6 +363,7 @@ def run_alst(config: BenchmarkConfig, batches: list[dict[str, Tensor]], mpu: Any
         peak_memory=memory.peak(), all_to_all_calls=counter.calls - calls, all_to_all_bytes=counter.bytes_to_peers - sent,
         losses=loop.losses, grad_norm=loop.grad_norm,
         params=gathered_parameters(loop.engine.module, config.stage) if check_agreement else None,
+        saved_for_backward=loop.saved_for_backward,
     )
     loop.engine.destroy()
     return block
@@ -376,7 +405,7 @@ def _device(config: BenchmarkConfig) -> torch.device:
 
 
 def worker(args: dict[str, Any]) -> dict[str, Any]:
-    """One rank: an agreement block and a memory block per side (ours, ALST, ALST, ours), then the timed phase
+    """One rank: an agreement block per side (ours, ALST), memory blocks in ``MEMORY_ORDER``, then the timed phase
     with the two sides' steps interleaved one by one."""
     config = BenchmarkConfig(**args["config"])
     if config.accelerator == "cuda":
@@ -386,8 +415,12 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     agreement = {"ours": run_ours(config, batches, counters["ours"], check_agreement=True)}
     mpu = register_alst(config)  # after ours' first fit: the default process group exists
     agreement["alst"] = run_alst(config, batches, mpu, counters["alst"], check_agreement=True)
-    memory = {"alst": run_alst(config, batches, mpu, counters["alst"], check_agreement=False)}
-    memory["ours"] = run_ours(config, batches, counters["ours"], check_agreement=False)
+    memory: dict[str, list[Block]] = {side: [] for side in SIDES}
+    for side in MEMORY_ORDER:
+        if side == "alst":
+            memory[side].append(run_alst(config, batches, mpu, counters["alst"], check_agreement=False))
+        else:
+            memory[side].append(run_ours(config, batches, counters["ours"], check_agreement=False))
     return {"agreement": agreement, "memory": memory, "timing": run_interleaved(config, batches, mpu)}
 
 
@@ -426,7 +459,8 @@ def single_process_reference(config: BenchmarkConfig, batches: list[dict[str, Te
 class SideSummary:
     median_step_time: float  # wall clock, interleaved phase, all ranks
     median_cpu_time: float  # process CPU time per step, same steps
-    peak_memory: int  # of the steps, max over ranks
+    peak_memory: float  # of the steps, mean of the side's blocks, max over ranks
+    saved_for_backward: int  # first step, rank 0
     all_to_all_calls_per_step: float
     all_to_all_bytes_per_layer: float  # per direction (forward or backward)
     max_loss_error: float  # relative, over all steps, rank 0
@@ -442,7 +476,8 @@ def summarize(config: BenchmarkConfig, side: str, results: list[dict[str, Any]],
     return SideSummary(
         median_step_time=statistics.median(t for r in results for t in r["timing"].wall[side]),
         median_cpu_time=statistics.median(t for r in results for t in r["timing"].cpu[side]),
-        peak_memory=max(r["memory"][side].peak_memory for r in results),
+        peak_memory=max(statistics.mean(block.peak_memory for block in r["memory"][side]) for r in results),
+        saved_for_backward=agreement[0].saved_for_backward,
         all_to_all_calls_per_step=agreement[0].all_to_all_calls / config.steps,
         all_to_all_bytes_per_layer=agreement[0].all_to_all_bytes / config.steps / (2 * config.layers),
         max_loss_error=((losses - expected).abs() / expected.abs()).max().item(),
@@ -485,6 +520,8 @@ def render_report(config: BenchmarkConfig, summaries: dict[str, SideSummary], ra
             f"{ours.median_cpu_time / alst.median_cpu_time:.3f}"),
         row("peak memory of the steps (MiB, rank max)", lambda s: f"{s.peak_memory / 2**20:.1f}",
             f"**{ours.peak_memory / alst.peak_memory:.3f}**"),
+        row("activations saved for backward, first step (MiB, rank 0)", lambda s: f"{s.saved_for_backward / 2**20:.1f}",
+            f"{ours.saved_for_backward / alst.saved_for_backward:.3f}"),
         row("all-to-all calls per step", lambda s: f"{s.all_to_all_calls_per_step:g}"),
         row("all-to-all bytes per layer and direction", lambda s: f"{s.all_to_all_bytes_per_layer:.0f}",
             f"theory {theory:.0f}"),
@@ -499,8 +536,12 @@ def render_report(config: BenchmarkConfig, summaries: dict[str, SideSummary], ra
         "  timed from the end of the other side's step to the end of its own optimizer step (data loading and",
         "  sharding, forward, backward, optimizer, loop overhead), the first pair skipped. CPU time is the",
         "  process CPU time over the same interval (less sensitive to other load on a shared machine).",
-        "- Peak memory: each side alone, from after engine set-up to the end of its steps; CUDA allocator peak,",
+        "- Peak memory: each side alone, from after engine set-up to the end of its steps, in the block order",
+        f"  {', '.join(MEMORY_ORDER)} (each side first once and last once), averaged per side; CUDA allocator peak,",
         "  or on CPU the RSS high-water mark with `MALLOC_MMAP_THRESHOLD_=65536` (freed buffers leave the process).",
+        "- Saved for backward: the distinct storages autograd saves during the first step's forward and loss",
+        "  (`torch.autograd.graph.saved_tensors_hooks`, agreement blocks): what the step keeps alive, where the peak",
+        "  also counts transient buffers.",
         "- All-to-all bytes: ours wraps `lightning_ulysses.attention.all_to_all`, ALST's exchange operator calls",
         "  `deepspeed.comm.all_to_all_single`, which is wrapped; bytes sent to other ranks, per attention layer",
         "  and direction (forward and backward move the same amount).",

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from benchmarks.measure import ProbeSchedule
 from lightning_ulysses import UlyssesLossMixin, UlyssesStrategy
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -75,6 +76,10 @@ class LongContextConfig:
     attn_implementation: str = "auto"
     peak_tflops: float = 0.0  # 0: looked up from the GPU name
     accelerator: str = "cuda"  # "cpu": a functional smoke run (fp32, gloo, no MFU)
+
+    @property
+    def probe_schedule(self) -> ProbeSchedule:
+        return ProbeSchedule(self.start_seq_len, self.max_seq_len, self.refine)
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_SIZES:
@@ -134,31 +139,6 @@ def peak_flops(device_name: str, peak_tflops: float = 0.0) -> float:
         if key in device_name:
             return flops
     raise ValueError(f"No dense bf16 peak known for {device_name!r}; pass --peak-tflops.")
-
-
-def next_probe(fits: list[int], misses: list[int], config: LongContextConfig) -> int | None:
-    """The next sequence length to try, or None when done: double while everything fits, then bisect
-    ``config.refine`` times between the longest fit and the shortest miss (in steps of start / 16)."""
-    if not fits and not misses:
-        return config.start_seq_len
-    if not misses:
-        longest = max(fits)
-        return None if longest >= config.max_seq_len else min(2 * longest, config.max_seq_len)
-    if not fits:
-        return None  # even the first length does not fit: lower --start-seq-len
-    low, high = max(fits), min(misses)
-    step = max(1, config.start_seq_len // 16)
-    middle = (low + high) // 2 // step * step
-    bisections = sum(1 for length in fits + misses if length not in _doubling(config))
-    return middle if bisections < config.refine and low < middle < high else None
-
-
-def _doubling(config: LongContextConfig) -> set[int]:
-    lengths, length = set(), config.start_seq_len
-    while length < config.max_seq_len:
-        lengths.add(length)
-        length *= 2
-    return lengths | {config.max_seq_len}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,7 +228,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         fits: list[int] = []
         misses: list[int] = []
         best: dict[str, float] | None = None
-        while (seq_len := next_probe(fits, misses, config)) is not None:
+        while (seq_len := config.probe_schedule.next(fits, misses)) is not None:
             result = run_probe(config, option, seq_len, sp)
             print(f"{option} seq_len={seq_len}: {'out of memory' if result is None else result}", flush=True)
             if result is None:

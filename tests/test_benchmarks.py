@@ -10,7 +10,7 @@ import torch
 
 from benchmarks import compare_alst, gpu_long_context
 from benchmarks.compare_alst import BenchmarkConfig
-from benchmarks.gpu_long_context import LongContextConfig, flops_per_token, llama_config, next_probe, parameter_counts
+from benchmarks.gpu_long_context import LongContextConfig, flops_per_token, llama_config, parameter_counts
 
 SHORT = ["--seq-len", "62", "--hidden", "32", "--heads", "2", "--intermediate", "48", "--vocab", "61", "--steps", "2",
          "--timed-steps", "4"]
@@ -28,6 +28,7 @@ def test_compare_alst_short_run(tmp_path: Path) -> None:
         assert abs(summary.grad_norm_ratio - 1) < 1e-4, side
         assert summary.weight_update_error < 1e-4, side
         assert summary.median_step_time > 0 and summary.median_cpu_time > 0 and summary.peak_memory > 0, side
+        assert summary.saved_for_backward > 0, side
     report = (tmp_path / "report.md").read_text()
     assert "python -m benchmarks.compare_alst --seq-len 62" in report and "| median step time, wall clock (s) |" in report
 
@@ -62,14 +63,14 @@ def test_flops_per_token_counts_matmuls_and_causal_attention() -> None:
 
 
 def test_probe_schedule_doubles_then_bisects() -> None:
-    config = LongContextConfig(start_seq_len=16384, max_seq_len=1 << 20, refine=2)
+    schedule = LongContextConfig(start_seq_len=16384, max_seq_len=1 << 20, refine=2).probe_schedule
     fits, misses = [], []
     longest_fit = 100_000
-    while (length := next_probe(fits, misses, config)) is not None:
+    while (length := schedule.next(fits, misses)) is not None:
         (fits if length <= longest_fit else misses).append(length)
     assert fits == [16384, 32768, 65536, 98304] and misses == [131072, 114688]
-    assert next_probe([], [16384], config) is None  # nothing fits: stop and report it
-    assert next_probe([1 << 20], [], config) is None  # capped by max_seq_len
+    assert schedule.next([], [16384]) is None  # nothing fits: stop and report it
+    assert schedule.next([1 << 20], []) is None  # capped by max_seq_len
 
 
 def test_probe_reads_out_of_memory_as_a_miss_and_raises_anything_else(monkeypatch: pytest.MonkeyPatch) -> None:
