@@ -3,14 +3,17 @@
     python -m benchmarks.memory                            # CPU; writes docs/benchmarks/memory.{md,png}
     python -m benchmarks.memory --device cuda              # CUDA max allocated
     python -m benchmarks.memory --quick --out /tmp/bench   # the shortened run of the test suite
+    python -m benchmarks.memory --no-probe                 # the table at fixed lengths only (minutes, not an hour)
 
 A fixed small Llama-style model runs forward + backward on one sequence of ``N`` tokens, sharded over
 ``sp`` processes (one SP group, Ulysses attention), under each configuration of
 :class:`~lightning_ulysses.MemoryOptions`. Every sp size runs in its own processes and measures all
 configurations and lengths there. Reported per rank (the largest over the group): the step's peak above
-what was resident before it (weights and gradient buffers), its ratio to the plain sp=1 peak at the same
-length, and the longest sequence whose peak fits a per-rank budget, extrapolated along the line through
-the two longest measurements (activation memory is linear in N with the O(N) attention kernels).
+what was resident before it (weights and gradient buffers) and its ratio to the plain sp=1 peak at the same
+length. The longest sequence whose step fits a per-rank budget is probed, not extrapolated (fixed loss-tile
+buffers set the peak of short sequences, so a line through short measurements overestimates it): each probed
+length trains one step in fresh processes, doubling from ``--probe-start`` while the peak stays under the
+budget, then bisecting ``--refine`` times; the table gives the bracket [longest fit, shortest miss).
 
 CPU: the RSS high-water mark (``VmHWM`` after a reset through ``/proc/self/clear_refs``) in processes
 started with ``MALLOC_MMAP_THRESHOLD_=65536``, so freed tensors go back to the OS and RSS follows the live
@@ -31,7 +34,7 @@ import torch.distributed as dist
 
 from lightning_ulysses import MemoryOptions, UlyssesLossMixin, apply_memory_options, apply_ulysses_attention
 from lightning_ulysses import prepare_batch, remove_memory_options, shard_batch
-from benchmarks.measure import PeakMemory
+from benchmarks.measure import PeakMemory, ProbeSchedule
 from tests.launch import launch
 from tests.tiny import tiny_llama
 
@@ -49,6 +52,7 @@ CONFIGS: dict[str, MemoryOptions] = {
     "all": MemoryOptions(tiled_mlp=True, tiled_loss=True, activation_checkpointing=True, offload_activations=True),
 }
 MiB = 2**20
+WARM_UP_LEN = 256
 
 
 def worker(args: dict[str, Any]) -> dict[tuple[str, int], int]:
@@ -64,7 +68,7 @@ def worker(args: dict[str, Any]) -> dict[tuple[str, int], int]:
     for name in args["configs"]:
         options = CONFIGS[name]
         apply_memory_options(model, options)
-        for seq_len in [min(args["seq_lens"]), *args["seq_lens"]]:  # the first step warms up
+        for seq_len in [WARM_UP_LEN, *args["seq_lens"]]:  # the first step warms up
             generator = torch.Generator().manual_seed(seq_len)
             batch = {"input_ids": torch.randint(1, MODEL["vocab_size"], (1, seq_len), generator=generator)}
             shard = {k: v.to(device) for k, v in shard_batch(prepare_batch(batch, sp_size), sp_rank, sp_size).items()}
@@ -92,25 +96,37 @@ def _peak_bytes(device: torch.device, step: Any) -> int:
     return memory.peak()
 
 
-def longest_fitting(peaks: dict[int, float], budget: float) -> int | None:
-    """Longest ``N`` under ``budget`` on the line through the peaks at the two longest measured lengths, where
-    the terms that grow with ``N`` dominate (fixed per-tile buffers flatten the short end). ``None``: no growth."""
-    (short, short_peak), (long, long_peak) = sorted(peaks.items())[-2:]
-    slope = (long_peak - short_peak) / (long - short)
-    return max(0, int(long + (budget - long_peak) / slope)) if slope > 0 else None
+def probe_longest(config: str, sp: int, device: str, budget: float, schedule: ProbeSchedule) -> tuple[int | None, int | None]:
+    """``(longest length that fits, shortest that does not)`` under ``budget`` per rank, each probe one step in
+    fresh processes; None where the schedule found no such length."""
+    fits, misses = [], []
+    while (seq_len := schedule.next(fits, misses)) is not None:
+        peak = max(measure([config], sp, device, [seq_len]).values())
+        (fits if peak <= budget else misses).append(seq_len)
+    return max(fits, default=None), min(misses, default=None)
+
+
+def measure(configs: list[str], sp: int, device: str, seq_lens: list[int]) -> dict[tuple[str, int], int]:
+    """``{(config, seq_len): peak bytes}``, the largest over the ``sp`` ranks of one launch."""
+    per_rank = launch("benchmarks.memory:worker", sp, {"device": device, "seq_lens": seq_lens, "configs": configs},
+                      extra_env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+    return {key: max(rank[key] for rank in per_rank) for key in per_rank[0]}
 
 
 def markdown_table(results: dict[tuple[str, int, int], float], configs: list[str], sp_sizes: list[int],
-                   seq_lens: list[int], budget: float) -> str:
+                   seq_lens: list[int], budget: float, longest: dict[tuple[str, int], tuple[int | None, int | None]]) -> str:
     header = "| config | sp | " + " | ".join(f"N={n}: MiB (x plain sp=1)" for n in seq_lens)
-    header += f" | longest N under {budget / MiB:.0f} MiB (extrapolated) |"
-    lines = [header, "|" + "---|" * (len(seq_lens) + 3)]
+    header += f" | longest N under {budget / MiB:.0f} MiB: fits, does not (probed) |" if longest else " |"
+    lines = [header, "|" + "---|" * (len(seq_lens) + 2 + bool(longest))]
     for config in configs:
         for sp in sp_sizes:
             cells = [f"{results[config, sp, n] / MiB:.1f} ({results[config, sp, n] / results['plain', 1, n]:.3f})"
                      for n in seq_lens]
-            longest = longest_fitting({n: results[config, sp, n] for n in seq_lens}, budget)
-            lines.append(f"| {config} | {sp} | " + " | ".join(cells) + f" | {'-' if longest is None else longest} |")
+            row = f"| {config} | {sp} | " + " | ".join(cells) + " |"
+            if longest:
+                fit, miss = longest[config, sp]
+                row += f" {'-' if fit is None else fit}, {'-' if miss is None else miss} |"
+            lines.append(row)
     return "\n".join(lines)
 
 
@@ -136,32 +152,38 @@ def plot(results: dict[tuple[str, int, int], float], configs: list[str], sp_size
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> dict[tuple[str, int, int], float]:
-    """Run, print and write the table and plot; return ``{(config, sp, seq_len): peak bytes}``."""
+def main(argv: list[str] | None = None) -> tuple[dict[tuple[str, int, int], float], dict]:
+    """Run, print and write the table and plot; return ``{(config, sp, seq_len): peak bytes}`` and the probed
+    ``{(config, sp): (longest fit, shortest miss)}``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--budget-mib", type=float, default=256.0, help="per-rank memory budget for the step")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
-    parser.add_argument("--quick", action="store_true", help="two lengths, sp 1 and 2, plain and all: a smoke test")
+    parser.add_argument("--probe-start", type=int, default=1024, help="first length of the longest-N probe")
+    parser.add_argument("--probe-max", type=int, default=1 << 20, help="the probe stops doubling here")
+    parser.add_argument("--refine", type=int, default=3, help="bisections of the longest-N probe")
+    parser.add_argument("--no-probe", action="store_true", help="skip the longest-N probe")
+    parser.add_argument("--quick", action="store_true", help="two lengths, sp 1 and 2, plain and all, a short probe")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     configs = [c for c in CONFIGS if args.device == "cuda" or c != "checkpointing+offload"]
     if args.quick:
         args.seq_lens, args.sp, configs = [256, 512], [1, 2], ["plain", "all"]
+        args.budget_mib, args.probe_start, args.probe_max, args.refine = 64.0, 256, 512, 1
 
     results = {}
     for sp in args.sp:
-        per_rank = launch("benchmarks.memory:worker", sp, {"device": args.device, "seq_lens": args.seq_lens,
-                                                             "configs": configs},
-                          extra_env={"MALLOC_MMAP_THRESHOLD_": "65536"})
-        for config in configs:
-            for n in args.seq_lens:
-                results[config, sp, n] = max(rank[config, n] for rank in per_rank)
-
+        for (config, n), peak in measure(configs, sp, args.device, args.seq_lens).items():
+            results[config, sp, n] = peak
     budget = args.budget_mib * MiB
-    table = markdown_table(results, configs, args.sp, args.seq_lens, budget)
+    schedule = ProbeSchedule(args.probe_start, args.probe_max, args.refine)
+    longest = {} if args.no_probe else {
+        (config, sp): probe_longest(config, sp, args.device, budget, schedule) for config in configs for sp in args.sp
+    }
+
+    table = markdown_table(results, configs, args.sp, args.seq_lens, budget, longest)
     model = ", ".join(f"{k}={v}" for k, v in MODEL.items() if k != "max_position_embeddings")
     title = f"Peak step memory per rank, {args.device}"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -171,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int, int], float]:
     )
     plot(results, configs, args.sp, args.seq_lens, args.out / "memory.png", title)
     print(table)
-    return results
+    return results, longest
 
 
 if __name__ == "__main__":

@@ -232,10 +232,15 @@ def test_offload_moves_checkpointed_inputs_off_the_gpu() -> None:
 def test_benchmark_runs_in_quick_mode(tmp_path: Path) -> None:
     from benchmarks.memory import main
 
-    peaks = main(["--quick", "--out", str(tmp_path)])
+    peaks, longest = main(["--quick", "--out", str(tmp_path)])
     # large margins: the measured ratios are ~0.5 and ~0.3; a broken measurement or option gives ~1
     assert peaks["plain", 2, 512] < 0.75 * peaks["plain", 1, 512]
     assert peaks["all", 1, 512] < 0.75 * peaks["plain", 1, 512]
+    # the probe brackets the budget (64 MiB) between lengths it ran: plain sp=1 needs ~54 MiB at 256, ~107 at 512
+    budget = 64 * 2**20
+    fit, miss = longest["plain", 1]
+    assert peaks["plain", 1, 256] <= budget < peaks["plain", 1, 512] and 256 <= fit < miss <= 512
+    assert longest["all", 2] == (512, None)  # fits up to the probe's maximum
     table = (tmp_path / "memory.md").read_text()
-    assert "| plain | 1 |" in table and "| all | 2 |" in table
+    assert "| plain | 1 |" in table and "| all | 2 |" in table and f"| {fit}, {miss} |" in table
     assert (tmp_path / "memory.png").stat().st_size > 0
