@@ -18,6 +18,7 @@ from lightning_ulysses.memory import (
 )
 from lightning_ulysses.metrics import Perplexity, TokenAccuracy, TokenCrossEntropy
 from lightning_ulysses.model import CausalLM
+from lightning_ulysses.offload import ActivationOffload
 from lightning_ulysses.hf import (
     UnsupportedModelError,
     apply_ulysses_attention,
@@ -30,6 +31,7 @@ from lightning_ulysses.strategy import UlyssesStrategy
 from lightning_ulysses.topology import SequenceParallelTopology
 
 __all__ = [
+    "ActivationOffload",
     "IGNORE_INDEX",
     "ByteTokenizer",
     "CausalLM",

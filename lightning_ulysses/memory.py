@@ -9,7 +9,8 @@ fills memory; three other things are, and each has a remedy here (ALST's, made e
   computes ``lm_head`` + cross entropy (or evaluation's per-token values) one tile at a time; the loss is
   a *sum*, which :class:`~lightning_ulysses.UlyssesLossMixin` turns into the exact token mean of the SP group.
 * **Stored activations**: :func:`checkpoint_activations` keeps only each decoder layer's inputs and
-  recomputes the rest in the backward; with ``offload=True`` those inputs wait in (pinned) CPU memory.
+  recomputes the rest in the backward; with ``offload=True`` those inputs wait in pinned CPU memory, copied
+  on a side stream (:mod:`lightning_ulysses.offload`).
 
 Every tile is a :func:`torch.utils.checkpoint.checkpoint` region inside one autograd graph, not a
 backward-inside-forward as in DeepSpeed's ``TiledMLP`` / ``TiledFusedLogitsLoss``. So each parameter's
@@ -35,11 +36,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from lightning_ulysses.hf import outermost_models
+from lightning_ulysses.offload import ActivationOffload, default_offload
 
 TileSetting = bool | int
 """``False``: no tiling; ``True``: tile count from the number of tokens; ``int``: that many tiles."""
@@ -108,16 +109,19 @@ def recomputed_in_backward(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
     return functools.partial(checkpoint, fn, use_reentrant=False) if torch.is_grad_enabled() else fn
 
 
-def checkpoint_activations(function: Callable[..., Any], *args: Any, offload: bool = False, **kwargs: Any) -> Any:
+def checkpoint_activations(
+    function: Callable[..., Any], *args: Any, offload: bool | ActivationOffload = False, **kwargs: Any
+) -> Any:
     """``function(*args, **kwargs)`` keeping only its tensor ``args`` for the backward, which recomputes the rest.
 
-    With ``offload=True`` the kept ``args`` move to CPU memory (pinned when CUDA is available, copied
-    back for the recomputation); on CPU tensors that is a no-op. ``kwargs`` stay where they are: pass the
-    large per-layer input (the hidden states) positionally.
+    With ``offload=True`` the kept ``args`` wait in pinned host memory, copied there on a side CUDA stream that
+    overlaps the following compute (:mod:`lightning_ulysses.offload`; an :class:`ActivationOffload` instance
+    chooses its own streams) and copied back for the recomputation; tensors already on the host stay where
+    they are. ``kwargs`` are not offloaded: pass the large per-layer input (the hidden states) positionally.
     """
     if not offload:
         return checkpoint(function, *args, use_reentrant=False, **kwargs)
-    with save_on_cpu(pin_memory=torch.cuda.is_available()):
+    with (default_offload() if offload is True else offload).hooks():
         return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
