@@ -105,7 +105,8 @@ def dense_peak_flops(device_name: str, dtype: torch.dtype, tf32: bool = False) -
 
     Args:
         device_name: as ``torch.cuda.get_device_name`` reports it, e.g. ``"NVIDIA H200"``,
-            ``"NVIDIA H100 80GB HBM3"`` (SXM), ``"NVIDIA H100 PCIe"``, ``"NVIDIA H200 NVL"``, ``"NVIDIA A100-SXM4-80GB"``.
+            ``"NVIDIA H100 80GB HBM3"`` (SXM), ``"NVIDIA H100 PCIe"``, ``"NVIDIA H200 NVL"``,
+            ``"NVIDIA A100-SXM4-80GB"``.
         dtype: the compute dtype of the matrix products (bf16, fp16 or fp32).
         tf32: fp32 products run on tensor cores (``torch.get_float32_matmul_precision() != "highest"``).
     """

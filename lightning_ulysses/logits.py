@@ -63,7 +63,7 @@ def per_token(logits: Logits, labels: Tensor, fn: TokenFunction) -> Tensor:
 
 
 def token_losses(logits: Logits, labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
-    """``[B, n]`` fp32 next-token cross entropy of each token (``-log p(label)``); 0 where ``labels == ignore_index``."""
+    """``[B, n]`` fp32 next-token cross entropy of each token (``-log p(label)``); 0 where ignored."""
     return per_token(
         logits, labels, lambda x, y: F.cross_entropy(x.float(), y, ignore_index=ignore_index, reduction="none")
     )

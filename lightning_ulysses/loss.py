@@ -47,7 +47,9 @@ STEP_TOKENS_KEY = "_ulysses_step_valid_tokens"
 """Batch entry (added by :class:`StepTokenCounts`, removed by the strategy) with the SP group's step token count."""
 
 
-def token_cross_entropy(logits: Logits, shift_labels: Tensor, ignore_index: int = IGNORE_INDEX) -> tuple[Tensor, Tensor]:
+def token_cross_entropy(
+    logits: Logits, shift_labels: Tensor, ignore_index: int = IGNORE_INDEX
+) -> tuple[Tensor, Tensor]:
     """Sum of the next-token cross entropies of ``logits [B, n, V]`` (whole or :class:`TiledLogits`) against
     ``shift_labels [B, n]``, in fp32, and the number of valid (``!= ignore_index``) tokens in it: the two sums
     every exact reduction starts from."""

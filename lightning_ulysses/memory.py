@@ -103,7 +103,7 @@ def tiled_map(fn: Callable[[Tensor], Tensor], x: Tensor, num_tiles: int) -> Tens
 
 
 def recomputed_in_backward(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    """``fn`` as one checkpoint region when autograd records (its intermediates recomputed in the backward), else ``fn``."""
+    """``fn`` as one checkpoint region (its intermediates recomputed in the backward) when autograd records."""
     # one checkpoint region per tile: the backward reaches the tiles one after the other (autograd runs the most
     # recently created nodes first), so each tile's recomputed intermediates are freed before the next tile's
     return functools.partial(checkpoint, fn, use_reentrant=False) if torch.is_grad_enabled() else fn

@@ -169,7 +169,8 @@ def test_cuda_offload_is_exact_with_pinned_copies_on_a_side_stream() -> None:
     grads = {}
     for offload_activations in (False, True):
         model = tiny_llama(num_hidden_layers=4).cuda().train()
-        apply_memory_options(model, MemoryOptions(activation_checkpointing=True, offload_activations=offload_activations))
+        options = MemoryOptions(activation_checkpointing=True, offload_activations=offload_activations)
+        apply_memory_options(model, options)
         loss = model(input_ids=ids, position_ids=positions).logits.float().logsumexp(-1).mean()
         grads[offload_activations] = torch.autograd.grad(loss, list(model.parameters()))
     for g, e in zip(grads[True], grads[False]):
