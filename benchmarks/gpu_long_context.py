@@ -31,10 +31,11 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.measure import ProbeSchedule
-from lightning_ulysses import UlyssesLossMixin, UlyssesStrategy
+from lightning_ulysses import UlyssesLossMixin, UlyssesStrategy, dense_peak_flops
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,8 +61,12 @@ MEMORY_OPTIONS: dict[str, dict[str, Any]] = {
     "zero3+alst+offload": dict(stage=3, offload_optimizer=True, offload_parameters=True, **_ALST),
 }
 
-# dense bf16 peak FLOP/s per GPU (vendor datasheets, without sparsity)
-PEAK_BF16_FLOPS: dict[str, float] = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+
+# torch SDPA kernels a probe may use ("flash": a run that needs another kernel fails instead of falling back)
+SDPA_BACKENDS: dict[str, list[SDPBackend]] = {
+    "any": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH],
+    "flash": [SDPBackend.FLASH_ATTENTION],
+}
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,8 @@ class LongContextConfig:
     refine: int = 2
     steps: int = 4
     attn_implementation: str = "auto"
+    sdpa_backend: str = "any"  # "flash": torch's SDPA may use its flash kernel only (raises where it cannot)
+    probe_timeout: int = 3600  # seconds per probe, then its processes are stopped
     peak_tflops: float = 0.0  # 0: looked up from the GPU name
     accelerator: str = "cuda"  # "cpu": a functional smoke run (fp32, gloo, no MFU)
 
@@ -89,6 +96,8 @@ class LongContextConfig:
             raise ValueError(f"Unknown memory options {unknown}; choose from {list(MEMORY_OPTIONS)}.")
         if self.steps < 2:
             raise ValueError("--steps must be at least 2: the first step is warm-up and is not timed.")
+        if self.sdpa_backend not in SDPA_BACKENDS:
+            raise ValueError(f"--sdpa-backend must be one of {list(SDPA_BACKENDS)}, got {self.sdpa_backend!r}.")
         if not 0 < self.start_seq_len <= self.max_seq_len:
             raise ValueError(f"Need 0 < --start-seq-len <= --max-seq-len, got {self.start_seq_len}, {self.max_seq_len}.")
 
@@ -98,9 +107,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[LongContextConfig, Path]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=list(MODEL_SIZES), default=defaults.model)
     parser.add_argument("--options", nargs="+", choices=list(MEMORY_OPTIONS), default=list(defaults.options))
-    for name in ("sp", "start_seq_len", "max_seq_len", "refine", "steps"):
+    for name in ("sp", "start_seq_len", "max_seq_len", "refine", "steps", "probe_timeout"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--attn-implementation", default=defaults.attn_implementation)
+    parser.add_argument("--sdpa-backend", choices=list(SDPA_BACKENDS), default=defaults.sdpa_backend)
     parser.add_argument("--peak-tflops", type=float, default=defaults.peak_tflops)
     parser.add_argument("--accelerator", choices=["cuda", "cpu"], default=defaults.accelerator)
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "docs" / "benchmarks" / "gpu_long_context.md")
@@ -133,12 +143,11 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
 
 
 def peak_flops(device_name: str, peak_tflops: float = 0.0) -> float:
-    if peak_tflops:
-        return peak_tflops * 1e12
-    for key, flops in PEAK_BF16_FLOPS.items():
-        if key in device_name:
-            return flops
-    raise ValueError(f"No dense bf16 peak known for {device_name!r}; pass --peak-tflops.")
+    """Dense bf16 peak FLOP/s: ``--peak-tflops``, else :func:`~lightning_ulysses.dense_peak_flops` of the GPU."""
+    flops = peak_tflops * 1e12 or dense_peak_flops(device_name, torch.bfloat16)
+    if flops is None:
+        raise ValueError(f"No dense bf16 peak known for {device_name!r}; pass --peak-tflops.")
+    return flops
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,7 +202,8 @@ def probe_worker(args: dict[str, Any]) -> dict[str, float]:
     )
     vocab = module.config.vocab_size
     rows = [{"input_ids": torch.randint(0, vocab, (seq_len,))} for _ in range(config.steps)]
-    trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=1))
+    with sdpa_kernel(SDPA_BACKENDS[config.sdpa_backend]):
+        trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=1))
     periods = [b - a for a, b in zip(timer.ends[:-1], timer.ends[1:])]
     if config.accelerator == "cuda":
         peak_memory = torch.cuda.max_memory_allocated()
@@ -208,7 +218,7 @@ def run_probe(config: LongContextConfig, option: str, seq_len: int, sp: int) -> 
 
     args = {"config": dataclasses.asdict(config), "option": option, "seq_len": seq_len, "sp": sp}
     try:
-        return launch("benchmarks.gpu_long_context:probe_worker", sp, args, timeout=3600,
+        return launch("benchmarks.gpu_long_context:probe_worker", sp, args, timeout=config.probe_timeout,
                       extra_env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})[0]
     except AssertionError as error:
         if "OutOfMemoryError" in str(error) or "out of memory" in str(error):
@@ -256,6 +266,9 @@ def render_report(config: LongContextConfig, rows: list[dict[str, Any]], sp: int
     total, _ = parameter_counts(llama_config(config.model, config.start_seq_len))
     lines = [
         f"# Longest trainable sequence: Llama {config.model} ({total / 1e9:.2f} B parameters), sp={sp} x {device_name}",
+        "",
+        f"attn_implementation={config.attn_implementation}, SDPA kernels: {config.sdpa_backend}, {config.steps} steps "
+        "per probe (bf16 on CUDA)",
         "",
         "| memory option | longest sequence (tokens) | tokens/s | MFU | peak memory (GiB, rank 0) |",
         "|---|---|---|---|---|",

@@ -5,19 +5,20 @@ from lightning_ulysses.callbacks import SequenceParallelMonitor, SequenceParalle
 from lightning_ulysses.checkpoint import check_resumable, convert_checkpoint, export_hf_model, is_universal_checkpoint
 from lightning_ulysses.checkpoint_io import CheckpointSaveError, CorruptCheckpointError, check_integrity
 from lightning_ulysses.data import ByteTokenizer, LongTextDataModule
-from lightning_ulysses.flops import TransformerFlops
+from lightning_ulysses.flops import TransformerFlops, dense_peak_flops
 from lightning_ulysses.heads import HeadLayout, plan_heads
+from lightning_ulysses.logits import TiledLogits, tiled_cross_entropy_sum
 from lightning_ulysses.loss import UlyssesLossMixin, token_cross_entropy
 from lightning_ulysses.memory import (
     MemoryOptions,
     apply_memory_options,
     checkpoint_activations,
     remove_memory_options,
-    tiled_cross_entropy_sum,
     tiled_map,
 )
 from lightning_ulysses.metrics import Perplexity, TokenAccuracy, TokenCrossEntropy
 from lightning_ulysses.model import CausalLM
+from lightning_ulysses.offload import ActivationOffload
 from lightning_ulysses.hf import (
     UnsupportedModelError,
     apply_ulysses_attention,
@@ -30,6 +31,7 @@ from lightning_ulysses.strategy import UlyssesStrategy
 from lightning_ulysses.topology import SequenceParallelTopology
 
 __all__ = [
+    "ActivationOffload",
     "IGNORE_INDEX",
     "ByteTokenizer",
     "CausalLM",
@@ -42,6 +44,7 @@ __all__ = [
     "SequenceParallelMonitor",
     "SequenceParallelParityCheck",
     "SequenceParallelTopology",
+    "TiledLogits",
     "TokenAccuracy",
     "TokenCrossEntropy",
     "TransformerFlops",
@@ -54,6 +57,7 @@ __all__ = [
     "check_resumable",
     "checkpoint_activations",
     "convert_checkpoint",
+    "dense_peak_flops",
     "export_hf_model",
     "gather_sequence",
     "is_universal_checkpoint",

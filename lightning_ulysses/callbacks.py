@@ -44,7 +44,7 @@ from transformers import PreTrainedModel
 
 from lightning_ulysses import attention
 from lightning_ulysses.attention import gather_sequence
-from lightning_ulysses.flops import TransformerFlops
+from lightning_ulysses.flops import TransformerFlops, dense_peak_flops
 from lightning_ulysses.loss import token_cross_entropy
 from lightning_ulysses.hf import outermost_models, unpatched
 from lightning_ulysses.sharding import IGNORE_INDEX
@@ -69,6 +69,14 @@ def _require_ulysses(trainer: L.Trainer, callback: Callback) -> UlyssesStrategy:
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def available_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Peak FLOP/s of a CUDA device for matrix products in ``dtype`` (fp32: TF32 unless the matmul precision is
+    "highest"): the dense figure of :func:`~lightning_ulysses.flops.dense_peak_flops`, which knows "NVIDIA H200",
+    else Lightning's table (``None``, with Lightning's warning, for a device that neither knows)."""
+    tf32 = torch.get_float32_matmul_precision() != "highest"
+    return dense_peak_flops(torch.cuda.get_device_name(device), dtype, tf32) or get_available_flops(device, dtype)
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -225,7 +233,8 @@ class SequenceParallelMonitor(Callback):
     * ``peak_memory_gib``: the largest peak over devices (CUDA max allocated, plus ``peak_reserved_gib``;
       CPU peak resident set size);
     * ``flops_per_token`` (:mod:`lightning_ulysses.flops`, when the module holds one transformers model),
-      and on CUDA ``tflops_per_sec_per_device`` and ``mfu`` (against Lightning's table of peak FLOP/s);
+      and on CUDA ``tflops_per_sec_per_device`` and ``mfu`` (against the dense peak of
+      :func:`~lightning_ulysses.flops.dense_peak_flops`, Lightning's table for devices it does not know);
     * ``all_to_all_fraction`` of step time, with ``time_all_to_all=True`` (synchronises around every
       all-to-all, so it slows training: for measurements only).
 
@@ -257,7 +266,7 @@ class SequenceParallelMonitor(Callback):
         self._strategy = _require_ulysses(trainer, self)
         device = trainer.strategy.root_device
         if device.type == "cuda":
-            self._available_flops = get_available_flops(device, _plugin_to_compute_dtype(trainer.precision_plugin))
+            self._available_flops = available_flops(device, _plugin_to_compute_dtype(trainer.precision_plugin))
         self._timer = AllToAllTimer(device) if self.time_all_to_all else None
 
     @property

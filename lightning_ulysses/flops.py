@@ -13,12 +13,17 @@ rank holds all ``N`` tokens for ``heads / sp`` heads. Each device therefore does
 group's FLOPs, linear and attention alike; counting the ``n^2`` term on a rank's ``N / sp`` shard
 would under-count it ``sp`` times. Embedding lookups, norms, activations and the softmax are not
 counted (the convention of PaLM's MFU and of torchtitan).
+
+MFU divides by the device's *dense* peak (:func:`dense_peak_flops`): NVIDIA's datasheets print the tensor-core
+figures with 2:4 structured sparsity, twice what a dense matrix product can reach.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
@@ -77,3 +82,40 @@ class TransformerFlops:
         """Training FLOPs per token of one causal document of ``seq_len`` tokens."""
         pairs = seq_len * (seq_len + 1) // 2
         return 6 * self.matmul_params + 12 * self.num_layers * self.attention_dim * pairs / seq_len
+
+
+TF = 1e12
+# Dense peak FLOP/s per GPU, from NVIDIA's datasheets, whose tensor-core figures (marked there "with sparsity")
+# are halved here: A100 Tensor Core GPU datasheet (SXM4 and PCIe alike); H100 Tensor Core GPU datasheet (SXM,
+# PCIe, NVL); H200 Tensor Core GPU datasheet (SXM, NVL); HGX B200 specifications (8-GPU totals divided by 8).
+# fp32 is the CUDA-core (non-tensor-core) rate; "tf32" is fp32 matrix products on tensor cores.
+_DENSE_PEAK: dict[str, dict[torch.dtype | str, float]] = {
+    "a100": {torch.bfloat16: 312 * TF, torch.float16: 312 * TF, "tf32": 156 * TF, torch.float32: 19.5 * TF},
+    "h100 sxm": {torch.bfloat16: 989.5 * TF, torch.float16: 989.5 * TF, "tf32": 494.5 * TF, torch.float32: 67 * TF},
+    "h100 pcie": {torch.bfloat16: 756.5 * TF, torch.float16: 756.5 * TF, "tf32": 378 * TF, torch.float32: 51 * TF},
+    "h100 nvl": {torch.bfloat16: 835.5 * TF, torch.float16: 835.5 * TF, "tf32": 417.5 * TF, torch.float32: 60 * TF},
+    "h200 sxm": {torch.bfloat16: 989.5 * TF, torch.float16: 989.5 * TF, "tf32": 494.5 * TF, torch.float32: 67 * TF},
+    "h200 nvl": {torch.bfloat16: 835.5 * TF, torch.float16: 835.5 * TF, "tf32": 417.5 * TF, torch.float32: 60 * TF},
+    "b200": {torch.bfloat16: 2250 * TF, torch.float16: 2250 * TF, "tf32": 1125 * TF, torch.float32: 75 * TF},
+}
+
+
+def dense_peak_flops(device_name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:
+    """Dense peak FLOP/s of one A100, H100, H200 or B200 for matrix products in ``dtype``; ``None`` for other devices.
+
+    Args:
+        device_name: as ``torch.cuda.get_device_name`` reports it, e.g. ``"NVIDIA H200"``,
+            ``"NVIDIA H100 80GB HBM3"`` (SXM), ``"NVIDIA H100 PCIe"``, ``"NVIDIA H200 NVL"``,
+            ``"NVIDIA A100-SXM4-80GB"``.
+        dtype: the compute dtype of the matrix products (bf16, fp16 or fp32).
+        tf32: fp32 products run on tensor cores (``torch.get_float32_matmul_precision() != "highest"``).
+    """
+    name = device_name.lower()
+    family = re.search(r"\b(a100|h100|h200|b200)\b", name)  # word boundary: "GH200" is another device
+    if family is None:
+        return None
+    chip = family[1]
+    if chip in ("h100", "h200"):
+        chip += " nvl" if "nvl" in name else " pcie" if "pcie" in name else " sxm"
+    key = "tf32" if dtype == torch.float32 and tf32 else dtype
+    return _DENSE_PEAK[chip].get(key)

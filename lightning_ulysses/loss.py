@@ -20,7 +20,7 @@ count their valid tokens on the host, before any forward. Rank ``r`` then return
 Lightning divides by ``k``, so the update is ``sum of all token-loss gradients of the step / T_step``.
 The loss *value* is the exact token mean of the current micro-batch over all ranks.
 
-The tiled loss (:mod:`lightning_ulysses.memory`) plugs into the same reduction: it returns a sum, never a
+The tiled loss (:mod:`lightning_ulysses.logits`) plugs into the same reduction: it returns a sum, never a
 mean of tiles, so the loss stays the exact token mean.
 """
 
@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_ulysses.memory import TileSetting, resolve_num_tiles, tiled_cross_entropy_sum
+from lightning_ulysses.logits import Logits, TiledLogits, token_losses
+from lightning_ulysses.memory import TileSetting, resolve_num_tiles
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch
 
 if TYPE_CHECKING:
@@ -47,13 +47,13 @@ STEP_TOKENS_KEY = "_ulysses_step_valid_tokens"
 """Batch entry (added by :class:`StepTokenCounts`, removed by the strategy) with the SP group's step token count."""
 
 
-def token_cross_entropy(logits: Tensor, shift_labels: Tensor, ignore_index: int = IGNORE_INDEX) -> tuple[Tensor, Tensor]:
-    """Sum of the next-token cross entropies of ``logits [B, n, V]`` against ``shift_labels [B, n]``, in fp32,
-    and the number of valid (``!= ignore_index``) tokens in it: the two sums every exact reduction starts from."""
-    loss_sum = F.cross_entropy(
-        logits.flatten(0, -2).float(), shift_labels.flatten(), ignore_index=ignore_index, reduction="sum"
-    )
-    return loss_sum, (shift_labels != ignore_index).sum()
+def token_cross_entropy(
+    logits: Logits, shift_labels: Tensor, ignore_index: int = IGNORE_INDEX
+) -> tuple[Tensor, Tensor]:
+    """Sum of the next-token cross entropies of ``logits [B, n, V]`` (whole or :class:`TiledLogits`) against
+    ``shift_labels [B, n]``, in fp32, and the number of valid (``!= ignore_index``) tokens in it: the two sums
+    every exact reduction starts from."""
+    return token_losses(logits, shift_labels, ignore_index).sum(), (shift_labels != ignore_index).sum()
 
 
 class UlyssesLossMixin:
@@ -88,8 +88,8 @@ class UlyssesLossMixin:
         scaled = loss_sum * (gradient_scale / denominator)
         return scaled + (group_mean - scaled).detach()
 
-    def causal_lm_loss(self, logits: Tensor, shift_labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
-        """Next-token cross entropy of ``logits [B, n, V]`` against ``shift_labels [B, n]`` (already shifted,
+    def causal_lm_loss(self, logits: Logits, shift_labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+        """Next-token cross entropy of ``logits [B, n, V]`` (whole or :class:`TiledLogits`) against ``shift_labels [B, n]`` (already shifted,
         as ``UlyssesStrategy`` delivers them), reduced with :meth:`reduce_token_loss`."""
         return self.reduce_token_loss(*token_cross_entropy(logits, shift_labels, ignore_index))
 
@@ -107,21 +107,27 @@ class UlyssesLossMixin:
             strategy = self._ulysses_strategy()
             num_tiles = (strategy.memory.tiled_loss if strategy is not None else False) or True
         tiles = resolve_num_tiles(num_tiles, shift_labels.numel(), hidden_states.shape[-1], hidden_states.device)
-        loss_sum = tiled_cross_entropy_sum(hidden_states, lm_head, shift_labels, tiles, ignore_index)
-        return self.reduce_token_loss(loss_sum, (shift_labels != ignore_index).sum())
+        return self.causal_lm_loss(TiledLogits(hidden_states, lm_head, tiles), shift_labels, ignore_index)
 
     def forward_causal_lm_loss(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> Tensor:
         """Run a transformers causal LM on a batch from ``UlyssesStrategy`` (``input_ids``, ``position_ids``,
-        ``shift_labels``, all ``[B, N/sp]``) and return the exact token-mean loss.
+        ``shift_labels``, all ``[B, N/sp]``) and return the exact token-mean loss: :meth:`causal_lm_loss` of
+        :meth:`causal_lm_logits`, tiled when the strategy's ``tiled_loss`` is on."""
+        return self.causal_lm_loss(self.causal_lm_logits(model, batch), batch["shift_labels"])
 
-        With the strategy's ``tiled_loss`` on, the decoder's hidden states go through
-        :meth:`tiled_causal_lm_loss` on ``model.get_output_embeddings()``; otherwise the model's logits go
-        through :meth:`causal_lm_loss`.
+    def causal_lm_logits(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> Logits:
+        """The logits ``[B, N/sp, V]`` of a transformers causal LM on a batch from ``UlyssesStrategy``, for the loss,
+        the evaluation metrics and :func:`~lightning_ulysses.token_log_probs`.
+
+        With the strategy's ``tiled_loss`` on they are :class:`~lightning_ulysses.TiledLogits` of the decoder's
+        hidden states and ``model.get_output_embeddings()`` (the ``[tokens, vocab]`` logits never exist), with the
+        tile count of ``tiled_loss`` (``True``: ``ceil(tokens / hidden)`` agreed over ranks); otherwise the model's
+        own logits.
         """
         inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
         strategy = self._ulysses_strategy()
         if strategy is None or not strategy.memory.tiled_loss:
-            return self.causal_lm_loss(model(**inputs).logits, batch["shift_labels"])
+            return model(**inputs).logits
         config = model.config.get_text_config()
         for attribute in ("final_logit_softcapping", "logit_scale"):
             if getattr(config, attribute, None) is not None:
@@ -131,7 +137,9 @@ class UlyssesLossMixin:
                     "function that applies it."
                 )
         hidden_states = model.get_decoder()(**inputs).last_hidden_state
-        return self.tiled_causal_lm_loss(hidden_states, model.get_output_embeddings(), batch["shift_labels"])
+        tiles = resolve_num_tiles(strategy.memory.tiled_loss, hidden_states.shape[:-1].numel(), hidden_states.shape[-1],
+                                  hidden_states.device)
+        return TiledLogits(hidden_states, model.get_output_embeddings(), tiles)
 
     def _ulysses_strategy(self) -> UlyssesStrategy | None:
         from lightning_ulysses.strategy import UlyssesStrategy

@@ -5,11 +5,12 @@ fills memory; three other things are, and each has a remedy here (ALST's, made e
 
 * **MLP intermediates** ``[tokens, intermediate]``: :func:`tiled_map` runs a token-wise function over
   tiles of the tokens and recomputes each tile in the backward, so only one tile's intermediates live.
-* **Logits** ``[tokens, vocab]`` (1M x 128k x 4 B = 512 GB in fp32): :func:`tiled_cross_entropy_sum`
-  computes ``lm_head`` + cross entropy one tile at a time and returns a loss *sum*, which
-  :class:`~lightning_ulysses.UlyssesLossMixin` turns into the exact token mean of the SP group.
+* **Logits** ``[tokens, vocab]`` (1M x 128k x 4 B = 512 GB in fp32): :mod:`lightning_ulysses.logits`
+  computes ``lm_head`` + cross entropy (or evaluation's per-token values) one tile at a time; the loss is
+  a *sum*, which :class:`~lightning_ulysses.UlyssesLossMixin` turns into the exact token mean of the SP group.
 * **Stored activations**: :func:`checkpoint_activations` keeps only each decoder layer's inputs and
-  recomputes the rest in the backward; with ``offload=True`` those inputs wait in (pinned) CPU memory.
+  recomputes the rest in the backward; with ``offload=True`` those inputs wait in pinned CPU memory, copied
+  on a side stream (:mod:`lightning_ulysses.offload`).
 
 Every tile is a :func:`torch.utils.checkpoint.checkpoint` region inside one autograd graph, not a
 backward-inside-forward as in DeepSpeed's ``TiledMLP`` / ``TiledFusedLogitsLoss``. So each parameter's
@@ -34,15 +35,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from lightning_ulysses.hf import outermost_models
-
-from lightning_ulysses.sharding import IGNORE_INDEX
+from lightning_ulysses.offload import ActivationOffload, default_offload
 
 TileSetting = bool | int
 """``False``: no tiling; ``True``: tile count from the number of tokens; ``int``: that many tiles."""
@@ -99,54 +97,31 @@ def tiled_map(fn: Callable[[Tensor], Tensor], x: Tensor, num_tiles: int) -> Tens
         in the forward and in the backward.
     """
     tokens = x.reshape(-1, x.shape[-1])
-    run = _recomputed_in_backward(fn)
+    run = recomputed_in_backward(fn)
     out = torch.cat([run(tile) for tile in tokens.tensor_split(num_tiles)])
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def tiled_cross_entropy_sum(
-    hidden_states: Tensor, lm_head: Callable[[Tensor], Tensor], labels: Tensor, num_tiles: int,
-    ignore_index: int = IGNORE_INDEX,
-) -> Tensor:
-    """Sum of the token cross entropies of ``lm_head(hidden_states)`` without materialising the logits.
-
-    Args:
-        hidden_states: ``[batch, seq/sp, hidden]``, the final (normed) hidden states of this rank's tokens.
-        lm_head: ``[tokens, hidden] -> [tokens, vocab]``, e.g. ``model.get_output_embeddings()``.
-        labels: ``[batch, seq/sp]`` targets of each token (``shift_labels``); ``ignore_index`` is left out.
-        num_tiles: exactly this many ``lm_head`` calls, on every rank alike.
-
-    Returns:
-        a scalar fp32 sum (0 with a zero gradient when no label is valid). At most one tile's
-        ``[tile_tokens, vocab]`` logits and their gradient exist at a time.
-    """
-
-    def tile_loss_sum(hidden: Tensor, target: Tensor) -> Tensor:
-        logits = lm_head(hidden).float()
-        return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
-
-    run = _recomputed_in_backward(tile_loss_sum)
-    tiles = zip(hidden_states.reshape(-1, hidden_states.shape[-1]).tensor_split(num_tiles),
-                labels.reshape(-1).tensor_split(num_tiles))
-    return torch.stack([run(hidden, target) for hidden, target in tiles]).sum()
-
-
-def _recomputed_in_backward(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+def recomputed_in_backward(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``fn`` as one checkpoint region (its intermediates recomputed in the backward) when autograd records."""
     # one checkpoint region per tile: the backward reaches the tiles one after the other (autograd runs the most
     # recently created nodes first), so each tile's recomputed intermediates are freed before the next tile's
     return functools.partial(checkpoint, fn, use_reentrant=False) if torch.is_grad_enabled() else fn
 
 
-def checkpoint_activations(function: Callable[..., Any], *args: Any, offload: bool = False, **kwargs: Any) -> Any:
+def checkpoint_activations(
+    function: Callable[..., Any], *args: Any, offload: bool | ActivationOffload = False, **kwargs: Any
+) -> Any:
     """``function(*args, **kwargs)`` keeping only its tensor ``args`` for the backward, which recomputes the rest.
 
-    With ``offload=True`` the kept ``args`` move to CPU memory (pinned when CUDA is available, copied
-    back for the recomputation); on CPU tensors that is a no-op. ``kwargs`` stay where they are: pass the
-    large per-layer input (the hidden states) positionally.
+    With ``offload=True`` the kept ``args`` wait in pinned host memory, copied there on a side CUDA stream that
+    overlaps the following compute (:mod:`lightning_ulysses.offload`; an :class:`ActivationOffload` instance
+    chooses its own streams) and copied back for the recomputation; tensors already on the host stay where
+    they are. ``kwargs`` are not offloaded: pass the large per-layer input (the hidden states) positionally.
     """
     if not offload:
         return checkpoint(function, *args, use_reentrant=False, **kwargs)
-    with save_on_cpu(pin_memory=torch.cuda.is_available()):
+    with (default_offload() if offload is True else offload).hooks():
         return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 

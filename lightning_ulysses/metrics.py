@@ -15,6 +15,10 @@ process group, i.e. over SP *and* DP ranks, when Lightning computes them at the 
         self.val_loss.update(logits, batch["shift_labels"])
         self.log("val_loss", self.val_loss)
 
+With ``UlyssesStrategy(tiled_loss=...)`` pass the :class:`~lightning_ulysses.TiledLogits` of
+:meth:`~lightning_ulysses.UlyssesLossMixin.causal_lm_logits` instead of the logits: the metrics then never
+build the ``[tokens, vocab]`` logits (each metric runs ``lm_head`` over its own tiles), with the same values.
+
 Do not pass an SP or DP ``process_group``: the sum must cover both. As with DDP, the distributed
 sampler repeats samples to even out the DP ranks when the dataset size is not a multiple of ``dp_size``.
 """
@@ -27,6 +31,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_ulysses.logits import Logits, token_hits
 from lightning_ulysses.loss import token_cross_entropy
 from lightning_ulysses.sharding import IGNORE_INDEX
 
@@ -60,13 +65,14 @@ class _TokenSumMetric(Metric):
 class TokenCrossEntropy(_TokenSumMetric):
     """Mean next-token cross entropy over every valid token of every rank.
 
-    ``update(logits [B, n, V], shift_labels [B, n])`` with this rank's shard (``n = N / sp``) and the
-    already shifted labels that :class:`~lightning_ulysses.UlyssesStrategy` delivers.
+    ``update(logits [B, n, V], shift_labels [B, n])`` with this rank's shard (``n = N / sp``; the logits whole
+    or as :class:`~lightning_ulysses.TiledLogits`) and the already shifted labels that
+    :class:`~lightning_ulysses.UlyssesStrategy` delivers.
     """
 
     higher_is_better = False
 
-    def update(self, logits: Tensor, shift_labels: Tensor) -> None:
+    def update(self, logits: Logits, shift_labels: Tensor) -> None:
         self._accumulate(*token_cross_entropy(logits, shift_labels, self.ignore_index))
 
     def compute(self) -> Tensor:
@@ -88,10 +94,9 @@ class TokenAccuracy(_TokenSumMetric):
 
     higher_is_better = True
 
-    def update(self, logits: Tensor, shift_labels: Tensor) -> None:
-        valid = shift_labels != self.ignore_index
-        correct = (logits.argmax(dim=-1) == shift_labels) & valid
-        self._accumulate(correct.sum(), valid.sum())
+    def update(self, logits: Logits, shift_labels: Tensor) -> None:
+        hits = token_hits(logits, shift_labels, self.ignore_index)
+        self._accumulate(hits.sum(), (shift_labels != self.ignore_index).sum())
 
     def compute(self) -> Tensor:
         return self._mean()

@@ -21,6 +21,7 @@ from lightning.pytorch.strategies import Strategy
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, get_cosine_with_min_lr_schedule_with_warmup
 
+from lightning_ulysses.logits import Logits
 from lightning_ulysses.loss import UlyssesLossMixin
 from lightning_ulysses.metrics import TokenCrossEntropy
 from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
@@ -108,8 +109,8 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         apply_ulysses_attention(self.model, group=None, sp_size=1, core="sdpa")  # idempotent
         return prepare_batch(batch, sp_size=1)
 
-    def _logits(self, batch: dict[str, Tensor]) -> Tensor:
-        return self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    def _logits(self, batch: dict[str, Tensor]) -> Logits:
+        return self.causal_lm_logits(self.model, batch)  # tiled, never whole, when the strategy's tiled_loss is on
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self.forward_causal_lm_loss(self.model, self._prepared(batch))  # tiled when the strategy says so

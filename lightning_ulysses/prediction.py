@@ -9,17 +9,16 @@ as with DDP: write them with a :class:`~lightning.pytorch.callbacks.BasePredicti
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_ulysses.attention import gather_sequence
+from lightning_ulysses.logits import Logits, token_losses
 from lightning_ulysses.sharding import IGNORE_INDEX
 
 __all__ = ["gather_sequence", "token_log_probs"]
 
 
-def token_log_probs(logits: Tensor, shift_labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
-    """``[B, n]`` fp32 log-probability of each next-token label under ``logits [B, n, V]``; 0 where ignored."""
-    valid = shift_labels != ignore_index
-    log_probs = F.log_softmax(logits.float(), dim=-1).gather(-1, shift_labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return log_probs.masked_fill(~valid, 0.0)
+def token_log_probs(logits: Logits, shift_labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """``[B, n]`` fp32 log-probability of each next-token label under ``logits [B, n, V]`` (whole or
+    :class:`~lightning_ulysses.TiledLogits`, which never builds them); 0 where ignored."""
+    return 0.0 - token_losses(logits, shift_labels, ignore_index)  # 0 - 0 is +0 where ignored

@@ -1,16 +1,41 @@
 #!/usr/bin/env bash
-# Run HERE (the CPU machine), once per session that is lent a GPU (device tool): writes .whl/, the wheels
-# that the GPU machine's Python (3.12, torch, lightning, transformers preinstalled) lacks: deepspeed (built
-# pure Python, DS_BUILD_OPS=0) and its pydantic/hjson, jsonargparse for the CLI. Then run scripts/gpu_check.sh
-# there with carry=[".whl"] (see that script).
+# Run HERE (a machine with network and the project's venv active), before scripts/gpu_check.sh runs on the lent
+# GPU machine, which has no network: writes .whl/ (git-ignored; the device tool's `carry` ships it), the wheels that
+# machine's Python lacks. It has torch, transformers, lightning, torchmetrics, accelerate, PyYAML, numpy, einops,
+# msgpack, ninja, psutil, py-cpuinfo, tqdm and nvidia-ml-py; it lacks deepspeed (built here as a pure-Python
+# py3-none-any wheel, DS_BUILD_OPS=0: no CUDA extension), its pydantic stack and hjson, and jsonargparse with the
+# [signatures] extras. The versions are those of the active environment, the ones the test suite ran with.
+#   KIT_DIR=.whl (where)   KIT_PYTHON_VERSION=3.12 (the GPU machine's; pydantic-core is the one compiled wheel)
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-rm -rf .whl && mkdir -p .whl/src
-python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-    hjson==3.1.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 \
-    jsonargparse==4.53.0 docstring-parser==0.18.0 typeshed-client==2.15.0
-python -m pip download -q --no-deps --no-binary=:all: -d .whl/src deepspeed==0.19.8
-DS_BUILD_OPS=0 python -m pip wheel -q --no-deps --no-build-isolation -w .whl .whl/src/deepspeed-0.19.8.tar.gz
-rm -rf .whl/src
-ls -la .whl
+KIT_DIR=${KIT_DIR:-.whl}
+KIT_PYTHON_VERSION=${KIT_PYTHON_VERSION:-3.12}
+LIMIT_MIB=60  # the device tool carries at most 64 MiB with the working tree
+
+version() { python -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
+pins() { for name in "$@"; do echo "$name==$(version "$name")"; done; }
+
+rm -rf "$KIT_DIR" && mkdir -p "$KIT_DIR/src"
+python -m pip download -q --no-deps --only-binary=:all: -d "$KIT_DIR" $(pins pydantic-core) \
+    --python-version "$KIT_PYTHON_VERSION" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+python -m pip download -q --no-deps --only-binary=:all: -d "$KIT_DIR" \
+    $(pins hjson pydantic annotated-types typing-inspection jsonargparse docstring-parser typeshed-client)
+python -m pip download -q --no-deps --no-binary=:all: -d "$KIT_DIR/src" $(pins deepspeed)
+DS_BUILD_OPS=0 python -m pip wheel -q --no-deps --no-build-isolation -w "$KIT_DIR" "$KIT_DIR"/src/deepspeed-*.tar.gz
+rm -rf "$KIT_DIR/src"
+
+for wheel in "$KIT_DIR"/*.whl; do
+    case "$wheel" in
+        *pydantic_core-*) ;;
+        *-py3-none-any.whl|*-py2.py3-none-any.whl) ;;
+        *) echo "gpu_kit: $wheel is not a pure-Python wheel" >&2; exit 1 ;;
+    esac
+done
+size_mib=$(du -sm "$KIT_DIR" | cut -f1)
+if (( size_mib > LIMIT_MIB )); then
+    echo "gpu_kit: $KIT_DIR is $size_mib MiB, over the $LIMIT_MIB MiB that leave room for the working tree" >&2
+    exit 1
+fi
+ls -1 "$KIT_DIR"
+echo "gpu_kit: $(ls "$KIT_DIR" | wc -l) wheels, $size_mib MiB in $KIT_DIR (for Python $KIT_PYTHON_VERSION)"

@@ -42,6 +42,10 @@ def test_long_context_arguments() -> None:
     config, output = gpu_long_context.parse_args(["--model", "1b", "--options", "zero3", "--steps", "3"])
     assert config == LongContextConfig(model="1b", options=("zero3",), steps=3)
     assert output.name == "gpu_long_context.md"
+    config, _ = gpu_long_context.parse_args(["--sdpa-backend", "flash", "--probe-timeout", "120"])
+    assert config.sdpa_backend == "flash" and config.probe_timeout == 120
+    with pytest.raises(ValueError, match="sdpa-backend"):
+        LongContextConfig(sdpa_backend="math")
     with pytest.raises(SystemExit):
         gpu_long_context.parse_args(["--options", "zero4"])
     with pytest.raises(ValueError, match="at least 2"):
@@ -53,6 +57,13 @@ def test_llama_sizes_match_the_published_parameter_counts() -> None:
     total, non_embedding = parameter_counts(llama_config("1b", 8192))
     assert total == pytest.approx(1.50e9, rel=5e-3)  # Llama-3.2-1B, untied here (1.24 B tied)
     assert total - non_embedding == 128256 * 2048
+
+
+def test_long_context_mfu_uses_the_dense_peak() -> None:
+    assert gpu_long_context.peak_flops("NVIDIA H200") == pytest.approx(989.5e12)
+    assert gpu_long_context.peak_flops("NVIDIA L4", peak_tflops=121) == pytest.approx(121e12)
+    with pytest.raises(ValueError, match="--peak-tflops"):
+        gpu_long_context.peak_flops("NVIDIA L4")
 
 
 def test_flops_per_token_counts_matmuls_and_causal_attention() -> None:

@@ -23,8 +23,11 @@ from torch.utils.data import DataLoader
 
 from lightning_ulysses import (
     IGNORE_INDEX, SequenceParallelMonitor, SequenceParallelParityCheck, TransformerFlops, UlyssesStrategy, attention,
+    dense_peak_flops,
 )
-from lightning_ulysses.callbacks import GIB, losses_agree, peak_memory, reset_peak_memory, summarize, token_imbalance
+from lightning_ulysses.callbacks import (
+    GIB, available_flops, losses_agree, peak_memory, reset_peak_memory, summarize, token_imbalance,
+)
 from lightning_ulysses.hf.interface import LayerPlan
 from lightning_ulysses.hf.masks import MaskPattern
 from tests.launch import launch
@@ -53,6 +56,41 @@ def test_flop_count_matches_hand_computation() -> None:
     # two rows: documents of 3 + 2 tokens (3 * 4 / 2 + 2 * 3 / 2 = 9 pairs), and one of 5 (15 pairs)
     position_ids = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])
     assert flops.batch_flops(position_ids) == 6 * 17312 * 10 + ATTENTION_FLOPS_PER_PAIR * (9 + 15)
+
+
+# device names as torch.cuda.get_device_name reports them; dense figures, half of the datasheets' sparse ones
+DEVICE_PEAKS_TF = {
+    "NVIDIA H200": {torch.bfloat16: 989.5, torch.float16: 989.5, "tf32": 494.5, torch.float32: 67},
+    "NVIDIA H200 NVL": {torch.bfloat16: 835.5, "tf32": 417.5, torch.float32: 60},
+    "NVIDIA H100 80GB HBM3": {torch.bfloat16: 989.5, "tf32": 494.5, torch.float32: 67},
+    "NVIDIA H100 PCIe": {torch.bfloat16: 756.5, "tf32": 378, torch.float32: 51},
+    "NVIDIA H100 NVL": {torch.bfloat16: 835.5, "tf32": 417.5},
+    "NVIDIA A100-SXM4-80GB": {torch.bfloat16: 312, torch.float16: 312, "tf32": 156, torch.float32: 19.5},
+    "NVIDIA A100-PCIE-40GB": {torch.bfloat16: 312, "tf32": 156},
+    "NVIDIA A100 80GB PCIe": {torch.bfloat16: 312},
+    "NVIDIA B200": {torch.bfloat16: 2250, torch.float16: 2250, "tf32": 1125, torch.float32: 75},
+}
+
+
+@pytest.mark.parametrize("name", DEVICE_PEAKS_TF)
+def test_dense_peak_flops_by_device_name(name: str) -> None:
+    for dtype, teraflops in DEVICE_PEAKS_TF[name].items():
+        tf32 = dtype == "tf32"
+        got = dense_peak_flops(name, torch.float32 if tf32 else dtype, tf32=tf32)
+        assert got == pytest.approx(teraflops * 1e12), f"{name} {dtype}"
+
+
+@pytest.mark.parametrize("name", ["NVIDIA GH200 480GB", "Tesla V100-SXM2-16GB", "NVIDIA L4"])
+def test_dense_peak_flops_leaves_other_devices_to_lightning(name: str) -> None:
+    assert dense_peak_flops(name, torch.bfloat16) is None
+
+
+def test_monitor_uses_the_dense_table_on_an_h200(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Lightning's own table does not know "NVIDIA H200" (no MFU at all) and lists its sparse figure
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert available_flops(torch.device("cuda", 0), torch.bfloat16) == pytest.approx(989.5e12)
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
+    assert available_flops(torch.device("cuda", 0), torch.float32) == pytest.approx(67e12)
 
 
 def test_token_imbalance_is_max_over_mean_of_the_worst_group() -> None:

@@ -30,13 +30,18 @@ from torch.utils.data import DataLoader
 from lightning_ulysses import (
     IGNORE_INDEX, Perplexity, TokenAccuracy, TokenCrossEntropy, UlyssesStrategy, token_log_probs,
 )
+from lightning_ulysses.logits import Logits
 from tests.launch import launch
 from tests.tiny import TinyCausalLM, collate, gathered_parameters, make_samples, tiny_llama
 
 TRAIN = dict(num=8, seq_len=16, seed=1)
 EVAL = dict(num=12, seq_len=31, seed=2, masked_spans=[(0, 9)], padding=13)
 TRAIN_BATCH, EVAL_BATCH = 2, 3
-TWO_RANKS = {"sp2_zero2": dict(sp=2, stage=2), "sp2_zero3": dict(sp=2, stage=3), "dp2_zero3": dict(sp=1, stage=3)}
+TWO_RANKS = {
+    "sp2_zero2": dict(sp=2, stage=2), "sp2_zero3": dict(sp=2, stage=3), "dp2_zero3": dict(sp=1, stage=3),
+    # evaluation and prediction through TiledLogits (5 tiles do not divide a rank's 3 x 16 tokens)
+    "sp2_zero3_tiled_loss": dict(sp=2, stage=3, strategy=dict(tiled_loss=5)),
+}
 ODD_EVAL = {**EVAL, "num": 13}  # 7 samples on DP rank 0, 6 and a repeat on DP rank 1: 3 batches each
 ODD_DP2 = {
     "dp2_zero1": dict(sp=1, stage=1), "dp2_zero2": dict(sp=1, stage=2),
@@ -57,12 +62,18 @@ class EvalCausalLM(TinyCausalLM):
             stage: torch.nn.ModuleDict({"loss": TokenCrossEntropy(), "ppl": Perplexity(), "acc": TokenAccuracy()})
             for stage in ("val", "test")
         })
+        self.logits_kinds: set[str] = set()
 
     def _evaluate(self, batch: dict[str, Tensor], stage: str) -> None:
-        logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        logits = self._logits(batch)
         for name, metric in self.metrics[stage].items():
             metric.update(logits, batch["shift_labels"])
             self.log(f"{stage}_{name}", metric)
+
+    def _logits(self, batch: dict[str, Tensor]) -> Logits:
+        logits = self.causal_lm_logits(self.model, batch)  # TiledLogits under the strategy's tiled_loss
+        self.logits_kinds.add(type(logits).__name__)
+        return logits
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "val")
@@ -71,7 +82,7 @@ class EvalCausalLM(TinyCausalLM):
         self._evaluate(batch, "test")
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
-        logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        logits = self._logits(batch)
         log_probs = token_log_probs(logits, batch["shift_labels"])
         return {"index": batch["index"], "log_probs": self.trainer.strategy.gather_sequence(log_probs)}
 
@@ -94,10 +105,11 @@ def _indexed_loader(data: dict[str, Any]) -> DataLoader:
     return DataLoader(samples, batch_size=EVAL_BATCH, collate_fn=collate)
 
 
-def _predict(trainer: L.Trainer, loader: DataLoader, seq_len: int) -> dict[int, Tensor]:
+def _predict(trainer: L.Trainer, loader: DataLoader, seq_len: int, module: EvalCausalLM | None = None
+             ) -> dict[int, Tensor]:
     """Each predicted sample's log-probabilities, without the padding to a multiple of sp; a repeat would raise."""
     predicted: dict[int, Tensor] = {}
-    for output in trainer.predict(EvalCausalLM(), loader):
+    for output in trainer.predict(module or EvalCausalLM(), loader):
         for i, log_probs in zip(output["index"].tolist(), output["log_probs"]):
             assert i not in predicted, f"sample {i} predicted twice"
             predicted[i] = log_probs[:seq_len]
@@ -139,12 +151,13 @@ def eval_worker(args: dict[str, Any]) -> dict[str, Any]:
         after_fit = _metrics(trainer, "val")
         fitted = gathered_parameters(module.model, case["stage"] == 3)
 
-        fresh = _trainer(case, world_size)
-        fresh.test(EvalCausalLM(), eval_loader, verbose=False)
+        fresh, tested_module, predicted_module = _trainer(case, world_size), EvalCausalLM(), EvalCausalLM()
+        fresh.test(tested_module, eval_loader, verbose=False)
         tested = _metrics(fresh, "test")
-        predicted = _predict(fresh, eval_loader, EVAL["seq_len"])
+        predicted = _predict(fresh, eval_loader, EVAL["seq_len"], predicted_module)
         results[name] = {"in_fit": in_fit, "validate": after_fit, "fitted": fitted, "test": tested,
-                         "predict": predicted}
+                         "predict": predicted, "logits_kinds": [
+                             sorted(m.logits_kinds) for m in (module, tested_module, predicted_module)]}
     return results
 
 
@@ -204,6 +217,9 @@ def two_rank_results() -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("name", TWO_RANKS)
 def test_two_ranks_eval_equals_single_process(two_rank_results: list[dict[str, Any]], name: str) -> None:
+    kind = "TiledLogits" if TWO_RANKS[name].get("strategy", {}).get("tiled_loss") else "Tensor"
+    for result in two_rank_results:  # fit + validate, test, predict
+        assert result[name]["logits_kinds"] == [[kind]] * 3
     _check(two_rank_results, name)
     _check_predict(two_rank_results, name, TWO_RANKS[name]["sp"])
 

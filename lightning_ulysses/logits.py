@@ -1,0 +1,93 @@
+"""Per-token values of next-token logits, computed from the whole logits or one token tile at a time.
+
+A rank's logits ``[B, n, V]`` are the largest tensor of long-context training *and* evaluation
+(1M tokens x 128k vocabulary x 4 B = 512 GB in fp32). Every consumer of them in this package (the loss,
+:class:`~lightning_ulysses.TokenCrossEntropy`, :class:`~lightning_ulysses.Perplexity`,
+:class:`~lightning_ulysses.TokenAccuracy`, :func:`~lightning_ulysses.token_log_probs`) needs one value per
+token, so each accepts either the logits tensor or :class:`TiledLogits`: the final hidden states and the
+``lm_head`` that would make the logits. Those are turned into logits one token tile at a time and every
+tile is reduced to its per-token values before the next tile exists, so at most one tile's
+``[tile_tokens, V]`` logits (and their fp32 copy) are alive. The values equal those of the whole logits.
+
+Under autograd each tile is a :func:`torch.utils.checkpoint.checkpoint` region recomputed in the backward
+(see :mod:`lightning_ulysses.memory`), so the same code is the training loss's tiled path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_ulysses.memory import recomputed_in_backward
+from lightning_ulysses.sharding import IGNORE_INDEX
+
+TokenFunction = Callable[[Tensor, Tensor], Tensor]
+"""``(logits [tokens, V], labels [tokens]) -> [tokens]``: one value per token."""
+
+
+@dataclass(frozen=True)
+class TiledLogits:
+    """The logits ``lm_head(hidden_states)`` of this rank, ``[B, n, V]``, never materialised whole.
+
+    Attributes:
+        hidden_states: ``[B, n, hidden]``, the final (normed) hidden states.
+        lm_head: ``[tokens, hidden] -> [tokens, V]``, e.g. ``model.get_output_embeddings()``.
+        num_tiles: exactly this many ``lm_head`` calls per consumer (tiles may be empty), on every rank alike:
+            under ZeRO-3 each call gathers ``lm_head``'s weight collectively.
+    """
+
+    hidden_states: Tensor
+    lm_head: Callable[[Tensor], Tensor]
+    num_tiles: int
+
+
+Logits = Union[Tensor, TiledLogits]
+"""``[B, n, V]`` logits, whole or as :class:`TiledLogits`."""
+
+
+def per_token(logits: Logits, labels: Tensor, fn: TokenFunction) -> Tensor:
+    """``fn`` of every token's logits and label, ``[B, n]`` (``labels [B, n]``).
+
+    With :class:`TiledLogits` ``fn`` runs once per tile on that tile's logits only."""
+    if not isinstance(logits, TiledLogits):
+        return fn(logits.flatten(0, -2), labels.flatten()).view(labels.shape)
+    run = recomputed_in_backward(lambda hidden, target: fn(logits.lm_head(hidden), target))
+    tiles = zip(logits.hidden_states.reshape(-1, logits.hidden_states.shape[-1]).tensor_split(logits.num_tiles),
+                labels.reshape(-1).tensor_split(logits.num_tiles))
+    return torch.cat([run(hidden, target) for hidden, target in tiles]).view(labels.shape)
+
+
+def token_losses(logits: Logits, labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """``[B, n]`` fp32 next-token cross entropy of each token (``-log p(label)``); 0 where ignored."""
+    return per_token(
+        logits, labels, lambda x, y: F.cross_entropy(x.float(), y, ignore_index=ignore_index, reduction="none")
+    )
+
+
+def token_hits(logits: Logits, labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """``[B, n]`` bool: the argmax of the logits is the label (``False`` where ``labels == ignore_index``)."""
+    return per_token(logits, labels, lambda x, y: (x.argmax(dim=-1) == y) & (y != ignore_index))
+
+
+def tiled_cross_entropy_sum(
+    hidden_states: Tensor, lm_head: Callable[[Tensor], Tensor], labels: Tensor, num_tiles: int,
+    ignore_index: int = IGNORE_INDEX,
+) -> Tensor:
+    """Sum of the token cross entropies of ``lm_head(hidden_states)`` without materialising the logits.
+
+    Args:
+        hidden_states: ``[batch, seq/sp, hidden]``, the final (normed) hidden states of this rank's tokens.
+        lm_head: ``[tokens, hidden] -> [tokens, vocab]``, e.g. ``model.get_output_embeddings()``.
+        labels: ``[batch, seq/sp]`` targets of each token (``shift_labels``); ``ignore_index`` is left out.
+        num_tiles: exactly this many ``lm_head`` calls, on every rank alike.
+
+    Returns:
+        a scalar fp32 sum (0 with a zero gradient when no label is valid). At most one tile's
+        ``[tile_tokens, vocab]`` logits and their gradient exist at a time.
+    """
+    return token_losses(TiledLogits(hidden_states, lm_head, num_tiles), labels, ignore_index).sum()

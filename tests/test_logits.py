@@ -1,0 +1,95 @@
+"""Tiled logits give the values of the whole logits without ever building them.
+
+Every consumer (the loss sum, ``TokenCrossEntropy``, ``Perplexity``, ``TokenAccuracy``, ``token_log_probs``) is
+run on :class:`TiledLogits` and on the whole ``[B, n, V]`` logits of the same ``lm_head`` and must agree to
+``rtol=1e-5``, with tile counts that do not divide the tokens and tiles left empty. Memory is checked op by
+op: a dispatch mode records the largest tensor any operation creates (forward and backward); with tiles it
+must stay at one tile's ``[tile_tokens, V]``, and the untiled computation must reach ``[tokens, V]``
+(which shows the check sees the buffer it is looking for).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from lightning_ulysses import (
+    IGNORE_INDEX, Perplexity, TiledLogits, TokenAccuracy, TokenCrossEntropy, token_cross_entropy, token_log_probs,
+)
+from lightning_ulysses.logits import Logits
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the element count of the largest tensor that any operation returns while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, Tensor)]
+        self.numel = max([self.numel, *sizes])
+        return out
+
+
+def _inputs(tokens: int = 37, hidden: int = 16, vocab: int = 101) -> tuple[Tensor, torch.nn.Linear, Tensor]:
+    torch.manual_seed(0)
+    lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+    hidden_states = torch.randn(1, tokens, hidden)
+    labels = torch.randint(0, vocab, (1, tokens))
+    labels[0, 3:9] = IGNORE_INDEX
+    return hidden_states, lm_head, labels
+
+
+@pytest.mark.parametrize("num_tiles", [1, 4, 50])  # 37 tokens: 4 tiles do not divide them, 50 leave 13 empty
+def test_tiled_values_equal_whole_logits(num_tiles: int) -> None:
+    hidden_states, lm_head, labels = _inputs()
+    # a 2-row batch, so that [B, n] shapes are restored in order
+    hidden_states, labels = hidden_states.view(1, 37, 16).expand(2, -1, -1).contiguous(), labels.expand(2, -1).clone()
+    hidden_states[1] += 0.5
+    labels[1, :5] = IGNORE_INDEX
+    tiled = TiledLogits(hidden_states, lm_head, num_tiles)
+    with torch.no_grad():
+        whole = lm_head(hidden_states)
+        for metric_class in (TokenCrossEntropy, Perplexity, TokenAccuracy):
+            expected, got = metric_class(), metric_class()
+            expected.update(whole, labels)
+            got.update(tiled, labels)
+            assert expected.count == got.count > 0
+            torch.testing.assert_close(got.compute(), expected.compute(), rtol=1e-5, atol=0)
+        expected_log_probs = token_log_probs(whole, labels)
+        got_log_probs = token_log_probs(tiled, labels)
+    assert got_log_probs.shape == labels.shape
+    torch.testing.assert_close(got_log_probs, expected_log_probs, rtol=1e-5, atol=1e-6)
+    assert (got_log_probs[labels == IGNORE_INDEX] == 0).all() and (got_log_probs[labels != IGNORE_INDEX] < 0).all()
+    reference = torch.log_softmax(whole, -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    torch.testing.assert_close(got_log_probs[labels != IGNORE_INDEX], reference[labels != IGNORE_INDEX], rtol=1e-5,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["evaluation", "training"])
+def test_tiled_logits_never_build_the_tokens_by_vocab_logits(grad: bool) -> None:
+    tokens, vocab, num_tiles = 512, 2048, 8
+    hidden_states, lm_head, labels = _inputs(tokens=tokens, hidden=32, vocab=vocab)
+    hidden_states.requires_grad_(grad)
+    tile_logits = math.ceil(tokens / num_tiles) * vocab
+
+    def largest(logits_of: Callable[[], Logits]) -> int:
+        with torch.set_grad_enabled(grad), LargestTensor() as mode:
+            logits = logits_of()
+            values = [token_cross_entropy(logits, labels)[0], token_log_probs(logits, labels)]
+            if grad:
+                sum(value.sum() for value in values).backward()
+            else:
+                TokenAccuracy().update(logits, labels)
+        return mode.numel
+
+    assert largest(lambda: lm_head(hidden_states)) >= tokens * vocab  # the detector sees the whole logits
+    assert largest(lambda: TiledLogits(hidden_states, lm_head, num_tiles)) <= tile_logits
