@@ -368,7 +368,7 @@ def test_cuda_sdpa_gqa_runs_a_fused_kernel(name: str, dtype: torch.dtype) -> Non
 
 def test_backend_choice_follows_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     """``"auto"`` takes flash-attn 2 (installed or not, here it is pretended installed) only on CUDA in fp16/bf16; a
-    flash backend asked for fp32 is refused with what to change."""
+    flash backend asked for fp32 is refused with what to change, at set-up and by the kernel itself."""
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name.startswith("flash_attn") else
                         find_spec(name, *a))
@@ -381,6 +381,8 @@ def test_backend_choice_follows_device_and_dtype(monkeypatch: pytest.MonkeyPatch
         with pytest.raises(ValueError, match=f"attn_implementation='{name}' runs fp16 and bf16 only, and this run "
                                              r"computes in torch.float32: train in bf16 \(Trainer\(precision='bf16-mixed'\)\)"):
             resolve_attn_implementation(name, "cuda", compute_dtype("32-true"))
+    with pytest.raises(ValueError, match="runs fp16 and bf16 only, and this run computes in torch.float32"):
+        CORE_ATTENTION["flash_attention_2"](*_tensors(CASES["mha"])[:3], None)
 
 
 def test_only_unequal_kv_groups_are_refused() -> None:

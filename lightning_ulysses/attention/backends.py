@@ -8,7 +8,9 @@ import torch
 
 from lightning_ulysses.attention.core import CoreAttention
 from lightning_ulysses.attention.documents import Documents
-from lightning_ulysses.attention.flash import FLASH_DTYPES, flash_attention_2, flash_attention_3
+from lightning_ulysses.attention.flash import (
+    FLASH_DTYPES, flash_attention_2, flash_attention_3, refuse_unsupported_dtype,
+)
 from lightning_ulysses.attention.flex import document_block_mask, flex_attention
 from lightning_ulysses.attention.sdpa import packed_plan, sdpa_attention
 
@@ -43,11 +45,8 @@ def resolve_attn_implementation(name: str, device_type: str, dtype: torch.dtype 
             f"attn_implementation={name!r} needs the {module!r} package, which is not installed "
             "(pip install 'lightning-ulysses[flash]' on a CUDA machine), or choose 'sdpa'."
         )
-    if module is not None and dtype is not None and dtype not in FLASH_DTYPES:
-        raise ValueError(
-            f"attn_implementation={name!r} runs fp16 and bf16 only, and this run computes in {dtype}: train in bf16 "
-            "(Trainer(precision='bf16-mixed')) or choose attn_implementation='sdpa' (or 'auto', which follows the dtype)."
-        )
+    if module is not None and dtype is not None:
+        refuse_unsupported_dtype(name, dtype)
     return name
 
 

@@ -14,21 +14,26 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 """The dtypes flash-attn's kernels run."""
 
 
+def refuse_unsupported_dtype(name: str, dtype: torch.dtype) -> None:
+    """Raise, naming what to change, when flash backend ``name`` is asked to compute in ``dtype``."""
+    if dtype not in FLASH_DTYPES:
+        raise ValueError(
+            f"attn_implementation={name!r} runs fp16 and bf16 only, and this run computes in {dtype}: train in bf16 "
+            "(Trainer(precision='bf16-mixed')) or choose attn_implementation='sdpa' "
+            "(or 'auto', which follows the dtype)."
+        )
+
+
 def _flash_window(window: int | None) -> tuple[int, int]:
     return (-1, -1) if window is None else (window - 1, 0)
 
 
 def _flash(
-    name: str, functions: tuple[Any, Any], query: Tensor, key: Tensor, value: Tensor, documents: Documents | None,
+    functions: tuple[Any, Any], query: Tensor, key: Tensor, value: Tensor, documents: Documents | None,
     return_lse: bool, **options: Any,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """flash-attn 2 or 3 (``functions``: its ``flash_attn_func`` and ``flash_attn_varlen_func``): one batched call,
     or the varlen kernel over the flattened tokens of packed rows with ``cu_seqlens``."""
-    if query.dtype not in FLASH_DTYPES:
-        raise ValueError(
-            f"attn_implementation={name!r} runs fp16 and bf16 only and got {query.dtype}: train in bf16 "
-            "(Trainer(precision='bf16-mixed')) or choose attn_implementation='sdpa' (or 'auto', which follows the dtype)."
-        )
     func, varlen_func = functions
     if return_lse:
         options["return_attn_probs"] = True  # (out, softmax_lse, ...): flash-attn >= 2.6, FA3 since 2025-08
@@ -54,11 +59,12 @@ def flash_attention_2(
     dropout_p: float = 0.0, window: int | None = None, return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """flash-attn 2 (CUDA, fp16/bf16); packed rows use the varlen kernel with ``cu_seqlens``."""
+    refuse_unsupported_dtype("flash_attention_2", query.dtype)
     import flash_attn
 
     refuse_dropout_with_lse(return_lse, dropout_p)
     return _flash(
-        "flash_attention_2", (flash_attn.flash_attn_func, flash_attn.flash_attn_varlen_func), query, key, value,
+        (flash_attn.flash_attn_func, flash_attn.flash_attn_varlen_func), query, key, value,
         documents, return_lse, dropout_p=dropout_p, softmax_scale=scale, causal=True, window_size=_flash_window(window),
     )
 
@@ -68,11 +74,12 @@ def flash_attention_3(
     dropout_p: float = 0.0, window: int | None = None, return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """flash-attn 3 (Hopper, ``flash_attn_interface``, fp16/bf16); no dropout."""
+    refuse_unsupported_dtype("flash_attention_3", query.dtype)
     import flash_attn_interface
 
     if dropout_p:
         raise ValueError("flash_attention_3 has no attention dropout; set the model's attention_dropout to 0.")
     return _flash(
-        "flash_attention_3", (flash_attn_interface.flash_attn_func, flash_attn_interface.flash_attn_varlen_func),
+        (flash_attn_interface.flash_attn_func, flash_attn_interface.flash_attn_varlen_func),
         query, key, value, documents, return_lse, softmax_scale=scale, causal=True, window_size=_flash_window(window),
     )
