@@ -22,7 +22,9 @@ gradient is accumulated once per backward, as ZeRO's hooks expect, under any ZeR
 Tile counts must agree across ranks: under ZeRO-3 every call of a tiled module gathers its parameters
 (a collective). An ``int`` is used as is, with empty tiles where a rank has fewer tokens
 (``Tensor.tensor_split`` always makes exactly that many); ``True`` picks ``ceil(tokens / hidden_size)``
-(a tile's transient tensors are then about the size of one weight matrix), maximised over all ranks.
+(a tile's transient tensors are then about the size of one weight matrix), maximised over all ranks: in a patched
+model the token count is agreed once per batch by its forward (``PatchState.batch_tokens``), so a tiled MLP call
+and its recomputation run no collective and no host sync.
 """
 
 from __future__ import annotations
@@ -67,20 +69,28 @@ class MemoryOptions:
             )
 
 
-def resolve_num_tiles(setting: TileSetting, num_tokens: int, tile_tokens: int, device: torch.device) -> int:
+def agree_max_tokens(num_tokens: int, device: torch.device) -> int:
+    """The largest ``num_tokens`` of all ranks (one ``all_reduce`` and one host sync when there are several)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        agreed = torch.tensor([num_tokens], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        return int(agreed.item())
+    return num_tokens
+
+
+def resolve_num_tiles(
+    setting: TileSetting, num_tokens: int, tile_tokens: int, device: torch.device, max_tokens: int | None = None
+) -> int:
     """The number of tiles for ``num_tokens`` tokens: ``setting`` when an int, else
-    ``ceil(num_tokens / tile_tokens)`` maximised over all ranks (one ``all_reduce``), so that every rank
-    runs the same number of tiled calls."""
+    ``ceil(max_tokens / tile_tokens)`` with ``max_tokens`` the most tokens of any rank (agreed here with one
+    ``all_reduce`` unless given), so that every rank runs the same number of tiled calls."""
     if setting is False:
         return 1
     if setting is not True:
         return int(setting)
-    num_tiles = max(1, math.ceil(num_tokens / tile_tokens))
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        agreed = torch.tensor([num_tiles], device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        num_tiles = int(agreed.item())
-    return num_tiles
+    if max_tokens is None:
+        max_tokens = agree_max_tokens(num_tokens, device)
+    return max(1, math.ceil(max_tokens / tile_tokens))
 
 
 def tiled_map(fn: Callable[[Tensor], Tensor], x: Tensor, num_tiles: int) -> Tensor:
@@ -155,6 +165,9 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions) -> None:
 def remove_memory_options(model: nn.Module) -> None:
     """Undo :func:`apply_memory_options` on every module inside ``model``."""
     for sub in model.modules():
+        state = sub.__dict__.get("_ulysses_state")
+        if state is not None:
+            state.agree_tokens, state.batch_tokens = False, None
         if sub.__dict__.pop("_ulysses_tiled_mlp", False):
             del sub.forward  # the tiled forward was an instance attribute over the class's forward
         if sub.__dict__.pop("_ulysses_activation_checkpointing", False):
@@ -173,12 +186,20 @@ def _tile_mlps(model: PreTrainedModel, setting: TileSetting) -> None:
             f"{type(model).__name__}; mixture-of-experts blocks are not tiled. Set tiled_mlp=False, or tile your own "
             "MLP with lightning_ulysses.tiled_map."
         )
+    state = model.__dict__.get("_ulysses_state")
+    if setting is True and state is not None:
+        state.agree_tokens = True  # the patched forward agrees the token count once per batch
     for mlp in mlps:
         if "_ulysses_tiled_mlp" not in mlp.__dict__:
-            mlp.forward = functools.partial(_tiled_mlp_forward, mlp.forward, setting)
+            mlp.forward = functools.partial(_tiled_mlp_forward, mlp.forward, setting, state)
             mlp._ulysses_tiled_mlp = True
 
 
-def _tiled_mlp_forward(forward: Callable[[Tensor], Tensor], setting: TileSetting, x: Tensor) -> Tensor:
-    num_tiles = resolve_num_tiles(setting, x.shape[:-1].numel(), tile_tokens=x.shape[-1], device=x.device)
+def _tiled_mlp_forward(forward: Callable[[Tensor], Tensor], setting: TileSetting, state: Any, x: Tensor) -> Tensor:
+    """``state``: the :class:`~lightning_ulysses.hf.patching.PatchState` of a patched model, whose ``batch_tokens``
+    (agreed once per batch) spare this call, and its recomputation, the collective and the host sync."""
+    tokens = x.shape[:-1].numel()
+    batch = None if state is None else state.batch_tokens
+    max_tokens = batch[1] if batch is not None and batch[0] == tokens else None
+    num_tiles = resolve_num_tiles(setting, tokens, tile_tokens=x.shape[-1], device=x.device, max_tokens=max_tokens)
     return tiled_map(forward, x, num_tiles)

@@ -80,7 +80,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
             size (devices x num_nodes) must be a multiple; ``dp_size = world_size / sp_size``.
             ``"auto"``: all processes of a node (SP inside each node, DP across nodes).
         attn_implementation: core attention kernel run on the gathered sequence: ``"auto"`` (flash-attn 2
-            on CUDA when installed, else SDPA), ``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``
+            on CUDA for fp16/bf16 when installed, else SDPA), ``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``
             or ``"flex_attention"``.
         loss_normalization: ``"sp_group"`` (default): each SP group's token mean, averaged over DP groups as
             DDP does. ``"global"``: the token mean over every valid token of the optimizer step, all DP
@@ -181,8 +181,11 @@ class UlyssesStrategy(DeepSpeedStrategy):
 
     @property
     def attn_implementation(self) -> str:
-        """The resolved core attention backend (``"auto"`` is resolved from the device at set-up)."""
-        return resolve_attn_implementation(self._requested_attn_implementation, self.root_device.type)
+        """The resolved core attention backend (``"auto"`` is resolved from the device and the precision at set-up);
+        a flash backend asked for fp32 is refused here."""
+        return resolve_attn_implementation(
+            self._requested_attn_implementation, self.root_device.type, compute_dtype(self.precision_plugin.precision)
+        )
 
     @property
     def loss_gradient_scale(self) -> float:
@@ -425,6 +428,13 @@ class UlyssesStrategy(DeepSpeedStrategy):
 
 
 UlyssesStrategy.register_strategies(StrategyRegistry)
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype the attention kernels see under Lightning's ``precision`` setting ("bf16-mixed", "16-true", ...)."""
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    return torch.float16 if precision.startswith("16") else torch.float32
 
 
 def _nodes_of(ranks: list[int], processes_per_node: int) -> int:

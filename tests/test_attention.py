@@ -8,6 +8,7 @@ the head layout: every case must match it for the output and the gradients of ``
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
 from typing import Any
 
@@ -16,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_ulysses.attention import (
-    _REQUIRED_MODULE, CORE_ATTENTION, Documents, document_tiles, documents_of, sdpa_attention, sink_attention,
-    ulysses_attention,
+    _REQUIRED_MODULE, CORE_ATTENTION, Documents, documents_of, length_class, plan_packed, resolve_attn_implementation,
+    sdpa_attention, sink_attention, ulysses_attention,
 )
+from lightning_ulysses.strategy import compute_dtype
 from lightning_ulysses.heads import check_heads, plan_heads
 from tests.launch import launch
 
@@ -176,19 +178,20 @@ def _documents(case: dict[str, Any], pos: torch.Tensor | None) -> Documents | No
     return None if pos is None else Documents.from_position_ids(pos, case.get("chunk"))
 
 
-@pytest.mark.parametrize("tile_tokens", [1024, 5, 1])
+@pytest.mark.parametrize("significant_bits", [None, 3, 1])
 @pytest.mark.parametrize("name", CASES)
-def test_sdpa_backend_matches_dense_reference(name: str, tile_tokens: int) -> None:
-    """Tiles of 1024 tokens hold whole rows; 5 mixes multi-document tiles and lone documents; 1: a call per document.
-    The log-sum-exp of every path (one document, windowed query blocks, tiles) too."""
+def test_sdpa_backend_matches_dense_reference(name: str, significant_bits: int | None) -> None:
+    """Length classes of exact lengths (``None``: no padding), of the default 3 bits and of powers of two (1: up to
+    twice the length in padding). The log-sum-exp of every path (one document, windowed query blocks, classes) too."""
     case = CASES[name]
     q, k, v, _, pos = _tensors(case)
     got, lse = sdpa_attention(q, k, v, _documents(case, pos), window=case.get("window"), return_lse=True,
-                              tile_tokens=tile_tokens)
+                              significant_bits=significant_bits)
     torch.testing.assert_close(got, reference(q, k, v, pos, **_options(case)), rtol=1e-5, atol=1e-6)
     expected_lse = reference_scores(q, k, pos, **_options(case)).logsumexp(-1).transpose(1, 2)  # [B, N, H]
     torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-6)
-    plain = sdpa_attention(q, k, v, _documents(case, pos), window=case.get("window"), tile_tokens=tile_tokens)
+    plain = sdpa_attention(q, k, v, _documents(case, pos), window=case.get("window"),
+                           significant_bits=significant_bits)
     torch.testing.assert_close(plain, got, rtol=1e-5, atol=1e-6)
 
 
@@ -207,14 +210,14 @@ def _sink_errors(name: str, attend: Any, dtype: torch.dtype = torch.float32) -> 
     return _relative_errors([got, *torch.autograd.grad(got, inputs, grad)], [expected, *expected_grads])
 
 
-@pytest.mark.parametrize("tile_tokens", [1024, 5, 1])
+@pytest.mark.parametrize("significant_bits", [None, 3, 1])
 @pytest.mark.parametrize("name", SINK_CASES)
-def test_sink_attention_matches_dense_reference(name: str, tile_tokens: int) -> None:
+def test_sink_attention_matches_dense_reference(name: str, significant_bits: int | None) -> None:
     """Output and the q, k, v, sinks gradients, relative error < 1e-5 (fp32) and < 1e-12 (float64): the gradient of
     the log-sum-exp, which SDPA does not give, is exact."""
     case = CASES[name]
     pos = _tensors(case)[4]
-    core = functools.partial(sdpa_attention, tile_tokens=tile_tokens)
+    core = functools.partial(sdpa_attention, significant_bits=significant_bits)
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
         return sink_attention(core, q, k, v, _documents(case, pos), sinks, window=case.get("window"))
@@ -272,11 +275,18 @@ def test_sinks_are_refused_with_dropout_or_the_wrong_shape() -> None:
         ulysses_attention(q, k, v, group=None, chunk=4)
 
 
-def test_document_tiles() -> None:
-    cu_seqlens = [0, 3, 9, 13, 16, 20, 32]
-    assert document_tiles(cu_seqlens, 1024) == [(0, 32, 6)]
-    assert document_tiles(cu_seqlens, 9) == [(0, 9, 2), (9, 16, 2), (16, 20, 1), (20, 32, 1)]
-    assert document_tiles(cu_seqlens, 1) == [(s, e, 1) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+def test_length_classes() -> None:
+    assert [length_class(n, 3) for n in (1, 7, 8, 9, 10, 11, 17, 100)] == [1, 7, 8, 10, 10, 12, 20, 112]
+    assert [length_class(n, 1) for n in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, 16]
+    assert length_class(9, None) == 9
+    # a 128k row of 64-token documents is one batched call; lengths 3, 6, 4, 3, 4 and 12, 8: five classes
+    row = Documents.from_position_ids((torch.arange(2**17) % 64)[None])
+    assert [(c.length, c.gather.numel()) for c in plan_packed(row).classes] == [(64, 2**17)]
+    mixed = Documents.from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3],
+                                                      [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 0, 1, 2, 3, 4, 5, 6, 7]]))
+    plan = plan_packed(mixed)
+    assert [c.length for c in plan.classes] == [3, 4, 6, 8, 12]
+    assert sorted(torch.cat([c.gather[c.keep] for c in plan.classes]).tolist()) == list(range(40))
 
 
 def _attend(backend: str, case: dict[str, Any], pos: torch.Tensor | None) -> Any:
@@ -334,6 +344,45 @@ def test_cuda_backends_match_dense_reference(backend: str, name: str) -> None:
     for a, b in zip([got, *got_grads], [expected, *torch.autograd.grad(expected, full, grad)]):
         error = ((a.float() - b).norm() / b.norm()).item()
         assert error < 2e-2, f"{backend} {name}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["gqa_kv_divisible", "packed_documents", "packed_sliding_window", "sliding_window"])
+def test_cuda_sdpa_gqa_runs_a_fused_kernel(name: str, dtype: torch.dtype) -> None:
+    """GQA on SDPA, packed and windowed included, with SDPA's math kernel (``[N, N]`` scores) forbidden: fp32 and
+    masked calls repeat the K/V heads for the memory-efficient kernel, bf16 causal calls run flash with GQA."""
+    _cuda_backend("sdpa")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    case = CASES[name]
+    q, k, v, grad, pos = (None if t is None else t.cuda() for t in _tensors(case))
+    full = [t.requires_grad_() for t in (q, k, v)]
+    expected = reference(*full, pos, **_options(case))
+    low = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        got = _attend("sdpa", case, pos)(*low)
+        got_grads = torch.autograd.grad(got, low, grad.to(dtype))
+    for a, b in zip([got, *got_grads], [expected, *torch.autograd.grad(expected, full, grad)]):
+        assert ((a.float() - b).norm() / b.norm()).item() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_backend_choice_follows_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``"auto"`` takes flash-attn 2 (installed or not, here it is pretended installed) only on CUDA in fp16/bf16; a
+    flash backend asked for fp32 is refused with what to change, at set-up and by the kernel itself."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name.startswith("flash_attn") else
+                        find_spec(name, *a))
+    assert resolve_attn_implementation("auto", "cuda", compute_dtype("bf16-mixed")) == "flash_attention_2"
+    assert resolve_attn_implementation("auto", "cuda", compute_dtype("16-mixed")) == "flash_attention_2"
+    assert resolve_attn_implementation("auto", "cuda", compute_dtype("32-true")) == "sdpa"
+    assert resolve_attn_implementation("auto", "cpu", torch.bfloat16) == "sdpa"
+    for name in ("flash_attention_2", "flash_attention_3"):
+        assert resolve_attn_implementation(name, "cuda", torch.bfloat16) == name
+        with pytest.raises(ValueError, match=f"attn_implementation='{name}' runs fp16 and bf16 only, and this run "
+                                             r"computes in torch.float32: train in bf16 \(Trainer\(precision='bf16-mixed'\)\)"):
+            resolve_attn_implementation(name, "cuda", compute_dtype("32-true"))
+    with pytest.raises(ValueError, match="runs fp16 and bf16 only, and this run computes in torch.float32"):
+        CORE_ATTENTION["flash_attention_2"](*_tensors(CASES["mha"])[:3], None)
 
 
 def test_only_unequal_kv_groups_are_refused() -> None:

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from transformers import PretrainedConfig, PreTrainedModel
 
-from lightning_ulysses.attention import documents_of, gather_sequence
+from lightning_ulysses.attention import documents_of, gather_sequence, plan_batch
 from lightning_ulysses.heads import plan_heads
 from lightning_ulysses.hf.interface import ULYSSES_ATTN_IMPLEMENTATION
 
@@ -62,6 +62,11 @@ class PatchState:
     gather_mixers: bool = False
     """Run token mixers other than attention on the whole sequence (:mod:`lightning_ulysses.hf.mixers`) instead of
     refusing the model."""
+    agree_tokens: bool = False
+    """Set by ``tiled_mlp=True`` (:mod:`lightning_ulysses.memory`): agree once per batch on the most tokens any rank
+    holds, so that every MLP call of the batch finds its tile count without a collective or a host sync."""
+    batch_tokens: tuple[int, int] | None = None
+    """``(this rank's tokens, the most tokens of any rank)`` of the current batch, when ``agree_tokens``."""
 
 
 def outermost_models(module: nn.Module) -> list[PreTrainedModel]:
@@ -146,7 +151,7 @@ def _patch(model: PreTrainedModel, state: PatchState) -> None:
         config._attn_implementation_internal = ULYSSES_ATTN_IMPLEMENTATION
     for sub in model.modules():
         if isinstance(sub, PreTrainedModel):
-            sub.forward = _guarded_forward(sub.forward, state)
+            sub.forward = _guarded_forward(sub, state)
 
 
 def _unpatch(model: PreTrainedModel) -> None:
@@ -171,16 +176,18 @@ def remove_ulysses_attention(model: nn.Module) -> None:
             _unpatch(hf_model)
 
 
-def _guarded_forward(forward: Any, state: PatchState) -> Any:
+def _guarded_forward(model: PreTrainedModel, state: PatchState) -> Any:
+    forward = model.forward
     takes_position_ids = "position_ids" in inspect.signature(forward).parameters
 
     @functools.wraps(forward)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         if not state.enabled:
+            state.batch_tokens = None  # agreed for another batch
             return forward(*args, **kwargs)
         kwargs["use_cache"] = False
         if state.depth == 0:
-            _read_batch_layout(kwargs, state)
+            _read_batch_layout(kwargs, state, model)
         elif takes_position_ids and kwargs.get("position_ids") is None and _tokens(args, kwargs) == _tokens((), {
             "input_ids": state.position_ids}):
             kwargs["position_ids"] = state.position_ids  # an outer model that does not pass them on (transformers
@@ -202,7 +209,9 @@ def _tokens(args: tuple, kwargs: dict[str, Any]) -> int | None:
     return inputs.shape[1] if isinstance(inputs, Tensor) and inputs.dim() >= 2 else None
 
 
-def _read_batch_layout(kwargs: dict[str, Any], state: PatchState) -> None:
+def _read_batch_layout(kwargs: dict[str, Any], state: PatchState, model: PreTrainedModel) -> None:
+    """Keep the batch's position ids for the attention layers and build, once per batch, what every layer reuses:
+    the documents and the attention backend's plans for each layer pattern, and the MLP tile agreement."""
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
         raise ValueError(
@@ -215,6 +224,20 @@ def _read_batch_layout(kwargs: dict[str, Any], state: PatchState) -> None:
     if mask is not None:
         check_foldable_attention_mask(mask, position_ids, state.group)
     state.position_ids = position_ids
+    plan_batch(position_ids, state.group, state.core, _layer_patterns(model))
+    if state.agree_tokens:
+        from lightning_ulysses.memory import agree_max_tokens
+
+        tokens = position_ids.shape[-2:].numel()  # [B, N/sp], or [sections, B, N/sp] (multimodal RoPE)
+        state.batch_tokens = (tokens, agree_max_tokens(tokens, position_ids.device))
+
+
+def _layer_patterns(model: PreTrainedModel) -> set[tuple[int | None, int | None]]:
+    """The ``(chunk, window)`` of every attention layer that the set-up check planned (none before it ran)."""
+    return {
+        (plan.pattern.chunk, plan.pattern.window)
+        for module in model.modules() if (plan := module.__dict__.get("_ulysses_plan")) is not None
+    }
 
 
 def check_foldable_attention_mask(mask: Tensor, position_ids: Tensor, group: ProcessGroup | None) -> None:

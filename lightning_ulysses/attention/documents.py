@@ -1,0 +1,113 @@
+"""The document layout of a batch, found once per batch, and the per-batch plans the kernels derive from it.
+
+Documents (packed samples, padding runs) are read from the global ``position_ids``: a token starts a document
+when it is first in its row or its position id is 0 (see :mod:`lightning_ulysses.sharding`). Finding them costs
+one host sync (the offsets are copied to the host once); every plan a backend derives from them (SDPA's
+length classes, flex's ``BlockMask``) is built once per batch and kept on the :class:`Documents`, so the
+attention layers, and their recomputation under activation checkpointing, run without host syncs.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from lightning_ulysses.attention.collectives import gather_sequence
+from lightning_ulysses.sharding import document_starts
+
+PlanT = TypeVar("PlanT")
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Where the documents of a ``[B, N]`` batch start.
+
+    ``cu_seqlens`` holds the offsets of every document in the flattened ``[B * N]`` token axis
+    (row starts included) followed by ``B * N``: the varlen format of flash-attn; ``offsets`` is the same on
+    the host. ``max_position`` is the largest position id of the whole rows (a 0-d tensor on their device):
+    what a RoPE whose frequencies depend on the sequence length (dynamic NTK, longrope) must see on every rank.
+    """
+
+    starts: Tensor  # [B, N] bool
+    cu_seqlens: Tensor  # [num_documents + 1] int32
+    offsets: tuple[int, ...]  # cu_seqlens on the host
+    max_position: Tensor  # [] long
+    _plans: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_position_ids(cls, position_ids: Tensor, chunk: int | None = None) -> "Documents":
+        """The documents of whole ``[B, N]`` rows of position ids (one host sync); with ``chunk``, every position id
+        divisible by it also starts one, so that a token attends only inside its chunk (Llama 4's chunked attention)."""
+        starts = document_starts(position_ids)
+        if chunk is not None:
+            starts |= position_ids % chunk == 0
+        offsets = starts.flatten().nonzero().flatten()
+        total = torch.tensor([starts.numel()], device=offsets.device, dtype=offsets.dtype)
+        cu_seqlens = torch.cat([offsets, total]).to(torch.int32)
+        return cls(starts, cu_seqlens, tuple(cu_seqlens.tolist()), position_ids.max())
+
+    @functools.cached_property
+    def max_seqlen(self) -> int:
+        """The length of the longest document."""
+        return max(end - begin for begin, end in zip(self.offsets[:-1], self.offsets[1:]))
+
+    @property
+    def one_per_row(self) -> bool:
+        """True when every row is a single causal document (no packing, no padding runs)."""
+        return len(self.offsets) - 1 == self.starts.shape[0]
+
+    @property
+    def document_ids(self) -> Tensor:
+        """``[B, N]`` long: the index of each token's document inside its row."""
+        return self.starts.long().cumsum(dim=1)
+
+    def plan(self, key: Hashable, build: Callable[["Documents"], PlanT]) -> PlanT:
+        """``build(self)``, built once per ``key`` (a backend's plan for these documents) and kept with them."""
+        if key not in self._plans:
+            self._plans[key] = build(self)
+        return self._plans[key]
+
+
+@dataclass
+class _GatheredPositions:
+    """The whole rows of one ``[B, N/P]`` shard tensor of position ids, and their documents per chunk size."""
+
+    shard: weakref.ref[Tensor]
+    version: int
+    group: ProcessGroup | None
+    position_ids: Tensor  # [B, N]
+    documents: dict[int | None, Documents]
+
+    def gathered_from(self, shard: Tensor, group: ProcessGroup | None) -> bool:
+        return self.shard() is shard and self.version == shard._version and self.group is group
+
+
+_last_gathered: _GatheredPositions | None = None
+
+
+def documents_of(position_ids: Tensor, group: ProcessGroup | None, chunk: int | None = None) -> Documents:
+    """The documents (cut into chunks of ``chunk`` positions, see :meth:`Documents.from_position_ids`) of the whole
+    rows whose ``[B, N/P]`` shard of global position ids is ``position_ids``.
+
+    Every attention layer of a forward (and its recomputation under activation checkpointing) receives
+    the same ``position_ids`` tensor, so the all-gather runs once per batch and the host sync of finding the
+    document starts once per batch and chunk size, not once per layer (layers may alternate chunked and
+    global attention). The gathered ids and their documents (with the plans built from them) are kept for the
+    same tensor object at the same version (an in-place edit recomputes); every rank of the group sees the same
+    sequence of tensors and so takes the same branch, collectives included.
+    """
+    global _last_gathered
+    if _last_gathered is None or not _last_gathered.gathered_from(position_ids, group):
+        gathered = gather_sequence(position_ids, group)
+        _last_gathered = _GatheredPositions(weakref.ref(position_ids), position_ids._version, group, gathered, {})
+    documents = _last_gathered.documents
+    if chunk not in documents:
+        documents[chunk] = Documents.from_position_ids(_last_gathered.position_ids, chunk)
+    return documents[chunk]

@@ -1,0 +1,97 @@
+"""The public entry point: causal attention over a sequence sharded across the ranks of an SP group."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from lightning_ulysses.attention.backends import CORE_ATTENTION, prepare_plans
+from lightning_ulysses.attention.collectives import heads_to_sequence, sequence_to_heads
+from lightning_ulysses.attention.core import CoreAttention
+from lightning_ulysses.attention.documents import documents_of
+from lightning_ulysses.attention.sinks import sink_attention
+from lightning_ulysses.heads import plan_heads, select_heads
+
+
+def plan_batch(
+    position_ids: Tensor, group: ProcessGroup | None, attn_fn: str, patterns: Iterable[tuple[int | None, int | None]]
+) -> None:
+    """Find the documents of a batch and build backend ``attn_fn``'s plans for every ``(chunk, window)`` pattern
+    its layers use, before the first layer (collective over ``group``: the position ids are gathered).
+
+    ``position_ids`` is the ``[B, N/P]`` shard tensor the layers will receive (see
+    :func:`~lightning_ulysses.attention.documents.documents_of`); afterwards no layer, forward, backward or
+    recomputation, synchronises with the host.
+    """
+    for chunk, window in patterns:
+        prepare_plans(attn_fn, documents_of(position_ids, group, chunk), window)
+
+
+def ulysses_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    group: ProcessGroup | None,
+    attn_fn: str | CoreAttention = "sdpa",
+    position_ids: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """Causal attention over a sequence sharded across the ranks of ``group``, any head count.
+
+    Args:
+        query: ``[B, N/P, H, D]``, this rank's tokens, all heads.
+        key, value: ``[B, N/P, H_kv, D]``, ``H`` a multiple of ``H_kv``.
+        group: the sequence-parallel process group (``strategy.sp_group``); ``None`` runs locally.
+        attn_fn: a core backend name (``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``,
+            ``"flex_attention"``) or a callable with the :class:`CoreAttention` signature.
+        position_ids: ``[B, N/P]`` global position ids of this rank's tokens. They delimit packed
+            documents; ``None`` treats every row as one document.
+        scale: softmax scale (``None``: ``D ** -0.5``).
+        dropout_p: attention dropout probability.
+        window: sliding window; a token attends to itself and the ``window - 1`` tokens before it
+            (``None``: unbounded).
+        chunk: chunked attention (Llama 4's ``attention_chunk_size``): a token attends only to the tokens of
+            its document whose position ids fall in its chunk (``position_id // chunk``); needs ``position_ids``.
+        sinks: ``[H]`` attention sink logits, one per query head (gpt-oss's ``s_aux``; see
+            :func:`sink_attention`); no dropout with them.
+
+    Returns:
+        ``[B, N/P, H, D]``: the attention output of this rank's tokens. Gradients flow back to
+        ``query``, ``key`` and ``value`` on every rank through the inverse all-to-alls. ``sinks`` receives on
+        each rank the gradient of the heads that rank attended (for the tokens of every rank): summed over the
+        group, as replicated weights are, it is whole.
+    """
+    core = CORE_ATTENTION[attn_fn] if isinstance(attn_fn, str) else attn_fn
+    if chunk is not None and position_ids is None:
+        raise ValueError("Chunked attention needs the position_ids that number the chunks.")
+    if sinks is not None and (sinks.shape != (query.shape[2],) or dropout_p):
+        raise ValueError(
+            f"Attention sinks are one logit per query head, shape ({query.shape[2]},), and run without attention "
+            f"dropout; got shape {tuple(sinks.shape)} and dropout_p={dropout_p}."
+        )
+    sp_size = 1 if group is None else dist.get_world_size(group)
+    layout = plan_heads(query.shape[2], key.shape[2], sp_size)
+    documents = None if position_ids is None else documents_of(position_ids, group, chunk)
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, head_sinks: Tensor | None) -> Tensor:
+        if head_sinks is None:
+            return core(q, k, v, documents, scale=scale, dropout_p=dropout_p, window=window)
+        return sink_attention(core, q, k, v, documents, head_sinks, scale=scale, window=window)
+
+    if sp_size == 1:
+        return attend(query, key, value, sinks)
+    if sinks is not None:  # the sinks of this rank's query slots, inert copies included (their outputs are dropped)
+        first = dist.get_rank(group) * layout.heads_per_rank
+        sinks = select_heads(sinks, layout.query_slots[first : first + layout.heads_per_rank], dim=0)
+    query = sequence_to_heads(select_heads(query, layout.query_slots), group)  # [B, N, h, D]
+    key, value = (sequence_to_heads(select_heads(t, layout.kv_slots), group) for t in (key, value))
+    out = attend(query, key, value, sinks)
+    return select_heads(heads_to_sequence(out, group), layout.output_slots)  # [B, N/P, H, D]
