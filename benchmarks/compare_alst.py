@@ -145,10 +145,10 @@ class AllToAllCounter:
 
 
 def install_counters() -> dict[str, AllToAllCounter]:
-    """Wrap the collective each side calls: ours ``lightning_ulysses.attention.all_to_all``; ALST's exchange
+    """Wrap the collective each side calls: ours ``lightning_ulysses.attention.collectives.all_to_all``; ALST's exchange
     operator calls ``deepspeed.comm.all_to_all_single``."""
     import deepspeed.comm
-    import lightning_ulysses.attention as ours
+    import lightning_ulysses.attention.collectives as ours
 
     counters = {side: AllToAllCounter() for side in SIDES}
     ours_all_to_all, ds_all_to_all_single = ours.all_to_all, deepspeed.comm.all_to_all_single
@@ -542,7 +542,7 @@ def render_report(config: BenchmarkConfig, summaries: dict[str, SideSummary], ra
         "- Saved for backward: the distinct storages autograd saves during the first step's forward and loss",
         "  (`torch.autograd.graph.saved_tensors_hooks`, agreement blocks): what the step keeps alive, where the peak",
         "  also counts transient buffers.",
-        "- All-to-all bytes: ours wraps `lightning_ulysses.attention.all_to_all`, ALST's exchange operator calls",
+        "- All-to-all bytes: ours wraps `lightning_ulysses.attention.collectives.all_to_all`, ALST's exchange operator calls",
         "  `deepspeed.comm.all_to_all_single`, which is wrapped; bytes sent to other ranks, per attention layer",
         "  and direction (forward and backward move the same amount).",
         "- Agreement: the same batches in the same order through plain transformers in one process on whole",

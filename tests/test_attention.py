@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_ulysses.attention import (
-    _REQUIRED_MODULE, CORE_ATTENTION, Documents, documents_of, length_class, plan_packed, resolve_attn_implementation,
+    CORE_ATTENTION, Documents, documents_of, length_class, plan_packed, resolve_attn_implementation,
     sdpa_attention, sink_attention, ulysses_attention,
 )
+from lightning_ulysses.attention.backends import _REQUIRED_MODULE
 from lightning_ulysses.strategy import compute_dtype
 from lightning_ulysses.heads import check_heads, plan_heads
 from tests.launch import launch

@@ -17,7 +17,7 @@ per-batch plans kept with it), :mod:`.core` (the backend interface), one module 
 and :mod:`.ulysses` (the entry point and the per-batch planning).
 """
 
-from lightning_ulysses.attention.backends import CORE_ATTENTION, _REQUIRED_MODULE, prepare_plans, resolve_attn_implementation
+from lightning_ulysses.attention.backends import CORE_ATTENTION, prepare_plans, resolve_attn_implementation
 from lightning_ulysses.attention.collectives import all_to_all, gather_sequence, heads_to_sequence, sequence_to_heads
 from lightning_ulysses.attention.core import CoreAttention
 from lightning_ulysses.attention.documents import Documents, documents_of
