@@ -1,0 +1,19 @@
+"""Fine-tuning: chat SFT with the loss on the assistant's tokens only, packed or padded."""
+
+from lightning_ulysses.finetune.packing import DataReport, SampleTooLongError, pack_rows
+from lightning_ulysses.finetune.records import load_records
+from lightning_ulysses.finetune.sft_data import SFTDataModule, SFTDataset
+from lightning_ulysses.finetune.templates import TemplateError, tokenize_record
+from lightning_ulysses.finetune.tokenizer import byte_chat_tokenizer
+
+__all__ = [
+    "DataReport",
+    "SFTDataModule",
+    "SFTDataset",
+    "SampleTooLongError",
+    "TemplateError",
+    "byte_chat_tokenizer",
+    "load_records",
+    "pack_rows",
+    "tokenize_record",
+]
