@@ -5,7 +5,7 @@ from lightning_ulysses.callbacks import SequenceParallelMonitor, SequenceParalle
 from lightning_ulysses.checkpoint import check_resumable, convert_checkpoint, export_hf_model, is_universal_checkpoint
 from lightning_ulysses.checkpoint_io import CheckpointSaveError, CorruptCheckpointError, check_integrity
 from lightning_ulysses.data import ByteTokenizer, LongTextDataModule
-from lightning_ulysses.finetune import SFTDataModule
+from lightning_ulysses.finetune import DPO, PreferenceDataModule, SFTDataModule
 from lightning_ulysses.flops import TransformerFlops
 from lightning_ulysses.heads import HeadLayout, plan_heads
 from lightning_ulysses.loss import UlyssesLossMixin, token_cross_entropy
@@ -36,10 +36,12 @@ __all__ = [
     "CausalLM",
     "CheckpointSaveError",
     "CorruptCheckpointError",
+    "DPO",
     "HeadLayout",
     "LongTextDataModule",
     "MemoryOptions",
     "Perplexity",
+    "PreferenceDataModule",
     "SFTDataModule",
     "SequenceParallelMonitor",
     "SequenceParallelParityCheck",

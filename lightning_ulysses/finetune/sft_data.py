@@ -13,17 +13,15 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from lightning_ulysses.data import collate_right_padded
+from lightning_ulysses.finetune.datamodule import RecordsDataModule
 from lightning_ulysses.finetune.packing import KEPT, TRUNCATED, DataReport, Truncation, fit_length, pack_rows, trained_tokens
-from lightning_ulysses.finetune.records import load_records
 from lightning_ulysses.finetune.templates import TemplateError, tokenize_record
-from lightning_ulysses.finetune.tokenizer import BYTE, load_tokenizer
+from lightning_ulysses.finetune.tokenizer import BYTE
 
 if TYPE_CHECKING:
     import datasets
@@ -62,7 +60,7 @@ def tokenize_and_fit(
     return {"input_ids": ids, "labels": labels, "status": status, "length": len(ids), "trained": trained_tokens(labels)}
 
 
-class SFTDataModule(L.LightningDataModule):
+class SFTDataModule(RecordsDataModule):
     """Chat SFT from local files: loss on the assistant's tokens only, samples packed or padded.
 
     Args:
@@ -99,43 +97,12 @@ class SFTDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
-        super().__init__()
-        if seq_len < 2:
-            raise ValueError(f"data.seq_len must be at least 2 tokens, got {seq_len}.")
         if mode not in ("packed", "padded"):
             raise ValueError(f"data.mode must be 'packed' or 'padded', got {mode!r}.")
-        if truncation not in ("truncate", "drop", "refuse"):
-            raise ValueError(f"data.truncation must be 'truncate', 'drop' or 'refuse', got {truncation!r}.")
-        if not val_paths and not 0 < val_fraction < 1:
-            raise ValueError(f"data.val_fraction must be between 0 and 1 (exclusive), got {val_fraction}.")
-        self.paths, self.val_paths = list(paths), list(val_paths or [])
-        self.tokenizer = load_tokenizer(tokenizer)
-        self.seq_len, self.mode, self.truncation = seq_len, mode, truncation
-        self.batch_size, self.val_fraction = batch_size, val_fraction
-        self.num_proc, self.num_workers, self.seed = num_proc, num_workers, seed
-        self.train_dataset: SFTDataset | None = None
-        self.val_dataset: SFTDataset | None = None
-        self.reports: dict[str, DataReport] = {}
+        super().__init__(paths, tokenizer, seq_len, truncation, batch_size, val_paths, val_fraction, num_proc, num_workers, seed)
+        self.mode = mode
 
-    @property
-    def vocab_size(self) -> int:
-        """Token ids run from 0 to ``vocab_size - 1``; the model's embedding must be at least this large."""
-        return len(self.tokenizer)
-
-    def setup(self, stage: str) -> None:
-        if self.train_dataset is not None:
-            return
-        records = load_records(self.paths)
-        if self.val_paths:
-            train, val = records, load_records(self.val_paths)
-        else:
-            num_val = max(1, round(len(records) * self.val_fraction))
-            split = records.train_test_split(test_size=num_val, seed=self.seed)
-            train, val = split["train"], split["test"]
-        self.train_dataset = self._rows(train, "training")
-        self.val_dataset = self._rows(val, "validation")
-
-    def _rows(self, records: datasets.Dataset, name: str) -> SFTDataset:
+    def build(self, records: datasets.Dataset, name: str) -> SFTDataset:
         transform = functools.partial(
             tokenize_and_fit, tokenizer=self.tokenizer, seq_len=self.seq_len, truncation=self.truncation
         )
@@ -159,18 +126,3 @@ class SFTDataModule(L.LightningDataModule):
         self.reports[name] = DataReport.of(statuses, lengths, trained, len(rows), self.seq_len)
         rank_zero_info(f"SFT {name} data: {self.reports[name]}")
         return SFTDataset(samples, rows)
-
-    def _loader(self, dataset: SFTDataset | None, shuffle: bool) -> DataLoader:
-        if dataset is None:
-            raise RuntimeError("SFTDataModule.setup() must run before its dataloaders are requested.")
-        return DataLoader(
-            dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
-            collate_fn=functools.partial(collate_right_padded, pad_token_id=self.tokenizer.pad_token_id or 0),
-            persistent_workers=self.num_workers > 0,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_dataset, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_dataset, shuffle=False)
