@@ -47,3 +47,15 @@ def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     return path
+
+
+def preference_records() -> list[dict[str, Any]]:
+    """Conversational pairs of several lengths: prompts with and without a system message, answers that differ."""
+    records = []
+    for i in range(6):
+        prompt = chat(5 + 7 * i, 1, i, system=i % 2 == 0)["messages"][:-1]
+        chosen = text_of_length(4 + 3 * i + (40 if i == 5 else 0), i + 1)  # the last chosen is the longest sequence
+        rejected = text_of_length(9 + (5 * i) % 13, i + 2)
+        records.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": chosen}],
+                        "rejected": [{"role": "assistant", "content": rejected}]})
+    return records

@@ -20,6 +20,8 @@ from torch import Tensor
 
 from lightning_ulysses import IGNORE_INDEX, UlyssesStrategy
 from lightning_ulysses.finetune import (
+    DPO,
+    PreferenceDataModule,
     SampleTooLongError,
     SFTDataModule,
     TemplateError,
@@ -28,9 +30,8 @@ from lightning_ulysses.finetune import (
     pack_rows,
     tokenize_record,
 )
-from lightning_ulysses.finetune.templates import tokenize_prompt_completion
 from lightning_ulysses.model import CausalLM, build_config
-from tests.finetune_data import chat, chat_of_tokens, sft_records, write_jsonl
+from tests.finetune_data import chat, chat_of_tokens, preference_records, sft_records, write_jsonl
 from tests.launch import launch
 from tests.tiny import gathered_parameters, relative_update_error
 
@@ -304,3 +305,107 @@ def test_sft_under_sp_equals_one_process(sp_results: list[dict[str, Any]], data_
         assert got["val_loss"] == pytest.approx(val_loss, rel=1e-5), f"rank {rank}"
         error = relative_update_error(initial, expected, got["params"])
         assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# DPO: sequence log-probabilities summed over the SP group, frozen reference, vs one process
+# ---------------------------------------------------------------------------------------------
+BETA = 0.5
+DPO_CASES = {"dpo_sp2_zero2": dict(stage=2), "dpo_sp2_zero3": dict(stage=3)}
+
+
+class SGDDPO(DPO):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=LR)
+
+
+@pytest.fixture(scope="module")
+def dpo_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A tiny saved model (policy and reference start from it) and preference pairs."""
+    root = tmp_path_factory.mktemp("dpo")
+    fresh_model(len(byte_chat_tokenizer())).save_pretrained(root / "model")
+    path = str(write_jsonl(root / "pairs.jsonl", preference_records()))
+    return {"model": str(root / "model"), "train": path, "val": path}
+
+
+def dpo_worker(args: dict[str, Any]) -> dict[str, Any]:
+    world_size = int(os.environ["WORLD_SIZE"])
+    results = {}
+    for name, case in args["cases"].items():
+        data = PreferenceDataModule(paths=[args["train"]], val_paths=[args["val"]], seq_len=SEQ * 4, batch_size=64)
+        module = SGDDPO(model=args["model"], pretrained=True, beta=BETA, vocab_size=data.vocab_size)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, num_sanity_val_steps=0,
+            strategy=UlyssesStrategy(sp_size=2, stage=case["stage"], attn_implementation="sdpa"), limit_val_batches=0,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.fit(module, data)
+        results[name] = {key: trainer.callback_metrics[f"train_{key}"].item() for key in DPO_METRICS}
+        results[name]["params"] = gathered_parameters(module.model, case["stage"] == 3)
+        results[name]["reference"] = gathered_parameters(module.reference, case["stage"] == 3)
+    return results
+
+
+DPO_METRICS = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy")
+
+
+@pytest.fixture(scope="module")
+def dpo_results(dpo_files: dict[str, str]) -> list[dict[str, Any]]:
+    return launch("tests.test_finetune:dpo_worker", 2, {**dpo_files, "cases": DPO_CASES})
+
+
+def completion_log_prob(model: torch.nn.Module, ids: Tensor, labels: Tensor) -> Tensor:
+    log_probs = model(input_ids=ids[None]).logits[0, :-1].log_softmax(-1)
+    valid = labels[1:] != IGNORE_INDEX
+    return log_probs[valid].gather(-1, labels[1:][valid, None]).sum()
+
+
+def reference_dpo(folder: str, records: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, Tensor], dict[str, Tensor]]:
+    """One process, plain transformers: each sequence alone, SGD on the mean DPO loss over every pair; the metrics of
+    the last step, the initial and the final weights."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = byte_chat_tokenizer()
+    sequences = [[tuple(map(torch.tensor, tokenize_record(tokenizer, {"prompt": r["prompt"], "completion": r[side]})))
+                  for side in ("chosen", "rejected")] for r in records]
+    policy, reference = (AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa") for _ in range(2))
+    initial = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    optimizer = torch.optim.SGD(policy.parameters(), lr=LR)
+    for _ in range(STEPS):
+        rewards = torch.stack([
+            torch.stack([BETA * (completion_log_prob(policy, ids, labels) - completion_log_prob(reference, ids, labels).detach())
+                         for ids, labels in pair]) for pair in sequences
+        ])
+        loss = -F.logsigmoid(rewards[:, 0] - rewards[:, 1]).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    chosen, rejected = rewards.detach()[:, 0], rewards.detach()[:, 1]
+    metrics = {"loss": loss.item(), "rewards_chosen": chosen.mean().item(), "rewards_rejected": rejected.mean().item(),
+               "rewards_margin": (chosen - rejected).mean().item(), "rewards_accuracy": (chosen > rejected).float().mean().item()}
+    return metrics, initial, {n: p.detach() for n, p in policy.named_parameters()}
+
+
+def test_dpo_pairs_cross_the_shard_border(dpo_files: dict[str, str]) -> None:
+    """At sp=2 the batch (every pair, padded to the longest) splits in the middle: some chosen sequence ends before
+    it and some runs across it, so both the per-rank sums and their reduction are exercised."""
+    data = PreferenceDataModule(paths=[dpo_files["train"]], val_paths=[dpo_files["val"]], seq_len=SEQ * 4)
+    data.setup("fit")
+    rows = [data.train_dataset[i] for i in range(len(data.train_dataset))]
+    half = -(-max(len(row["input_ids"]) for row in rows) // 2)
+    chosen_ends = [int((row["sequence_ids"] == 0).sum()) for row in rows]
+    assert any(end <= half for end in chosen_ends) and any(end > half for end in chosen_ends)
+    assert all(row["position_ids"][end] == 0 for row, end in zip(rows, chosen_ends))
+
+
+@pytest.mark.parametrize("name", DPO_CASES)
+def test_dpo_under_sp_equals_one_process(dpo_results: list[dict[str, Any]], dpo_files: dict[str, str], name: str) -> None:
+    metrics, initial, expected = reference_dpo(dpo_files["model"], preference_records())
+    assert metrics["rewards_margin"] != 0 and metrics["loss"] != pytest.approx(torch.log(torch.tensor(2.0)).item())
+    for rank, result in enumerate(dpo_results):
+        got = result[name]
+        for key in DPO_METRICS:
+            assert got[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), f"{name} rank {rank}: {key}"
+        error = relative_update_error(initial, expected, got["params"])
+        assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
+        assert all(torch.equal(got["reference"][n], initial[n]) for n in initial), "the reference model changed"
