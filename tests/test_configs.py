@@ -49,6 +49,7 @@ LLAMA_3_8B_SHRUNK = {
     "model.model": MODEL_FOLDER, "data.tokenizer": MODEL_FOLDER, "data.paths": [TEXT_FOLDER], "data.seq_len": 64,
 }
 SFT_CHATS = ["examples/data/sft_arithmetic.jsonl"]  # relative to the repository, where the launch runs
+DPO_PAIRS = ["examples/data/dpo_arithmetic.jsonl"]
 SHRINK: dict[str, dict[str, Any]] = {
     "quickstart": {"data.seq_len": 64, "data.max_files": 24, "trainer.limit_val_batches": 2},
     "sft_quickstart": {"data.init_args.seq_len": 256, "trainer.limit_val_batches": 2},
@@ -56,6 +57,17 @@ SHRINK: dict[str, dict[str, Any]] = {
         **ON_CPU, "trainer.devices": 2, "trainer.strategy.init_args.sp_size": 2, "trainer.limit_val_batches": 2,
         "model.init_args.model": MODEL_FOLDER, "data.init_args.tokenizer": MODEL_FOLDER, "data.init_args.paths": SFT_CHATS,
         "data.init_args.val_paths": SFT_CHATS, "data.init_args.seq_len": 512, "data.init_args.num_proc": None,
+    },
+    "dpo_quickstart": {
+        "model.init_args.model": MODEL_FOLDER, "data.init_args.tokenizer": MODEL_FOLDER, "data.init_args.seq_len": 512,
+        "trainer.limit_val_batches": 2,
+    },
+    "dpo_8gpu": {
+        **ON_CPU, "trainer.devices": 2, "trainer.strategy.init_args.sp_size": 2, "trainer.limit_val_batches": 2,
+        "model.init_args.model": MODEL_FOLDER, "data.init_args.tokenizer": MODEL_FOLDER, "data.init_args.paths": DPO_PAIRS,
+        "data.init_args.val_paths": DPO_PAIRS, "data.init_args.seq_len": 512, "data.init_args.num_proc": None,
+        # at DPO's 5e-7 two steps of weight decay are below fp32's resolution, and the check of decay would see none
+        "model.init_args.learning_rate": 1.0e-04,
     },
     "llama8b_1node_zero3": LLAMA_3_8B_SHRUNK,
     "multinode_slurm": LLAMA_3_8B_SHRUNK,
