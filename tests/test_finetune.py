@@ -33,7 +33,7 @@ from lightning_ulysses.finetune import (
 from lightning_ulysses.model import CausalLM, build_config
 from tests.finetune_data import chat, chat_of_tokens, preference_records, sft_records, write_jsonl
 from tests.launch import launch
-from tests.tiny import gathered_parameters, relative_update_error
+from tests.tiny import epoch_order, gathered_parameters, relative_update_error
 
 SEQ, LR, STEPS = 64, 0.5, 2
 TINY_LLAMA = dict(
@@ -225,6 +225,7 @@ SP_CASES = {
     "packed_sp2_zero2": dict(mode="packed", stage=2),
     "padded_sp2_zero3": dict(mode="padded", stage=3),
 }
+DP_SP_CASES = {"packed_dp2_sp2_zero3": dict(mode="packed", stage=3)}  # on 4 processes
 
 
 def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
@@ -249,6 +250,11 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def sp_results(data_files: dict[str, str], tokenizer_folder: str) -> list[dict[str, Any]]:
     return launch("tests.test_finetune:sp_worker", 2, {"files": data_files, "tokenizer": tokenizer_folder, "cases": SP_CASES})
+
+
+@pytest.fixture(scope="module")
+def dp_sp_results(data_files: dict[str, str], tokenizer_folder: str) -> list[dict[str, Any]]:
+    return launch("tests.test_finetune:sp_worker", 4, {"files": data_files, "tokenizer": tokenizer_folder, "cases": DP_SP_CASES})
 
 
 def reference_samples(path: str, tokenizer: Any) -> list[tuple[Tensor, Tensor]]:
@@ -409,3 +415,31 @@ def test_dpo_under_sp_equals_one_process(dpo_results: list[dict[str, Any]], dpo_
         error = relative_update_error(initial, expected, got["params"])
         assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
         assert all(torch.equal(got["reference"][n], initial[n]) for n in initial), "the reference model changed"
+
+
+@pytest.mark.parametrize("name", DP_SP_CASES)
+def test_sft_under_dp_and_sp_equals_one_process(dp_sp_results: list[dict[str, Any]], data_files: dict[str, str],
+                                                name: str) -> None:
+    """dp=2 x sp=2: each DP group trains on its half of the packed rows (the distributed sampler's order, one batch
+    per epoch); the update is the mean of the two groups' assistant-token means, as DDP averages them."""
+    data = sft_data(data_files, "byte", mode=DP_SP_CASES[name]["mode"])
+    data.setup("fit")
+    rows = [data.train_dataset[i] for i in range(len(data.train_dataset))]
+    model = fresh_model(data.vocab_size)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses: list[list[float]] = [[], []]
+    for step in range(STEPS):
+        group_losses = [assistant_token_mean(model, [s for row in epoch_order(rows, 2, d, step) for s in split_row(row)])
+                        for d in range(2)]
+        for d, loss in enumerate(group_losses):
+            losses[d].append(loss.item())
+        torch.stack(group_losses).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    expected = {n: p.detach() for n, p in model.named_parameters()}
+    for rank, result in enumerate(dp_sp_results):
+        got = result[name]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses[rank // 2]), rtol=1e-5, atol=0)
+        error = relative_update_error(initial, expected, got["params"])
+        assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
