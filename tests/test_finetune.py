@@ -30,6 +30,7 @@ from lightning_ulysses.finetune import (
     pack_rows,
     tokenize_record,
 )
+from lightning_ulysses.finetune.packing import trained_tokens
 from lightning_ulysses.model import CausalLM, build_config
 from tests.finetune_data import chat, chat_of_tokens, preference_records, sft_records, write_jsonl
 from tests.launch import launch
@@ -443,3 +444,39 @@ def test_sft_under_dp_and_sp_equals_one_process(dp_sp_results: list[dict[str, An
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses[rank // 2]), rtol=1e-5, atol=0)
         error = relative_update_error(initial, expected, got["params"])
         assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
+
+
+@pytest.mark.parametrize("truncation", ["truncate", "drop", "refuse"])
+def test_preference_rows_hold_the_pair_labelled_on_the_completions(dpo_files: dict[str, str], truncation: str) -> None:
+    """Each row is prompt + chosen then prompt + rejected, labelled on the completions only; a sequence longer than
+    seq_len / 2 is cut (with its labels), drops its pair, or is refused."""
+    records, seq_len = preference_records(), 110
+    data = PreferenceDataModule(paths=[dpo_files["train"]], val_paths=[dpo_files["val"]], seq_len=seq_len,
+                                truncation=truncation)
+    if truncation == "refuse":
+        with pytest.raises(SampleTooLongError, match=rf"more than data.seq_len // 2 \(the chosen sequence of a pair\)={seq_len // 2}"):
+            data.setup("fit")
+        return
+    data.setup("fit")
+    tokenizer = data.tokenizer
+    expected = []
+    for record in records:
+        pair = [tokenize_record(tokenizer, {"prompt": record["prompt"], "completion": record[side]})
+                for side in ("chosen", "rejected")]
+        cut = [(ids[: seq_len // 2], labels[: seq_len // 2]) for ids, labels in pair]
+        fits = all(len(ids) <= seq_len // 2 for ids, _ in pair)
+        if (truncation == "truncate" or fits) and all(trained_tokens(labels) for _, labels in cut):
+            expected.append((record, cut))
+    got = []
+    for i in range(len(data.train_dataset)):
+        row = data.train_dataset[i]
+        got.append([(row["input_ids"][row["sequence_ids"] == s].tolist(), row["labels"][row["sequence_ids"] == s].tolist())
+                    for s in (0, 1)])
+    assert got == [cut for _, cut in expected] and 0 < len(expected) < len(records)
+    report = data.reports["training"]
+    assert report.kept + report.truncated == len(expected)
+    assert report.dropped_too_long == (0 if truncation == "truncate" else len(records) - len(expected))
+    assert report.truncated > 0 if truncation == "truncate" else report.truncated == 0
+    record, [(ids, labels), _] = expected[0]
+    prompt_text = tokenizer.apply_chat_template(record["prompt"], tokenize=False, add_generation_prompt=True)
+    assert tokenizer.decode([t for t, label in zip(ids, labels) if label == IGNORE_INDEX]) == prompt_text

@@ -72,7 +72,9 @@ def tokenize_pair(
             ids, labels = tokenize_record(tokenizer, {"prompt": record["prompt"], "completion": record[side]})
         except TemplateError as error:
             raise TemplateError(f"Record {index} ({side}): {error}") from error
-        out[f"{side}_ids"], out[f"{side}_labels"], status = fit_length(ids, labels, max_len, truncation, index)
+        out[f"{side}_ids"], out[f"{side}_labels"], status = fit_length(
+            ids, labels, max_len, truncation, index, limit=f"data.seq_len // 2 (the {side} sequence of a pair)"
+        )
         statuses.append(status)
     out["status"] = next((s for s in (TOO_LONG, NO_LABELS, TRUNCATED) if s in statuses), KEPT)
     out["length"] = len(out["chosen_ids"]) + len(out["rejected_ids"])

@@ -30,15 +30,16 @@ def trained_tokens(labels: Sequence[int]) -> int:
 
 
 def fit_length(
-    input_ids: list[int], labels: list[int], seq_len: int, truncation: Truncation, index: int
+    input_ids: list[int], labels: list[int], seq_len: int, truncation: Truncation, index: int, limit: str = "data.seq_len"
 ) -> tuple[list[int], list[int], str]:
     """``(input_ids, labels, status)`` of sample ``index`` after the policy; status is one of :data:`KEPT`,
-    :data:`TRUNCATED`, :data:`TOO_LONG`, :data:`NO_LABELS` (nothing to train on, also after a cut)."""
+    :data:`TRUNCATED`, :data:`TOO_LONG`, :data:`NO_LABELS` (nothing to train on, also after a cut). ``limit`` names
+    where ``seq_len`` comes from, for the refusal."""
     status = KEPT
     if len(input_ids) > seq_len:
         if truncation == "refuse":
             raise SampleTooLongError(
-                f"Sample {index} has {len(input_ids)} tokens, more than data.seq_len={seq_len}. Raise data.seq_len, "
+                f"Sample {index} has {len(input_ids)} tokens, more than {limit}={seq_len}. Raise data.seq_len, "
                 "or set data.truncation to 'truncate' (cut its end) or 'drop' (leave it out)."
             )
         if truncation == "drop":
