@@ -5,6 +5,7 @@ from lightning_ulysses.callbacks import SequenceParallelMonitor, SequenceParalle
 from lightning_ulysses.checkpoint import check_resumable, convert_checkpoint, export_hf_model, is_universal_checkpoint
 from lightning_ulysses.checkpoint_io import CheckpointSaveError, CorruptCheckpointError, check_integrity
 from lightning_ulysses.data import ByteTokenizer, LongTextDataModule
+from lightning_ulysses.finetune import DPO, PreferenceDataModule, SFTDataModule
 from lightning_ulysses.flops import TransformerFlops, dense_peak_flops
 from lightning_ulysses.heads import HeadLayout, plan_heads
 from lightning_ulysses.logits import TiledLogits, tiled_cross_entropy_sum
@@ -37,10 +38,13 @@ __all__ = [
     "CausalLM",
     "CheckpointSaveError",
     "CorruptCheckpointError",
+    "DPO",
     "HeadLayout",
     "LongTextDataModule",
     "MemoryOptions",
     "Perplexity",
+    "PreferenceDataModule",
+    "SFTDataModule",
     "SequenceParallelMonitor",
     "SequenceParallelParityCheck",
     "SequenceParallelTopology",

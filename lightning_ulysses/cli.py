@@ -1,4 +1,8 @@
-"""``lightning-ulysses``: the LightningCLI of :class:`CausalLM` on :class:`LongTextDataModule`.
+"""``lightning-ulysses``: the LightningCLI of :class:`CausalLM` on :class:`LongTextDataModule` by default.
+
+Any LightningModule and LightningDataModule can be named instead (``model.class_path``, ``data.class_path``, as
+``configs/sft_*.yaml`` name :class:`~lightning_ulysses.finetune.SFTDataModule`); a config that gives only the
+arguments of ``model`` or ``data`` gets the defaults' classes.
 
 Subcommands ``fit``, ``validate``, ``test`` and ``predict``; every argument of the Trainer, of
 :class:`~lightning_ulysses.UlyssesStrategy`, of the model and of the data can be set in YAML or on the
@@ -12,12 +16,11 @@ from __future__ import annotations
 
 import sys
 
+import lightning as L
 from jsonargparse import CLI
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 from lightning_ulysses.checkpoint import convert_checkpoint
-from lightning_ulysses.data import LongTextDataModule
-from lightning_ulysses.model import CausalLM
 
 
 DEFAULT_MODEL = {
@@ -28,12 +31,17 @@ DEFAULT_MODEL = {
 
 
 class UlyssesCLI(LightningCLI):
-    """LightningCLI whose model vocabulary follows the tokenizer, with Ulysses and a small Llama as defaults."""
+    """LightningCLI whose model vocabulary follows the tokenizer, with Ulysses, :class:`CausalLM` of a small Llama and
+    :class:`LongTextDataModule` as defaults."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
-        # the class, not the name "ulysses", so that --trainer.strategy.sp_size works without a config file
-        parser.set_defaults({"trainer.strategy": {"class_path": "lightning_ulysses.UlyssesStrategy"}, "model.model": DEFAULT_MODEL})
+        parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
+        # classes, not the name "ulysses", so that --trainer.strategy.sp_size works without a config file
+        parser.set_defaults({
+            "trainer.strategy": {"class_path": "lightning_ulysses.UlyssesStrategy"},
+            "model": {"class_path": "lightning_ulysses.CausalLM", "init_args": {"model": DEFAULT_MODEL}},
+            "data": {"class_path": "lightning_ulysses.LongTextDataModule"},
+        })
 
 
 CONVERT_CHECKPOINT = "convert-checkpoint"
@@ -45,7 +53,10 @@ def main(args: ArgsType = None) -> None:
     if isinstance(argv, list) and argv[:1] == [CONVERT_CHECKPOINT]:
         CLI(convert_checkpoint, args=argv[1:], prog=f"lightning-ulysses {CONVERT_CHECKPOINT}")
         return
-    UlyssesCLI(CausalLM, LongTextDataModule, args=args, auto_configure_optimizers=False)
+    UlyssesCLI(
+        L.LightningModule, L.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, args=args,
+        auto_configure_optimizers=False,
+    )
 
 
 if __name__ == "__main__":

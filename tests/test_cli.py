@@ -45,7 +45,7 @@ def test_config_parses_completely(capsys: pytest.CaptureFixture, monkeypatch: py
     strategy = config["trainer"]["strategy"]
     assert strategy["class_path"] == "lightning_ulysses.UlyssesStrategy"
     assert {"sp_size", "attn_implementation", "stage", "offload_optimizer", "timeout"} <= set(strategy["init_args"])
-    assert config["model"]["model"] and config["data"]["seq_len"] > 0
+    assert config["model"]["init_args"]["model"] and config["data"]["init_args"]["seq_len"] > 0
     # the printed config is itself a complete, valid config
     (tmp_path / "printed.yaml").write_text(printed)
     assert yaml.safe_load(print_config(capsys, monkeypatch, "--config", str(tmp_path / "printed.yaml"))) == config
@@ -55,7 +55,10 @@ def test_default_config_is_complete(capsys: pytest.CaptureFixture, monkeypatch: 
     config = yaml.safe_load(print_config(capsys, monkeypatch, "--trainer.strategy.sp_size", "4"))
     assert config["trainer"]["strategy"]["class_path"] == "lightning_ulysses.UlyssesStrategy"
     assert config["trainer"]["strategy"]["init_args"]["sp_size"] == 4
-    assert config["model"]["model"]["model_type"] == "llama" and config["data"]["paths"] == ["stdlib"]
+    assert config["model"]["class_path"] == "lightning_ulysses.CausalLM"
+    assert config["model"]["init_args"]["model"]["model_type"] == "llama"
+    assert config["data"]["class_path"] == "lightning_ulysses.LongTextDataModule"
+    assert config["data"]["init_args"]["paths"] == ["stdlib"]
 
 
 def test_strategy_arguments_from_the_command_line(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,81 @@
+"""What the fine-tuning data modules share: local record files, a tokenizer, a train/validation split, loaders."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import lightning as L
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_ulysses.data import collate_right_padded
+from lightning_ulysses.finetune.packing import Truncation
+from lightning_ulysses.finetune.records import load_records
+from lightning_ulysses.finetune.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    import datasets
+
+    from lightning_ulysses.finetune.packing import DataReport
+
+
+class RecordsDataModule(L.LightningDataModule):
+    """Reads ``paths`` (and ``val_paths``, or holds out ``val_fraction`` of the records) once per process and turns
+    each split into a Dataset with :meth:`build`. Batches are right-padded (``attention_mask``) by
+    :func:`~lightning_ulysses.data.collate_right_padded`; the strategy wraps the training loader to resume mid-epoch."""
+
+    def __init__(
+        self, paths: Sequence[str], tokenizer: str, seq_len: int, truncation: Truncation, batch_size: int,
+        val_paths: Sequence[str] | None, val_fraction: float, num_proc: int | None, num_workers: int, seed: int,
+    ) -> None:
+        super().__init__()
+        if seq_len < 2:
+            raise ValueError(f"data.seq_len must be at least 2 tokens, got {seq_len}.")
+        if truncation not in ("truncate", "drop", "refuse"):
+            raise ValueError(f"data.truncation must be 'truncate', 'drop' or 'refuse', got {truncation!r}.")
+        if not val_paths and not 0 < val_fraction < 1:
+            raise ValueError(f"data.val_fraction must be between 0 and 1 (exclusive), got {val_fraction}.")
+        self.paths, self.val_paths = list(paths), list(val_paths or [])
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.seq_len, self.truncation, self.batch_size, self.val_fraction = seq_len, truncation, batch_size, val_fraction
+        self.num_proc, self.num_workers, self.seed = num_proc, num_workers, seed
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+        self.reports: dict[str, DataReport] = {}
+        """``"training"`` / ``"validation"`` -> what became of that split's records (logged at set-up)."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to ``vocab_size - 1``; the model's embedding must be at least this large."""
+        return len(self.tokenizer)
+
+    def build(self, records: datasets.Dataset, name: str) -> Dataset:
+        """The Dataset of one split (``name``: ``"training"`` or ``"validation"``); records ``reports[name]``."""
+        raise NotImplementedError
+
+    def setup(self, stage: str) -> None:
+        if self.train_dataset is not None:
+            return
+        records = load_records(self.paths)
+        if self.val_paths:
+            train, val = records, load_records(self.val_paths)
+        else:
+            split = records.train_test_split(test_size=max(1, round(len(records) * self.val_fraction)), seed=self.seed)
+            train, val = split["train"], split["test"]
+        self.train_dataset, self.val_dataset = self.build(train, "training"), self.build(val, "validation")
+
+    def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError(f"{type(self).__name__}.setup() must run before its dataloaders are requested.")
+        return DataLoader(
+            dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
+            collate_fn=functools.partial(collate_right_padded, pad_token_id=self.tokenizer.pad_token_id or 0),
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_dataset, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_dataset, shuffle=False)

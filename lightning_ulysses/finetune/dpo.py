@@ -1,0 +1,148 @@
+"""Direct preference optimisation (DPO, Rafailov et al. 2023) under sequence parallelism, exact.
+
+For a pair with prompt ``x``, chosen ``y_c`` and rejected ``y_r``::
+
+    loss = -log sigmoid(beta * ((log pi(y_c|x) - log ref(y_c|x)) - (log pi(y_r|x) - log ref(y_r|x))))
+
+averaged over the pairs of a micro-batch. Each ``log pi(y|x)`` is a sum of token log-probabilities over the
+completion, whose tokens lie on every rank of the SP group. Each rank sums its own tokens per sequence (``[B, 2]``)
+and the sums are all-reduced over the group, so every rank holds the whole sequences' log-probabilities and the same
+loss; the gradient flows only through the rank's own sums, scaled by the strategy's ``loss_gradient_scale`` as in
+:class:`~lightning_ulysses.UlyssesLossMixin`, so DeepSpeed's average over ranks gives one process's gradient.
+
+The reference model is frozen and runs under the same strategy (patched, and partitioned under ZeRO-3) on the same
+shards, with no gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import AutoModelForCausalLM
+
+from lightning_ulysses.finetune.dpo_data import CHOSEN, REJECTED
+from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses.model import CausalLM, _local_folder, _transformers_zero3
+from lightning_ulysses.prediction import token_log_probs
+
+
+def dpo_loss(policy: Tensor, reference: Tensor, beta: float) -> tuple[Tensor, Tensor]:
+    """Per-pair loss ``[B]`` and rewards ``[B, 2]`` (``beta * (policy - reference)``, chosen then rejected) from the
+    sequence log-probabilities ``[B, 2]`` of the policy and of the reference."""
+    rewards = beta * (policy - reference)
+    return -F.logsigmoid(rewards[:, CHOSEN] - rewards[:, REJECTED]), rewards.detach()
+
+
+class DPO(CausalLM):
+    """DPO of a causal LM on :class:`~lightning_ulysses.finetune.PreferenceDataModule` batches.
+
+    Args:
+        model: the local folder of the model to train (usually the SFT result), with ``pretrained=True``; or a config
+            dict, then ``reference`` is required.
+        reference: local folder of the frozen reference model; ``None``: the same folder as ``model``.
+        beta: the DPO temperature (larger: stay closer to the reference).
+        **kwargs: the other arguments of :class:`~lightning_ulysses.CausalLM` (optimizer, schedule, ...).
+
+    Logs per step (``train_``) and per validation (``val_``): ``loss``, ``rewards_chosen`` and ``rewards_rejected``
+    (means of ``beta * (log pi - log ref)`` of the sequences), ``rewards_margin`` (their difference) and
+    ``rewards_accuracy`` (share of pairs whose chosen reward is the larger), over the pairs of every DP group.
+    """
+
+    def __init__(
+        self,
+        model: dict[str, Any] | str,
+        pretrained: bool = False,
+        reference: str | None = None,
+        beta: float = 0.1,
+        vocab_size: int | None = None,
+        learning_rate: float = 5e-7,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 10,
+        min_lr_ratio: float = 0.1,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        super().__init__(model, pretrained, vocab_size, learning_rate, weight_decay, betas, warmup_steps, min_lr_ratio,
+                         gradient_checkpointing)
+        if reference is None and not pretrained:
+            raise ValueError(
+                "DPO needs a reference model: a pretrained model.model folder (the reference is then the same folder) "
+                "or model.reference=<local model folder>."
+            )
+        self.reference: torch.nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.reference is not None:
+            return
+        super().configure_model()
+        folder = _local_folder(self.hparams.reference or self.hparams.model)
+        with _transformers_zero3(self._trainer.strategy if self._trainer is not None else None):
+            self.reference = AutoModelForCausalLM.from_pretrained(
+                folder, attn_implementation="sdpa", dtype=torch.get_default_dtype()
+            )
+        self.reference.requires_grad_(False)
+
+    def _prepared(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        if "shift_labels" not in batch:  # not under UlyssesStrategy: the reference runs the local attention too
+            apply_ulysses_attention(self.reference, group=None, sp_size=1, core="sdpa")
+        return super()._prepared(batch)
+
+    def sequence_log_probs(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        """``[B, 2]`` log-probabilities of the chosen and rejected completions, summed over the whole sequences."""
+        log_probs = token_log_probs(self._logits_of(model, batch), batch["shift_labels"])  # [B, N/sp], 0 off-label
+        local = torch.stack([(log_probs * (batch["sequence_ids"] == s)).sum(-1) for s in (CHOSEN, REJECTED)], dim=-1)
+        group, gradient_scale = self._sp_reduction()
+        if group is None:
+            return local
+        total = local.detach().clone()
+        dist.all_reduce(total, group=group)  # not autograd: each rank's gradient comes from its own tokens
+        scaled = local * gradient_scale
+        return scaled + (total - scaled).detach()
+
+    @staticmethod
+    def _logits_of(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+
+    def _step(self, batch: dict[str, Tensor], prefix: str) -> Tensor:
+        strategy = self._ulysses_strategy()
+        if strategy is not None and strategy.loss_normalization == "global":
+            raise ValueError("DPO averages pairs, not tokens: use UlyssesStrategy(loss_normalization='sp_group').")
+        batch = self._prepared(batch)
+        policy = self.sequence_log_probs(self.model, batch)
+        self.reference.eval()  # Lightning puts the whole module in train mode; the reference never trains
+        with torch.no_grad():
+            reference = self.sequence_log_probs(self.reference, batch)
+        losses, rewards = dpo_loss(policy, reference, self.hparams.beta)
+        loss = losses.mean()
+        chosen, rejected = rewards[:, CHOSEN], rewards[:, REJECTED]
+        metrics = {
+            "loss": loss, "rewards_chosen": chosen.mean(), "rewards_rejected": rejected.mean(),
+            "rewards_margin": (chosen - rejected).mean(), "rewards_accuracy": (chosen > rejected).float().mean(),
+        }
+        # every SP rank holds the same values; sync_dist averages the DP groups, as their gradients are
+        self.log_dict({f"{prefix}_{k}": v.detach() for k, v in metrics.items()}, sync_dist=True, batch_size=len(losses))
+        return loss
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._step(batch, "test")
+
+    def on_validation_epoch_end(self) -> None:
+        """The metrics are logged by the steps (``CausalLM``'s token loss is not computed)."""
+
+    def on_test_epoch_end(self) -> None:
+        """The metrics are logged by the steps."""
+
+    def teardown(self, stage: str) -> None:
+        super().teardown(stage)
+        if self.reference is not None:
+            remove_ulysses_attention(self.reference)
