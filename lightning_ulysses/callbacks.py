@@ -42,7 +42,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from lightning_ulysses import attention
+from lightning_ulysses.attention import collectives
 from lightning_ulysses.attention import gather_sequence
 from lightning_ulysses.flops import TransformerFlops, dense_peak_flops
 from lightning_ulysses.loss import token_cross_entropy
@@ -118,7 +118,7 @@ def shard_token_counts(batch: Mapping[str, Any]) -> tuple[int, int, int]:
 
 
 class AllToAllTimer:
-    """Times :func:`lightning_ulysses.attention.all_to_all` (forward and backward) while installed.
+    """Times :func:`lightning_ulysses.attention.collectives.all_to_all` (forward and backward) while installed.
 
     Each call is bracketed by device synchronisations, which serialise the step: leave this off
     unless you are measuring.
@@ -132,7 +132,7 @@ class AllToAllTimer:
     def install(self) -> None:
         if self._original is not None:
             return
-        original = self._original = attention.all_to_all
+        original = self._original = collectives.all_to_all
 
         @functools.wraps(original)
         def timed(*args: Any, **kwargs: Any) -> Tensor:
@@ -143,11 +143,11 @@ class AllToAllTimer:
             self.seconds += time.perf_counter() - start
             return out
 
-        attention.all_to_all = timed
+        collectives.all_to_all = timed
 
     def remove(self) -> None:
         if self._original is not None:
-            attention.all_to_all = self._original
+            collectives.all_to_all = self._original
             self._original = None
 
 

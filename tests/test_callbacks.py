@@ -22,9 +22,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader
 
 from lightning_ulysses import (
-    IGNORE_INDEX, SequenceParallelMonitor, SequenceParallelParityCheck, TransformerFlops, UlyssesStrategy, attention,
-    dense_peak_flops,
+    IGNORE_INDEX, SequenceParallelMonitor, SequenceParallelParityCheck, TransformerFlops, UlyssesStrategy, dense_peak_flops,
 )
+from lightning_ulysses.attention import collectives
 from lightning_ulysses.callbacks import (
     GIB, available_flops, losses_agree, peak_memory, reset_peak_memory, summarize, token_imbalance,
 )
@@ -210,13 +210,13 @@ def callbacks_worker(args: dict[str, Any]) -> dict[str, Any]:
 
     # memory: a long batch, then a short one (in this order: a peak that was never reset could not pass)
     monitor = SequenceParallelMonitor(time_all_to_all=True)
-    untimed_all_to_all = attention.all_to_all
+    untimed_all_to_all = collectives.all_to_all
     batches = [collate(make_samples(BATCH, seq_len)) for seq_len in MEMORY_SEQ_LENS]
     # one prepared batch per item: DeepSpeedStrategy requires a loader with a batch size
     batches = DataLoader(batches, batch_size=1, collate_fn=lambda one_batch: one_batch[0])
     _, _, logger = fit(batches, [monitor], use_distributed_sampler=False)
     results["memory"] = {"history": logger.history, "summary": monitor.summary,
-                         "all_to_all_restored": attention.all_to_all is untimed_all_to_all}
+                         "all_to_all_restored": collectives.all_to_all is untimed_all_to_all}
 
     monitor = SequenceParallelMonitor()
     _, _, logger = fit(MONITOR_DATA, [monitor])
