@@ -32,13 +32,9 @@ from lightning_ulysses.data import (
 )
 from lightning_ulysses.model import CausalLM, build_config
 from tests.launch import launch
-from tests.tiny import relative_update_error
+from tests.tiny import TINY_LLAMA, relative_update_error
 
 SEQ, LR, STEPS = 32, 0.5, 2
-TINY_LLAMA = dict(
-    model_type="llama", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-)
 WORDS = "the quick brown fox jumps over a lazy dog while sequence parallel ranks exchange heads".split()
 
 

@@ -34,13 +34,9 @@ from lightning_ulysses.finetune.packing import trained_tokens
 from lightning_ulysses.model import CausalLM, build_config
 from tests.finetune_data import chat, chat_of_tokens, preference_records, sft_records, write_jsonl
 from tests.launch import launch
-from tests.tiny import epoch_order, gathered_parameters, relative_update_error
+from tests.tiny import TINY_LLAMA, epoch_order, gathered_parameters, relative_update_error
 
 SEQ, LR, STEPS = 64, 0.5, 2
-TINY_LLAMA = dict(
-    model_type="llama", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-)
 
 
 @pytest.fixture(scope="module")

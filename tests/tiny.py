@@ -17,6 +17,10 @@ from lightning_ulysses.sharding import positions_within_runs
 
 VOCAB = 61
 OptimizerName = Literal["sgd", "adamw"]
+TINY_LLAMA = dict(  # CausalLM(model=...): tiny_llama's shape as a config dict (vocabulary set by the data)
+    model_type="llama", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+)
 
 
 def tiny_llama(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
