@@ -289,8 +289,13 @@ class SequenceParallelMonitor(Callback):
         self._fit = None
         if self._timer is not None:
             self._timer.install()
+        # here too: a fit resumed inside an epoch does not call on_train_epoch_start for that epoch
+        self._start_epoch()
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start_epoch()
+
+    def _start_epoch(self) -> None:
         self._epoch = None
         self._restart_clock()
 
