@@ -249,22 +249,13 @@ class LongTextDataModule(L.LightningDataModule):
         texts, skipped = read_text_files(files[: self.max_files])
         if skipped:
             _report_skipped(skipped, len(skipped) + len(texts), self.pattern)
-        num_val = max(1, round(len(texts) * self.val_fraction))
-        num_test = max(1, round(len(texts) * self.test_fraction)) if self.test_fraction else 0
-        if len(texts) < num_val + num_test + 1:
-            raise ValueError(
-                f"Need at least {num_val + num_test + 1} text files for the training, validation"
-                f"{' and test' if num_test else ''} splits, found {len(texts)} in {self.paths}. Add files, raise "
-                f"data.max_files{' or set data.test_fraction=0' if num_test else ''}."
-            )
-        kept = list(texts)
-        self.files = {"val": kept[:num_val], "test": kept[num_val : num_val + num_test], "train": kept[num_val + num_test :]}
+        self.files = split_files(list(texts), self.val_fraction, self.test_fraction)
         datasets = {name: self._dataset([texts[path] for path in split]) for name, split in self.files.items()}
         for name, dataset in datasets.items():
-            if len(dataset) == 0 and (name != "test" or num_test):
+            if len(dataset) == 0 and self.files[name]:  # no test files at all (test_fraction=0) is allowed
                 raise ValueError(
                     f"The {name} split has no full sample of seq_len={self.seq_len} tokens. Add files, raise "
-                    f"data.max_files or data.{name if name != 'train' else 'val'}_fraction, or lower data.seq_len."
+                    f"data.max_files{f' or data.{name}_fraction' if name != 'train' else ''}, or lower data.seq_len."
                 )
         self.train_dataset, self.val_dataset, self.test_dataset = datasets["train"], datasets["val"], datasets["test"]
 
@@ -304,6 +295,20 @@ class LongTextDataModule(L.LightningDataModule):
     def predict_dataloader(self) -> DataLoader:
         """The validation files, in order (``CausalLM.predict_step`` scores every next token)."""
         return self._loader(self.val_dataset, shuffle=False)
+
+
+def split_files(files: list[Path], val_fraction: float, test_fraction: float) -> dict[str, list[Path]]:
+    """``{"train", "val", "test"}`` -> disjoint parts of ``files``: the first ``val_fraction`` (at least one), the
+    next ``test_fraction`` (at least one, none for 0), the rest (at least one)."""
+    num_val = max(1, round(len(files) * val_fraction))
+    num_test = max(1, round(len(files) * test_fraction)) if test_fraction else 0
+    if len(files) < num_val + num_test + 1:
+        raise ValueError(
+            f"Need at least {num_val + num_test + 1} text files for the training, validation"
+            f"{' and test' if num_test else ''} splits, found {len(files)}. Add files, raise data.max_files"
+            f"{' or set data.test_fraction=0' if num_test else ''}."
+        )
+    return {"train": files[num_val + num_test :], "val": files[:num_val], "test": files[num_val : num_val + num_test]}
 
 
 def warn_on_empty_shards(seq_len: int, sp_size: int) -> None:
