@@ -21,8 +21,9 @@ cut into pieces of at most ``seq_len`` tokens):
 Written here rather than taken from a library: transformers' ``DataCollatorWithFlattening`` flattens each
 batch into one row of varying length, not ``[B, seq_len]`` rows (the global batch, the shards and the rows a
 checkpoint resumes at would change with the data), and ``DataCollatorWithPadding`` pads through
-``tokenizer.pad``, which does not pad ``position_ids``. The files are read once per process into memory;
-``datasets`` (memory-mapped, cached) pays off for corpora larger than memory, not for these.
+``tokenizer.pad``, which does not pad ``position_ids``. The files are read into memory once per process (as
+token rows); ``datasets`` (memory-mapped Arrow, cached) would pay off for corpora that do not fit in memory,
+which this module does not target.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 
 STDLIB = "stdlib"
 """The ``paths`` value that stands for the Python standard library's ``*.py`` files."""
-
 
 BYTE = "byte"
 """The ``tokenizer`` value that stands for :func:`byte_tokenizer`."""
