@@ -8,6 +8,7 @@ perplexity (rtol 1e-5). A factor of 2 in a gradient, or a mean of per-rank means
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import warnings
@@ -23,7 +24,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM
 
-from lightning_ulysses import IGNORE_INDEX, UlyssesStrategy, prepare_batch
+from lightning_ulysses import IGNORE_INDEX, SFTDataModule, UlyssesStrategy, prepare_batch
 from lightning_ulysses.data import (
     LongTextDataModule,
     byte_tokenizer,
@@ -164,7 +165,7 @@ def test_files_that_are_not_text_are_skipped_with_one_warning(tmp_path: Path) ->
         LongTextDataModule(paths=[str(binary)], pattern="*").setup("fit")
 
 
-def test_warns_when_sp_size_leaves_ranks_without_a_token(corpus: Path) -> None:
+def test_warns_when_sp_size_leaves_ranks_without_a_token(corpus: Path, tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match=r"seq_len=5 split over sp_size=4 ranks .* SP rank\(s\) 3 hold no token.*e\.g\. 8"):
         warn_on_empty_shards(5, 4)
     with pytest.warns(UserWarning, match=r"SP rank\(s\) 2-3 hold no token"):
@@ -177,6 +178,14 @@ def test_warns_when_sp_size_leaves_ranks_without_a_token(corpus: Path) -> None:
     data.trainer = SimpleNamespace(strategy=SimpleNamespace(sp_size=4))  # what setup reads of the Trainer
     with pytest.warns(UserWarning, match="data.seq_len=2 split over sp_size=4"):
         data.setup("fit")
+    chat = {"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]}
+    (tmp_path / "chats.jsonl").write_text("\n".join([json.dumps(chat)] * 4))
+    chats = SFTDataModule(paths=[str(tmp_path / "chats.jsonl")], seq_len=6, val_fraction=0.25)
+    chats.trainer = data.trainer
+    # warned at the start of set-up, before the records are read (here they then fail: none fits in 6 tokens)
+    with pytest.warns(UserWarning, match=r"data.seq_len=6 split over sp_size=4 .* SP rank\(s\) 3 hold no token"):
+        with pytest.raises(ValueError, match="No training sample is left"):
+            chats.setup("fit")
 
 
 def test_default_corpus_is_the_standard_library() -> None:
