@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from lightning_ulysses import ByteTokenizer, LongTextDataModule, UlyssesLossMixin, UlyssesStrategy, ulysses_attention
+from lightning_ulysses import LongTextDataModule, UlyssesLossMixin, UlyssesStrategy, ulysses_attention
 
 
 def rotate(x: Tensor, position_ids: Tensor, base: float = 10000.0) -> Tensor:
@@ -82,7 +82,7 @@ def main() -> None:
         accelerator="cpu", devices=2, strategy=UlyssesStrategy(sp_size=2, stage=2), max_steps=args.max_steps,
         limit_val_batches=0, logger=False, enable_checkpointing=False,
     )
-    trainer.fit(TinyGPT(ByteTokenizer.vocab_size), data)
+    trainer.fit(TinyGPT(data.vocab_size), data)
 
 
 if __name__ == "__main__":

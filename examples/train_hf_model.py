@@ -18,15 +18,15 @@ import torch
 from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lightning_ulysses import ByteTokenizer, LongTextDataModule, UlyssesLossMixin, UlyssesStrategy
+from lightning_ulysses import LongTextDataModule, UlyssesLossMixin, UlyssesStrategy
 
 
 class LitLlama(UlyssesLossMixin, L.LightningModule):
-    def __init__(self, learning_rate: float = 2e-3) -> None:
+    def __init__(self, vocab_size: int, learning_rate: float = 2e-3) -> None:
         super().__init__()
         self.learning_rate = learning_rate
         config = LlamaConfig(
-            vocab_size=ByteTokenizer.vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+            vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2,  # heads must split over sp_size
         )
         self.model = LlamaForCausalLM(config)
@@ -54,7 +54,7 @@ def main() -> None:
         accelerator="cpu", devices=2, strategy=UlyssesStrategy(sp_size=2, stage=2), max_steps=args.max_steps,
         limit_val_batches=0, logger=False, enable_checkpointing=False,
     )
-    trainer.fit(LitLlama(), data)
+    trainer.fit(LitLlama(data.vocab_size), data)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from lightning_ulysses.attention import ulysses_attention
 from lightning_ulysses.callbacks import SequenceParallelMonitor, SequenceParallelParityCheck
 from lightning_ulysses.checkpoint import check_resumable, convert_checkpoint, export_hf_model, is_universal_checkpoint
 from lightning_ulysses.checkpoint_io import CheckpointSaveError, CorruptCheckpointError, check_integrity
-from lightning_ulysses.data import ByteTokenizer, LongTextDataModule
+from lightning_ulysses.data import LongTextDataModule, byte_tokenizer
 from lightning_ulysses.finetune import DPO, PreferenceDataModule, SFTDataModule
 from lightning_ulysses.flops import TransformerFlops, dense_peak_flops
 from lightning_ulysses.heads import HeadLayout, plan_heads
@@ -34,7 +34,6 @@ from lightning_ulysses.topology import SequenceParallelTopology
 __all__ = [
     "ActivationOffload",
     "IGNORE_INDEX",
-    "ByteTokenizer",
     "CausalLM",
     "CheckpointSaveError",
     "CorruptCheckpointError",
@@ -57,6 +56,7 @@ __all__ = [
     "UnsupportedModelError",
     "apply_memory_options",
     "apply_ulysses_attention",
+    "byte_tokenizer",
     "check_integrity",
     "check_resumable",
     "checkpoint_activations",

@@ -25,6 +25,7 @@ an all-gather of the position ids over the SP group (the attention does one per 
 from __future__ import annotations
 
 import functools
+import io
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -39,6 +40,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from rich import box
+from rich.console import Console
+from rich.table import Table
 from torch import Tensor
 from transformers import PreTrainedModel
 
@@ -289,8 +293,13 @@ class SequenceParallelMonitor(Callback):
         self._fit = None
         if self._timer is not None:
             self._timer.install()
+        # here too: a fit resumed inside an epoch does not call on_train_epoch_start for that epoch
+        self._start_epoch()
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start_epoch()
+
+    def _start_epoch(self) -> None:
         self._epoch = None
         self._restart_clock()
 
@@ -367,15 +376,20 @@ class SequenceParallelMonitor(Callback):
 
 
 def format_summary(metrics: dict[str, float], strategy: UlyssesStrategy, steps: int) -> str:
-    """A two-column text table of a run's :func:`summarize` metrics."""
-    rows = [("world (dp x sp)", f"{strategy.dp_size} x {strategy.sp_size}"), ("optimizer steps", f"{steps}")]
+    """A run's :func:`summarize` metrics as a two-column table (rendered by ``rich``, as plain text)."""
+    table = Table(title="Sequence-parallel training summary", title_justify="left", show_header=False,
+                  box=box.HORIZONTALS)
+    table.add_column()
+    table.add_column(justify="right")
+    table.add_row("world (dp x sp)", f"{strategy.dp_size} x {strategy.sp_size}")
+    table.add_row("optimizer steps", f"{steps}")
     if skipped := strategy.nonfinite_loss.skipped_steps:
-        rows.append(("skipped (non-finite loss)", f"{len(skipped)}: steps {skipped}"))
-    rows += [(name, f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}") for name, value in metrics.items()]
-    width = max(len(name) for name, _ in rows)
-    lines = [f"{name:<{width}}  {value}" for name, value in rows]
-    rule = "-" * max(len(line) for line in lines)
-    return "\n".join(["Sequence-parallel training summary", rule, *lines, rule])
+        table.add_row("skipped (non-finite loss)", f"{len(skipped)}: steps {skipped}")
+    for name, value in metrics.items():
+        table.add_row(name, f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}")
+    console = Console(file=io.StringIO(), width=120, color_system=None)
+    console.print(table)
+    return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines())
 
 
 # ------------------------------------------------------------------------------------------------

@@ -2,8 +2,12 @@
 
 Nothing is fetched at run time. Text comes from local files or folders; with no path given, the
 Python standard library's own source files serve as the corpus (every machine has them: long,
-real documents). Tokens come from a local Hugging Face tokenizer, or from :class:`ByteTokenizer`,
-which needs no files at all.
+real documents). Files that are not UTF-8 text (binary files, other encodings) are skipped with one
+warning. Tokens come from a local Hugging Face tokenizer, or from :func:`byte_tokenizer`
+(transformers' ``ByT5Tokenizer``: UTF-8 bytes, no files, saved with an exported model).
+
+The shuffled files are split three ways, by file: ``val_fraction`` for validation, ``test_fraction`` for
+``test`` and the rest for training, so no document is in two splits.
 
 Two ways to turn documents into ``[seq_len]`` samples (documents longer than ``seq_len`` are first
 cut into pieces of at most ``seq_len`` tokens):
@@ -13,6 +17,13 @@ cut into pieces of at most ``seq_len`` tokens):
 * ``"packed"``: pieces are concatenated into full rows of ``seq_len`` tokens; ``position_ids``
   restart at 0 at every piece, so under :class:`~lightning_ulysses.UlyssesStrategy` attention
   never crosses a document border and the label across a border is ignored.
+
+Written here rather than taken from a library: transformers' ``DataCollatorWithFlattening`` flattens each
+batch into one row of varying length, not ``[B, seq_len]`` rows (the global batch, the shards and the rows a
+checkpoint resumes at would change with the data), and ``DataCollatorWithPadding`` pads through
+``tokenizer.pad``, which does not pad ``position_ids``. The files are read into memory once per process (as
+token rows); ``datasets`` (memory-mapped Arrow, cached) would pay off for corpora that do not fit in memory,
+which this module does not target.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from typing import TYPE_CHECKING, Literal
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
@@ -36,29 +48,19 @@ if TYPE_CHECKING:
 STDLIB = "stdlib"
 """The ``paths`` value that stands for the Python standard library's ``*.py`` files."""
 
+BYTE = "byte"
+"""The ``tokenizer`` value that stands for :func:`byte_tokenizer`."""
 
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: no vocabulary file, no download, every text encodable.
 
-    Ids: 0 padding, 1 beginning of document, 2 end of document, ``3 + byte`` for each byte.
+def byte_tokenizer() -> PreTrainedTokenizerBase:
+    """UTF-8 bytes as tokens: transformers' ``ByT5Tokenizer(extra_ids=0)``, 259 ids, no vocabulary file.
+
+    Ids: 0 ``<pad>``, 1 ``</s>`` (end of document), 2 ``<unk>`` (never produced), ``3 + byte`` for each byte.
+    ``save_pretrained`` writes it next to an exported model, which ``AutoTokenizer`` then loads.
     """
+    from transformers import ByT5Tokenizer
 
-    pad_token_id = 0
-    bos_token_id = 1
-    eos_token_id = 2
-    offset = 3
-    vocab_size = offset + 256
-
-    def encode(self, text: str) -> np.ndarray:
-        """``[bos, bytes..., eos]`` as an int64 array."""
-        body = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64) + self.offset
-        return np.concatenate([[self.bos_token_id], body, [self.eos_token_id]])
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return bytes(i - self.offset for i in ids if i >= self.offset).decode("utf-8", errors="replace")
-
-    def __len__(self) -> int:
-        return self.vocab_size
+    return ByT5Tokenizer(extra_ids=0)
 
 
 def find_text_files(paths: Sequence[str], pattern: str) -> list[Path]:
@@ -78,6 +80,29 @@ def find_text_files(paths: Sequence[str], pattern: str) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"No file in {list(paths)} matches {pattern!r}. Change data.paths or data.pattern.")
     return sorted(files)
+
+
+def read_text_files(files: Sequence[Path]) -> tuple[dict[Path, str], list[Path]]:
+    """The text of every file that is UTF-8 text (in the order given), and the files that are not."""
+    texts, skipped = {}, []
+    for path in files:
+        text = _decode_text(path.read_bytes())
+        if text is None:
+            skipped.append(path)
+        else:
+            texts[path] = text
+    return texts, skipped
+
+
+def _decode_text(data: bytes) -> str | None:
+    """``data`` as text, or ``None`` for binary data: bytes that are not UTF-8, or a NUL byte (valid UTF-8, but
+    no text file holds one, while most binary formats do)."""
+    if b"\0" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def split_documents(documents: list[np.ndarray], max_len: int) -> list[np.ndarray]:
@@ -151,27 +176,31 @@ class LongTextDataModule(L.LightningDataModule):
     Args:
         paths: files or folders (searched recursively for ``pattern``); ``"stdlib"`` is the Python
             standard library's source folder (the default corpus: present on every machine).
-        pattern: glob for files inside folders.
-        tokenizer: ``"byte"`` (built in, 259 ids) or the path of a local Hugging Face tokenizer.
+        pattern: glob for files inside folders. Files that are not UTF-8 text are skipped with a warning.
+        tokenizer: ``"byte"`` (:func:`byte_tokenizer`, 259 ids) or the path of a local Hugging Face tokenizer.
         seq_len: tokens per sample (before the strategy pads it to a multiple of ``sp_size`` and
             shards it: each rank holds ``seq_len / sp_size`` tokens).
         mode: ``"packed"`` (full rows of several documents) or ``"documents"`` (one per sample, padded).
         batch_size: samples per micro-batch and per data-parallel group (the SP ranks of a group share them).
         val_fraction: share of the files held out for validation (at least one file).
+        test_fraction: share of the files held out for ``test`` (at least one file; 0: no test split), disjoint
+            from the validation and training files.
         max_files: read only the first ``max_files`` files of the shuffled list (``None``: all).
         num_workers: DataLoader worker processes.
-        seed: seed of the file shuffle that decides the train/validation split.
+        seed: seed of the file shuffle that decides the splits: the first ``val_fraction`` of the shuffled files
+            validate, the next ``test_fraction`` test, the rest train.
     """
 
     def __init__(
         self,
         paths: Sequence[str] = (STDLIB,),
         pattern: str = "*.py",
-        tokenizer: str = "byte",
+        tokenizer: str = BYTE,
         seq_len: int = 2048,
         mode: Literal["packed", "documents"] = "packed",
         batch_size: int = 1,
         val_fraction: float = 0.05,
+        test_fraction: float = 0.05,
         max_files: int | None = None,
         num_workers: int = 0,
         seed: int = 0,
@@ -181,20 +210,29 @@ class LongTextDataModule(L.LightningDataModule):
             raise ValueError(f"data.seq_len must be at least 2 tokens, got {seq_len}.")
         if not 0 < val_fraction < 1:
             raise ValueError(f"data.val_fraction must be between 0 and 1 (exclusive), got {val_fraction}.")
+        if not 0 <= test_fraction < 1 or val_fraction + test_fraction >= 1:
+            raise ValueError(
+                f"data.test_fraction must be at least 0 and leave files for training (val_fraction + test_fraction "
+                f"< 1), got test_fraction={test_fraction} with val_fraction={val_fraction}."
+            )
         if mode not in ("packed", "documents"):
             raise ValueError(f"data.mode must be 'packed' or 'documents', got {mode!r}.")
         self.paths = list(paths)
         self.pattern = pattern
-        self.tokenizer = ByteTokenizer() if tokenizer == "byte" else _load_hf_tokenizer(tokenizer)
+        self.tokenizer = byte_tokenizer() if tokenizer == BYTE else _load_hf_tokenizer(tokenizer)
         self.seq_len = seq_len
         self.mode = mode
         self.batch_size = batch_size
         self.val_fraction = val_fraction
+        self.test_fraction = test_fraction
         self.max_files = max_files
         self.num_workers = num_workers
         self.seed = seed
+        self.files: dict[str, list[Path]] = {}
+        """``"train"`` / ``"val"`` / ``"test"`` -> that split's files (set by :meth:`setup`)."""
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
+        self.test_dataset: Dataset | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -202,34 +240,42 @@ class LongTextDataModule(L.LightningDataModule):
         return len(self.tokenizer)
 
     def setup(self, stage: str) -> None:
+        if self.trainer is not None:
+            warn_on_empty_shards(self.seq_len, getattr(self.trainer.strategy, "sp_size", 1))
         if self.train_dataset is not None:
             return
         files = find_text_files(self.paths, self.pattern)
         random.Random(self.seed).shuffle(files)
-        files = files[: self.max_files]
-        if len(files) < 2:
-            raise ValueError(f"Need at least 2 files for a train/validation split, found {len(files)} in {self.paths}.")
-        num_val = max(1, round(len(files) * self.val_fraction))
-        self.val_dataset = self._dataset(files[:num_val])
-        self.train_dataset = self._dataset(files[num_val:])
-        for name, dataset in (("training", self.train_dataset), ("validation", self.val_dataset)):
-            if len(dataset) == 0:
+        texts, skipped = read_text_files(files[: self.max_files])
+        if skipped:
+            _report_skipped(skipped, len(skipped) + len(texts), self.pattern)
+        self.files = split_files(list(texts), self.val_fraction, self.test_fraction)
+        datasets = {name: self._dataset([texts[path] for path in split]) for name, split in self.files.items()}
+        for name, dataset in datasets.items():
+            if len(dataset) == 0 and self.files[name]:  # no test files at all (test_fraction=0) is allowed
                 raise ValueError(
                     f"The {name} split has no full sample of seq_len={self.seq_len} tokens. Add files, raise "
-                    "data.max_files or data.val_fraction, or lower data.seq_len."
+                    f"data.max_files{f' or data.{name}_fraction' if name != 'train' else ''}, or lower data.seq_len."
                 )
+        self.train_dataset, self.val_dataset, self.test_dataset = datasets["train"], datasets["val"], datasets["test"]
 
-    def _dataset(self, files: list[Path]) -> Dataset:
-        texts = (path.read_text(encoding="utf-8", errors="replace") for path in files)
+    def _dataset(self, texts: list[str]) -> Dataset:
         pieces = split_documents([self._encode(text) for text in texts if text.strip()], self.seq_len)
         return PackedDataset(pieces, self.seq_len) if self.mode == "packed" else DocumentDataset(pieces)
 
     def _encode(self, text: str) -> np.ndarray:
-        if isinstance(self.tokenizer, ByteTokenizer):
-            return self.tokenizer.encode(text)
-        ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
-        if self.tokenizer.eos_token_id is not None:
-            ids.append(self.tokenizer.eos_token_id)
+        """The document's ids, ending in one EOS; the text's characters are never read as special tokens."""
+        from transformers import ByT5Tokenizer
+
+        if isinstance(self.tokenizer, ByT5Tokenizer):
+            # ByT5's own ids (tests/test_data.py compares them with its tokenizer's), computed at memory speed: its
+            # Python tokenizer takes about 0.5 s per MB, over a minute for the whole standard library
+            body = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64) + self.tokenizer.offset
+            return np.append(body, self.tokenizer.eos_token_id)
+        ids = self.tokenizer(text, add_special_tokens=True, split_special_tokens=True)["input_ids"]
+        eos = self.tokenizer.eos_token_id
+        if eos is not None and (not ids or ids[-1] != eos):  # some tokenizers append it themselves
+            ids.append(eos)
         return np.asarray(ids, dtype=np.int64)
 
     def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
@@ -248,12 +294,56 @@ class LongTextDataModule(L.LightningDataModule):
         return self._loader(self.val_dataset, shuffle=False)
 
     def test_dataloader(self) -> DataLoader:
-        """The held-out files (the validation split): there is no third split."""
-        return self._loader(self.val_dataset, shuffle=False)
+        """The test files: held out from training and validation."""
+        if not self.test_fraction:
+            raise ValueError("data.test_fraction=0 holds out no test files; set it above 0 (e.g. 0.05) to run test.")
+        return self._loader(self.test_dataset, shuffle=False)
 
     def predict_dataloader(self) -> DataLoader:
-        """The held-out files, in order (``CausalLM.predict_step`` scores every next token)."""
+        """The validation files, in order (``CausalLM.predict_step`` scores every next token)."""
         return self._loader(self.val_dataset, shuffle=False)
+
+
+def split_files(files: list[Path], val_fraction: float, test_fraction: float) -> dict[str, list[Path]]:
+    """``{"train", "val", "test"}`` -> disjoint parts of ``files``: the first ``val_fraction`` (at least one), the
+    next ``test_fraction`` (at least one, none for 0), the rest (at least one)."""
+    num_val = max(1, round(len(files) * val_fraction))
+    num_test = max(1, round(len(files) * test_fraction)) if test_fraction else 0
+    if len(files) < num_val + num_test + 1:
+        raise ValueError(
+            f"Need at least {num_val + num_test + 1} text files for the training, validation"
+            f"{' and test' if num_test else ''} splits, found {len(files)}. Add files, raise data.max_files"
+            f"{' or set data.test_fraction=0' if num_test else ''}."
+        )
+    return {"train": files[num_val + num_test :], "val": files[:num_val], "test": files[num_val : num_val + num_test]}
+
+
+def warn_on_empty_shards(seq_len: int, sp_size: int) -> None:
+    """Warn when a row of ``seq_len`` tokens, padded to a multiple of ``sp_size`` and split into ``sp_size``
+    shards, leaves the last ranks of the SP group without a single token. Still exact (those ranks hold only
+    padding, which no loss counts), but their compute is wasted."""
+    shard = -(-seq_len // sp_size)
+    empty = [rank for rank in range(sp_size) if rank * shard >= seq_len]
+    if empty:
+        rank_zero_warn(
+            f"data.seq_len={seq_len} split over sp_size={sp_size} ranks gives each rank {shard} position(s), so SP "
+            f"rank(s) {empty[0]}{f'-{empty[-1]}' if len(empty) > 1 else ''} hold no token of any sequence, only "
+            f"padding: exact, but their compute is wasted. Set data.seq_len to a multiple of sp_size (e.g. "
+            f"{shard * sp_size}) or lower sp_size."
+        )
+
+
+def _report_skipped(skipped: list[Path], total: int, pattern: str) -> None:
+    examples = ", ".join(str(path) for path in skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+    if len(skipped) == total:
+        raise ValueError(
+            f"None of the {total} files matched by data.pattern={pattern!r} is UTF-8 text (binary or another "
+            f"encoding), e.g. {examples}. Give text files in data.paths, or narrow data.pattern (e.g. '*.txt')."
+        )
+    rank_zero_warn(
+        f"Skipped {len(skipped)} of {total} files that are not UTF-8 text (binary or another encoding), e.g. "
+        f"{examples}. Narrow data.pattern={pattern!r} (e.g. '*.txt') to leave them out."
+    )
 
 
 def _load_hf_tokenizer(path: str) -> PreTrainedTokenizerBase:

@@ -19,6 +19,12 @@ With ``UlyssesStrategy(tiled_loss=...)`` pass the :class:`~lightning_ulysses.Til
 :meth:`~lightning_ulysses.UlyssesLossMixin.causal_lm_logits` instead of the logits: the metrics then never
 build the ``[tokens, vocab]`` logits (each metric runs ``lm_head`` over its own tiles), with the same values.
 
+torchmetrics' own ``text.Perplexity(ignore_index=-100)`` and ``MulticlassAccuracy(average="micro",
+ignore_index=-100)`` keep such sums too and are exact with whole logits (``tests/test_eval.py`` checks them
+under SP and DP against one process); use them freely there. These stay because they also take
+:class:`~lightning_ulysses.TiledLogits` (``tiled_loss``), where the ``[tokens, vocab]`` logits that torchmetrics
+needs never exist, and because the mean token loss itself has no torchmetrics counterpart.
+
 Do not pass an SP or DP ``process_group``: the sum must cover both. As with DDP, the distributed
 sampler repeats samples to even out the DP ranks when the dataset size is not a multiple of ``dp_size``.
 """

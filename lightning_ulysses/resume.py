@@ -23,6 +23,10 @@ resume on another layout with the same global batch continues at the same sample
 Wrapped: loaders batched by torch's ``BatchSampler`` (``DataLoader(dataset, batch_size=...)``, with or
 without the distributed sampler Lightning adds). Loaders with a custom batch sampler, iterable datasets and
 loaders that are resumable already (e.g. torchdata's ``StatefulDataLoader``) are left as they are.
+
+Not torchdata's ``StatefulDataLoader`` for this: its state is how far this rank's own loader got (Lightning keeps
+rank 0's), which points at the same samples only on the same DP layout and when no step was in flight; the
+epoch-wide sample offset above is what resumes exactly on another layout, and it needs no extra dependency.
 """
 
 from __future__ import annotations

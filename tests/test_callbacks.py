@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import time
 import warnings
 from typing import Any
 
@@ -181,7 +182,8 @@ class RecordingLogger(Logger):
 
 
 def _fit(data: dict[str, Any] | DataLoader, callbacks: list[L.Callback], *, devices: int, stage: int = 2,
-         loss_multiplier: float = 1.0, **trainer_kwargs: Any) -> tuple[TinyCausalLM, L.Trainer, RecordingLogger]:
+         loss_multiplier: float = 1.0, ckpt_path: str | None = None,
+         **trainer_kwargs: Any) -> tuple[TinyCausalLM, L.Trainer, RecordingLogger]:
     module = TinyCausalLM(loss_multiplier=loss_multiplier)
     logger = RecordingLogger()
     trainer = L.Trainer(
@@ -191,7 +193,7 @@ def _fit(data: dict[str, Any] | DataLoader, callbacks: list[L.Callback], *, devi
     )
     if isinstance(data, dict):
         data = DataLoader(make_samples(**data), batch_size=BATCH, collate_fn=collate)
-    trainer.fit(module, data)
+    trainer.fit(module, data, ckpt_path=ckpt_path)
     return module, trainer, logger
 
 
@@ -202,6 +204,17 @@ class WrongAttentionPlan(L.Callback):
         for module in pl_module.modules():
             if "_ulysses_plan" in module.__dict__:
                 module._ulysses_plan = LayerPlan(MaskPattern(window=2))
+
+
+class SaveAtStep(L.Callback):
+    """Saves a checkpoint at the end of optimizer step ``step`` (inside the epoch)."""
+
+    def __init__(self, path: str, step: int) -> None:
+        self.path, self.step = path, step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
 
 
 def callbacks_worker(args: dict[str, Any]) -> dict[str, Any]:
@@ -221,6 +234,14 @@ def callbacks_worker(args: dict[str, Any]) -> dict[str, Any]:
     monitor = SequenceParallelMonitor()
     _, _, logger = fit(MONITOR_DATA, [monitor])
     results["monitor"] = {"history": logger.history, "summary": monitor.summary}
+
+    # resumed inside the epoch (after 2 of its 4 batches): Lightning skips on_train_epoch_start
+    checkpoint = os.path.join(args["folder"], "mid_epoch.ckpt")
+    fit(MONITOR_DATA, [SaveAtStep(checkpoint, step=2)])
+    monitor = SequenceParallelMonitor()
+    start = time.perf_counter()
+    _, _, logger = fit(MONITOR_DATA, [monitor], ckpt_path=checkpoint)
+    results["resumed"] = {"history": logger.history, "summary": monitor.summary, "wall": time.perf_counter() - start}
 
     parity = SequenceParallelParityCheck(every_n_steps=1, rtol=1e-5)
     module, trainer, _ = fit(PARITY_DATA, [parity], stage=3, max_steps=2, accumulate_grad_batches=2)
@@ -256,8 +277,9 @@ def dp2_sp2_worker(args: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
-    return launch("tests.test_callbacks:callbacks_worker", 2, extra_env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    folder = str(tmp_path_factory.mktemp("callbacks"))
+    return launch("tests.test_callbacks:callbacks_worker", 2, {"folder": folder}, extra_env={"MALLOC_MMAP_THRESHOLD_": "65536"})
 
 
 @pytest.fixture(scope="module")
@@ -319,6 +341,18 @@ def test_monitor_epoch_totals_equal_the_data(results: list[dict[str, Any]]) -> N
     totals = [sum(c["valid"][r] for c in per_sample) for r in range(SP)]
     assert [epoch[0][f"sp/valid_tokens_sp_rank_{r}_epoch"] for r in range(SP)] == totals
     assert results[0]["monitor"]["summary"]["valid_tokens"] == sum(totals)
+
+
+def test_monitor_summary_after_a_resume_inside_the_epoch_is_that_of_its_steps(results: list[dict[str, Any]]) -> None:
+    """The first interval of a fit resumed mid-epoch starts at the fit's start, not at the clock's zero (uptime)."""
+    resumed = results[0]["resumed"]
+    logged = _step_metrics(resumed["history"])
+    assert len(logged) == 2  # the epoch's last 2 batches
+    seconds = [metrics["sp/tokens"] / metrics["sp/tokens_per_sec"] for metrics in logged]
+    assert sum(seconds) < resumed["wall"], f"logged step times {seconds} exceed the resumed fit's {resumed['wall']:.2f} s"
+    summary = resumed["summary"]
+    assert summary["tokens"] == sum(metrics["sp/tokens"] for metrics in logged)
+    assert summary["tokens"] / summary["tokens_per_sec"] == pytest.approx(sum(seconds), rel=1e-4)
 
 
 def test_monitor_flops_count_attention_once_per_sp_group(results: list[dict[str, Any]]) -> None:

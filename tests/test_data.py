@@ -8,9 +8,13 @@ perplexity (rtol 1e-5). A factor of 2 in a gradient, or a mean of per-rank means
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import sysconfig
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -21,20 +25,22 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM
 
-from lightning_ulysses import IGNORE_INDEX, UlyssesStrategy, prepare_batch
+from lightning_ulysses import IGNORE_INDEX, SFTDataModule, UlyssesStrategy, prepare_batch
 from lightning_ulysses.data import (
-    ByteTokenizer,
     LongTextDataModule,
+    byte_tokenizer,
     collate_right_padded,
     find_text_files,
     pack_documents,
     split_documents,
+    warn_on_empty_shards,
 )
 from lightning_ulysses.model import CausalLM, build_config
 from tests.launch import launch
 from tests.tiny import TINY_LLAMA, relative_update_error
 
 SEQ, LR, STEPS = 32, 0.5, 2
+BYTE_VOCAB = 259
 WORDS = "the quick brown fox jumps over a lazy dog while sequence parallel ranks exchange heads".split()
 
 
@@ -61,14 +67,21 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # ---------------------------------------------------------------------------------------------
 # single-process unit tests
 # ---------------------------------------------------------------------------------------------
-def test_byte_tokenizer_round_trip() -> None:
-    tokenizer = ByteTokenizer()
-    text = "def f(x):\n    return 'π ≈ 3.14'  # ünïcode\n"
-    ids = tokenizer.encode(text)
-    assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
-    assert ids.min() >= 0 and ids.max() < tokenizer.vocab_size == 259
-    assert len(ids) == len(text.encode()) + 2
-    assert tokenizer.decode(ids.tolist()) == text
+def test_byte_tokenizer_is_bytes_plus_3_and_saves_with_the_model(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    data = LongTextDataModule()
+    text = "def f(x):\n    return 'π ≈ 3.14'  # ünïcode </s> <pad>\n"  # special tokens' text stays bytes
+    ids = data._encode(text)
+    assert ids.tolist() == [b + 3 for b in text.encode()] + [data.tokenizer.eos_token_id]
+    assert (data.tokenizer.pad_token_id, data.tokenizer.eos_token_id, data.vocab_size) == (0, 1, BYTE_VOCAB)
+    assert data.tokenizer.decode(ids.tolist(), skip_special_tokens=True) == text
+    data.tokenizer.save_pretrained(tmp_path)  # what export writes next to the model
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    source = (Path(sysconfig.get_paths()["stdlib"]) / "os.py").read_text()
+    for document in (text, source):  # the data module's ids are those of ByT5's own tokenizer
+        assert len(loaded) == BYTE_VOCAB
+        assert data._encode(document).tolist() == loaded(document, split_special_tokens=True)["input_ids"]
 
 
 def test_split_and_pack_restart_positions_at_every_document() -> None:
@@ -91,7 +104,7 @@ def test_packed_batch_ignores_the_label_across_document_borders() -> None:
 
 
 def decode_all(dataset: Dataset) -> str:
-    return ByteTokenizer().decode([t for sample in dataset for t in sample["input_ids"].tolist()])
+    return byte_tokenizer().decode([t for sample in dataset for t in sample["input_ids"].tolist()], skip_special_tokens=True)
 
 
 def test_collate_pads_right_and_masks_padding() -> None:
@@ -101,11 +114,18 @@ def test_collate_pads_right_and_masks_padding() -> None:
 
 
 def test_data_module_splits_by_file(corpus: Path) -> None:
+    """Training, validation and test hold different files; test runs on the test files."""
     for mode in ("packed", "documents"):
         data = data_module(corpus, mode, batch_size=2)
         data.setup("fit")
-        train, val = (set(re.findall(r"<file \d+>", decode_all(dataset))) for dataset in (data.train_dataset, data.val_dataset))
-        assert len(val) == 3 and len(train | val) == 12 and not train & val
+        datasets = (data.train_dataset, data.val_dataset, data.test_dataset)
+        train, val, test = (set(re.findall(r"<file \d+>", decode_all(dataset))) for dataset in datasets)
+        assert (len(val), len(test)) == (3, 1) and len(train | val | test) == 12  # val 0.25, test 0.05: at least 1
+        assert not train & val and not train & test and not val & test
+        assert sorted(sum(data.files.values(), [])) == sorted(corpus.glob("*.txt"))
+        assert not set(data.files["test"]) & (set(data.files["train"]) | set(data.files["val"]))
+        tested = torch.cat([batch["input_ids"].flatten() for batch in data.test_dataloader()]).tolist()
+        assert set(re.findall(r"<file \d+>", byte_tokenizer().decode(tested, skip_special_tokens=True))) == test
         batch = next(iter(data.train_dataloader()))
         assert batch["input_ids"].shape[0] == 2 and batch["input_ids"].shape[1] <= SEQ
         if mode == "packed":
@@ -125,8 +145,51 @@ def test_local_hugging_face_tokenizer(corpus: Path, tmp_path: Path) -> None:
     data.setup("fit")
     assert data.vocab_size == len(vocab)
     ids = [t for sample in data.train_dataset for t in sample["input_ids"].tolist()]
-    assert ids.count(vocab["[EOS]"]) == 9  # one per training file (12 files, 3 held out)
+    assert ids.count(vocab["[EOS]"]) == 8  # one per training file (12 files, 3 validate, 1 tests)
     assert vocab["quick"] in ids and max(ids) < len(vocab)
+
+
+def test_files_that_are_not_text_are_skipped_with_one_warning(tmp_path: Path) -> None:
+    folder = write_corpus(tmp_path / "mixed", num_files=6)
+    (folder / "weights.bin").write_bytes(bytes(range(256)) * 4)
+    (folder / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(64))
+    (folder / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))  # not UTF-8
+    data = LongTextDataModule(paths=[str(folder)], pattern="*", seq_len=SEQ, val_fraction=0.2, test_fraction=0.2)
+    with pytest.warns(UserWarning, match=r"Skipped 3 of 9 files that are not UTF-8 text") as caught:
+        data.setup("fit")
+    assert len([w for w in caught if "not UTF-8" in str(w.message)]) == 1
+    assert all(name in str(caught[0].message) for name in ("weights.bin", "logo.png", "latin1.txt"))
+    assert len(sum(data.files.values(), [])) == 6
+    text = "".join(decode_all(d) for d in (data.train_dataset, data.val_dataset, data.test_dataset))
+    assert "\ufffd" not in text and text.count("<file") == 6
+    binary = tmp_path / "binary"
+    binary.mkdir()
+    (binary / "a.bin").write_bytes(bytes(10))
+    with pytest.raises(ValueError, match="None of the 1 files .* is UTF-8 text"):
+        LongTextDataModule(paths=[str(binary)], pattern="*").setup("fit")
+
+
+def test_warns_when_sp_size_leaves_ranks_without_a_token(corpus: Path, tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match=r"seq_len=5 split over sp_size=4 ranks .* SP rank\(s\) 3 hold no token.*e\.g\. 8"):
+        warn_on_empty_shards(5, 4)
+    with pytest.warns(UserWarning, match=r"SP rank\(s\) 2-3 hold no token"):
+        warn_on_empty_shards(2, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seq_len in (4, 7, 8, 1024):
+            warn_on_empty_shards(seq_len, 4)
+    data = LongTextDataModule(paths=[str(corpus)], pattern="*.txt", seq_len=2, val_fraction=0.25)
+    data.trainer = SimpleNamespace(strategy=SimpleNamespace(sp_size=4))  # what setup reads of the Trainer
+    with pytest.warns(UserWarning, match="data.seq_len=2 split over sp_size=4"):
+        data.setup("fit")
+    chat = {"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]}
+    (tmp_path / "chats.jsonl").write_text("\n".join([json.dumps(chat)] * 4))
+    chats = SFTDataModule(paths=[str(tmp_path / "chats.jsonl")], seq_len=6, val_fraction=0.25)
+    chats.trainer = data.trainer
+    # warned at the start of set-up, before the records are read (here they then fail: none fits in 6 tokens)
+    with pytest.warns(UserWarning, match=r"data.seq_len=6 split over sp_size=4 .* SP rank\(s\) 3 hold no token"):
+        with pytest.raises(ValueError, match="No training sample is left"):
+            chats.setup("fit")
 
 
 def test_default_corpus_is_the_standard_library() -> None:
@@ -141,7 +204,11 @@ def test_bad_data_paths_fail_with_what_to_change(tmp_path: Path) -> None:
         find_text_files([str(tmp_path)], "*.txt")
     with pytest.raises(FileNotFoundError, match="local tokenizer folder"):
         LongTextDataModule(tokenizer="gpt2")
-    data = data_module(write_corpus(tmp_path / "small", num_files=2), "packed", 1)
+    with pytest.raises(ValueError, match="Need at least 3 text files .* found 2"):
+        data_module(write_corpus(tmp_path / "two", num_files=2), "packed", 1).setup("fit")
+    with pytest.raises(ValueError, match="data.test_fraction must be at least 0 and leave files for training"):
+        LongTextDataModule(val_fraction=0.5, test_fraction=0.5)
+    data = data_module(write_corpus(tmp_path / "small", num_files=3), "packed", 1)
     data.seq_len = 4096
     with pytest.raises(ValueError, match="lower data.seq_len"):
         data.setup("fit")
@@ -159,7 +226,7 @@ class SGDCausalLM(CausalLM):
 
 def fresh_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(build_config(TINY_LLAMA, ByteTokenizer.vocab_size), attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_config(build_config(TINY_LLAMA, BYTE_VOCAB), attn_implementation="sdpa")
 
 
 def test_causal_lm_outside_ulysses_keeps_packed_documents_apart(corpus: Path) -> None:
@@ -168,7 +235,7 @@ def test_causal_lm_outside_ulysses_keeps_packed_documents_apart(corpus: Path) ->
     data.setup("fit")
     batch = next(iter(data.val_dataloader()))
     assert (batch["position_ids"][:, 1:] == 0).any(), "the batch should hold several documents per row"
-    module = SGDCausalLM(model=TINY_LLAMA, vocab_size=ByteTokenizer.vocab_size)
+    module = SGDCausalLM(model=TINY_LLAMA, vocab_size=BYTE_VOCAB)
     module.model = fresh_model()
     with torch.no_grad():
         loss = module.training_step(dict(batch), 0)
@@ -181,7 +248,7 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
     world_size = int(os.environ["WORLD_SIZE"])
     results = {}
     for name, case in args["cases"].items():
-        module = SGDCausalLM(model=TINY_LLAMA, vocab_size=ByteTokenizer.vocab_size)
+        module = SGDCausalLM(model=TINY_LLAMA, vocab_size=BYTE_VOCAB)
         module.model = fresh_model()
         trainer = L.Trainer(
             accelerator="cpu", devices=world_size, max_steps=STEPS, num_sanity_val_steps=0, logger=False,
@@ -230,8 +297,8 @@ def token_mean_loss(model: torch.nn.Module, samples: list[dict[str, Tensor]]) ->
     return torch.stack(sums).sum() / sum(counts)
 
 
-def reference(folder: Path, case: dict[str, Any]) -> tuple[float, dict[str, Tensor]]:
-    """One process, plain transformers: SGD on the token mean of all training rows; validation token mean."""
+def reference(folder: Path, case: dict[str, Any]) -> tuple[float, float, dict[str, Tensor]]:
+    """One process, plain transformers: SGD on the token mean of all training rows; validation and test token means."""
     data = data_module(folder, case["mode"], case["batch_size"])
     data.setup("fit")
     model = fresh_model()
@@ -243,8 +310,8 @@ def reference(folder: Path, case: dict[str, Any]) -> tuple[float, dict[str, Tens
             optimizer.zero_grad()
     # every validation sample once: the repeats that even out the DP ranks do not count
     with torch.no_grad():
-        val_loss = token_mean_loss(model, list(data.val_dataset)).item()
-    return val_loss, {n: p.detach().clone() for n, p in model.named_parameters()}
+        val_loss, test_loss = (token_mean_loss(model, list(dataset)).item() for dataset in (data.val_dataset, data.test_dataset))
+    return val_loss, test_loss, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")
@@ -255,15 +322,16 @@ def sp_results(corpus: Path) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("name", CASES)
 def test_causal_lm_under_sp_equals_one_process(sp_results: list[dict[str, Any]], corpus: Path, name: str) -> None:
     case = CASES[name]
-    expected_val_loss, expected = reference(corpus, case)
+    expected_val_loss, expected_test_loss, expected = reference(corpus, case)
     initial = {n: p.detach() for n, p in fresh_model().named_parameters()}
     for rank, result in enumerate(sp_results):
         got = result[name]
         assert got["val_loss"] == pytest.approx(expected_val_loss, rel=1e-5), f"rank {rank}"
         assert got["val_ppl"] == pytest.approx(torch.tensor(expected_val_loss).exp().item(), rel=1e-5)
-        if case.get("test"):  # the test split is the held-out split too
-            assert got["test_loss"] == pytest.approx(expected_val_loss, rel=1e-5)
-            assert got["test_ppl"] == pytest.approx(got["val_ppl"], rel=1e-6)
+        if case.get("test"):  # the test files, not the validation files
+            assert got["test_loss"] == pytest.approx(expected_test_loss, rel=1e-5)
+            assert got["test_ppl"] == pytest.approx(torch.tensor(expected_test_loss).exp().item(), rel=1e-5)
+            assert abs(expected_test_loss - expected_val_loss) > 1e-3  # different files, different losses
             check_predictions(got["predictions"], corpus, case)
         if case["fit"]:
             error = relative_update_error(initial, expected, got["params"])

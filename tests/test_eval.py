@@ -24,6 +24,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -54,13 +55,21 @@ ODD_DP2 = {
 
 
 class EvalCausalLM(TinyCausalLM):
-    """TinyCausalLM plus validation and test steps that log the exact token metrics."""
+    """TinyCausalLM plus validation and test steps that log the exact token metrics, and torchmetrics' own
+    perplexity and micro accuracy next to them where the logits are whole (their sums add up over ranks too)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.metrics = torch.nn.ModuleDict({
             stage: torch.nn.ModuleDict({"loss": TokenCrossEntropy(), "ppl": Perplexity(), "acc": TokenAccuracy()})
             for stage in ("val", "test")
+        })
+        vocab = tiny_llama().config.vocab_size
+        self.torchmetrics = torch.nn.ModuleDict({
+            stage: torch.nn.ModuleDict({
+                "ppl": torchmetrics.text.Perplexity(ignore_index=IGNORE_INDEX),
+                "acc": torchmetrics.classification.MulticlassAccuracy(vocab, average="micro", ignore_index=IGNORE_INDEX),
+            }) for stage in ("val", "test")
         })
         self.logits_kinds: set[str] = set()
 
@@ -69,6 +78,11 @@ class EvalCausalLM(TinyCausalLM):
         for name, metric in self.metrics[stage].items():
             metric.update(logits, batch["shift_labels"])
             self.log(f"{stage}_{name}", metric)
+        if isinstance(logits, Tensor):
+            self.torchmetrics[stage]["ppl"].update(logits, batch["shift_labels"])
+            self.torchmetrics[stage]["acc"].update(logits.flatten(0, 1), batch["shift_labels"].flatten())
+            for name, metric in self.torchmetrics[stage].items():
+                self.log(f"{stage}_torchmetrics_{name}", metric)
 
     def _logits(self, batch: dict[str, Tensor]) -> Logits:
         logits = self.causal_lm_logits(self.model, batch)  # TiledLogits under the strategy's tiled_loss
@@ -97,7 +111,9 @@ def _trainer(case: dict[str, Any], world_size: int, **kwargs: Any) -> L.Trainer:
 
 
 def _metrics(trainer: L.Trainer, stage: str) -> dict[str, float]:
-    return {name: trainer.callback_metrics[f"{stage}_{name}"].item() for name in ("loss", "ppl", "acc")}
+    names = ("loss", "ppl", "acc", "torchmetrics_ppl", "torchmetrics_acc")
+    return {name: trainer.callback_metrics[f"{stage}_{name}"].item() for name in names
+            if f"{stage}_{name}" in trainer.callback_metrics}
 
 
 def _indexed_loader(data: dict[str, Any]) -> DataLoader:
@@ -182,9 +198,16 @@ def reference_metrics(params: dict[str, Tensor] | None, data: dict[str, Any] = E
     return {"loss": loss, "ppl": math.exp(loss), "acc": accuracy}
 
 
-def _check(results: list[dict[str, Any]], name: str) -> None:
+def with_torchmetrics(expected: dict[str, float]) -> dict[str, float]:
+    """``expected`` plus the values torchmetrics' perplexity and accuracy must give: the same."""
+    return {**expected, "torchmetrics_ppl": expected["ppl"], "torchmetrics_acc": expected["acc"]}
+
+
+def _check(results: list[dict[str, Any]], name: str, whole_logits: bool) -> None:
     fitted = reference_metrics(results[0][name]["fitted"])
     initial = reference_metrics(None)
+    if whole_logits:
+        fitted, initial = with_torchmetrics(fitted), with_torchmetrics(initial)
     assert abs(fitted["loss"] - initial["loss"]) > 1e-3, "training did not move the eval loss; the check is too weak"
     for rank, result in enumerate(results):
         got = result[name]
@@ -220,7 +243,7 @@ def test_two_ranks_eval_equals_single_process(two_rank_results: list[dict[str, A
     kind = "TiledLogits" if TWO_RANKS[name].get("strategy", {}).get("tiled_loss") else "Tensor"
     for result in two_rank_results:  # fit + validate, test, predict
         assert result[name]["logits_kinds"] == [[kind]] * 3
-    _check(two_rank_results, name)
+    _check(two_rank_results, name, whole_logits=kind == "Tensor")
     _check_predict(two_rank_results, name, TWO_RANKS[name]["sp"])
 
 
@@ -231,13 +254,13 @@ def odd_results() -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("name", ODD_DP2)
 def test_samples_that_do_not_divide_over_dp_ranks_count_once(odd_results: list[dict[str, Any]], name: str) -> None:
-    initial = reference_metrics(None, ODD_EVAL)
+    initial = with_torchmetrics(reference_metrics(None, ODD_EVAL))
     first = next(iter(ODD_DP2))
     for rank, result in enumerate(odd_results):
         got = result[name]
         checks = [("validate", initial)]
         if name == first:
-            checks += [("in_fit", reference_metrics(result[name]["fitted"], ODD_EVAL)), ("test", initial)]
+            checks += [("in_fit", with_torchmetrics(reference_metrics(result[name]["fitted"], ODD_EVAL))), ("test", initial)]
         for where, expected in checks:
             for metric, value in expected.items():
                 assert got[where][metric] == pytest.approx(value, rel=1e-5), (

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_ulysses.data import collate_right_padded
+from lightning_ulysses.data import collate_right_padded, warn_on_empty_shards
 from lightning_ulysses.finetune.packing import Truncation
 from lightning_ulysses.finetune.records import load_records
 from lightning_ulysses.finetune.tokenizer import load_tokenizer
@@ -55,6 +55,8 @@ class RecordsDataModule(L.LightningDataModule):
         raise NotImplementedError
 
     def setup(self, stage: str) -> None:
+        if self.trainer is not None:
+            warn_on_empty_shards(self.seq_len, getattr(self.trainer.strategy, "sp_size", 1))
         if self.train_dataset is not None:
             return
         records = load_records(self.paths)

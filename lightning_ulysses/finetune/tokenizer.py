@@ -29,7 +29,12 @@ for ``return_assistant_tokens_mask``: what the model must write after ``<|im_sta
 
 def byte_chat_tokenizer() -> PreTrainedTokenizerFast:
     """UTF-8 bytes as tokens (256 ids) plus ``<|pad|>``, ``<|im_start|>`` and ``<|im_end|>`` (also EOS): 259 ids, with
-    the :data:`CHATML` template. Built in memory: nothing to download, every text encodable."""
+    the :data:`CHATML` template. Built in memory: nothing to download, every text encodable.
+
+    Not :func:`~lightning_ulysses.data.byte_tokenizer` (``ByT5Tokenizer``): the assistant-only labels need the
+    character offsets of a fast tokenizer (``return_assistant_tokens_mask``), which ByT5's Python tokenizer lacks.
+    Its ids therefore differ from ByT5's (the 256 byte symbols in byte-level BPE's alphabet order, then the three
+    special tokens); it saves with ``save_pretrained`` all the same."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
