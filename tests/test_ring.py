@@ -1,0 +1,176 @@
+"""Ulysses x Ring attention against single-process attention (forward and every gradient), on gloo.
+
+Layouts ``ring x ulysses`` = 2 x 1, 2 x 2 and 4 x 1 on 4 processes (the 2-rank SP groups twice, dp=2); the reference
+is the dense ``[N, N]``-masked attention of tests/test_attention.py. Packed documents put borders on chunk borders,
+on shard borders inside a ring rank and inside chunks; windows shorter than a chunk and spanning several.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_ulysses.attention import gather_sequence, ulysses_attention
+from lightning_ulysses.attention.collectives import RingLayout, set_ring_layout
+from lightning_ulysses.attention.documents import Documents
+from lightning_ulysses.attention import ring
+from lightning_ulysses.attention.ring import block_backward, block_forward, classify_pair, plan_ring
+from lightning_ulysses.sharding import shard_index, zigzag_order
+from lightning_ulysses.topology import SequenceParallelTopology
+from tests.test_attention import reference
+from tests.launch import launch
+
+SEQ = 32
+# rows of 32 position ids: borders at 8 and 16 (chunk borders at ring 2), at 4 and 12 (inside chunks at ring 2,
+# chunk borders at ring 4), a document across three chunks, and one-token documents
+PACKED = [
+    [*range(8), *range(8), *range(3), *range(13)],
+    [*range(4), *range(8), *range(17), 0, 0, *range(1)],
+]
+ONE_DOCUMENT = [list(range(SEQ))] * 2
+CASES: dict[str, dict[str, Any]] = {
+    "mha": dict(heads=4, kv_heads=4),
+    "gqa": dict(heads=8, kv_heads=2),
+    "mqa": dict(heads=4, kv_heads=1),
+    "heads6_kv3": dict(heads=6, kv_heads=3),
+    "positions_one_document": dict(heads=4, kv_heads=2, positions=ONE_DOCUMENT),
+    "packed": dict(heads=4, kv_heads=2, positions=PACKED),
+    "window_shorter_than_a_chunk": dict(heads=4, kv_heads=2, window=3),
+    "window_across_chunks": dict(heads=4, kv_heads=2, window=13),
+    "packed_window": dict(heads=6, kv_heads=2, positions=PACKED, window=5),
+    "chunked_packed": dict(heads=4, kv_heads=2, positions=PACKED, chunk=6),
+}
+LAYOUTS = [(2, 1), (2, 2), (4, 1)]  # (ring_size, ulysses_size)
+
+
+def _tensors(case: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, SEQ, case["heads"], 8, generator=g)
+    k = torch.randn(2, SEQ, case["kv_heads"], 8, generator=g)
+    v = torch.randn(2, SEQ, case["kv_heads"], 8, generator=g)
+    grad = torch.randn(2, SEQ, case["heads"], 8, generator=g)
+    return q, k, v, grad, torch.tensor(case["positions"]) if "positions" in case else None
+
+
+def _groups(ring_size: int, ulysses_size: int) -> tuple[dist.ProcessGroup, RingLayout]:
+    """This rank's SP group with its ring layout declared, as UlyssesStrategy builds them."""
+    topology = SequenceParallelTopology(dist.get_world_size(), ring_size * ulysses_size, dist.get_rank(), ring_size)
+    sp_group, _ = dist.new_subgroups_by_enumeration(topology.sp_group_ranks)
+    ulysses_group, _ = dist.new_subgroups_by_enumeration(topology.ulysses_group_ranks)
+    ring_group, _ = dist.new_subgroups_by_enumeration(topology.ring_group_ranks)
+    layout = RingLayout(ring_size, ulysses_group, ring_group)
+    set_ring_layout(sp_group, layout)
+    return sp_group, layout
+
+
+def ring_worker(args: dict[str, Any]) -> dict[Any, Any]:
+    dist.init_process_group("gloo")
+    results: dict[Any, Any] = {}
+    for ring_size, ulysses_size in LAYOUTS:
+        sp = ring_size * ulysses_size
+        group, _ = _groups(ring_size, ulysses_size)
+        index = shard_index(SEQ, dist.get_rank(group), sp, ring_size)
+        columns = torch.arange(SEQ).expand(2, SEQ)
+        results["gather", ring_size, ulysses_size] = torch.equal(gather_sequence(columns[:, index], group), columns)
+        for name, case in CASES.items():
+            q, k, v, grad, pos = _tensors(case)
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            expected = reference(*full, pos, window=case.get("window"), chunk=case.get("chunk"))
+            expected.backward(grad)
+            shards = [t[:, index].clone().requires_grad_() for t in (q, k, v)]
+            out = ulysses_attention(
+                *shards, group=group, attn_fn="sdpa", window=case.get("window"), chunk=case.get("chunk"),
+                position_ids=None if pos is None else pos[:, index],
+            )
+            out.backward(grad[:, index])
+            compared = [(out, expected[:, index])] + [(s.grad, f.grad[:, index]) for s, f in zip(shards, full)]
+            results[name, ring_size, ulysses_size] = max(((a - b).norm() / b.norm()).item() for a, b in compared)
+    dist.destroy_process_group()
+    return results
+
+
+@pytest.fixture(scope="module")
+def ring_results() -> list[dict[Any, Any]]:
+    return launch("tests.test_ring:ring_worker", 4, {})
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[f"ring{r}_ulysses{u}" for r, u in LAYOUTS])
+@pytest.mark.parametrize("name", CASES)
+def test_ring_attention_matches_single_process(ring_results: list[dict[Any, Any]], name: str, layout: tuple) -> None:
+    """Output and q/k/v gradients on every rank, relative error < 1e-5."""
+    for rank, results in enumerate(ring_results):
+        error = results[(name, *layout)]
+        assert error < 1e-5, f"rank {rank}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[f"ring{r}_ulysses{u}" for r, u in LAYOUTS])
+def test_gather_sequence_undoes_the_zigzag(ring_results: list[dict[Any, Any]], layout: tuple) -> None:
+    assert all(results[("gather", *layout)] for results in ring_results)
+
+
+def test_zigzag_order() -> None:
+    """Ring rank r holds chunks r and 2R-1-r; its Ulysses ranks split them, concatenated, in order."""
+    assert zigzag_order(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert zigzag_order(8, 1).tolist() == list(range(8))
+    assert shard_index(16, 1, 4, ring_size=2).tolist() == [12, 13, 14, 15]
+    assert shard_index(16, 2, 4, ring_size=2).tolist() == [4, 5, 6, 7]
+    assert sorted(torch.cat([shard_index(24, r, 6, 3) for r in range(6)]).tolist()) == list(range(24))
+
+
+def test_zigzag_balances_causal_work() -> None:
+    """One document per row: every ring rank runs the same number of chunk pairs at every step, and skips the rest."""
+    for ring_size in (2, 4, 8):
+        plans = [plan_ring(None, 1, 16 * ring_size, ring_size, r, None) for r in range(ring_size)]
+        for step in range(ring_size):
+            work = {sum(2 if p.kind == "full" else 1 for p in plan.steps[step]) for plan in plans}
+            assert work == {4}, (ring_size, step, work)  # a causal diagonal pair is half a full one
+
+
+def test_blocks_with_no_allowed_pair_are_skipped() -> None:
+    """Documents and windows decide on the host which chunk pairs run, and how."""
+    def same(answer: str):
+        return lambda x, y: answer
+
+    assert classify_pair(1, 2, 8, None, same("all")) is None  # keys after the queries
+    assert classify_pair(3, 0, 8, 10, same("all")) is None  # out of the window
+    assert classify_pair(3, 2, 8, 10, same("all")) == "masked"  # the window edge crosses the pair
+    assert classify_pair(3, 2, 8, 9, same("all")) == "masked"
+    assert classify_pair(3, 2, 8, 16, same("all")) == "full"
+    assert classify_pair(2, 1, 8, None, same("none")) is None  # a document border between them in every row
+    assert classify_pair(2, 1, 8, None, same("some")) == "masked"
+    assert classify_pair(1, 1, 8, 8, same("all")) == "causal"
+    assert classify_pair(1, 1, 8, 7, same("all")) == "masked"
+    # PACKED row 0 alone, ring 2 (chunks of 8): documents [0, 8), [8, 16), [16, 19), [19, 32)
+    documents = Documents.from_position_ids(torch.tensor(PACKED[:1]))
+    plan = plan_ring(documents, 1, SEQ, 2, 0, None)  # chunks 0 and 3
+    kinds = [{(p.query_chunk, p.key_chunk): p.kind for p in step} for step in plan.steps]
+    assert kinds[0] == {(0, 0): "causal", (3, 3): "causal"}  # (3, 0): documents in between, skipped
+    assert kinds[1] == {(3, 2): "masked"}  # (3, 1) skipped; (0, *) keys after the queries
+
+
+@pytest.mark.parametrize("kind", ["causal", "full", "masked"])
+def test_math_block_kernel_matches_the_cpu_flash_kernel(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The block kernels of devices without torch's CPU flash kernel (plain tensor ops) against that kernel:
+    output, log-sum-exp (-inf for a query that reads nothing) and the gradients, GQA."""
+    g = torch.Generator().manual_seed(0)
+    q, grad = (torch.randn(2, 6, 4, 8, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, 6, 2, 8, generator=g) for _ in range(2))
+    mask = torch.rand(2, 6, 6, generator=g) > 0.5 if kind == "masked" else None
+    if mask is not None:
+        mask[0, 2] = False  # a query that reads no key of the block
+    flash = block_forward(q, k, v, kind, mask, 0.3)
+    # the backward gets the log-sum-exp merged over all blocks, finite for every query (it reads itself somewhere)
+    merged = (flash[0], flash[1].nan_to_num(neginf=0.5))
+    flash_grads = block_backward(grad, q, k, v, *merged, kind, mask, 0.3)
+
+    monkeypatch.setattr(ring, "_fused_kernel", lambda device: False)
+    math = block_forward(q, k, v, kind, mask, 0.3)
+    math_grads = block_backward(grad, q, k, v, *merged, kind, mask, 0.3)
+    for got, expected in zip((*math, *math_grads), (*flash, *flash_grads)):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    if mask is not None:
+        assert torch.isneginf(flash[1][0, 2]).all()
