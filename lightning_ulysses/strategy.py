@@ -250,11 +250,12 @@ class UlyssesStrategy(DeepSpeedStrategy):
         if self.num_nodes > 1 and self._topology.sp_groups_span_nodes(self.num_nodes):
             spanning = next(r for r in self._topology.ulysses_group_ranks if _nodes_of(r, self.num_processes) > 1)
             ulysses = self._topology.ulysses_size
+            degree = f"sp_size={sp_size}" if ring_size == 1 else f"The Ulysses degree sp_size / ring_size = {ulysses}"
+            groups = "SP groups" if ring_size == 1 else "Ulysses groups"
             rank_zero_warn(
-                f"The Ulysses degree sp_size / ring_size = {ulysses} does not divide the {self.num_processes} processes "
-                f"per node, so Ulysses groups span nodes (ranks {spanning} are on "
-                f"{_nodes_of(spanning, self.num_processes)} nodes) and every attention layer runs its all-to-alls over "
-                "the network instead of inside a node. If that is not intended, set sp_size to one of "
+                f"{degree} does not divide the {self.num_processes} processes per node, so {groups} span nodes (ranks "
+                f"{spanning} are on {_nodes_of(spanning, self.num_processes)} nodes) and every attention layer runs its "
+                "all-to-alls over the network instead of inside a node. If that is not intended, set sp_size to one of "
                 f"{divisors(self.num_processes)} (SP inside each node, DP across nodes), or ring_size='auto' (Ulysses "
                 "inside each node, ring attention across nodes)."
             )
