@@ -250,8 +250,55 @@ def _merge(acc: tuple[Tensor, Tensor] | None, out: Tensor, lse: Tensor) -> tuple
     )
 
 
+def _attend_step(
+    queries: tuple[Tensor, Tensor], kv: list[Tensor], pairs: tuple[BlockPair, ...], plan: RingPlan, scale: float,
+    acc: list[tuple[Tensor, Tensor] | None],
+) -> None:
+    """Forward of one ring step: merge this rank's query chunks' attention to the K/V block ``kv`` into ``acc``.
+    (A function of its own, so that no view of a block outlives the step.)"""
+    keys, values = (t.chunk(2, dim=1) for t in kv)
+    for pair in pairs:
+        mask = plan.mask(pair, keys[0].device) if pair.kind == "masked" else None
+        out, lse = block_forward(queries[pair.query], keys[pair.key], values[pair.key], pair.kind, mask, scale)
+        acc[pair.query] = _merge(acc[pair.query], out, lse)
+
+
+def _gradient_step(
+    split: list[tuple[Tensor, Tensor]], kv: list[Tensor], pairs: tuple[BlockPair, ...], plan: RingPlan, scale: float,
+    grad_queries: tuple[Tensor, Tensor],
+) -> list[Tensor]:
+    """Backward of one ring step: add the query gradients into ``grad_queries``; return this rank's fp32 share of the
+    gradient of the K/V block ``kv``."""
+    grad_kv = [torch.zeros_like(t, dtype=torch.float32) for t in kv]
+    keys, values = (t.chunk(2, dim=1) for t in kv)
+    grad_keys, grad_values = (t.chunk(2, dim=1) for t in grad_kv)
+    for pair in pairs:
+        mask = plan.mask(pair, keys[0].device) if pair.kind == "masked" else None
+        g, q, o, l = (t[pair.query] for t in split)
+        dq, dk, dv = block_backward(g, q, keys[pair.key], values[pair.key], o, l, pair.kind, mask, scale)
+        grad_queries[pair.query].add_(dq)
+        grad_keys[pair.key].add_(dk)
+        grad_values[pair.key].add_(dv)
+    return grad_kv
+
+
+def _wait(requests: list[Any]) -> None:
+    for request in requests:
+        request.wait()
+
+
+def _add_into(targets: list[Tensor], sources: list[Tensor]) -> None:
+    """``targets[i] += sources[i]`` (a function, so that no loop variable keeps a source alive afterwards)."""
+    for target, source in zip(targets, sources):
+        target.add_(source)
+
+
 class _RingAttention(torch.autograd.Function):
-    """``query [B, 2c, h, D]``, ``key``/``value [B, 2c, kv_h, D]`` of this ring rank -> ``[B, 2c, h, D]``."""
+    """``query [B, 2c, h, D]``, ``key``/``value [B, 2c, kv_h, D]`` of this ring rank -> ``[B, 2c, h, D]``.
+
+    At most two K/V blocks (the one attended, the one arriving) are alive in the forward; in the backward also
+    this step's dK/dV share, the accumulator arriving and the one leaving.
+    """
 
     @staticmethod
     def forward(
@@ -261,16 +308,12 @@ class _RingAttention(torch.autograd.Function):
         acc: list[tuple[Tensor, Tensor] | None] = [None, None]
         kv = [key, value]
         for step, pairs in enumerate(plan.steps):
-            if step + 1 < plan.ring_size:
+            last = step + 1 == plan.ring_size
+            if not last:
                 incoming, requests = ring_exchange(kv, group)
-            keys, values = (t.chunk(2, dim=1) for t in kv)
-            for pair in pairs:
-                mask = plan.mask(pair, query.device) if pair.kind == "masked" else None
-                out, lse = block_forward(queries[pair.query], keys[pair.key], values[pair.key], pair.kind, mask, scale)
-                acc[pair.query] = _merge(acc[pair.query], out, lse)
-            if step + 1 < plan.ring_size:
-                for request in requests:
-                    request.wait()
+            _attend_step(queries, kv, pairs, plan, scale, acc)
+            if not last:
+                _wait(requests)
                 kv = incoming
         out = torch.cat([a[0] for a in acc], dim=1).to(query.dtype)
         lse = torch.cat([a[1] for a in acc], dim=1)
@@ -284,36 +327,23 @@ class _RingAttention(torch.autograd.Function):
         plan, group, scale = ctx.plan, ctx.group, ctx.scale
         split = [t.chunk(2, dim=1) for t in (grad.contiguous(), query, out, lse)]
         grad_query = torch.zeros_like(query, dtype=torch.float32)
-        grad_queries = grad_query.chunk(2, dim=1)
         kv = [key, value]
         travelling: tuple[list[Tensor], list[Any]] | None = None  # the dK/dV accumulator coming from the previous rank
         for step, pairs in enumerate(plan.steps):
-            if step + 1 < plan.ring_size:
+            last = step + 1 == plan.ring_size
+            if not last:
                 incoming, requests = ring_exchange(kv, group)
-            keys, values = (t.chunk(2, dim=1) for t in kv)
-            grad_kv = [torch.zeros_like(t, dtype=torch.float32) for t in kv]
-            grad_keys, grad_values = (t.chunk(2, dim=1) for t in grad_kv)
-            for pair in pairs:
-                mask = plan.mask(pair, query.device) if pair.kind == "masked" else None
-                g, q, o, l = (t[pair.query] for t in split)
-                dq, dk, dv = block_backward(g, q, keys[pair.key], values[pair.key], o, l, pair.kind, mask, scale)
-                grad_queries[pair.query].add_(dq)
-                grad_keys[pair.key].add_(dk)
-                grad_values[pair.key].add_(dv)
+            grad_kv = _gradient_step(split, kv, pairs, plan, scale, grad_query.chunk(2, dim=1))
             if travelling is not None:
-                received, waits = travelling
-                for request in waits:
-                    request.wait()
-                for mine, theirs in zip(grad_kv, received):
-                    mine.add_(theirs)
+                _wait(travelling[1])
+                _add_into(grad_kv, travelling[0])
             travelling = ring_exchange(grad_kv, group)
-            if step + 1 < plan.ring_size:
-                for request in requests:
-                    request.wait()
+            del grad_kv
+            if not last:
+                _wait(requests)
                 kv = incoming
         received, waits = travelling
-        for request in waits:
-            request.wait()
+        _wait(waits)
         grad_key, grad_value = (g.to(t.dtype) for g, t in zip(received, (key, value)))
         return grad_query.to(query.dtype), grad_key, grad_value, None, None, None
 
