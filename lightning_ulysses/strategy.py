@@ -199,7 +199,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
     def attn_implementation(self) -> str:
         """The resolved core attention backend (``"auto"`` is resolved from the device and the precision at set-up);
         a flash backend asked for fp32 is refused here; Ulysses x Ring runs SDPA)."""
-        if self.ring_size > 1:
+        if self._topology is not None and self.ring_size > 1:
             return "sdpa"
         return resolve_attn_implementation(
             self._requested_attn_implementation, self.root_device.type, compute_dtype(self.precision_plugin.precision)

@@ -12,7 +12,7 @@ from lightning_ulysses.attention.backends import CORE_ATTENTION, prepare_plans
 from lightning_ulysses.attention.collectives import RingLayout, heads_to_sequence, ring_layout, sequence_to_heads
 from lightning_ulysses.attention.core import CoreAttention
 from lightning_ulysses.attention.documents import Documents, documents_of
-from lightning_ulysses.attention.ring import ring_attention
+from lightning_ulysses.attention.ring import ring_attention, ring_plan
 from lightning_ulysses.attention.sinks import sink_attention
 from lightning_ulysses.heads import plan_heads, select_heads
 
@@ -25,10 +25,16 @@ def plan_batch(
 
     ``position_ids`` is the ``[B, N/P]`` shard tensor the layers will receive (see
     :func:`~lightning_ulysses.attention.documents.documents_of`); afterwards no layer, forward, backward or
-    recomputation, synchronises with the host.
+    recomputation, synchronises with the host. Under Ulysses x Ring the plans are the ring's chunk pairs.
     """
+    ring = ring_layout(group)
     for chunk, window in patterns:
-        prepare_plans(attn_fn, documents_of(position_ids, group, chunk), window)
+        documents = documents_of(position_ids, group, chunk)
+        if ring is None:
+            prepare_plans(attn_fn, documents, window)
+        else:
+            batch, seq_len = documents.starts.shape
+            ring_plan(documents, batch, seq_len, ring.ring_size, dist.get_rank(ring.ring_group), window)
 
 
 def ulysses_attention(
