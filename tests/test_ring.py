@@ -73,6 +73,8 @@ def ring_worker(args: dict[str, Any]) -> dict[Any, Any]:
     for ring_size, ulysses_size in LAYOUTS:
         sp = ring_size * ulysses_size
         group, _ = _groups(ring_size, ulysses_size)
+        if (ring_size, ulysses_size) == (2, 2):
+            groups_of_layout = group
         index = shard_index(SEQ, dist.get_rank(group), sp, ring_size)
         columns = torch.arange(SEQ).expand(2, SEQ)
         results["gather", ring_size, ulysses_size] = torch.equal(gather_sequence(columns[:, index], group), columns)
@@ -89,8 +91,46 @@ def ring_worker(args: dict[str, Any]) -> dict[Any, Any]:
             out.backward(grad[:, index])
             compared = [(out, expected[:, index])] + [(s.grad, f.grad[:, index]) for s, f in zip(shards, full)]
             results[name, ring_size, ulysses_size] = max(((a - b).norm() / b.norm()).item() for a, b in compared)
+    results["window_models"] = _window_models(groups_of_layout)
     dist.destroy_process_group()
     return results
+
+
+def _window_models(group: dist.ProcessGroup) -> dict[str, float]:
+    """Patched Mistral and Qwen2 (a sliding layer after a full one), window 3 under ring 2 x Ulysses 2 (chunks of 6
+    tokens), against transformers' own SDPA on the whole sequence: the logits, and the gradients summed over the SP
+    group (each rank's loss is its tokens' share)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from lightning_ulysses import apply_ulysses_attention
+
+    common = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, sliding_window=3, attn_implementation="sdpa")
+    makers = {
+        "mistral": lambda: MistralForCausalLM(MistralConfig(**common)),
+        "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True, max_window_layers=1)),
+    }
+    seq, sp = 24, dist.get_world_size(group)
+    index = shard_index(seq, dist.get_rank(group), sp, ring_size=2)
+    ids = torch.randint(1, 61, (2, seq), generator=torch.Generator().manual_seed(0))
+    errors = {}
+    for family, make in makers.items():
+        torch.manual_seed(0)
+        reference_model = make()
+        torch.manual_seed(0)
+        model = make()
+        apply_ulysses_attention(model, group, sp, "sdpa")
+        expected = reference_model(input_ids=ids).logits
+        got = model(input_ids=ids[:, index], position_ids=torch.arange(seq)[index].expand(2, -1)).logits
+        expected.square().sum().backward()
+        got.square().sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        dist.all_reduce(grads, group=group)
+        expected_grads = torch.cat([p.grad.flatten() for p in reference_model.parameters()])
+        logits = gather_sequence(got.detach(), group)
+        errors[family] = max(((logits - expected).norm() / expected.norm()).item(),
+                             ((grads - expected_grads).norm() / expected_grads.norm()).item())
+    return errors
 
 
 
@@ -106,6 +146,14 @@ def test_ring_attention_matches_single_process(ring_results: list[dict[Any, Any]
     for rank, results in enumerate(ring_results):
         error = results[(name, *layout)]
         assert error < 1e-5, f"rank {rank}: relative error {error:.2e}"
+
+
+def test_sliding_window_models_under_the_ring(ring_results: list[dict[Any, Any]]) -> None:
+    """Mistral and Qwen2 with a window (3) shorter than a ring chunk (6), ring 2 x Ulysses 2: logits and summed
+    gradients equal transformers' own SDPA on the whole sequence (relative error < 1e-5)."""
+    for rank, results in enumerate(ring_results):
+        for family, error in results["window_models"].items():
+            assert error < 1e-5, f"rank {rank}, {family}: relative error {error:.2e}"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[f"ring{r}_ulysses{u}" for r, u in LAYOUTS])

@@ -23,6 +23,7 @@ chunk pairs per step (one per query chunk), so the ranks do the same work at eve
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,6 +35,7 @@ from lightning_ulysses.attention.collectives import ring_exchange
 from lightning_ulysses.attention.documents import Documents
 
 BlockKind = Literal["causal", "full", "masked"]
+SameDocument = Callable[[int, int], Literal["all", "some", "none"]]
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class RingPlan:
 
 
 def classify_pair(
-    query_chunk: int, key_chunk: int, chunk: int, window: int | None, same_document: Any
+    query_chunk: int, key_chunk: int, chunk: int, window: int | None, same_document: SameDocument
 ) -> BlockKind | None:
     """How the pair runs (``None``: skipped). ``same_document(x, y)`` tells, on the host, whether columns ``x`` and
     ``y`` are in the same document in every row (``"all"``), in some row (``"some"``) or in none (``"none"``)."""

@@ -56,7 +56,11 @@ def ulysses_attention(
     Args:
         query: ``[B, N/P, H, D]``, this rank's tokens, all heads.
         key, value: ``[B, N/P, H_kv, D]``, ``H`` a multiple of ``H_kv``.
-        group: the sequence-parallel process group (``strategy.sp_group``); ``None`` runs locally.
+        group: the sequence-parallel process group (``strategy.sp_group``); ``None`` runs locally. When a
+            :class:`~lightning_ulysses.attention.collectives.RingLayout` is declared for it (``UlyssesStrategy(ring_size
+            > 1)`` does), Ulysses runs inside its Ulysses group and ring attention across its ring
+            (:mod:`lightning_ulysses.attention.ring`); the shards are then the zigzag ones of
+            :func:`~lightning_ulysses.sharding.shard_index`.
         attn_fn: a core backend name (``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``,
             ``"flex_attention"``) or a callable with the :class:`CoreAttention` signature.
         position_ids: ``[B, N/P]`` global position ids of this rank's tokens. They delimit packed
