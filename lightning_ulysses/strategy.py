@@ -85,8 +85,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
             groups (``world = dp x ring x ulysses``); ``1`` (default): Ulysses only. ``"auto"``: the Ulysses degree is
             the largest divisor of ``sp_size`` that fits in a node, the ring joins the nodes. Sequences are cut into
             zigzag shards (causal work balanced over the ring); batches, ``gather_sequence`` and the loss keep
-            whole-sequence order. Runs SDPA-equivalent block kernels (``attn_implementation`` ``"auto"`` or
-            ``"sdpa"``), without attention dropout or sinks.
+            whole-sequence order. Runs torch's SDPA flash kernel for CPU on each block (``attn_implementation``
+            ``"auto"`` or ``"sdpa"``), without attention dropout or sinks; CPU only for now (refused on CUDA).
         attn_implementation: core attention kernel run on the gathered sequence: ``"auto"`` (flash-attn 2
             on CUDA for fp16/bf16 when installed, else SDPA), ``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``
             or ``"flex_attention"``.
@@ -247,6 +247,12 @@ class UlyssesStrategy(DeepSpeedStrategy):
             ring_size = auto_ring_size(sp_size, self.num_processes) if self.world_size % sp_size == 0 else 1
             _check_ring_options(ring_size, sp_size, self._requested_attn_implementation, self.sequence_mixers)
         self._topology = SequenceParallelTopology(self.world_size, sp_size, self.global_rank, ring_size)
+        if ring_size > 1 and self.root_device.type != "cpu":
+            raise ValueError(
+                f"Ulysses x Ring (ring_size={ring_size}) runs on CPU only in this version: its block kernels on "
+                f"{self.root_device.type} (with the log-sum-exp forward and backward) are not implemented yet. Use "
+                "ring_size=1 (Ulysses only) on GPUs."
+            )
         if self.num_nodes > 1 and self._topology.sp_groups_span_nodes(self.num_nodes):
             spanning = next(r for r in self._topology.ulysses_group_ranks if _nodes_of(r, self.num_processes) > 1)
             ulysses = self._topology.ulysses_size

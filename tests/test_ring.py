@@ -18,7 +18,8 @@ from lightning_ulysses.attention import gather_sequence, ulysses_attention
 from lightning_ulysses.attention.collectives import RingLayout, set_ring_layout
 from lightning_ulysses.attention.documents import Documents
 from lightning_ulysses.attention import ring
-from lightning_ulysses.attention.ring import block_backward, block_forward, classify_pair, plan_ring
+from lightning_ulysses.attention.ring import classify_pair, plan_ring
+from lightning_ulysses.attention.ulysses import check_ring_supported
 from lightning_ulysses.sharding import shard_index, zigzag_order
 from lightning_ulysses.topology import SequenceParallelTopology
 from tests.test_attention import reference
@@ -232,25 +233,9 @@ def test_blocks_with_no_allowed_pair_are_skipped() -> None:
     assert kinds[1] == {(3, 2): "masked"}  # (3, 1) skipped; (0, *) keys after the queries
 
 
-@pytest.mark.parametrize("kind", ["causal", "full", "masked"])
-def test_math_block_kernel_matches_the_cpu_flash_kernel(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The block kernels of devices without torch's CPU flash kernel (plain tensor ops) against that kernel:
-    output, log-sum-exp (-inf for a query that reads nothing) and the gradients, GQA."""
-    g = torch.Generator().manual_seed(0)
-    q, grad = (torch.randn(2, 6, 4, 8, generator=g) for _ in range(2))
-    k, v = (torch.randn(2, 6, 2, 8, generator=g) for _ in range(2))
-    mask = torch.rand(2, 6, 6, generator=g) > 0.5 if kind == "masked" else None
-    if mask is not None:
-        mask[0, 2] = False  # a query that reads no key of the block
-    flash = block_forward(q, k, v, kind, mask, 0.3)
-    # the backward gets the log-sum-exp merged over all blocks, finite for every query (it reads itself somewhere)
-    merged = (flash[0], flash[1].nan_to_num(neginf=0.5))
-    flash_grads = block_backward(grad, q, k, v, *merged, kind, mask, 0.3)
-
-    monkeypatch.setattr(ring, "_fused_kernel", lambda device: False)
-    math = block_forward(q, k, v, kind, mask, 0.3)
-    math_grads = block_backward(grad, q, k, v, *merged, kind, mask, 0.3)
-    for got, expected in zip((*math, *math_grads), (*flash, *flash_grads)):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    if mask is not None:
-        assert torch.isneginf(flash[1][0, 2]).all()
+def test_what_the_ring_does_not_run_is_refused() -> None:
+    """Devices other than the CPU, other core backends, dropout and sinks: refused, naming each and what to do."""
+    check_ring_supported("sdpa", 0.0, None, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"does not support cuda tensors .* or the attention backend 'flex_attention'"
+                                         r" .* or attention dropout \(dropout_p=0.1\) or attention sinks. Use ring_size=1"):
+        check_ring_supported("flex_attention", 0.1, torch.zeros(4), torch.device("cuda"))

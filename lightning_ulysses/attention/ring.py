@@ -144,32 +144,25 @@ def ring_plan(
 
 
 # ----------------------------------------------------------------------------------------------
-# one block: [b, n, h, D] queries against [b, m, kv_h, D] keys, forward with the log-sum-exp, and the backward
+# one block: [b, n, h, D] queries against [b, m, kv_h, D] keys, forward with the log-sum-exp, and the backward.
+# CPU only for now: a CUDA version needs kernels that return the log-sum-exp and take it back in their backward
+# (flash-attn's, torch's flash / memory-efficient ones, flex with return_lse); Ulysses x Ring is refused there.
 # ----------------------------------------------------------------------------------------------
 def _bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """``[b, n, m]`` bool -> ``[b, 1, n, m]`` additive mask (0 / -inf) for the kernels' ``[b, h, n, m]`` scores."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))[:, None]
 
 
-def _fused_kernel(device: torch.device) -> bool:
-    """Whether torch's flash kernel for CPU (forward with the log-sum-exp, and its backward) runs the blocks;
-    elsewhere they run in plain tensor ops (``[b, h, n, m]`` fp32 scores of one block)."""
-    return device.type == "cpu"
-
-
 def block_forward(
     query: Tensor, key: Tensor, value: Tensor, kind: BlockKind, mask: Tensor | None, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """Attention of one block: ``[b, n, h, D]`` output and ``[b, n, h]`` fp32 log-sum-exp (``-inf`` for a query
-    that reads no key of the block)."""
+    """Attention of one block with torch's flash kernel for CPU: ``[b, n, h, D]`` output and ``[b, n, h]`` fp32
+    log-sum-exp (``-inf`` for a query that reads no key of the block). GQA runs fused."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, h, n, D]
     bias = None if mask is None else _bias(mask, query.dtype)
-    if _fused_kernel(query.device):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, kind == "causal", attn_mask=bias, scale=scale
-        )
-    else:
-        out, lse = _math_forward(q, k, v, kind, bias, scale)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, kind == "causal", attn_mask=bias, scale=scale
+    )
     lse = lse.float()
     if mask is not None:  # the kernel gives a query that reads nothing a log-sum-exp of 0
         lse = lse.masked_fill(~mask.any(-1)[:, None], float("-inf"))
@@ -186,55 +179,10 @@ def block_backward(
     g, q, k, v, o = (t.transpose(1, 2) for t in (grad, query, key, value, out))
     lse = lse.transpose(1, 2).contiguous()
     bias = None if mask is None else _bias(mask, query.dtype)
-    if _fused_kernel(query.device):
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            g, q, k, v, o, lse, 0.0, kind == "causal", attn_mask=bias, scale=scale
-        )
-    else:
-        grads = _math_backward(g, q, k, v, o, lse, kind, bias, scale)
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g, q, k, v, o, lse, 0.0, kind == "causal", attn_mask=bias, scale=scale
+    )
     return tuple(t.transpose(1, 2) for t in grads)
-
-
-def _scores(q: Tensor, k: Tensor, kind: BlockKind, bias: Tensor | None, scale: float) -> Tensor:
-    """``[b, h, n, m]`` fp32 scaled, masked scores (GQA: each K/V head serves ``h / kv_h`` query heads)."""
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    scores = torch.einsum("bhnd,bhmd->bhnm", q.float(), k.float()) * scale
-    if kind == "causal":
-        n, m = scores.shape[-2:]
-        scores = scores.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return scores if bias is None else scores + bias
-
-
-def _math_forward(
-    q: Tensor, k: Tensor, v: Tensor, kind: BlockKind, bias: Tensor | None, scale: float
-) -> tuple[Tensor, Tensor]:
-    """The block in plain tensor ops (devices without a CPU flash kernel): ``[b, h, n, m]`` scores of one block."""
-    scores = _scores(q, k, kind, bias, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None].clamp(min=torch.finfo(torch.float32).min)).nan_to_num(0.0)
-    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    return torch.einsum("bhnm,bhmd->bhnd", probs, v.float()).to(q.dtype), lse
-
-
-def _math_backward(
-    g: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, kind: BlockKind, bias: Tensor | None,
-    scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    group = q.shape[1] // k.shape[1]
-    # this block's share of the softmax (0 for a query that reads nothing: -inf - -inf)
-    probs = torch.exp(_scores(q, k, kind, bias, scale) - lse[..., None]).nan_to_num(0.0)
-    g, o = g.float(), o.float()
-    v_rep = v.repeat_interleave(group, dim=1).float()
-    grad_v = torch.einsum("bhnm,bhnd->bhmd", probs, g)
-    grad_probs = torch.einsum("bhnd,bhmd->bhnm", g, v_rep)
-    grad_scores = probs * (grad_probs - (g * o).sum(-1, keepdim=True)) * scale
-    grad_q = torch.einsum("bhnm,bhmd->bhnd", grad_scores, k.repeat_interleave(group, dim=1).float())
-    grad_k = torch.einsum("bhnm,bhnd->bhmd", grad_scores, q.float())
-
-    def per_kv_head(t: Tensor) -> Tensor:
-        return t.unflatten(1, (-1, group)).sum(2)
-
-    return grad_q.to(q.dtype), per_kv_head(grad_k).to(k.dtype), per_kv_head(grad_v).to(v.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
