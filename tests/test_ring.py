@@ -233,6 +233,26 @@ def test_blocks_with_no_allowed_pair_are_skipped() -> None:
     assert kinds[1] == {(3, 2): "masked"}  # (3, 1) skipped; (0, *) keys after the queries
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["gqa", "packed_window"])
+def test_a_ring_of_one_matches_dense_attention(name: str, dtype: torch.dtype) -> None:
+    """One process, ring size 1 (its two chunks, three pairs: causal, causal, full or masked), fp32 and bf16: the
+    block kernels, the merge and the backward against the dense reference."""
+    case = CASES[name]
+    q, k, v, grad, pos = _tensors(case)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = reference(*full, pos, window=case.get("window"))
+    expected.backward(grad)
+    low = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    documents = None if pos is None else Documents.from_position_ids(pos)
+    out = ring.ring_attention(*low, documents, None, 1, 0, window=case.get("window"))
+    out.backward(grad.to(dtype))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, want in [(out, expected)] + [(t.grad, f.grad) for t, f in zip(low, full)]:
+        assert got.dtype == dtype
+        assert ((got.float() - want).norm() / want.norm()).item() < tolerance
+
+
 def test_what_the_ring_does_not_run_is_refused() -> None:
     """Devices other than the CPU, other core backends, dropout and sinks: refused, naming each and what to do."""
     check_ring_supported("sdpa", 0.0, None, torch.device("cpu"))

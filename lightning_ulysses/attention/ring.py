@@ -287,7 +287,8 @@ class _RingAttention(torch.autograd.Function):
             if travelling is not None:
                 _wait(travelling[1])
                 _add_into(grad_kv, travelling[0])
-            travelling = ring_exchange(grad_kv, group)
+            # on to the next rank; after the last step it goes home (a ring of one keeps it)
+            travelling = ring_exchange(grad_kv, group) if plan.ring_size > 1 else (grad_kv, [])
             del grad_kv
             if not last:
                 _wait(requests)
