@@ -145,6 +145,10 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
             for ring, r in results.items()}
 
 
+def _ratio(value: float, base: float) -> str:
+    return f"{value / base:.2f}" if base else "n/a"  # a step too small to raise the RSS high-water mark
+
+
 def main(argv: list[str] | None = None) -> dict[int, dict[str, Any]]:
     """Run, print the table; return per ring size the measured and the expected bytes of every rank."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -182,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, Any]]:
         print(f"| {ring} x {args.sp // ring} | {kv_slots} ({kv_slots / args.kv_heads:.0f}x) | "
               f"{mib['all_to_all']} | {mib['ring']} | {mib['forward_to_other_ranks']} | {mib['to_other_ranks']} | "
               f"{mib['across_nodes']} | {'yes' if measured == expected else f'NO: {expected}'} | "
-              f"{results[0][ring]['time'] / base['time']:.2f} | {results[0][ring]['peak'] / base['peak']:.2f} |")
+              f"{_ratio(results[0][ring]['time'], base['time'])} | {_ratio(results[0][ring]['peak'], base['peak'])} |")
     print(f"\nUlysses-only: {base['time'] * 1e3:.1f} ms, peak {base['peak'] / 2**20:.1f} MiB (median of "
           f"{args.repeats}, slowest / largest rank).")
     return table

@@ -93,8 +93,21 @@ def ring_worker(args: dict[str, Any]) -> dict[Any, Any]:
             compared = [(out, expected[:, index])] + [(s.grad, f.grad[:, index]) for s, f in zip(shards, full)]
             results[name, ring_size, ulysses_size] = max(((a - b).norm() / b.norm()).item() for a, b in compared)
     results["window_models"] = _window_models(groups_of_layout)
+    results["dropout_refusal"] = _dropout_refusal(groups_of_layout)
     dist.destroy_process_group()
     return results
+
+
+def _dropout_refusal(group: dist.ProcessGroup) -> str:
+    """A Llama with attention dropout, patched under ring 2 x Ulysses 2: the set-up check's refusal."""
+    from lightning_ulysses import UnsupportedModelError, apply_ulysses_attention
+    from tests.tiny import tiny_llama
+
+    try:
+        apply_ulysses_attention(tiny_llama(attention_dropout=0.1), group, dist.get_world_size(group), "sdpa")
+    except UnsupportedModelError as error:
+        return str(error)
+    return "not refused"
 
 
 def _window_models(group: dist.ProcessGroup) -> dict[str, float]:
@@ -155,6 +168,12 @@ def test_sliding_window_models_under_the_ring(ring_results: list[dict[Any, Any]]
     for rank, results in enumerate(ring_results):
         for family, error in results["window_models"].items():
             assert error < 1e-5, f"rank {rank}, {family}: relative error {error:.2e}"
+
+
+def test_attention_dropout_is_refused_at_set_up_under_the_ring(ring_results: list[dict[Any, Any]]) -> None:
+    for results in ring_results:
+        message = results["dropout_refusal"]
+        assert "model.layers.0.self_attn" in message and "uses attention dropout, which Ulysses x Ring" in message, message
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[f"ring{r}_ulysses{u}" for r, u in LAYOUTS])
