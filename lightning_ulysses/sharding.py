@@ -28,6 +28,7 @@ batch is prepared in whole-sequence order and only :func:`shard_batch` (and its 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -86,9 +87,9 @@ def _classify(batch: Mapping[str, Any], batch_size: int, seq_len: int) -> list[s
 
 
 def shard_multiple(sp_size: int, ring_size: int = 1) -> int:
-    """The sequence length must be a multiple of this: ``sp_size`` shards, each ring rank's two zigzag chunks split
-    evenly over its Ulysses group."""
-    return sp_size if ring_size == 1 else 2 * sp_size
+    """The sequence length must be a multiple of this: ``sp_size`` shards, and with a ring ``2 * ring_size`` equal
+    chunks whose pairs split evenly over a Ulysses group: ``ring_size * lcm(2, sp_size / ring_size)``."""
+    return sp_size if ring_size == 1 else ring_size * math.lcm(2, sp_size // ring_size)
 
 
 def zigzag_order(seq_len: int, ring_size: int, device: torch.device | None = None) -> Tensor:
@@ -113,7 +114,7 @@ def prepare_batch(batch: Mapping[str, Any], sp_size: int, ring_size: int = 1) ->
     """Pad, position and label a whole-sequence batch so that it can be split into ``sp_size`` shards.
 
     Returns a new dict with every per-token tensor padded to ``[B, N']`` (``N'`` a multiple of
-    :func:`shard_multiple`: ``sp_size``, or ``2 * sp_size`` with a ring), ``position_ids`` and ``shift_labels`` added and ``labels`` removed (a model that
+    :func:`shard_multiple`: ``sp_size``, or ``2 * sp_size`` with a ring of Ulysses groups of odd size), ``position_ids`` and ``shift_labels`` added and ``labels`` removed (a model that
     shifts ``labels`` itself would drop the label at every shard border). Without ``labels`` the
     next-token targets are the ``input_ids``.
     """

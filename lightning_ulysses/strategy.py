@@ -198,7 +198,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
     @property
     def attn_implementation(self) -> str:
         """The resolved core attention backend (``"auto"`` is resolved from the device and the precision at set-up);
-        a flash backend asked for fp32 is refused here; Ulysses x Ring runs SDPA)."""
+        a flash backend asked for fp32 is refused here; Ulysses x Ring runs SDPA."""
         if self._topology is not None and self.ring_size > 1:
             return "sdpa"
         return resolve_attn_implementation(

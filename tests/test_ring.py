@@ -20,7 +20,7 @@ from lightning_ulysses.attention.documents import Documents
 from lightning_ulysses.attention import ring
 from lightning_ulysses.attention.ring import classify_pair, plan_ring
 from lightning_ulysses.attention.ulysses import check_ring_supported
-from lightning_ulysses.sharding import shard_index, zigzag_order
+from lightning_ulysses.sharding import shard_index, shard_multiple, zigzag_order
 from lightning_ulysses.topology import SequenceParallelTopology
 from tests.test_attention import reference
 from tests.launch import launch
@@ -210,6 +210,12 @@ def test_ring_step_memory_does_not_grow_with_the_ring_size(monkeypatch: pytest.M
     block = 2 * 2048 * 4 * 32 * 4  # one K/V block, fp32
     assert peaks[3] == peaks[4] == peaks[8] == peaks[16], peaks
     assert peaks[2] < peaks[3] <= peaks[2] + block, peaks
+
+
+def test_shard_multiple() -> None:
+    """Two equal chunks per ring rank, their concatenation split evenly over its Ulysses group; no more padding."""
+    assert [shard_multiple(sp, ring) for sp, ring in [(4, 1), (2, 2), (4, 2), (6, 2), (8, 4), (16, 2)]] == [
+        4, 4, 4, 12, 8, 16]
 
 
 def test_zigzag_order() -> None:
