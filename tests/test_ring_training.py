@@ -1,8 +1,8 @@
 """Training with Ulysses x Ring equals one process on whole sequences (loss of every micro-batch and the update).
 
 Four processes: dp 2 x ring 2 x Ulysses 1 and ring 2 x Ulysses 2, under ZeRO 1, 2 and 3, with packed documents
-whose borders fall on ring-block borders, on Ulysses-shard borders and inside chunks, and a length that needs
-padding. The reference is plain transformers in one process (tests/tiny.py), as in tests/test_equivalence.py.
+whose borders fall on ring-block borders, on Ulysses-shard borders and inside chunks, a length that needs
+padding, and activation checkpointing with tiled MLPs. The reference is plain transformers in one process (tests/tiny.py), as in tests/test_equivalence.py.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ CASES: dict[str, dict[str, Any]] = {
     "ring2_ulysses2_zero3": dict(sp=4, stage=3),
     "ring2_ulysses2_zero2_packed": dict(sp=4, stage=2, packed=(12, 3)),
     "ring2_ulysses2_zero1_mqa_padded": dict(sp=4, stage=1, model=dict(num_key_value_heads=1), seq_len=SEQ - 5),
+    # the ring's point-to-point exchanges again in the recomputation of checkpointed layers
+    "ring2_ulysses2_zero2_checkpointed_tiled_mlp": dict(
+        sp=4, stage=2, packed=(12, 3), strategy=dict(activation_checkpointing=True, tiled_mlp=True)
+    ),
 }
 
 
@@ -98,7 +102,9 @@ def _fit(case: dict[str, Any], devices: int) -> dict[str, Any]:
     import deepspeed
 
     module = TinyCausalLM(lr=LR, **case.get("model", {}))
-    strategy = UlyssesStrategy(sp_size=case["sp"], ring_size=2, stage=case["stage"], attn_implementation="sdpa")
+    strategy = UlyssesStrategy(
+        sp_size=case["sp"], ring_size=2, stage=case["stage"], attn_implementation="sdpa", **case.get("strategy", {})
+    )
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
