@@ -17,10 +17,18 @@ therefore expressed by position ids that restart at 0, exactly as Hugging Face's
 collators do; the label that would predict the first token of the next document is ignored.
 
 ``shard_batch`` then slices every per-token tensor to one rank's ``[B, N / sp_size]`` shard.
+
+Ulysses x Ring (``ring_size > 1``, see :mod:`lightning_ulysses.attention.ring`): the sequence is cut into
+``2 * ring_size`` chunks and ring rank ``r`` holds chunks ``r`` and ``2 * ring_size - 1 - r`` (zigzag), so that
+every ring rank does the same causal attention work; its Ulysses group splits those two chunks, concatenated, into
+``sp_size / ring_size`` contiguous shards. :func:`shard_index` names the whole-sequence columns of each shard; the
+batch is prepared in whole-sequence order and only :func:`shard_batch` (and its inverse,
+:func:`~lightning_ulysses.gather_sequence`) knows the zigzag.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,11 +86,35 @@ def _classify(batch: Mapping[str, Any], batch_size: int, seq_len: int) -> list[s
     return per_token
 
 
-def prepare_batch(batch: Mapping[str, Any], sp_size: int) -> dict[str, Any]:
+def shard_multiple(sp_size: int, ring_size: int = 1) -> int:
+    """The sequence length must be a multiple of this: ``sp_size`` shards, and with a ring ``2 * ring_size`` equal
+    chunks whose pairs split evenly over a Ulysses group: ``ring_size * lcm(2, sp_size / ring_size)``."""
+    return sp_size if ring_size == 1 else ring_size * math.lcm(2, sp_size // ring_size)
+
+
+def zigzag_order(seq_len: int, ring_size: int, device: torch.device | None = None) -> Tensor:
+    """``[N]`` long: the whole-sequence columns in shard order, ring rank ``r`` holding chunks ``r`` and
+    ``2 * ring_size - 1 - r`` of ``2 * ring_size`` (the identity for ``ring_size=1``)."""
+    columns = torch.arange(seq_len, device=device)
+    if ring_size == 1:
+        return columns
+    if seq_len % (2 * ring_size):
+        raise ValueError(f"Sequence length {seq_len} is not a multiple of 2 * ring_size={2 * ring_size}.")
+    chunks = columns.view(2 * ring_size, -1)
+    return torch.stack([chunks[:ring_size], chunks[ring_size:].flip(0)], dim=1).flatten()
+
+
+def shard_index(seq_len: int, sp_rank: int, sp_size: int, ring_size: int = 1) -> Tensor:
+    """``[N / sp_size]`` long: the whole-sequence columns of SP rank ``sp_rank``'s shard, in shard order."""
+    local = seq_len // sp_size
+    return zigzag_order(seq_len, ring_size)[sp_rank * local : (sp_rank + 1) * local]
+
+
+def prepare_batch(batch: Mapping[str, Any], sp_size: int, ring_size: int = 1) -> dict[str, Any]:
     """Pad, position and label a whole-sequence batch so that it can be split into ``sp_size`` shards.
 
     Returns a new dict with every per-token tensor padded to ``[B, N']`` (``N'`` a multiple of
-    ``sp_size``), ``position_ids`` and ``shift_labels`` added and ``labels`` removed (a model that
+    :func:`shard_multiple`: ``sp_size``, or ``2 * sp_size`` with a ring of Ulysses groups of odd size), ``position_ids`` and ``shift_labels`` added and ``labels`` removed (a model that
     shifts ``labels`` itself would drop the label at every shard border). Without ``labels`` the
     next-token targets are the ``input_ids``.
     """
@@ -97,7 +129,7 @@ def prepare_batch(batch: Mapping[str, Any], sp_size: int) -> dict[str, Any]:
         raise ValueError(f"The batch needs 'input_ids' as a [batch, seq] tensor; got {shape}.")
     batch_size, seq_len = input_ids.shape
     per_token = _classify(batch, batch_size, seq_len)
-    pad = padded_length(seq_len, sp_size) - seq_len
+    pad = padded_length(seq_len, shard_multiple(sp_size, ring_size)) - seq_len
 
     out = {key: value for key, value in batch.items() if key not in per_token}
     fill = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 0}
@@ -158,17 +190,25 @@ def _shift_labels(labels: Tensor, position_ids: Tensor, real: Tensor | None) -> 
     return shifted
 
 
-def shard_batch(batch: Mapping[str, Any], sp_rank: int, sp_size: int) -> dict[str, Any]:
+def shard_batch(batch: Mapping[str, Any], sp_rank: int, sp_size: int, ring_size: int = 1) -> dict[str, Any]:
     """Slice every per-token tensor of a prepared batch to this rank's ``[B, N / sp_size]`` shard.
 
-    Rank ``r`` keeps columns ``[r * N/sp, (r + 1) * N/sp)``; other entries are passed through.
+    Without a ring, rank ``r`` keeps columns ``[r * N/sp, (r + 1) * N/sp)``; with one, the columns of
+    :func:`shard_index` (two zigzag pieces). Other entries are passed through.
     """
     seq_len = batch["input_ids"].shape[1]
-    if seq_len % sp_size:
-        raise ValueError(f"Sequence length {seq_len} is not a multiple of sp_size={sp_size}; call prepare_batch first.")
+    multiple = shard_multiple(sp_size, ring_size)
+    if seq_len % multiple:
+        raise ValueError(
+            f"Sequence length {seq_len} is not a multiple of {multiple} (sp_size={sp_size}, ring_size={ring_size}); "
+            "call prepare_batch first."
+        )
     per_token = set(_classify(batch, batch["input_ids"].shape[0], seq_len))
     local = seq_len // sp_size
-    return {
-        key: value[:, sp_rank * local : (sp_rank + 1) * local] if key in per_token else value
-        for key, value in batch.items()
-    }
+    if ring_size == 1:
+        return {
+            key: value[:, sp_rank * local : (sp_rank + 1) * local] if key in per_token else value
+            for key, value in batch.items()
+        }
+    index = shard_index(seq_len, sp_rank, sp_size, ring_size).to(batch["input_ids"].device)
+    return {key: value.index_select(1, index) if key in per_token else value for key, value in batch.items()}

@@ -53,6 +53,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ulysses.attention import gather_sequence, resolve_attn_implementation
+from lightning_ulysses.attention.collectives import RingLayout, set_ring_layout
 from lightning_ulysses.checkpoint import (
     UNIVERSAL_LATEST, check_resumable, is_universal_checkpoint, load_untrained_state, repair_zero3_universal_load,
 )
@@ -67,7 +68,7 @@ from lightning_ulysses.resume import (
     ResumableLoader, check_accumulation_windows, is_resumable, rewind_to_step_boundary,
 )
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
-from lightning_ulysses.topology import SequenceParallelTopology, divisors
+from lightning_ulysses.topology import SequenceParallelTopology, auto_ring_size, divisors
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,13 @@ class UlyssesStrategy(DeepSpeedStrategy):
         sp_size: ranks that share one sequence (each holds ``1 / sp_size`` of its tokens). The world
             size (devices x num_nodes) must be a multiple; ``dp_size = world_size / sp_size``.
             ``"auto"``: all processes of a node (SP inside each node, DP across nodes).
+        ring_size: Ulysses x Ring (:mod:`lightning_ulysses.attention.ring`): each SP group runs Ulysses over
+            ``sp_size / ring_size`` consecutive ranks (inside a node) and ring attention across ``ring_size`` such
+            groups (``world = dp x ring x ulysses``); ``1`` (default): Ulysses only. ``"auto"``: the Ulysses degree is
+            the largest divisor of ``sp_size`` that fits in a node, the ring joins the nodes. Sequences are cut into
+            zigzag shards (causal work balanced over the ring); batches, ``gather_sequence`` and the loss keep
+            whole-sequence order. Runs torch's SDPA flash kernel for CPU on each block (``attn_implementation``
+            ``"auto"`` or ``"sdpa"``), without attention dropout or sinks; CPU only for now (refused on CUDA).
         attn_implementation: core attention kernel run on the gathered sequence: ``"auto"`` (flash-attn 2
             on CUDA for fp16/bf16 when installed, else SDPA), ``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``
             or ``"flex_attention"``.
@@ -110,6 +118,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         self,
         sp_size: int | Literal["auto"] = "auto",
         attn_implementation: str = "auto",
+        ring_size: int | Literal["auto"] = 1,
         loss_normalization: Literal["sp_group", "global"] = "sp_group",
         nonfinite_loss: NonFiniteLoss = "raise",
         tiled_mlp: TileSetting = False,
@@ -127,6 +136,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
             resolve_attn_implementation(attn_implementation, "cuda")  # refuse unknown names before any work
         if sequence_mixers not in ("refuse", "gather"):
             raise ValueError(f"sequence_mixers must be 'refuse' or 'gather', got {sequence_mixers!r}.")
+        _check_ring_options(ring_size, sp_size, attn_implementation, sequence_mixers)
+        self._requested_ring_size = ring_size
         self.sequence_mixers = sequence_mixers
         self._requested_sp_size = sp_size
         self._requested_attn_implementation = attn_implementation
@@ -160,6 +171,11 @@ class UlyssesStrategy(DeepSpeedStrategy):
         return self.topology.sp_rank
 
     @property
+    def ring_size(self) -> int:
+        """Ring degree of Ulysses x Ring (1: Ulysses only); ``sp_size / ring_size`` is the Ulysses degree."""
+        return self.topology.ring_size
+
+    @property
     def dp_size(self) -> int:
         return self.topology.dp_size
 
@@ -182,7 +198,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
     @property
     def attn_implementation(self) -> str:
         """The resolved core attention backend (``"auto"`` is resolved from the device and the precision at set-up);
-        a flash backend asked for fp32 is refused here."""
+        a flash backend asked for fp32 is refused here; Ulysses x Ring runs SDPA."""
+        if self._topology is not None and self.ring_size > 1:
+            return "sdpa"
         return resolve_attn_implementation(
             self._requested_attn_implementation, self.root_device.type, compute_dtype(self.precision_plugin.precision)
         )
@@ -224,14 +242,28 @@ class UlyssesStrategy(DeepSpeedStrategy):
         self.set_world_ranks()
         # validated before any process group exists, so a bad layout fails fast on every rank alike
         sp_size = self.num_processes if self._requested_sp_size == "auto" else self._requested_sp_size
-        self._topology = SequenceParallelTopology(self.world_size, sp_size, self.global_rank)
+        ring_size = self._requested_ring_size
+        if ring_size == "auto":
+            ring_size = auto_ring_size(sp_size, self.num_processes) if self.world_size % sp_size == 0 else 1
+            _check_ring_options(ring_size, sp_size, self._requested_attn_implementation, self.sequence_mixers)
+        self._topology = SequenceParallelTopology(self.world_size, sp_size, self.global_rank, ring_size)
+        if ring_size > 1 and self.root_device.type != "cpu":
+            raise ValueError(
+                f"Ulysses x Ring (ring_size={ring_size}) runs on CPU only in this version: its block kernels on "
+                f"{self.root_device.type} (with the log-sum-exp forward and backward) are not implemented yet. Use "
+                "ring_size=1 (Ulysses only) on GPUs."
+            )
         if self.num_nodes > 1 and self._topology.sp_groups_span_nodes(self.num_nodes):
-            spanning = next(r for r in self._topology.sp_group_ranks if _nodes_of(r, self.num_processes) > 1)
+            spanning = next(r for r in self._topology.ulysses_group_ranks if _nodes_of(r, self.num_processes) > 1)
+            ulysses = self._topology.ulysses_size
+            degree = f"sp_size={sp_size}" if ring_size == 1 else f"The Ulysses degree sp_size / ring_size = {ulysses}"
+            groups = "SP groups" if ring_size == 1 else "Ulysses groups"
             rank_zero_warn(
-                f"sp_size={sp_size} does not divide the {self.num_processes} processes per node, so SP groups span "
-                f"nodes (ranks {spanning} are on {_nodes_of(spanning, self.num_processes)} nodes) and every attention "
-                "layer runs its all-to-alls over the network instead of inside a node. If that is not intended, set "
-                f"sp_size to one of {divisors(self.num_processes)} (SP inside each node, DP across nodes)."
+                f"{degree} does not divide the {self.num_processes} processes per node, so {groups} span nodes (ranks "
+                f"{spanning} are on {_nodes_of(spanning, self.num_processes)} nodes) and every attention layer runs its "
+                "all-to-alls over the network instead of inside a node. If that is not intended, set sp_size to one of "
+                f"{divisors(self.num_processes)} (SP inside each node, DP across nodes), or ring_size='auto' (Ulysses "
+                "inside each node, ring attention across nodes)."
             )
         if self.root_device.type == "cpu":
             _skip_deepspeed_shared_memory_kernel()
@@ -240,6 +272,10 @@ class UlyssesStrategy(DeepSpeedStrategy):
         # subgroups do not inherit the default group's timeout: without it a stalled rank holds its peers for torch's default
         self._sp_group, _ = dist.new_subgroups_by_enumeration(self._topology.sp_group_ranks, timeout=self._timeout)
         self._dp_group, _ = dist.new_subgroups_by_enumeration(self._topology.dp_group_ranks, timeout=self._timeout)
+        if ring_size > 1:
+            ulysses_group, _ = dist.new_subgroups_by_enumeration(self._topology.ulysses_group_ranks, timeout=self._timeout)
+            ring_group, _ = dist.new_subgroups_by_enumeration(self._topology.ring_group_ranks, timeout=self._timeout)
+            set_ring_layout(self._sp_group, RingLayout(ring_size, ulysses_group, ring_group))
         self._heartbeat = Heartbeat(dist.distributed_c10d._get_default_store(), self.global_rank, self.world_size)
         self._heartbeat.start()
 
@@ -301,7 +337,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
             if DUPLICATES_KEY in batch:
                 self._duplicate_rows = batch.pop(DUPLICATES_KEY)
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        batch = shard_batch(prepare_batch(batch, self.sp_size), self.sp_rank, self.sp_size)
+        batch = shard_batch(prepare_batch(batch, self.sp_size, self.ring_size), self.sp_rank, self.sp_size, self.ring_size)
         if self._duplicate_rows is not None:  # repeated to even out the DP ranks: no token of theirs counts
             batch["shift_labels"][self._duplicate_rows.to(batch["shift_labels"].device)] = IGNORE_INDEX
         return batch
@@ -344,7 +380,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
         return drop_rows(output, keep)
 
     def gather_sequence(self, local: Tensor) -> Tensor:
-        """``[B, N/sp, ...]`` per-token outputs of this rank -> ``[B, N, ...]`` in sequence order, on every SP rank."""
+        """``[B, N/sp, ...]`` per-token outputs of this rank -> ``[B, N, ...]`` in sequence order (the zigzag of a ring
+        undone), on every SP rank."""
         return gather_sequence(local, self.sp_group)
 
     @override
@@ -408,6 +445,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
         if self.lightning_module is not None:
             remove_ulysses_attention(self.lightning_module)
             remove_memory_options(self.lightning_module)
+        if self._sp_group is not None:
+            set_ring_layout(self._sp_group, None)
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
@@ -428,6 +467,35 @@ class UlyssesStrategy(DeepSpeedStrategy):
 
 
 UlyssesStrategy.register_strategies(StrategyRegistry)
+
+
+def _check_ring_options(
+    ring_size: Any, sp_size: Any, attn_implementation: str, sequence_mixers: str
+) -> None:
+    """Refuse what Ulysses x Ring cannot run, at construction (``"auto"``: once resolved, at set-up); the attention
+    layers refuse the rest (``check_ring_supported`` in :mod:`lightning_ulysses.attention.ulysses`)."""
+    if ring_size == "auto":
+        return
+    if isinstance(ring_size, bool) or not isinstance(ring_size, int) or ring_size < 1:
+        raise ValueError(f"ring_size must be a positive integer or 'auto', got {ring_size!r}.")
+    if isinstance(ring_size, int) and isinstance(sp_size, int) and sp_size % ring_size:
+        raise ValueError(
+            f"ring_size={ring_size} does not divide sp_size={sp_size}: every SP group is split into ring_size Ulysses "
+            f"groups of sp_size / ring_size ranks. Valid ring_size values for sp_size={sp_size}: {divisors(sp_size)}."
+        )
+    if ring_size == 1:
+        return
+    if attn_implementation not in ("auto", "sdpa"):
+        raise ValueError(
+            f"Ulysses x Ring (ring_size={ring_size!r}) runs its own block kernels (torch's SDPA kernels, which return "
+            f"the log-sum-exp), not attn_implementation={attn_implementation!r}. Set attn_implementation='sdpa' (or "
+            "'auto'), or ring_size=1 for Ulysses only."
+        )
+    if sequence_mixers == "gather":
+        raise ValueError(
+            "sequence_mixers='gather' is not supported with Ulysses x Ring (ring_size > 1): the gathered mixers cut "
+            "contiguous shards, the ring's shards are zigzag. Use ring_size=1, or a model without such mixers."
+        )
 
 
 def compute_dtype(precision: str) -> torch.dtype:

@@ -10,6 +10,18 @@ data-parallel (DP) group joins the ranks that hold the same shard position in ev
                                    dp_rank 1:  [4, 5, 6, 7]
                                                 ^ a DP group: ranks 0 and 4
 
+Ulysses x Ring (``ring_size > 1``): each SP group is itself a ``[ring, ulysses]`` grid, with
+``ulysses_size = sp_size / ring_size`` consecutive ranks per Ulysses group (inside a node: the
+all-to-alls run on NVLink) and the ring joining the ranks with the same Ulysses rank (K/V blocks travel
+between nodes point to point)::
+
+    sp_size=4, ring_size=2      ulysses_rank ->  0  1
+                                ring_rank 0:    [0, 1]   <- a Ulysses group (all-to-alls)
+                                ring_rank 1:    [2, 3]
+                                                 ^ a ring group: ranks 0 and 2
+
+so ``world = dp x ring x ulysses`` and ``sp_rank = ring_rank * ulysses_size + ulysses_rank``.
+
 Everything here is pure arithmetic, testable without processes.
 """
 
@@ -25,14 +37,16 @@ def divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class SequenceParallelTopology:
-    """Where one rank sits on the ``[dp, sp]`` grid.
+    """Where one rank sits on the ``[dp, ring, ulysses]`` grid (``sp = ring x ulysses``).
 
-    Invariants: ``world_size == dp_size * sp_size`` and ``rank == dp_rank * sp_size + sp_rank``.
+    Invariants: ``world_size == dp_size * sp_size``, ``rank == dp_rank * sp_size + sp_rank`` and
+    ``sp_rank == ring_rank * ulysses_size + ulysses_rank``.
     """
 
     world_size: int
     sp_size: int
     rank: int
+    ring_size: int = 1
 
     def __post_init__(self) -> None:
         if self.sp_size < 1:
@@ -42,6 +56,14 @@ class SequenceParallelTopology:
                 f"The world size ({self.world_size} processes = devices x num_nodes) is not divisible by "
                 f"sp_size={self.sp_size}. Valid sp_size values for this world size: {divisors(self.world_size)}; "
                 f"or change devices/num_nodes so that the world size is a multiple of {self.sp_size}."
+            )
+        if isinstance(self.ring_size, bool) or not isinstance(self.ring_size, int) or self.ring_size < 1:
+            raise ValueError(f"ring_size must be a positive integer, got {self.ring_size!r}.")
+        if self.sp_size % self.ring_size:
+            raise ValueError(
+                f"ring_size={self.ring_size} does not divide sp_size={self.sp_size}: every SP group is split into "
+                f"ring_size Ulysses groups of sp_size / ring_size ranks. Valid ring_size values for sp_size="
+                f"{self.sp_size}: {divisors(self.sp_size)}."
             )
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside the world of {self.world_size} processes.")
@@ -59,6 +81,32 @@ class SequenceParallelTopology:
         return self.rank // self.sp_size
 
     @property
+    def ulysses_size(self) -> int:
+        return self.sp_size // self.ring_size
+
+    @property
+    def ring_rank(self) -> int:
+        return self.sp_rank // self.ulysses_size
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self.sp_rank % self.ulysses_size
+
+    @property
+    def ulysses_group_ranks(self) -> list[list[int]]:
+        """Every Ulysses group: blocks of ``ulysses_size`` consecutive ranks (the whole SP group without a ring)."""
+        u = self.ulysses_size
+        return [list(range(g * u, (g + 1) * u)) for g in range(self.world_size // u)]
+
+    @property
+    def ring_group_ranks(self) -> list[list[int]]:
+        """Every ring group: inside each SP group, the ranks with the same Ulysses rank, in ring order."""
+        u, sp = self.ulysses_size, self.sp_size
+        return [
+            list(range(d * sp + i, (d + 1) * sp, u)) for d in range(self.dp_size) for i in range(u)
+        ]
+
+    @property
     def sp_group_ranks(self) -> list[list[int]]:
         """Every SP group (one per DP rank), each a block of consecutive ranks."""
         return [list(range(d * self.sp_size, (d + 1) * self.sp_size)) for d in range(self.dp_size)]
@@ -69,8 +117,16 @@ class SequenceParallelTopology:
         return [list(range(s, self.world_size, self.sp_size)) for s in range(self.sp_size)]
 
     def sp_groups_span_nodes(self, num_nodes: int) -> bool:
-        """Whether some SP group would hold ranks of two nodes (its all-to-alls then cross the network)."""
+        """Whether some all-to-all group (the Ulysses groups: the SP groups without a ring) would hold ranks of two
+        nodes (its all-to-alls then cross the network)."""
         if num_nodes <= 1:
             return False
         per_node = self.world_size // num_nodes
-        return any(ranks[0] // per_node != ranks[-1] // per_node for ranks in self.sp_group_ranks)
+        return any(ranks[0] // per_node != ranks[-1] // per_node for ranks in self.ulysses_group_ranks)
+
+
+def auto_ring_size(sp_size: int, processes_per_node: int) -> int:
+    """``ring_size="auto"``: the Ulysses degree is the largest divisor of ``sp_size`` that fits in one node, and the
+    ring joins the nodes (1 when an SP group fits in a node)."""
+    ulysses = max(d for d in divisors(sp_size) if processes_per_node % d == 0)
+    return sp_size // ulysses

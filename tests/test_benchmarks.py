@@ -8,7 +8,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from benchmarks import compare_alst, gpu_long_context
+from benchmarks import compare_alst, gpu_long_context, ring
 from benchmarks.compare_alst import BenchmarkConfig
 from benchmarks.gpu_long_context import LongContextConfig, flops_per_token, llama_config, parameter_counts
 
@@ -31,6 +31,17 @@ def test_compare_alst_short_run(tmp_path: Path) -> None:
         assert summary.saved_for_backward > 0, side
     report = (tmp_path / "report.md").read_text()
     assert "python -m benchmarks.compare_alst --seq-len 62" in report and "| median step time, wall clock (s) |" in report
+
+
+def test_ring_benchmark_counts_the_formulas() -> None:
+    """Ulysses x Ring at sp=4 (8 heads, 1 K/V head): every rank's counted bytes equal the formulas in every layout,
+    and the ring without K/V replication (4 x 1) sends fewer bytes than Ulysses-only, which replicates it 4x."""
+    table = ring.main(["--sp", "4", "--seq", "64", "--heads", "8", "--kv-heads", "1", "--dim", "8", "--repeats", "1"])
+    assert sorted(table) == [1, 2, 4]
+    for layout in table.values():
+        assert layout["measured"] == layout["expected"]
+    sent = {r: max(m["to_other_ranks"] for m in layout["measured"]) for r, layout in table.items()}
+    assert sent[4] < sent[1] and sent[2] <= sent[1]
 
 
 def test_compare_alst_refuses_steps_the_adapter_would_hang_on() -> None:

@@ -73,7 +73,7 @@ def _fit(
     with deepspeed.zero.GatheredParameters(params, enabled=case["stage"] == 3):
         state = {name: p.detach().clone() for name, p in module.model.named_parameters()}
     return {"losses": module.losses, "params": state, "sp_rank": strategy.sp_rank, "dp_rank": strategy.dp_rank,
-            "steps": trainer.global_step, "sp_group_ranks": dist.get_process_group_ranks(strategy.sp_group),
+            "steps": trainer.global_step, "ring_size": strategy.ring_size, "sp_group_ranks": dist.get_process_group_ranks(strategy.sp_group),
             "dp_group_ranks": dist.get_process_group_ranks(strategy.dp_group),
             "cluster_environment": type(strategy.cluster_environment).__name__}
 

@@ -4,8 +4,9 @@ On a GPU every ``.item()``, ``.tolist()``, ``.cpu()``, ``bool(tensor)``, ``nonze
 host until the device has caught up. They are counted here on CPU, by intercepting the tensor methods and the aten
 ops that would synchronise on CUDA, during the forward and backward of a patched 4-layer Llama with packed documents,
 tiled MLP and activation checkpointing, on 2 gloo processes (sp=2, so the tiled MLP's token agreement is a real
-collective). What is built once per batch (the documents, the attention plans, the MLP tile count) runs before the
-first layer; the test requires 0 syncs in every layer and in the backward.
+collective), with Ulysses and with Ulysses x Ring (ring 2 x Ulysses 1). What is built once per batch (the documents,
+the attention plans, the MLP tile count) runs before the first layer; the test requires 0 syncs in every layer and in
+the backward.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ulysses import MemoryOptions, apply_memory_options, apply_ulysses_attention
+from lightning_ulysses.attention.collectives import RingLayout, set_ring_layout
+from lightning_ulysses.sharding import shard_index
 from tests.launch import launch
 from tests.tiny import tiny_llama
 
@@ -80,13 +83,17 @@ def _syncing_call(func: Any, args: tuple, kwargs: dict) -> bool:
 def sync_worker(args: dict[str, Any]) -> dict[str, Any]:
     dist.init_process_group("gloo")
     rank, sp = dist.get_rank(), dist.get_world_size()
+    ring_size = args.get("ring_size", 1)
+    if ring_size > 1:  # ring 2 x Ulysses 1: Ulysses groups of one rank, the ring over the world
+        ulysses_groups = [dist.new_group([r]) for r in range(sp)]
+        set_ring_layout(dist.group.WORLD, RingLayout(ring_size, ulysses_groups[rank], dist.group.WORLD))
     model = tiny_llama(num_hidden_layers=4)
     apply_ulysses_attention(model, dist.group.WORLD, sp, args["backend"])
     apply_memory_options(model, MemoryOptions(tiled_mlp=True, activation_checkpointing=True))
     model.train()  # checkpointing recomputes in training mode only
 
     seq = 64
-    local = slice(rank * seq // sp, (rank + 1) * seq // sp)
+    local = shard_index(seq, rank, sp, ring_size)
     input_ids = torch.randint(0, 61, (2, seq))
     counter = HostSyncs()
     layers = model.model.layers
@@ -113,9 +120,9 @@ def sync_worker(args: dict[str, Any]) -> dict[str, Any]:
     return dict(counter.counts)
 
 
-@pytest.fixture(scope="module")
-def syncs() -> list[dict[tuple[str, str], int]]:
-    return launch("tests.test_host_syncs:sync_worker", 2, {"backend": "sdpa"})
+@pytest.fixture(scope="module", params=[1, 2], ids=["ulysses", "ulysses_x_ring"])
+def syncs(request: pytest.FixtureRequest) -> list[dict[tuple[str, str], int]]:
+    return launch("tests.test_host_syncs:sync_worker", 2, {"backend": "sdpa", "ring_size": request.param})
 
 
 def test_no_host_sync_inside_a_layer_or_the_backward(syncs: list[dict[tuple[str, str], int]]) -> None:

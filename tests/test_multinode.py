@@ -6,7 +6,8 @@
   ``TorchElasticEnvironment``). ``sp=2``: each SP group is the two processes of one node, each DP group
   joins the nodes, no warning; training (ZeRO-3, DP across the nodes) equals one process;
 * plain ``MASTER_ADDR``/``NODE_RANK``/``LOCAL_RANK`` variables (``LightningEnvironment``). ``sp=4``: the SP
-  group spans both nodes, rank 0 warns with the reason, and training is still exact.
+  group spans both nodes, rank 0 warns with the reason, and training is still exact; with ``ring_size="auto"``
+  the same SP group runs Ulysses inside each node and the ring across them (2 x 2), without the warning, exactly.
 
 "Equals one process" as in :mod:`tests.test_equivalence`: every loss ``rtol=1e-5``, weight update
 ``< 1e-4`` relative.
@@ -25,7 +26,10 @@ from tests.test_equivalence import _check, _fit
 
 NUM_NODES, DEVICES_PER_NODE = 2, 2
 SP_INSIDE_NODES = {"sp_inside_nodes_dp_across": dict(sp=2, stage=3)}
-SP_ACROSS_NODES = {"sp_across_nodes": dict(sp=4, stage=1)}
+SP_ACROSS_NODES = {
+    "sp_across_nodes": dict(sp=4, stage=1),
+    "ring_across_nodes": dict(sp=4, stage=2, strategy=dict(ring_size="auto")),
+}
 
 
 def two_node_worker(args: dict[str, Any]) -> dict[str, Any]:
@@ -35,7 +39,7 @@ def two_node_worker(args: dict[str, Any]) -> dict[str, Any]:
     for name, case in args["cases"].items():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            result = _fit(case, devices=DEVICES_PER_NODE, num_nodes=NUM_NODES)
+            result = _fit(case, devices=DEVICES_PER_NODE, num_nodes=NUM_NODES, strategy_kwargs=case.get("strategy"))
         result["node_rank"] = node_rank
         result["warnings"] = [str(w.message) for w in caught]
         results[name] = result
@@ -90,6 +94,13 @@ def test_sp_groups_spanning_nodes_warn(plain_env_results: list[dict[str, Any]]) 
     assert not any(_span_warnings(r) for r in results[1:])
 
 
-def test_sp_spanning_nodes_equals_single_process(plain_env_results: list[dict[str, Any]]) -> None:
-    name = "sp_across_nodes"
+@pytest.mark.parametrize("name", SP_ACROSS_NODES)
+def test_sp_spanning_nodes_equals_single_process(plain_env_results: list[dict[str, Any]], name: str) -> None:
     _check(plain_env_results, name, SP_ACROSS_NODES[name])
+
+
+def test_ring_across_nodes_keeps_the_all_to_alls_inside_them(plain_env_results: list[dict[str, Any]]) -> None:
+    """ring_size="auto": the Ulysses degree is the processes of a node (2), the ring joins the nodes; no warning."""
+    results = [r["ring_across_nodes"] for r in plain_env_results]
+    assert [r["ring_size"] for r in results] == [2] * 4
+    assert not any(_span_warnings(r) for r in results)

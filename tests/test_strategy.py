@@ -111,6 +111,17 @@ def test_unsupported_attention_backends_are_refused_at_construction() -> None:
         UlyssesStrategy(sp_size=0)
 
 
+def test_impossible_ring_layouts_are_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match=r"ring_size=3 does not divide sp_size=4.*Valid ring_size values .*\[1, 2, 4\]"):
+        UlyssesStrategy(sp_size=4, ring_size=3)
+    with pytest.raises(ValueError, match="ring_size must be a positive integer or 'auto', got 0"):
+        UlyssesStrategy(sp_size=4, ring_size=0)
+    with pytest.raises(ValueError, match="Ulysses x Ring .* not attn_implementation='flex_attention'"):
+        UlyssesStrategy(sp_size=4, ring_size=2, attn_implementation="flex_attention")
+    with pytest.raises(ValueError, match="sequence_mixers='gather' is not supported with Ulysses x Ring"):
+        UlyssesStrategy(sp_size=4, ring_size=2, sequence_mixers="gather")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")
 def test_flash_attention_without_the_package_is_refused() -> None:
     with pytest.raises(ValueError, match="'flash_attn' package, which is not installed"):

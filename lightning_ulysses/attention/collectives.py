@@ -1,13 +1,17 @@
-"""The collectives of Ulysses attention: the differentiable all-to-alls and the sequence gather."""
+"""The collectives of Ulysses attention: the differentiable all-to-alls, the sequence gather, the ring layout of an
+SP group and the ring's point-to-point exchange."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+
+from lightning_ulysses.sharding import zigzag_order
 
 
 def all_to_all(x: Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> Tensor:
@@ -45,11 +49,56 @@ def heads_to_sequence(x: Tensor, group: ProcessGroup) -> Tensor:
     return _AllToAll.apply(x, group, 1, 2)
 
 
+@dataclass(frozen=True)
+class RingLayout:
+    """How an SP group of ``sp = ring_size x ulysses_size`` ranks runs Ulysses x Ring (see
+    :mod:`lightning_ulysses.topology`): this rank's Ulysses group (all-to-alls) and ring group (K/V blocks)."""
+
+    ring_size: int
+    ulysses_group: ProcessGroup
+    ring_group: ProcessGroup
+
+
+_RING_LAYOUTS: dict[ProcessGroup, RingLayout] = {}
+
+
+def set_ring_layout(sp_group: ProcessGroup, layout: RingLayout | None) -> None:
+    """Declare (``None``: remove) that the shards of ``sp_group`` are laid out for Ulysses x Ring. Every function
+    that takes the SP group (the attention, :func:`gather_sequence`) then follows the zigzag shard order."""
+    if layout is None:
+        _RING_LAYOUTS.pop(sp_group, None)
+    else:
+        _RING_LAYOUTS[sp_group] = layout
+
+
+def ring_layout(group: ProcessGroup | None) -> RingLayout | None:
+    """The :class:`RingLayout` declared for the SP group ``group``; ``None`` for plain Ulysses."""
+    return None if group is None else _RING_LAYOUTS.get(group)
+
+
 def gather_sequence(local: Tensor, group: ProcessGroup | None) -> Tensor:
     """``[B, N/P, ...]`` shards of ``group`` -> ``[B, N, ...]`` in sequence order on every rank of it
-    (the inverse of :func:`~lightning_ulysses.shard_batch` for one tensor; not differentiable)."""
+    (the inverse of :func:`~lightning_ulysses.shard_batch` for one tensor, zigzag order included; not
+    differentiable)."""
     if group is None or dist.get_world_size(group) == 1:
         return local
     shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(shards, local.contiguous(), group=group)
-    return torch.cat(shards, dim=1)
+    in_shard_order = torch.cat(shards, dim=1)
+    layout = ring_layout(group)
+    if layout is None:
+        return in_shard_order
+    order = zigzag_order(in_shard_order.shape[1], layout.ring_size, local.device)
+    return torch.empty_like(in_shard_order).index_copy_(1, order, in_shard_order)
+
+
+def ring_exchange(tensors: list[Tensor], group: ProcessGroup) -> tuple[list[Tensor], list[dist.Work]]:
+    """Start sending ``tensors`` to the next rank of the ring ``group`` and receiving the previous rank's
+    (same shapes); returns the receive buffers and the requests to ``wait()`` on before reading them."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    send_to = dist.get_global_rank(group, (rank + 1) % size)
+    receive_from = dist.get_global_rank(group, (rank - 1) % size)
+    received = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), send_to, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, receive_from, group) for r in received]
+    return received, dist.batch_isend_irecv(ops)

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_ulysses.attention.backends import CORE_ATTENTION, prepare_plans
-from lightning_ulysses.attention.collectives import heads_to_sequence, sequence_to_heads
+from lightning_ulysses.attention.collectives import RingLayout, heads_to_sequence, ring_layout, sequence_to_heads
 from lightning_ulysses.attention.core import CoreAttention
-from lightning_ulysses.attention.documents import documents_of
+from lightning_ulysses.attention.documents import Documents, documents_of
+from lightning_ulysses.attention.ring import ring_attention, ring_plan
 from lightning_ulysses.attention.sinks import sink_attention
 from lightning_ulysses.heads import plan_heads, select_heads
 
@@ -24,10 +26,16 @@ def plan_batch(
 
     ``position_ids`` is the ``[B, N/P]`` shard tensor the layers will receive (see
     :func:`~lightning_ulysses.attention.documents.documents_of`); afterwards no layer, forward, backward or
-    recomputation, synchronises with the host.
+    recomputation, synchronises with the host. Under Ulysses x Ring the plans are the ring's chunk pairs.
     """
+    ring = ring_layout(group)
     for chunk, window in patterns:
-        prepare_plans(attn_fn, documents_of(position_ids, group, chunk), window)
+        documents = documents_of(position_ids, group, chunk)
+        if ring is None:
+            prepare_plans(attn_fn, documents, window)
+        else:
+            batch, seq_len = documents.starts.shape
+            ring_plan(documents, batch, seq_len, ring.ring_size, dist.get_rank(ring.ring_group), window)
 
 
 def ulysses_attention(
@@ -49,7 +57,11 @@ def ulysses_attention(
     Args:
         query: ``[B, N/P, H, D]``, this rank's tokens, all heads.
         key, value: ``[B, N/P, H_kv, D]``, ``H`` a multiple of ``H_kv``.
-        group: the sequence-parallel process group (``strategy.sp_group``); ``None`` runs locally.
+        group: the sequence-parallel process group (``strategy.sp_group``); ``None`` runs locally. When a
+            :class:`~lightning_ulysses.attention.collectives.RingLayout` is declared for it (``UlyssesStrategy(ring_size
+            > 1)`` does), Ulysses runs inside its Ulysses group and ring attention across its ring
+            (:mod:`lightning_ulysses.attention.ring`); the shards are then the zigzag ones of
+            :func:`~lightning_ulysses.sharding.shard_index`.
         attn_fn: a core backend name (``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``,
             ``"flex_attention"``) or a callable with the :class:`CoreAttention` signature.
         position_ids: ``[B, N/P]`` global position ids of this rank's tokens. They delimit packed
@@ -77,9 +89,13 @@ def ulysses_attention(
             f"Attention sinks are one logit per query head, shape ({query.shape[2]},), and run without attention "
             f"dropout; got shape {tuple(sinks.shape)} and dropout_p={dropout_p}."
         )
+    documents = None if position_ids is None else documents_of(position_ids, group, chunk)
+    ring = ring_layout(group)
+    if ring is not None:
+        check_ring_supported(attn_fn, dropout_p, sinks, query.device)
+        return _ulysses_x_ring(query, key, value, ring, documents, scale, window)
     sp_size = 1 if group is None else dist.get_world_size(group)
     layout = plan_heads(query.shape[2], key.shape[2], sp_size)
-    documents = None if position_ids is None else documents_of(position_ids, group, chunk)
 
     def attend(q: Tensor, k: Tensor, v: Tensor, head_sinks: Tensor | None) -> Tensor:
         if head_sinks is None:
@@ -95,3 +111,41 @@ def ulysses_attention(
     key, value = (sequence_to_heads(select_heads(t, layout.kv_slots), group) for t in (key, value))
     out = attend(query, key, value, sinks)
     return select_heads(heads_to_sequence(out, group), layout.output_slots)  # [B, N/P, H, D]
+
+
+def check_ring_supported(
+    attn_fn: str | CoreAttention, dropout_p: float, sinks: Tensor | None, device: torch.device
+) -> None:
+    """Refuse what Ulysses x Ring does not run (yet): devices other than the CPU and core backends other than SDPA
+    (the ring runs its own block kernels: torch's flash kernel for CPU, which returns the log-sum-exp and takes it
+    back in its backward), attention dropout and attention sinks."""
+    unsupported = []
+    if device.type != "cpu":
+        unsupported.append(f"{device.type} tensors (its block kernels run on CPU only for now)")
+    if attn_fn not in ("sdpa", CORE_ATTENTION["sdpa"]):
+        unsupported.append(f"the attention backend {attn_fn!r} (the ring runs SDPA-equivalent block kernels)")
+    if dropout_p:
+        unsupported.append(f"attention dropout (dropout_p={dropout_p})")
+    if sinks is not None:
+        unsupported.append("attention sinks")
+    if unsupported:
+        raise ValueError(
+            f"Ulysses x Ring (ring_size > 1) does not support {' or '.join(unsupported)}. Use ring_size=1 (Ulysses "
+            "only), or attn_implementation='sdpa' without attention dropout or sinks."
+        )
+
+
+def _ulysses_x_ring(
+    query: Tensor, key: Tensor, value: Tensor, ring: RingLayout, documents: Documents | None, scale: float | None,
+    window: int | None,
+) -> Tensor:
+    """Ulysses inside ``ring.ulysses_group`` (all-to-alls to the ring rank's two zigzag chunks, its share of the
+    heads), ring attention across ``ring.ring_group``, and back: ``[B, N/P, H, D] -> [B, N/P, H, D]``."""
+    layout = plan_heads(query.shape[2], key.shape[2], dist.get_world_size(ring.ulysses_group))
+    query = sequence_to_heads(select_heads(query, layout.query_slots), ring.ulysses_group)  # [B, N/R, h, D]
+    key, value = (sequence_to_heads(select_heads(t, layout.kv_slots), ring.ulysses_group) for t in (key, value))
+    out = ring_attention(
+        query, key, value, documents, ring.ring_group, ring.ring_size, dist.get_rank(ring.ring_group),
+        scale=scale, window=window,
+    )
+    return select_heads(heads_to_sequence(out, ring.ulysses_group), layout.output_slots)  # [B, N/P, H, D]

@@ -43,10 +43,10 @@ class LayerPlan:
 
 
 def read_layer_call(
-    module: nn.Module, pattern: MaskPattern | None, mask_problem: str, kwargs: dict[str, Any]
+    module: nn.Module, pattern: MaskPattern | None, mask_problem: str, kwargs: dict[str, Any], ring: bool = False
 ) -> tuple[LayerPlan | None, list[str]]:
     """The plan of an attention layer from its call (``kwargs`` as it passed them and the ``pattern`` of the mask it
-    received), or ``None`` and the reasons it cannot run exactly."""
+    received), or ``None`` and the reasons it cannot run exactly (``ring``: under Ulysses x Ring)."""
     problems = [mask_problem] if pattern is None else []
     if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
         problems.append("attends bidirectionally (Ulysses attention here is causal)")
@@ -59,6 +59,13 @@ def read_layer_call(
     sinks = kwargs.get("s_aux")
     if sinks is not None and getattr(module, "attention_dropout", 0.0):
         problems.append("combines attention sinks with attention dropout, which Ulysses attention does not implement")
+    if ring:
+        unsupported = [name for name, used in (("attention sinks", sinks is not None),
+                                               ("attention dropout", getattr(module, "attention_dropout", 0.0)))
+                       if used]
+        if unsupported:
+            problems.append(f"uses {' and '.join(unsupported)}, which Ulysses x Ring (ring_size > 1) does not implement "
+                            "yet (ring_size=1 does)")
     window = kwargs.get("sliding_window")
     if pattern is not None and window is not None and pattern.window != window:
         problems.append(

@@ -35,6 +35,7 @@ from torch.distributed import ProcessGroup
 from transformers import PretrainedConfig, PreTrainedModel
 
 from lightning_ulysses.attention import documents_of, gather_sequence, plan_batch
+from lightning_ulysses.attention.collectives import ring_layout
 from lightning_ulysses.heads import plan_heads
 from lightning_ulysses.hf.interface import ULYSSES_ATTN_IMPLEMENTATION
 
@@ -103,7 +104,8 @@ def apply_ulysses_attention(
     for hf_model in outermost_models(model):
         if "_ulysses_original_attn" in hf_model.__dict__:
             continue
-        _log_head_layout(hf_model, sp_size)
+        ring = ring_layout(group)
+        _log_head_layout(hf_model, sp_size if ring is None else sp_size // ring.ring_size)
         state = PatchState(group, core, sp_size, gather_mixers=sequence_mixers == "gather")
         _patch(hf_model, state)
         try:
@@ -114,6 +116,7 @@ def apply_ulysses_attention(
 
 
 def _log_head_layout(model: PreTrainedModel, sp_size: int) -> None:
+    """Log the head layout over the ``sp_size`` ranks of an all-to-all (the Ulysses degree under Ulysses x Ring)."""
     text_config = model.config.get_text_config()
     num_heads = getattr(text_config, "num_attention_heads", None)
     if not isinstance(num_heads, int):

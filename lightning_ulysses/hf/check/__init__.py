@@ -37,6 +37,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from lightning_ulysses.hf.check.findings import agreed, refusal
+from lightning_ulysses.attention.collectives import ring_layout
 from lightning_ulysses.hf.check.rope import check_rotary
 from lightning_ulysses.hf.check.shard import Shard
 from lightning_ulysses.hf.check.training import run_as_in_training
@@ -51,10 +52,14 @@ def check_model(model: PreTrainedModel, state: PatchState) -> None:
     """Check a patched ``model`` (see the module docstring); store each attention layer's plan on it, or raise
     :class:`UnsupportedModelError` naming every layer that would not run exactly. Collective over ``state.group``."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    input_ids = probe_ids(model, state.sp_size * PROBE_TOKENS_PER_RANK, device)
+    ring = ring_layout(state.group)
+    ring_size = 1 if ring is None else ring.ring_size
+    # with a ring the length is a multiple of 2 * sp_size (two zigzag chunks per ring rank)
+    tokens_per_rank = PROBE_TOKENS_PER_RANK * (1 if ring_size == 1 else 2)
+    input_ids = probe_ids(model, state.sp_size * tokens_per_rank, device)
     position_ids = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
     rank = 0 if state.group is None else dist.get_rank(state.group)
-    shard = Shard(rank, state.sp_size, input_ids.shape[1])
+    shard = Shard(rank, state.sp_size, input_ids.shape[1], ring_size)
     modes = {module: module.training for module in model.modules()}
     model.eval()
     try:

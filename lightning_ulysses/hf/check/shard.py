@@ -9,6 +9,7 @@ from torch import Tensor
 
 from lightning_ulysses.hf.check.tensors import Call
 from lightning_ulysses.hf.mixers import TokenDims
+from lightning_ulysses.sharding import shard_index
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -19,14 +20,19 @@ def tolerance(dtype: torch.dtype) -> float:
 
 
 class Shard:
-    """This rank's shard of the probe sequence, and comparisons of per-token tensors with the whole run."""
+    """This rank's shard of the probe sequence (its columns as :func:`~lightning_ulysses.shard_batch` takes them,
+    zigzag with a ring), and comparisons of per-token tensors with the whole run."""
 
-    def __init__(self, rank: int, sp_size: int, whole_length: int) -> None:
+    def __init__(self, rank: int, sp_size: int, whole_length: int, ring_size: int = 1) -> None:
         self.whole_length, self.length = whole_length, whole_length // sp_size
-        self.start = rank * self.length
+        self.index = shard_index(whole_length, rank, sp_size, ring_size)
+
+    def take(self, tensor: Tensor, dim: int) -> Tensor:
+        """``tensor``'s shard columns along ``dim``."""
+        return tensor.index_select(dim, self.index.to(tensor.device))
 
     def of(self, tensor: Tensor) -> Tensor:
-        return tensor[:, self.start : self.start + self.length]
+        return self.take(tensor, 1)
 
     def slice(self, whole: Tensor, local: Tensor) -> Tensor | None:
         """The part of ``whole`` that corresponds to ``local``: sliced along the token dimension (the one that is
@@ -37,7 +43,7 @@ class Shard:
             if (w, l) == (self.whole_length, self.length) and all(
                 a == b for d, (a, b) in enumerate(zip(whole.shape, local.shape)) if d != dim
             ):
-                return whole.narrow(dim, self.start, self.length)
+                return self.take(whole, dim)
         return None
 
     def token_dims(self, whole: Call, local_inputs: dict[str, Tensor], local_outputs: list[Tensor]) -> TokenDims | None:
@@ -108,5 +114,5 @@ def shard_of(value: Any, shard: Shard) -> Any:
         return value
     for dim in reversed(range(1, value.dim())):
         if value.shape[dim] == shard.whole_length:
-            return value.narrow(dim, shard.start, shard.length)
+            return shard.take(value, dim)
     return value

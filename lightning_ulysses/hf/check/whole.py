@@ -16,6 +16,7 @@ from lightning_ulysses.hf import interface
 from lightning_ulysses.hf.check.findings import Finding, module_label
 from lightning_ulysses.hf.check.shard import close
 from lightning_ulysses.hf.check.tensors import Call, first_tensor, hooks, named_inputs, tensors_of
+from lightning_ulysses.attention.collectives import ring_layout
 from lightning_ulysses.hf.interface import ULYSSES_ATTN_IMPLEMENTATION, LayerPlan, read_layer_call
 from lightning_ulysses.hf.masks import RecordedMasks, recording_mask_interface
 from lightning_ulysses.hf.patching import PatchState, sequence_parallel_disabled, unpatched
@@ -33,6 +34,7 @@ def whole_sequence_run(
     model: PreTrainedModel, state: PatchState, input_ids: Tensor, position_ids: Tensor
 ) -> tuple[list[Finding], WholeRun]:
     names = {module: name for name, module in model.named_modules()}
+    ring = ring_layout(state.group) is not None  # read before the run disables sequence parallelism
     recorded = RecordedMasks([])
     plans: dict[nn.Module, LayerPlan] = {}
     findings: dict[nn.Module, Finding] = {}
@@ -53,7 +55,7 @@ def whole_sequence_run(
             return query.new_zeros(*query.shape[:2], tokens, value.shape[-1]).transpose(1, 2)
         if module not in findings:
             pattern, why = recorded.pattern_of(attention_mask)
-            plan, problems = read_layer_call(module, pattern, why, kwargs)
+            plan, problems = read_layer_call(module, pattern, why, kwargs, ring)
             if plan is not None and plans.setdefault(module, plan) != plan:
                 problems = ["is called with different attention patterns in one forward, and runs one plan per layer"]
             if problems:

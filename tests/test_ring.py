@@ -1,0 +1,286 @@
+"""Ulysses x Ring attention against single-process attention (forward and every gradient), on gloo.
+
+Layouts ``ring x ulysses`` = 2 x 1, 2 x 2 and 4 x 1 on 4 processes (the 2-rank SP groups twice, dp=2); the reference
+is the dense ``[N, N]``-masked attention of tests/test_attention.py. Packed documents put borders on chunk borders,
+on shard borders inside a ring rank and inside chunks; windows shorter than a chunk and spanning several.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_ulysses.attention import gather_sequence, ulysses_attention
+from lightning_ulysses.attention.collectives import RingLayout, set_ring_layout
+from lightning_ulysses.attention.documents import Documents
+from lightning_ulysses.attention import ring
+from lightning_ulysses.attention.ring import classify_pair, plan_ring
+from lightning_ulysses.attention.ulysses import check_ring_supported
+from lightning_ulysses.sharding import shard_index, shard_multiple, zigzag_order
+from lightning_ulysses.topology import SequenceParallelTopology
+from tests.test_attention import reference
+from tests.launch import launch
+
+SEQ = 32
+# rows of 32 position ids: borders at 8 and 16 (chunk borders at ring 2), at 4 and 12 (inside chunks at ring 2,
+# chunk borders at ring 4), a document across three chunks, and one-token documents
+PACKED = [
+    [*range(8), *range(8), *range(3), *range(13)],
+    [*range(4), *range(8), *range(17), 0, 0, *range(1)],
+]
+ONE_DOCUMENT = [list(range(SEQ))] * 2
+CASES: dict[str, dict[str, Any]] = {
+    "mha": dict(heads=4, kv_heads=4),
+    "gqa": dict(heads=8, kv_heads=2),
+    "mqa": dict(heads=4, kv_heads=1),
+    "heads6_kv3": dict(heads=6, kv_heads=3),
+    "positions_one_document": dict(heads=4, kv_heads=2, positions=ONE_DOCUMENT),
+    "packed": dict(heads=4, kv_heads=2, positions=PACKED),
+    "window_shorter_than_a_chunk": dict(heads=4, kv_heads=2, window=3),
+    "window_across_chunks": dict(heads=4, kv_heads=2, window=13),
+    "packed_window": dict(heads=6, kv_heads=2, positions=PACKED, window=5),
+    "chunked_packed": dict(heads=4, kv_heads=2, positions=PACKED, chunk=6),
+}
+LAYOUTS = [(2, 1), (2, 2), (4, 1)]  # (ring_size, ulysses_size)
+
+
+def _tensors(case: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, SEQ, case["heads"], 8, generator=g)
+    k = torch.randn(2, SEQ, case["kv_heads"], 8, generator=g)
+    v = torch.randn(2, SEQ, case["kv_heads"], 8, generator=g)
+    grad = torch.randn(2, SEQ, case["heads"], 8, generator=g)
+    return q, k, v, grad, torch.tensor(case["positions"]) if "positions" in case else None
+
+
+def _groups(ring_size: int, ulysses_size: int) -> tuple[dist.ProcessGroup, RingLayout]:
+    """This rank's SP group with its ring layout declared, as UlyssesStrategy builds them."""
+    topology = SequenceParallelTopology(dist.get_world_size(), ring_size * ulysses_size, dist.get_rank(), ring_size)
+    sp_group, _ = dist.new_subgroups_by_enumeration(topology.sp_group_ranks)
+    ulysses_group, _ = dist.new_subgroups_by_enumeration(topology.ulysses_group_ranks)
+    ring_group, _ = dist.new_subgroups_by_enumeration(topology.ring_group_ranks)
+    layout = RingLayout(ring_size, ulysses_group, ring_group)
+    set_ring_layout(sp_group, layout)
+    return sp_group, layout
+
+
+def ring_worker(args: dict[str, Any]) -> dict[Any, Any]:
+    dist.init_process_group("gloo")
+    results: dict[Any, Any] = {}
+    for ring_size, ulysses_size in LAYOUTS:
+        sp = ring_size * ulysses_size
+        group, _ = _groups(ring_size, ulysses_size)
+        if (ring_size, ulysses_size) == (2, 2):
+            groups_of_layout = group
+        index = shard_index(SEQ, dist.get_rank(group), sp, ring_size)
+        columns = torch.arange(SEQ).expand(2, SEQ)
+        results["gather", ring_size, ulysses_size] = torch.equal(gather_sequence(columns[:, index], group), columns)
+        for name, case in CASES.items():
+            q, k, v, grad, pos = _tensors(case)
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            expected = reference(*full, pos, window=case.get("window"), chunk=case.get("chunk"))
+            expected.backward(grad)
+            shards = [t[:, index].clone().requires_grad_() for t in (q, k, v)]
+            out = ulysses_attention(
+                *shards, group=group, attn_fn="sdpa", window=case.get("window"), chunk=case.get("chunk"),
+                position_ids=None if pos is None else pos[:, index],
+            )
+            out.backward(grad[:, index])
+            compared = [(out, expected[:, index])] + [(s.grad, f.grad[:, index]) for s, f in zip(shards, full)]
+            results[name, ring_size, ulysses_size] = max(((a - b).norm() / b.norm()).item() for a, b in compared)
+    results["window_models"] = _window_models(groups_of_layout)
+    results["dropout_refusal"] = _dropout_refusal(groups_of_layout)
+    dist.destroy_process_group()
+    return results
+
+
+def _dropout_refusal(group: dist.ProcessGroup) -> str:
+    """A Llama with attention dropout, patched under ring 2 x Ulysses 2: the set-up check's refusal."""
+    from lightning_ulysses import UnsupportedModelError, apply_ulysses_attention
+    from tests.tiny import tiny_llama
+
+    try:
+        apply_ulysses_attention(tiny_llama(attention_dropout=0.1), group, dist.get_world_size(group), "sdpa")
+    except UnsupportedModelError as error:
+        return str(error)
+    return "not refused"
+
+
+def _window_models(group: dist.ProcessGroup) -> dict[str, float]:
+    """Patched Mistral and Qwen2 (a sliding layer after a full one), window 3 under ring 2 x Ulysses 2 (chunks of 6
+    tokens), against transformers' own SDPA on the whole sequence: the logits, and the gradients summed over the SP
+    group (each rank's loss is its tokens' share)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from lightning_ulysses import apply_ulysses_attention
+
+    common = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, sliding_window=3, attn_implementation="sdpa")
+    makers = {
+        "mistral": lambda: MistralForCausalLM(MistralConfig(**common)),
+        "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True, max_window_layers=1)),
+    }
+    seq, sp = 24, dist.get_world_size(group)
+    index = shard_index(seq, dist.get_rank(group), sp, ring_size=2)
+    ids = torch.randint(1, 61, (2, seq), generator=torch.Generator().manual_seed(0))
+    errors = {}
+    for family, make in makers.items():
+        torch.manual_seed(0)
+        reference_model = make()
+        torch.manual_seed(0)
+        model = make()
+        apply_ulysses_attention(model, group, sp, "sdpa")
+        expected = reference_model(input_ids=ids).logits
+        got = model(input_ids=ids[:, index], position_ids=torch.arange(seq)[index].expand(2, -1)).logits
+        expected.square().sum().backward()
+        got.square().sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        dist.all_reduce(grads, group=group)
+        expected_grads = torch.cat([p.grad.flatten() for p in reference_model.parameters()])
+        logits = gather_sequence(got.detach(), group)
+        errors[family] = max(((logits - expected).norm() / expected.norm()).item(),
+                             ((grads - expected_grads).norm() / expected_grads.norm()).item())
+    return errors
+
+
+
+@pytest.fixture(scope="module")
+def ring_results() -> list[dict[Any, Any]]:
+    return launch("tests.test_ring:ring_worker", 4, {})
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[f"ring{r}_ulysses{u}" for r, u in LAYOUTS])
+@pytest.mark.parametrize("name", CASES)
+def test_ring_attention_matches_single_process(ring_results: list[dict[Any, Any]], name: str, layout: tuple) -> None:
+    """Output and q/k/v gradients on every rank, relative error < 1e-5."""
+    for rank, results in enumerate(ring_results):
+        error = results[(name, *layout)]
+        assert error < 1e-5, f"rank {rank}: relative error {error:.2e}"
+
+
+def test_sliding_window_models_under_the_ring(ring_results: list[dict[Any, Any]]) -> None:
+    """Mistral and Qwen2 with a window (3) shorter than a ring chunk (6), ring 2 x Ulysses 2: logits and summed
+    gradients equal transformers' own SDPA on the whole sequence (relative error < 1e-5)."""
+    for rank, results in enumerate(ring_results):
+        for family, error in results["window_models"].items():
+            assert error < 1e-5, f"rank {rank}, {family}: relative error {error:.2e}"
+
+
+def test_attention_dropout_is_refused_at_set_up_under_the_ring(ring_results: list[dict[Any, Any]]) -> None:
+    for results in ring_results:
+        message = results["dropout_refusal"]
+        assert "model.layers.0.self_attn" in message and "uses attention dropout, which Ulysses x Ring" in message, message
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[f"ring{r}_ulysses{u}" for r, u in LAYOUTS])
+def test_gather_sequence_undoes_the_zigzag(ring_results: list[dict[Any, Any]], layout: tuple) -> None:
+    assert all(results[("gather", *layout)] for results in ring_results)
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+def _loopback(tensors: list[torch.Tensor], group: Any) -> tuple[list[torch.Tensor], list[_Done]]:
+    """A ring exchange in one process: every block "arrives" as a fresh copy (the memory a receive allocates)."""
+    return [t.clone() for t in tensors], [_Done()]
+
+
+def test_ring_step_memory_does_not_grow_with_the_ring_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Peak memory of ring attention's forward and backward (tensor allocations, MemTracker) with the same 2048 tokens
+    per ring rank at ring sizes 3 to 16: equal, so no step keeps the K/V blocks (or dK/dV accumulators) of earlier
+    steps alive. Ring 2 needs less: its only later step is the last, which receives nothing. The exchange runs in
+    one process (:func:`_loopback`); the multi-process tests check the values."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    monkeypatch.setattr(ring, "ring_exchange", _loopback)
+    peaks = {}
+    for ring_size in (2, 3, 4, 8, 16):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 2048, 4, 32, generator=g, requires_grad=True) for _ in range(3))
+        tracker = MemTracker()
+        with tracker:
+            ring.ring_attention(q, k, v, None, None, ring_size, 0).sum().backward()
+        peaks[ring_size] = sum(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values())
+    block = 2 * 2048 * 4 * 32 * 4  # one K/V block, fp32
+    assert peaks[3] == peaks[4] == peaks[8] == peaks[16], peaks
+    assert peaks[2] < peaks[3] <= peaks[2] + block, peaks
+
+
+def test_shard_multiple() -> None:
+    """Two equal chunks per ring rank, their concatenation split evenly over its Ulysses group; no more padding."""
+    assert [shard_multiple(sp, ring) for sp, ring in [(4, 1), (2, 2), (4, 2), (6, 2), (8, 4), (16, 2)]] == [
+        4, 4, 4, 12, 8, 16]
+
+
+def test_zigzag_order() -> None:
+    """Ring rank r holds chunks r and 2R-1-r; its Ulysses ranks split them, concatenated, in order."""
+    assert zigzag_order(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert zigzag_order(8, 1).tolist() == list(range(8))
+    assert shard_index(16, 1, 4, ring_size=2).tolist() == [12, 13, 14, 15]
+    assert shard_index(16, 2, 4, ring_size=2).tolist() == [4, 5, 6, 7]
+    assert sorted(torch.cat([shard_index(24, r, 6, 3) for r in range(6)]).tolist()) == list(range(24))
+
+
+def test_zigzag_balances_causal_work() -> None:
+    """One document per row: every ring rank runs the same number of chunk pairs at every step, and skips the rest."""
+    for ring_size in (2, 4, 8):
+        plans = [plan_ring(None, 1, 16 * ring_size, ring_size, r, None) for r in range(ring_size)]
+        for step in range(ring_size):
+            work = {sum(2 if p.kind == "full" else 1 for p in plan.steps[step]) for plan in plans}
+            assert work == {4}, (ring_size, step, work)  # a causal diagonal pair is half a full one
+
+
+def test_blocks_with_no_allowed_pair_are_skipped() -> None:
+    """Documents and windows decide on the host which chunk pairs run, and how."""
+    def same(answer: str):
+        return lambda x, y: answer
+
+    assert classify_pair(1, 2, 8, None, same("all")) is None  # keys after the queries
+    assert classify_pair(3, 0, 8, 10, same("all")) is None  # out of the window
+    assert classify_pair(3, 2, 8, 10, same("all")) == "masked"  # the window edge crosses the pair
+    assert classify_pair(3, 2, 8, 9, same("all")) == "masked"
+    assert classify_pair(3, 2, 8, 16, same("all")) == "full"
+    assert classify_pair(2, 1, 8, None, same("none")) is None  # a document border between them in every row
+    assert classify_pair(2, 1, 8, None, same("some")) == "masked"
+    assert classify_pair(1, 1, 8, 8, same("all")) == "causal"
+    assert classify_pair(1, 1, 8, 7, same("all")) == "masked"
+    # PACKED row 0 alone, ring 2 (chunks of 8): documents [0, 8), [8, 16), [16, 19), [19, 32)
+    documents = Documents.from_position_ids(torch.tensor(PACKED[:1]))
+    plan = plan_ring(documents, 1, SEQ, 2, 0, None)  # chunks 0 and 3
+    kinds = [{(p.query_chunk, p.key_chunk): p.kind for p in step} for step in plan.steps]
+    assert kinds[0] == {(0, 0): "causal", (3, 3): "causal"}  # (3, 0): documents in between, skipped
+    assert kinds[1] == {(3, 2): "masked"}  # (3, 1) skipped; (0, *) keys after the queries
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["gqa", "packed_window"])
+def test_a_ring_of_one_matches_dense_attention(name: str, dtype: torch.dtype) -> None:
+    """One process, ring size 1 (its two chunks, three pairs: causal, causal, full or masked), fp32 and bf16: the
+    block kernels, the merge and the backward against the dense reference."""
+    case = CASES[name]
+    q, k, v, grad, pos = _tensors(case)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = reference(*full, pos, window=case.get("window"))
+    expected.backward(grad)
+    low = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    documents = None if pos is None else Documents.from_position_ids(pos)
+    out = ring.ring_attention(*low, documents, None, 1, 0, window=case.get("window"))
+    out.backward(grad.to(dtype))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, want in [(out, expected)] + [(t.grad, f.grad) for t, f in zip(low, full)]:
+        assert got.dtype == dtype
+        assert ((got.float() - want).norm() / want.norm()).item() < tolerance
+
+
+def test_what_the_ring_does_not_run_is_refused() -> None:
+    """Devices other than the CPU, other core backends, dropout and sinks: refused, naming each and what to do."""
+    check_ring_supported("sdpa", 0.0, None, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"does not support cuda tensors .* or the attention backend 'flex_attention'"
+                                         r" .* or attention dropout \(dropout_p=0.1\) or attention sinks. Use ring_size=1"):
+        check_ring_supported("flex_attention", 0.1, torch.zeros(4), torch.device("cuda"))
