@@ -1,0 +1,84 @@
+"""Install the sharded kernels in the token mixers of a transformers model, with no model code change.
+
+A token mixer is recognised by what its ``forward`` calls: a module whose forward looks up one of the sequential
+kernels of :data:`~lightning_ulysses.hf.mixers.kernels.KERNELS` in its modeling module. While such a module runs
+under sequence parallelism, the kernel names in its modeling module point at their sharded forms, and back
+afterwards; everything else in its forward (projections, gates, norms) runs unchanged on this rank's tokens. The
+set-up check then compares the model with the plain one on the whole sequence: a mixer the kernels do not make
+exact (a mixing step of its own outside them) is found and refused, or gathered with ``sequence_mixers="gather"``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from lightning_ulysses.attention import documents_of
+from lightning_ulysses.hf.mixers.kernels import KERNELS, sharded_kernel
+
+if TYPE_CHECKING:
+    from lightning_ulysses.hf.patching import PatchState
+
+
+def kernels_called(module: nn.Module) -> dict[str, Any]:
+    """The sequential kernels (name -> function) that ``module``'s forward calls from its modeling module."""
+    forward = inspect.unwrap(type(module).forward)
+    code, namespace = getattr(forward, "__code__", None), getattr(forward, "__globals__", {})
+    if code is None:
+        return {}
+    return {name: namespace[name] for name in code.co_names if name in KERNELS and callable(namespace.get(name))}
+
+
+def shard_token_mixers(model: nn.Module, state: PatchState) -> list[str]:
+    """Run the sequential kernels of every token mixer inside ``model`` on this rank's heads over the whole sequence
+    (see the module docstring); the names of the modules changed. Idempotent."""
+    names = []
+    for name, module in model.named_modules():
+        kernels = kernels_called(module)
+        if kernels and "_ulysses_mixer_forward" not in module.__dict__:
+            module._ulysses_mixer_forward = True
+            module.forward = _sharded_forward(module, kernels, state)
+            names.append(name)
+    return names
+
+
+def remove_sharded_mixers(model: nn.Module) -> None:
+    """Undo :func:`shard_token_mixers` on ``model`` and every module inside it."""
+    for module in model.modules():
+        if module.__dict__.pop("_ulysses_mixer_forward", None):
+            del module.forward
+
+
+def _sharded_forward(module: nn.Module, kernels: dict[str, Any], state: PatchState) -> Any:
+    forward = module.forward
+    namespace = inspect.unwrap(type(module).forward).__globals__
+
+    def documents() -> Any:
+        return None if state.position_ids is None else documents_of(state.position_ids, state.group)
+
+    sharded = {name: sharded_kernel(name, kernel, lambda: state.group, documents) for name, kernel in kernels.items()}
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not state.enabled or state.group is None or state.sp_size == 1:
+            return forward(*args, **kwargs)
+        with _pointing(namespace, sharded):
+            return forward(*args, **kwargs)
+
+    return run
+
+
+@contextmanager
+def _pointing(namespace: dict[str, Any], functions: dict[str, Any]) -> Iterator[None]:
+    """Within the block, ``namespace[name]`` is ``functions[name]``."""
+    saved = {name: namespace[name] for name in functions}
+    namespace.update(functions)
+    try:
+        yield
+    finally:
+        namespace.update(saved)
