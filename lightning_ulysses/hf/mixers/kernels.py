@@ -2,7 +2,7 @@
 
 transformers (5.x) calls every token mixer's sequential part through a few module-level kernel functions, each a
 hub kernel with a torch fallback (``causal_conv1d_fn``, ``mamba2_chunk_scan``, ``mamba_selective_scan``,
-``torch_chunk_gated_delta_rule``); the projections, gates and norms around them act per token. A
+``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``); the projections, gates and norms around them act per token. A
 :class:`KernelSpec` says, for one such function, where its per-token streams keep their heads, which inputs are
 shared by groups of heads and which are per-head weights; :func:`sharded_kernel` turns the function into one that
 takes this rank's sequence shard and runs the original on the whole sequence for this rank's heads
@@ -79,6 +79,12 @@ KERNELS: dict[str, KernelSpec] = {
         heads={"value": "BNHD", "g": "BNH", "beta": "BNH"}, output="BNHD", head_count=("value", 2),
         grouped={"query": "BNHD", "key": "BNHD"}, group_count=("key", 2),
         no_state=("initial_state", "output_final_state"), returns_state=True,
+    ),
+    # Kimi delta attention (Kimi-Linear, Bailing hybrid): q, k, v [B, N, H, D], a decay per head and key channel
+    # g [B, N, H, D_k], beta [B, N, H]
+    "chunk_kimi_delta_attention": KernelSpec(
+        heads={"query": "BNHD", "key": "BNHD", "value": "BNHD", "g": "BNHD", "beta": "BNH"}, output="BNHD",
+        head_count=("value", 2), no_state=("initial_state", "output_final_state"), returns_state=True,
     ),
 }
 
