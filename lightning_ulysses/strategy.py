@@ -62,6 +62,7 @@ from lightning_ulysses.failures import Heartbeat, NonFiniteLoss, NonFiniteLossGu
 from lightning_ulysses.loss import STEP_TOKENS_KEY, StepTokenCounts
 from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
 from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses.hf.mixers import register_mixer_weights_for_zero3
 from lightning_ulysses.preemption import PreemptionSignals
 from lightning_ulysses.resume import (
     ResumableLoader, check_accumulation_windows, is_resumable, rewind_to_step_boundary,
@@ -254,6 +255,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         assert self.lightning_module is not None
+        if self.config.get("zero_optimization", {}).get("stage", 0) == 3:
+            register_mixer_weights_for_zero3(self.lightning_module)
         super().setup(trainer)
         # after DeepSpeed's engine exists: the set-up check runs a short forward (ZeRO-3 gathers the weights for it)
         apply_ulysses_attention(

@@ -221,9 +221,11 @@ class ZooModule(UlyssesLossMixin, L.LightningModule):
         self.loss_scale = loss_scale
         self.steps_started = 0
         self.losses: list[float] = []
+        self.sharded_mixers = 0  # token mixers running head-sharded in the latest step
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         self.steps_started += 1
+        self.sharded_mixers = sum("_ulysses_mixer_forward" in m.__dict__ for m in self.model.modules())
         logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         loss = self.causal_lm_loss(logits, batch["shift_labels"]) * self.loss_scale
         self.losses.append(loss.item())
@@ -273,7 +275,7 @@ def sp_run(entry: ZooEntry, prepared: Prepared, world_size: int, sequence_mixers
     if not module.losses:
         return Outcome(ERROR, "the Trainer ran no training step")
     outcome = _compare(module, prepared)
-    outcome.sharded_mixers = sum("_ulysses_mixer_forward" in m.__dict__ for m in module.model.modules())
+    outcome.sharded_mixers = module.sharded_mixers
     return outcome
 
 

@@ -47,6 +47,20 @@ def shard_token_mixers(model: nn.Module, state: PatchState) -> list[str]:
     return names
 
 
+def register_mixer_weights_for_zero3(model: nn.Module) -> None:
+    """Tell ZeRO-3 that every token mixer inside ``model`` uses its children's weights: their forwards read them
+    (``self.conv1d.weight``) without calling the children, and ZeRO-3 gathers a weight only around its owner's call
+    otherwise (the plain model fails the same way). Registered as the mixer's external parameters, they are gathered
+    for its forward and its backward."""
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    for module in model.modules():
+        if kernels_called(module):
+            for child in module.children():
+                for parameter in child.parameters():
+                    register_external_parameter(module, parameter)
+
+
 def remove_sharded_mixers(model: nn.Module) -> None:
     """Undo :func:`shard_token_mixers` on ``model`` and every module inside it."""
     for module in model.modules():

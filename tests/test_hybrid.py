@@ -1,0 +1,157 @@
+"""Hybrid models whose token mixers run head-sharded (:mod:`lightning_ulysses.hf.mixers`) train exactly.
+
+One family per sequential kernel (LFM2's short convolution, Mamba2's SSD scan, Jamba's Mamba scan, Qwen3-Next's gated
+delta rule, Kimi delta attention), the zoo's tiny configs (:mod:`tests.zoo_configs`), at sp=2 and sp=4, ZeRO-2 and
+ZeRO-3, on packed documents whose borders fall on and inside the shard borders, and with head counts that do not
+divide by ``sp_size`` (inert head slots, groups replicated). Each case trains two SGD steps with
+``UlyssesStrategy`` and compares the losses (rtol 1e-5) and the update (< 1e-4) with one process running every
+document of the plain model on its own. The zoo (:mod:`tests.test_zoo`) covers every family at sp=2 and sp=4 on
+unpacked rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_ulysses import UlyssesStrategy
+from tests.launch import launch
+from tests.tiny import collate, gathered_parameters, make_packed_samples, relative_update_error
+from tests.zoo import LR, ZooModule, build_model
+from tests.zoo_configs import SEQ_LEN, TinyRecipe, tiny_recipe
+
+ROWS, STEPS = 2, 2
+# name -> case: family, sp, ZeRO stage, document borders forced on even rows (random ones besides), config overrides
+TWO_RANKS: dict[str, dict[str, Any]] = {
+    "lfm2_zero3_packed": dict(family="lfm2", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
+    "mamba2_zero3_packed": dict(family="mamba2", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
+    "jamba_zero2_packed": dict(family="jamba", sp=2, stage=2, borders=(SEQ_LEN // 2 - 1,)),
+    "qwen3_next_zero3_packed": dict(family="qwen3_next", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
+    "kimi_linear_zero2_packed": dict(family="kimi_linear", sp=2, stage=2, borders=(SEQ_LEN // 2 + 1,)),
+}
+FOUR_RANKS: dict[str, dict[str, Any]] = {
+    "lfm2_zero2_packed": dict(family="lfm2", sp=4, stage=2, borders=(SEQ_LEN // 4, SEQ_LEN // 2)),
+    # 2 heads over 4 ranks: two inert head slots
+    "mamba2_zero3_packed_2_heads": dict(family="mamba2", sp=4, stage=3, borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 4),
+                                        config=dict(num_heads=2, head_dim=64)),
+    "jamba_zero3_packed": dict(family="jamba", sp=4, stage=3, borders=(SEQ_LEN // 2, SEQ_LEN // 4 + 3)),
+    # 6 value heads reading 3 key heads over 4 ranks: 2 value heads per rank, key heads split across ranks
+    "qwen3_next_zero2_packed_6_heads": dict(family="qwen3_next", sp=4, stage=2, borders=(SEQ_LEN // 4, SEQ_LEN // 2),
+                                            config=dict(linear_num_value_heads=6, linear_num_key_heads=3)),
+}
+
+
+def recipe_of(case: dict[str, Any]) -> TinyRecipe:
+    recipe = tiny_recipe(case["family"])
+    config = copy.deepcopy(recipe.config)
+    for key, value in case.get("config", {}).items():
+        setattr(config, key, value)
+    return dataclasses.replace(recipe, config=config)
+
+
+def packed_samples(case: dict[str, Any], recipe: TinyRecipe) -> list[dict[str, Tensor]]:
+    """``ROWS * STEPS`` rows of 3-5 packed documents (the layout of :func:`tests.tiny.make_packed_samples`) drawn from
+    the family's ordinary token ids."""
+    samples = make_packed_samples(ROWS * STEPS, SEQ_LEN, borders=case["borders"])
+    token_ids = torch.tensor(recipe.token_ids)
+    return [{**s, "input_ids": token_ids[s["input_ids"] % len(token_ids)]} for s in samples]
+
+
+def reference(case: dict[str, Any], initial: dict[str, Tensor]) -> tuple[list[float], dict[str, Tensor]]:
+    """Plain transformers, one process: every document on its own, token-mean next-token loss, SGD."""
+    model, _ = build_model(recipe_of(case))
+    model.load_state_dict(initial)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    samples, losses = packed_samples(case, recipe_of(case)), []
+    for step in range(STEPS):
+        loss_sum, count = 0.0, 0
+        for sample in samples[step * ROWS : (step + 1) * ROWS]:
+            ids, positions = sample["input_ids"], sample["position_ids"]
+            bounds = [*(positions == 0).nonzero().flatten().tolist(), len(ids)]
+            for start, end in zip(bounds[:-1], bounds[1:]):
+                logits = model(input_ids=ids[None, start:end]).logits[0]
+                loss_sum = loss_sum + F.cross_entropy(logits[:-1], ids[start + 1 : end], reduction="sum")
+                count += end - start - 1
+        loss = loss_sum / count
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def initial_weights(case: dict[str, Any]) -> dict[str, Tensor]:
+    model, _ = build_model(recipe_of(case))
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def train_worker(args: dict[str, Any]) -> dict[str, Any]:
+    world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown deletes it
+    results = {}
+    for name, case in args["cases"].items():
+        recipe = recipe_of(case)
+        model, _ = build_model(recipe)  # the family's attention (eager where it has it), then the saved weights
+        model.load_state_dict(torch.load(Path(args["folder"]) / f"{name}.pt"))
+        module = ZooModule(model, loss_scale=1.0)
+        strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa")
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        loader = DataLoader(packed_samples(case, recipe), batch_size=ROWS, collate_fn=collate, shuffle=False)
+        trainer.fit(module, loader)
+        results[name] = {
+            "losses": module.losses, "params": gathered_parameters(module.model, case["stage"] == 3),
+            "sharded_mixers": module.sharded_mixers,
+        }
+    return results
+
+
+def _run(cases: dict[str, dict[str, Any]], world_size: int) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as folder:
+        for name, case in cases.items():
+            torch.save(initial_weights(case), Path(folder) / f"{name}.pt")
+        return launch("tests.test_hybrid:train_worker", world_size, {"cases": cases, "folder": folder})
+
+
+@pytest.fixture(scope="module")
+def two_rank_results() -> list[dict[str, Any]]:
+    return _run(TWO_RANKS, 2)
+
+
+@pytest.fixture(scope="module")
+def four_rank_results() -> list[dict[str, Any]]:
+    return _run(FOUR_RANKS, 4)
+
+
+def _check(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> None:
+    initial = initial_weights(case)
+    expected_losses, expected = reference(case, initial)
+    initial = {key: initial[key] for key in expected}
+    for rank, result in enumerate(results):
+        got = result[name]
+        assert got["sharded_mixers"] > 0, f"{name}: no token mixer ran head-sharded"
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected_losses), rtol=1e-5, atol=0)
+        error = relative_update_error(initial, expected, got["params"])
+        assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
+
+
+@pytest.mark.parametrize("name", TWO_RANKS)
+def test_two_ranks_equal_single_process(two_rank_results: list[dict[str, Any]], name: str) -> None:
+    _check(two_rank_results, name, TWO_RANKS[name])
+
+
+@pytest.mark.parametrize("name", FOUR_RANKS)
+def test_four_ranks_equal_single_process(four_rank_results: list[dict[str, Any]], name: str) -> None:
+    _check(four_rank_results, name, FOUR_RANKS[name])
