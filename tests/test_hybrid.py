@@ -1,7 +1,7 @@
 """Hybrid models whose token mixers run head-sharded (:mod:`lightning_ulysses.hf.mixers`) train exactly.
 
 One family per sequential kernel (LFM2's short convolution, Mamba2's SSD scan, Jamba's Mamba scan, Qwen3-Next's gated
-delta rule, Kimi delta attention), the zoo's tiny configs (:mod:`tests.zoo_configs`), at sp=2 and sp=4, ZeRO-2 and
+delta rule, Kimi delta attention, MiniMax's lightning attention), the zoo's tiny configs (:mod:`tests.zoo_configs`), at sp=2 and sp=4, ZeRO-2 and
 ZeRO-3, on packed documents whose borders fall on and inside the shard borders, and with head counts that do not
 divide by ``sp_size`` (inert head slots, groups replicated). Each case trains two SGD steps with
 ``UlyssesStrategy`` and compares the losses (rtol 1e-5) and the update (< 1e-4) with one process running every
@@ -39,6 +39,7 @@ TWO_RANKS: dict[str, dict[str, Any]] = {
     "jamba_zero2_packed": dict(family="jamba", sp=2, stage=2, borders=(SEQ_LEN // 2 - 1,)),
     "qwen3_next_zero3_packed": dict(family="qwen3_next", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
     "kimi_linear_zero2_packed": dict(family="kimi_linear", sp=2, stage=2, borders=(SEQ_LEN // 2 + 1,)),
+    "minimax_zero3_packed": dict(family="minimax", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
 }
 FOUR_RANKS: dict[str, dict[str, Any]] = {
     "lfm2_zero2_packed": dict(family="lfm2", sp=4, stage=2, borders=(SEQ_LEN // 4, SEQ_LEN // 2)),

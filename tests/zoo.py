@@ -85,7 +85,7 @@ class ZooEntry:
 # the families whose token mixers outside attention run head-sharded (checked against the sp=2 run), also run at sp=4
 SHARDED_MIXER_FAMILIES = [
     "bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear", "lara_mini",
-    "lfm2", "lfm2_moe", "lfm3", "mamba", "mamba2", "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
+    "lfm2", "lfm2_moe", "lfm3", "mamba", "mamba2", "minimax", "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
     "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "zamba", "zamba2",
 ]
 VARIANT_ENTRIES = [("llama", "rope=dynamic"), ("phi3", "rope=longrope")]

@@ -9,10 +9,12 @@
 """
 
 from lightning_ulysses.hf.mixers.gather import TokenDims, gather_whole_sequence, remove_gather_whole_sequence
-from lightning_ulysses.hf.mixers.hook import kernels_called, remove_sharded_mixers, shard_token_mixers, register_mixer_weights_for_zero3
+from lightning_ulysses.hf.mixers.hook import (
+    kernels_called, register_mixer_weights_for_zero3, remove_sharded_mixers, shard_token_mixers,
+)
 from lightning_ulysses.hf.mixers.kernels import KERNELS, KernelSpec
 
 __all__ = [
-    "KERNELS", "KernelSpec", "TokenDims", "gather_whole_sequence", "kernels_called", "remove_gather_whole_sequence",
-    "remove_sharded_mixers", "shard_token_mixers", "register_mixer_weights_for_zero3",
+    "KERNELS", "KernelSpec", "TokenDims", "gather_whole_sequence", "kernels_called", "register_mixer_weights_for_zero3",
+    "remove_gather_whole_sequence", "remove_sharded_mixers", "shard_token_mixers",
 ]

@@ -96,6 +96,15 @@ class ShardedCore:
             y = self.rows.join(y, batch)
         return select_heads(heads_to_sequence(y, self.group), self.layout.output_slots)
 
+    def gather_state(self, state: Tensor) -> Tensor | None:
+        """A per-head recurrent state of this rank's slots ``[B, h, ...]`` -> ``[B, H, ...]``, every head's, detached
+        (for a layer that returns its final state next to its output); ``None`` for rows cut into documents."""
+        if self.rows is not None:
+            return None
+        states = [torch.empty_like(state) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(states, state.detach().contiguous(), group=self.group)
+        return select_heads(torch.cat(states, dim=1), self.layout.output_slots, dim=1)
+
     def local(self, per_head: Tensor, grouped: bool = False) -> Tensor:
         """This rank's slots of a per-head (or per-group) parameter ``[H or G, ...]``, inert copies included."""
         per_rank = len(self._slots(grouped)) // dist.get_world_size(self.group)

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from lightning_ulysses.attention import documents_of
+from lightning_ulysses.attention import Documents, documents_of
 from lightning_ulysses.hf.mixers.kernels import KERNELS, sharded_kernel
+from lightning_ulysses.hf.mixers.lightning import is_lightning_attention, sharded_lightning_forward
 
 if TYPE_CHECKING:
     from lightning_ulysses.hf.patching import PatchState
@@ -36,14 +37,23 @@ def kernels_called(module: nn.Module) -> dict[str, Any]:
 
 def shard_token_mixers(model: nn.Module, state: PatchState) -> list[str]:
     """Run the sequential kernels of every token mixer inside ``model`` on this rank's heads over the whole sequence
-    (see the module docstring); the names of the modules changed. Idempotent."""
+    (see the module docstring), and lightning attention (:mod:`.lightning`, computed inline by its layer) likewise;
+    the names of the modules changed. Idempotent."""
     names = []
     for name, module in model.named_modules():
+        if "_ulysses_mixer_forward" in module.__dict__:
+            continue
         kernels = kernels_called(module)
-        if kernels and "_ulysses_mixer_forward" not in module.__dict__:
-            module._ulysses_mixer_forward = True
+        if kernels:
             module.forward = _sharded_forward(module, kernels, state)
-            names.append(name)
+        elif is_lightning_attention(module):
+            module.forward = _while_sharded(
+                module, state, sharded_lightning_forward(module, lambda: state.group, _documents(state))
+            )
+        else:
+            continue
+        module._ulysses_mixer_forward = True
+        names.append(name)
     return names
 
 
@@ -68,21 +78,33 @@ def remove_sharded_mixers(model: nn.Module) -> None:
             del module.forward
 
 
+def _documents(state: PatchState) -> Callable[[], Documents | None]:
+    """The documents of the whole rows of the current batch, at call time."""
+    return lambda: None if state.position_ids is None else documents_of(state.position_ids, state.group)
+
+
 def _sharded_forward(module: nn.Module, kernels: dict[str, Any], state: PatchState) -> Any:
+    """The module's own forward, with its kernels pointing at their sharded forms while it runs."""
     forward = module.forward
     namespace = inspect.unwrap(type(module).forward).__globals__
+    sharded = {name: sharded_kernel(name, kernel, lambda: state.group, _documents(state)) for name, kernel in kernels.items()}
 
-    def documents() -> Any:
-        return None if state.position_ids is None else documents_of(state.position_ids, state.group)
+    def with_sharded_kernels(*args: Any, **kwargs: Any) -> Any:
+        with _pointing(namespace, sharded):
+            return forward(*args, **kwargs)
 
-    sharded = {name: sharded_kernel(name, kernel, lambda: state.group, documents) for name, kernel in kernels.items()}
+    return _while_sharded(module, state, with_sharded_kernels)
+
+
+def _while_sharded(module: nn.Module, state: PatchState, sharded: Callable[..., Any]) -> Any:
+    """``sharded`` under sequence parallelism, the module's own forward otherwise (one rank, or unpatched)."""
+    forward = module.forward
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not state.enabled or state.group is None or state.sp_size == 1:
             return forward(*args, **kwargs)
-        with _pointing(namespace, sharded):
-            return forward(*args, **kwargs)
+        return sharded(*args, **kwargs)
 
     return run
 
