@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesStrategy
+from lightning_ulysses.flops import TransformerFlops
 from tests.launch import launch
 from tests.tiny import collate, gathered_parameters, make_packed_samples, relative_update_error
 from tests.zoo import LR, ZooModule, build_model
@@ -51,6 +52,20 @@ FOUR_RANKS: dict[str, dict[str, Any]] = {
     "qwen3_next_zero2_packed_6_heads": dict(family="qwen3_next", sp=4, stage=2, borders=(SEQ_LEN // 4, SEQ_LEN // 2),
                                             config=dict(linear_num_value_heads=6, linear_num_key_heads=3)),
 }
+
+
+class HybridModule(ZooModule):
+    """Also records the attention layers that the FLOP count of :class:`~lightning_ulysses.SequenceParallelMonitor`
+    sees in the patched model."""
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        self.flop_attention_layers = TransformerFlops.from_model(self.model).num_layers
+        return super().training_step(batch, batch_idx)
+
+
+def attention_layers(recipe: TinyRecipe) -> int:
+    """Softmax-attention layers of the config's layer pattern."""
+    return recipe.config.get_text_config().layer_types.count("full_attention")
 
 
 def recipe_of(case: dict[str, Any]) -> TinyRecipe:
@@ -104,7 +119,7 @@ def train_worker(args: dict[str, Any]) -> dict[str, Any]:
         recipe = recipe_of(case)
         model, _ = build_model(recipe)  # the family's attention (eager where it has it), then the saved weights
         model.load_state_dict(torch.load(Path(args["folder"]) / f"{name}.pt"))
-        module = ZooModule(model, loss_scale=1.0)
+        module = HybridModule(model, loss_scale=1.0)
         strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa")
         trainer = L.Trainer(
             accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS, logger=False,
@@ -114,7 +129,7 @@ def train_worker(args: dict[str, Any]) -> dict[str, Any]:
         trainer.fit(module, loader)
         results[name] = {
             "losses": module.losses, "params": gathered_parameters(module.model, case["stage"] == 3),
-            "sharded_mixers": module.sharded_mixers,
+            "sharded_mixers": module.sharded_mixers, "flop_attention_layers": module.flop_attention_layers,
         }
     return results
 
@@ -143,6 +158,7 @@ def _check(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> No
     for rank, result in enumerate(results):
         got = result[name]
         assert got["sharded_mixers"] > 0, f"{name}: no token mixer ran head-sharded"
+        assert got["flop_attention_layers"] == attention_layers(recipe_of(case)), "FLOPs count mixers as attention"
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected_losses), rtol=1e-5, atol=0)
         error = relative_update_error(initial, expected, got["params"])
         assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
