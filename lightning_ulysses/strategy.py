@@ -98,9 +98,10 @@ class UlyssesStrategy(DeepSpeedStrategy):
         activation_checkpointing: keep only each decoder layer's inputs, recompute the layer in the backward.
         offload_activations: keep those inputs in CPU memory (pinned) instead of on the GPU.
         sequence_mixers: what to do with token mixers other than attention (convolutions over the sequence, linear
-            attention, state-space layers), which the set-up check finds: ``"refuse"`` the model (default), or
-            ``"gather"``: run each on the whole sequence on every rank (exact, at ``sp_size`` times their compute and
-            with their activations at full length; see :mod:`lightning_ulysses.hf.mixers`).
+            attention, state-space layers) that have no head-sharded form (those of transformers' hybrid families
+            have one and always use it, see :mod:`lightning_ulysses.hf.mixers`) and that the set-up check finds:
+            ``"refuse"`` the model (default), or ``"gather"``: run each on the whole sequence on every rank (exact, at
+            ``sp_size`` times their compute and with their activations at full length).
         **deepspeed_strategy_kwargs: anything :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`
             takes (``stage``, ``config``, offload options, ...).
     """

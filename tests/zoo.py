@@ -443,9 +443,10 @@ def markdown_page(results: dict[str, Outcome]) -> str:
         "its features on (sliding windows, MoE, MLA, ...; `tests/zoo_configs.py`), trained one step with "
         "`UlyssesStrategy(sp_size=2)` and compared with one process of the plain model on the whole sequence. "
         "**PASS**: same loss (rtol 1e-5) and same weight update (relative error < 1e-4, or 10x the plain model's own "
-        "eager-vs-SDPA difference where that is larger: deep Gemma 4 stacks amplify float rounding to 9e-5). "
-        "**GATHER**: refused by default for token mixers outside attention (convolutions, linear attention, state-space "
-        "layers), and exact with `UlyssesStrategy(sequence_mixers=\"gather\")`, which runs those layers on the whole "
+        "eager-vs-SDPA difference where that is larger: deep Gemma 4 stacks amplify float rounding to 9e-5); the "
+        "hybrid families whose token mixers run head-sharded (`docs/hybrid-models.md`) pass at sp_size=4 too. "
+        "**GATHER**: refused by default for token mixers outside attention that have no sharded form, and exact "
+        "with `UlyssesStrategy(sequence_mixers=\"gather\")`, which runs those layers on the whole "
         "sequence on every rank (sp_size times their compute). "
         "**REFUSED**: the strategy refuses the model at set-up, for the reason given (the layer, then why). "
         "Anything else is a bug.",
