@@ -59,6 +59,8 @@ class PatchState:
     """``False`` inside :func:`unpatched`: the model runs as plain transformers."""
     depth: int = 0
     """Nesting of patched forwards (a vision-language model calls its language model): the outermost one reads the batch."""
+    sharded_mixers: bool = False
+    """Token mixers run head-sharded (:mod:`lightning_ulysses.hf.mixers`): their document rows are planned per batch."""
     gather_mixers: bool = False
     """Run token mixers other than attention on the whole sequence (:mod:`lightning_ulysses.hf.mixers`) instead of
     refusing the model."""
@@ -109,7 +111,9 @@ def apply_ulysses_attention(
         _log_head_layout(hf_model, sp_size)
         state = PatchState(group, core, sp_size, gather_mixers=sequence_mixers == "gather")
         _patch(hf_model, state)
-        _log_sharded_mixers(hf_model, shard_token_mixers(hf_model, state), sp_size)
+        sharded = shard_token_mixers(hf_model, state)
+        state.sharded_mixers = bool(sharded)
+        _log_sharded_mixers(hf_model, sharded, sp_size)
         try:
             check_model(hf_model, state)
         except BaseException:
@@ -239,6 +243,10 @@ def _read_batch_layout(kwargs: dict[str, Any], state: PatchState, model: PreTrai
         check_foldable_attention_mask(mask, position_ids, state.group)
     state.position_ids = position_ids
     plan_batch(position_ids, state.group, state.core, _layer_patterns(model))
+    if state.sharded_mixers:
+        from lightning_ulysses.hf.mixers import plan_document_rows
+
+        plan_document_rows(position_ids, state.group)
     if state.agree_tokens:
         from lightning_ulysses.memory import agree_max_tokens
 

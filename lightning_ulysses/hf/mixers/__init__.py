@@ -8,6 +8,7 @@
   whole sequence on every rank.
 """
 
+from lightning_ulysses.hf.mixers.core import plan_document_rows
 from lightning_ulysses.hf.mixers.gather import TokenDims, gather_whole_sequence, remove_gather_whole_sequence
 from lightning_ulysses.hf.mixers.hook import (
     kernels_called, register_mixer_weights_for_zero3, remove_sharded_mixers, shard_token_mixers,
@@ -15,6 +16,6 @@ from lightning_ulysses.hf.mixers.hook import (
 from lightning_ulysses.hf.mixers.kernels import KERNELS, KernelSpec
 
 __all__ = [
-    "KERNELS", "KernelSpec", "TokenDims", "gather_whole_sequence", "kernels_called", "register_mixer_weights_for_zero3",
+    "KERNELS", "KernelSpec", "TokenDims", "gather_whole_sequence", "kernels_called", "plan_document_rows", "register_mixer_weights_for_zero3",
     "remove_gather_whole_sequence", "remove_sharded_mixers", "shard_token_mixers",
 ]

@@ -20,7 +20,8 @@ of a row of several documents are cut into one row per document (zero-padded at 
 kernels never read the padding into a real token) and put back after the kernel, so any kernel, the torch
 fallbacks included, computes each document exactly as if it ran alone. Each document's row costs up to the
 longest document's length: ``num_documents * longest`` tokens per head slot, held only inside the kernel.
-The index plan is built once per batch from the documents the attention layers already found (no host sync).
+The index plan is built once per batch, before the first layer, from the documents the attention layers use
+(:func:`plan_document_rows`; no host sync inside a layer).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_ulysses.attention import Documents, heads_to_sequence, sequence_to_heads
+from lightning_ulysses.attention import Documents, documents_of, heads_to_sequence, sequence_to_heads
 from lightning_ulysses.heads import HeadLayout, plan_heads, select_heads
 
 
@@ -53,7 +54,7 @@ class DocumentRows:
         total, count, longest = documents.starts.numel(), len(documents.offsets) - 1, documents.max_seqlen
         steps = torch.arange(longest, device=device)
         to_rows = torch.where(steps < lengths[:, None], starts[:, None] + steps, total).flatten()
-        document = torch.repeat_interleave(torch.arange(count, device=device), lengths)
+        document = torch.repeat_interleave(torch.arange(count, device=device), lengths, output_size=total)
         to_tokens = document * longest + torch.arange(total, device=device) - starts[document]
         return cls(to_rows, to_tokens, count, longest)
 
@@ -66,6 +67,14 @@ class DocumentRows:
     def join(self, x: Tensor, batch: int) -> Tensor:
         """``[D, L, ...] -> [B, N, ...]``."""
         return x.flatten(0, 1).index_select(0, self.to_tokens).unflatten(0, (batch, -1))
+
+
+def plan_document_rows(position_ids: Tensor, group: ProcessGroup | None) -> None:
+    """Find the documents of a batch and, for packed rows, the :class:`DocumentRows` plan, before the first layer
+    (collective over ``group``; the one host sync of finding the documents), so that no mixer layer syncs."""
+    documents = documents_of(position_ids, group)
+    if not documents.one_per_row:
+        documents.plan(DocumentRows, DocumentRows.of)
 
 
 class ShardedCore:
