@@ -3,7 +3,8 @@
 A token mixer is recognised by what its ``forward`` calls: a module whose forward looks up one of the sequential
 kernels of :data:`~lightning_ulysses.hf.mixers.kernels.KERNELS` in its modeling module. While such a module runs
 under sequence parallelism, the kernel names in its modeling module point at their sharded forms, and back
-afterwards; everything else in its forward (projections, gates, norms) runs unchanged on this rank's tokens. The
+afterwards; everything else in its forward (projections, gates, norms) runs unchanged on this rank's tokens. A layer
+built like lightning attention, which has no kernel function, runs :mod:`.lightning`'s head-sharded forward. The
 set-up check then compares the model with the plain one on the whole sequence: a mixer the kernels do not make
 exact (a mixing step of its own outside them) is found and refused, or gathered with ``sequence_mixers="gather"``.
 """
@@ -87,7 +88,9 @@ def _sharded_forward(module: nn.Module, kernels: dict[str, Any], state: PatchSta
     """The module's own forward, with its kernels pointing at their sharded forms while it runs."""
     forward = module.forward
     namespace = inspect.unwrap(type(module).forward).__globals__
-    sharded = {name: sharded_kernel(name, kernel, lambda: state.group, _documents(state)) for name, kernel in kernels.items()}
+    sharded = {
+        name: sharded_kernel(name, kernel, lambda: state.group, _documents(state)) for name, kernel in kernels.items()
+    }
 
     def with_sharded_kernels(*args: Any, **kwargs: Any) -> Any:
         with _pointing(namespace, sharded):

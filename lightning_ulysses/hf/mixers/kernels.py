@@ -1,7 +1,7 @@
 """The sequential kernels of transformers' hybrid models, and how each one is sharded by heads.
 
-transformers (5.x) calls every token mixer's sequential part through a few module-level kernel functions, each a
-hub kernel with a torch fallback (``causal_conv1d_fn``, ``mamba2_chunk_scan``, ``mamba_selective_scan``,
+transformers (5.x) calls every token mixer's sequential part through a few module-level kernel functions, each
+a hub kernel with a torch fallback (``causal_conv1d_fn``, ``mamba2_chunk_scan``, ``mamba_selective_scan``,
 ``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``); the projections, gates and norms around them act per token. A
 :class:`KernelSpec` says, for one such function, where its per-token streams keep their heads, which inputs are
 shared by groups of heads and which are per-head weights; :func:`sharded_kernel` turns the function into one that
@@ -111,13 +111,8 @@ def sharded_kernel(
                 "and trains without a cache."
             )
         extra = {key: value for key, value in extra.items() if value is not None}
-        heads = arguments[spec.head_count[0]].shape[spec.head_count[1]]
-        groups = 1 if spec.group_count is None and spec.grouped else (
-            heads if spec.group_count is None else arguments[spec.group_count[0]].shape[spec.group_count[1]]
-        )
-        core = ShardedCore(group(), heads, groups, documents())
-        first = arguments[next(iter(spec.heads))]
-        batch = first.shape[0]
+        batch = arguments[spec.head_count[0]].shape[0]
+        core = ShardedCore(group(), *_head_counts(spec, arguments), documents())
         for streams, grouped in ((spec.heads, False), (spec.grouped, True)):
             for key, layout in streams.items():
                 if isinstance(arguments.get(key), Tensor):
@@ -131,3 +126,14 @@ def sharded_kernel(
         return (output, None) if spec.returns_state else output
 
     return call
+
+
+def _head_counts(spec: KernelSpec, arguments: dict[str, Any]) -> tuple[int, int]:
+    """``(heads, groups)`` of one call: the groups are the heads themselves when nothing is shared, one when the
+    shared inputs have no head axis (Mamba's B and C)."""
+    heads = arguments[spec.head_count[0]].shape[spec.head_count[1]]
+    if not spec.grouped:
+        return heads, heads
+    if spec.group_count is None:
+        return heads, 1
+    return heads, arguments[spec.group_count[0]].shape[spec.group_count[1]]
