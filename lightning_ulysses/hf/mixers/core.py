@@ -69,12 +69,16 @@ class DocumentRows:
         return x.flatten(0, 1).index_select(0, self.to_tokens).unflatten(0, (batch, -1))
 
 
+def document_rows(documents: Documents | None) -> DocumentRows | None:
+    """The rows of one document each of packed ``documents`` (built once, kept with them); ``None`` when every row
+    is one document."""
+    return None if documents is None or documents.one_per_row else documents.plan(DocumentRows, DocumentRows.of)
+
+
 def plan_document_rows(position_ids: Tensor, group: ProcessGroup | None) -> None:
-    """Find the documents of a batch and, for packed rows, the :class:`DocumentRows` plan, before the first layer
-    (collective over ``group``; the one host sync of finding the documents), so that no mixer layer syncs."""
-    documents = documents_of(position_ids, group)
-    if not documents.one_per_row:
-        documents.plan(DocumentRows, DocumentRows.of)
+    """Find the documents of a batch and their :func:`document_rows` before the first layer (collective over
+    ``group``; the one host sync of finding the documents), so that no mixer layer syncs."""
+    document_rows(documents_of(position_ids, group))
 
 
 class ShardedCore:
@@ -86,9 +90,7 @@ class ShardedCore:
     def __init__(self, group: ProcessGroup, num_heads: int, num_groups: int, documents: Documents | None) -> None:
         self.group, self.rank, sp_size = group, dist.get_rank(group), dist.get_world_size(group)
         self.layout: HeadLayout = plan_heads(num_heads, num_groups, sp_size)
-        self.rows = None if documents is None or documents.one_per_row else documents.plan(
-            DocumentRows, DocumentRows.of
-        )
+        self.rows = document_rows(documents)
 
     def _slots(self, grouped: bool) -> tuple[int, ...]:
         return self.layout.kv_slots if grouped else self.layout.query_slots
