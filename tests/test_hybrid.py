@@ -43,7 +43,9 @@ TWO_RANKS: dict[str, dict[str, Any]] = {
     "minimax_zero3_packed": dict(family="minimax", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
 }
 FOUR_RANKS: dict[str, dict[str, Any]] = {
-    "lfm2_zero2_packed": dict(family="lfm2", sp=4, stage=2, borders=(SEQ_LEN // 4, SEQ_LEN // 2)),
+    # 70 channels over 4 ranks: 18 channel slots per rank, 2 of them inert (and 5 attention heads, 1 key/value head)
+    "lfm2_zero2_packed_70_channels": dict(family="lfm2", sp=4, stage=2, borders=(SEQ_LEN // 4, SEQ_LEN // 2),
+                                          config=dict(hidden_size=70, num_attention_heads=5, num_key_value_heads=1)),
     # 2 heads over 4 ranks: two inert head slots
     "mamba2_zero3_packed_2_heads": dict(family="mamba2", sp=4, stage=3, borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 4),
                                         config=dict(num_heads=2, head_dim=64)),
