@@ -2,7 +2,7 @@
 
 One family per sequential kernel (LFM2's short convolution, Mamba2's SSD scan, Jamba's Mamba scan, Qwen3-Next's gated
 delta rule, Kimi delta attention, MiniMax's lightning attention), the zoo's tiny configs (:mod:`tests.zoo_configs`), at sp=2 and sp=4, ZeRO-2 and
-ZeRO-3, on packed documents whose borders fall on and inside the shard borders, and with head counts that do not
+ZeRO-3, dp=2 x sp=2, on packed documents whose borders fall on and inside the shard borders, and with head counts that do not
 divide by ``sp_size`` (inert head slots, groups replicated). Each case trains two SGD steps with
 ``UlyssesStrategy`` and compares the losses (rtol 1e-5) and the update (< 1e-4) with one process running every
 document of the plain model on its own. The zoo (:mod:`tests.test_zoo`) covers every family at sp=2 and sp=4 on
@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from lightning_ulysses import UlyssesStrategy
 from lightning_ulysses.flops import TransformerFlops
 from tests.launch import launch
-from tests.tiny import collate, gathered_parameters, make_packed_samples, relative_update_error
+from tests.tiny import collate, epoch_order, gathered_parameters, make_packed_samples, relative_update_error
 from tests.zoo import LR, ZooModule, build_model
 from tests.zoo_configs import SEQ_LEN, TinyRecipe, tiny_recipe
 
@@ -50,6 +50,7 @@ FOUR_RANKS: dict[str, dict[str, Any]] = {
     "mamba2_zero3_packed_2_heads": dict(family="mamba2", sp=4, stage=3, borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 4),
                                         config=dict(num_heads=2, head_dim=64)),
     "jamba_zero3_packed": dict(family="jamba", sp=4, stage=3, borders=(SEQ_LEN // 2, SEQ_LEN // 4 + 3)),
+    "qwen3_next_dp2_sp2_zero3_packed": dict(family="qwen3_next", sp=2, dp=2, stage=3, borders=(SEQ_LEN // 2,)),
     # 6 value heads reading 3 key heads over 4 ranks: 2 value heads per rank, key heads split across ranks
     "qwen3_next_zero2_packed_6_heads": dict(family="qwen3_next", sp=4, stage=2, borders=(SEQ_LEN // 4, SEQ_LEN // 2),
                                             config=dict(linear_num_value_heads=6, linear_num_key_heads=3)),
@@ -79,34 +80,46 @@ def recipe_of(case: dict[str, Any]) -> TinyRecipe:
 
 
 def packed_samples(case: dict[str, Any], recipe: TinyRecipe) -> list[dict[str, Tensor]]:
-    """``ROWS * STEPS`` rows of 3-5 packed documents (the layout of :func:`tests.tiny.make_packed_samples`) drawn from
-    the family's ordinary token ids."""
-    samples = make_packed_samples(ROWS * STEPS, SEQ_LEN, borders=case["borders"])
+    """``ROWS * STEPS * dp`` rows of 3-5 packed documents (the layout of :func:`tests.tiny.make_packed_samples`) drawn
+    from the family's ordinary token ids."""
+    samples = make_packed_samples(ROWS * STEPS * case.get("dp", 1), SEQ_LEN, borders=case["borders"])
     token_ids = torch.tensor(recipe.token_ids)
     return [{**s, "input_ids": token_ids[s["input_ids"] % len(token_ids)]} for s in samples]
 
 
-def reference(case: dict[str, Any], initial: dict[str, Tensor]) -> tuple[list[float], dict[str, Tensor]]:
-    """Plain transformers, one process: every document on its own, token-mean next-token loss, SGD."""
+def reference(case: dict[str, Any], initial: dict[str, Tensor]) -> tuple[list[list[float]], dict[str, Tensor]]:
+    """Plain transformers, one process: every document on its own, token-mean next-token loss of each DP group's batch
+    (its rows as Lightning's distributed sampler deals them, :func:`tests.tiny.epoch_order`), averaged over the DP
+    groups, SGD. Returns each DP group's step losses and the final weights."""
     model, _ = build_model(recipe_of(case))
     model.load_state_dict(initial)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    samples, losses = packed_samples(case, recipe_of(case)), []
+    dp = case.get("dp", 1)
+    samples = packed_samples(case, recipe_of(case))
+    losses: list[list[float]] = [[] for _ in range(dp)]
     for step in range(STEPS):
-        loss_sum, count = 0.0, 0
-        for sample in samples[step * ROWS : (step + 1) * ROWS]:
-            ids, positions = sample["input_ids"], sample["position_ids"]
-            bounds = [*(positions == 0).nonzero().flatten().tolist(), len(ids)]
-            for start, end in zip(bounds[:-1], bounds[1:]):
-                logits = model(input_ids=ids[None, start:end]).logits[0]
-                loss_sum = loss_sum + F.cross_entropy(logits[:-1], ids[start + 1 : end], reduction="sum")
-                count += end - start - 1
-        loss = loss_sum / count
-        loss.backward()
+        total = 0.0
+        for dp_rank in range(dp):
+            rows = epoch_order(samples, dp, dp_rank, epoch=0)[step * ROWS : (step + 1) * ROWS]
+            loss = _document_loss(model, rows)
+            total = total + loss / dp
+            losses[dp_rank].append(loss.item())
+        total.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _document_loss(model: torch.nn.Module, rows: list[dict[str, Tensor]]) -> Tensor:
+    loss_sum, count = 0.0, 0
+    for sample in rows:
+        ids, positions = sample["input_ids"], sample["position_ids"]
+        bounds = [*(positions == 0).nonzero().flatten().tolist(), len(ids)]
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            logits = model(input_ids=ids[None, start:end]).logits[0]
+            loss_sum = loss_sum + F.cross_entropy(logits[:-1], ids[start + 1 : end], reduction="sum")
+            count += end - start - 1
+    return loss_sum / count
 
 
 def initial_weights(case: dict[str, Any]) -> dict[str, Tensor]:
@@ -132,6 +145,7 @@ def train_worker(args: dict[str, Any]) -> dict[str, Any]:
         results[name] = {
             "losses": module.losses, "params": gathered_parameters(module.model, case["stage"] == 3),
             "sharded_mixers": module.sharded_mixers, "flop_attention_layers": module.flop_attention_layers,
+            "dp_rank": strategy.dp_rank,
         }
     return results
 
@@ -155,14 +169,15 @@ def four_rank_results() -> list[dict[str, Any]]:
 
 def _check(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> None:
     initial = initial_weights(case)
-    expected_losses, expected = reference(case, initial)
-    initial = {key: initial[key] for key in expected}
+    expected_losses, weights = reference(case, initial)
+    initial = {key: initial[key] for key in weights}
     for rank, result in enumerate(results):
         got = result[name]
         assert got["sharded_mixers"] > 0, f"{name}: no token mixer ran head-sharded"
         assert got["flop_attention_layers"] == attention_layers(recipe_of(case)), "FLOPs count mixers as attention"
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected_losses), rtol=1e-5, atol=0)
-        error = relative_update_error(initial, expected, got["params"])
+        expected = expected_losses[got["dp_rank"]]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected), rtol=1e-5, atol=0)
+        error = relative_update_error(initial, weights, got["params"])
         assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
 
 
