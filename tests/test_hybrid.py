@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesStrategy
 from lightning_ulysses.flops import TransformerFlops
+from lightning_ulysses.hf.mixers.kernels import FUSED_LAYER_KERNELS
 from tests.launch import launch
 from tests.tiny import collate, epoch_order, gathered_parameters, make_packed_samples, relative_update_error
 from tests.zoo import LR, ZooModule, build_model
@@ -36,8 +38,9 @@ ROWS, STEPS = 2, 2
 # name -> case: family, sp, ZeRO stage, document borders forced on even rows (random ones besides), config overrides
 TWO_RANKS: dict[str, dict[str, Any]] = {
     "lfm2_zero3_packed": dict(family="lfm2", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
-    "mamba2_zero3_packed": dict(family="mamba2", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
-    "jamba_zero2_packed": dict(family="jamba", sp=2, stage=2, borders=(SEQ_LEN // 2 - 1,)),
+    # as if mamba_ssm were installed: the training-only fused-layer kernel must not run on a shard
+    "mamba2_zero3_packed_fused_kernel": dict(family="mamba2", sp=2, stage=3, borders=(SEQ_LEN // 2,), fused=True),
+    "jamba_zero2_packed_fused_kernel": dict(family="jamba", sp=2, stage=2, borders=(SEQ_LEN // 2 - 1,), fused=True),
     "qwen3_next_zero3_packed": dict(family="qwen3_next", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
     "kimi_linear_zero2_packed": dict(family="kimi_linear", sp=2, stage=2, borders=(SEQ_LEN // 2 + 1,)),
     "minimax_zero3_packed": dict(family="minimax", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
@@ -127,11 +130,20 @@ def initial_weights(case: dict[str, Any]) -> dict[str, Tensor]:
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
+def _fused_layer_kernel(*args: Any, **kwargs: Any) -> Tensor:
+    raise AssertionError("a fused whole-layer Mamba kernel ran on this rank's shard under sequence parallelism")
+
+
 def train_worker(args: dict[str, Any]) -> dict[str, Any]:
     world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown deletes it
     results = {}
     for name, case in args["cases"].items():
         recipe = recipe_of(case)
+        if case.get("fused"):  # mamba_ssm's fused layer kernel, which the layer calls first in training
+            modeling = sys.modules[recipe.model_class.__module__]
+            for kernel in FUSED_LAYER_KERNELS:
+                if hasattr(modeling, kernel):
+                    setattr(modeling, kernel, _fused_layer_kernel)
         model, _ = build_model(recipe)  # the family's attention (eager where it has it), then the saved weights
         model.load_state_dict(torch.load(Path(args["folder"]) / f"{name}.pt"))
         module = HybridModule(model, loss_scale=1.0)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from lightning_ulysses.attention import Documents, documents_of
-from lightning_ulysses.hf.mixers.kernels import KERNELS, sharded_kernel
+from lightning_ulysses.hf.mixers.kernels import FUSED_LAYER_KERNELS, KERNELS, sharded_kernel
 from lightning_ulysses.hf.mixers.lightning import is_lightning_attention, sharded_lightning_forward
 
 if TYPE_CHECKING:
@@ -28,12 +28,17 @@ if TYPE_CHECKING:
 
 
 def kernels_called(module: nn.Module) -> dict[str, Any]:
-    """The sequential kernels (name -> function) that ``module``'s forward calls from its modeling module."""
+    """The sequential kernels (name -> function) that ``module``'s forward calls from its modeling module, the fused
+    whole-layer kernels among them (:data:`~lightning_ulysses.hf.mixers.kernels.FUSED_LAYER_KERNELS`) when it calls
+    separate ones too."""
     forward = inspect.unwrap(type(module).forward)
     code, namespace = getattr(forward, "__code__", None), getattr(forward, "__globals__", {})
     if code is None:
         return {}
-    return {name: namespace[name] for name in code.co_names if name in KERNELS and callable(namespace.get(name))}
+    called = {name: namespace[name] for name in code.co_names if callable(namespace.get(name))}
+    if not any(name in KERNELS for name in called):
+        return {}
+    return {name: kernel for name, kernel in called.items() if name in KERNELS or name in FUSED_LAYER_KERNELS}
 
 
 def shard_token_mixers(model: nn.Module, state: PatchState) -> list[str]:

@@ -89,11 +89,25 @@ KERNELS: dict[str, KernelSpec] = {
 }
 
 
+FUSED_LAYER_KERNELS = ("mamba2_split_conv1d_scan_combined", "mamba_inner_fn")
+"""Kernels that compute a whole Mamba / Mamba2 layer at once (projection, convolution, scan, out-projection), which
+the layer calls first in training when ``mamba_ssm`` is installed; their torch fallback returns ``None`` and the
+layer then runs its separate kernels. Under sequence parallelism they would see this rank's shard alone, so their
+sharded form returns ``None``: the layer takes the separate, sharded kernels (the set-up check, in eval mode, never
+reaches this training-only branch)."""
+
+
+def _no_fused_layer(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 def sharded_kernel(
     name: str, kernel: Callable[..., Any], group: Callable[[], ProcessGroup], documents: Callable[[], Documents | None]
 ) -> Callable[..., Any]:
     """``kernel`` (the function transformers calls as ``name``) taking this rank's shard of the sequence; ``group``
     and ``documents`` give, at call time, the SP group and the documents of the whole rows."""
+    if name in FUSED_LAYER_KERNELS:
+        return _no_fused_layer
     spec = KERNELS[name]
     signature = inspect.signature(kernel)
 
