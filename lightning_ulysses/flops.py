@@ -14,6 +14,13 @@ group's FLOPs, linear and attention alike; counting the ``n^2`` term on a rank's
 would under-count it ``sp`` times. Embedding lookups, norms, activations and the softmax are not
 counted (the convention of PaLM's MFU and of torchtitan).
 
+Hybrid models: the attention term counts the softmax-attention layers only (those the set-up check planned, on a
+patched model); their token mixers' projections are ``nn.Linear`` weights and counted like any other, but the
+sequential kernels between them (depthwise convolutions, Mamba scans, delta rules, lightning attention) are not:
+they are linear in the sequence length and, for the shipped families, small next to the projections (a short
+convolution costs ``2 * kernel_size`` FLOPs per channel and token, against ``2 * hidden_size`` per output channel
+of a projection), so MFU slightly under-states the work of a hybrid model.
+
 MFU divides by the device's *dense* peak (:func:`dense_peak_flops`): NVIDIA's datasheets print the tensor-core
 figures with 2:4 structured sparsity, twice what a dense matrix product can reach.
 """
@@ -55,21 +62,29 @@ class TransformerFlops:
     matmul_params: int
     """Weights of every ``nn.Linear`` (attention projections, MLP, LM head)."""
     num_layers: int
+    """Softmax-attention layers (all decoder layers of a pure transformer)."""
     attention_dim: int
     """``num_attention_heads * head_dim``: the width of ``q . k`` and ``p @ v`` over all query heads."""
 
     @classmethod
     def from_model(cls, model: PreTrainedModel) -> TransformerFlops:
         """Read the dimensions from a transformers model. Under ZeRO-3 the full (not partitioned) weight
-        sizes are used. Mixture-of-experts models would be over-counted (every expert counts)."""
+        sizes are used. Mixture-of-experts models would be over-counted (every expert counts). On a model patched by
+        :func:`~lightning_ulysses.apply_ulysses_attention` the attention layers are those it planned (a hybrid's
+        convolution, state-space and linear-attention layers are not), else every decoder layer."""
         config = model.config.get_text_config()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         matmul_params = sum(
             getattr(module.weight, "ds_numel", module.weight.numel())
             for module in model.modules()
             if isinstance(module, nn.Linear)
         )
-        return cls(matmul_params, config.num_hidden_layers, config.num_attention_heads * head_dim)
+        patched = "_ulysses_original_attn" in model.__dict__
+        attention_layers = sum("_ulysses_plan" in m.__dict__ for m in model.modules()) if patched else None
+        num_layers = config.num_hidden_layers if attention_layers is None else attention_layers
+        if num_layers == 0:  # a state-space model: no attention heads to read
+            return cls(matmul_params, 0, 0)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(matmul_params, num_layers, config.num_attention_heads * head_dim)
 
     def batch_flops(self, position_ids: Tensor) -> int:
         """Training FLOPs of one batch of whole sequences, ``position_ids [B, N]`` (padding included:

@@ -63,6 +63,7 @@ from lightning_ulysses.failures import Heartbeat, NonFiniteLoss, NonFiniteLossGu
 from lightning_ulysses.loss import STEP_TOKENS_KEY, StepTokenCounts
 from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
 from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses.hf.mixers import register_mixer_weights_for_zero3
 from lightning_ulysses.preemption import PreemptionSignals
 from lightning_ulysses.resume import (
     ResumableLoader, check_accumulation_windows, is_resumable, rewind_to_step_boundary,
@@ -105,9 +106,10 @@ class UlyssesStrategy(DeepSpeedStrategy):
         activation_checkpointing: keep only each decoder layer's inputs, recompute the layer in the backward.
         offload_activations: keep those inputs in CPU memory (pinned) instead of on the GPU.
         sequence_mixers: what to do with token mixers other than attention (convolutions over the sequence, linear
-            attention, state-space layers), which the set-up check finds: ``"refuse"`` the model (default), or
-            ``"gather"``: run each on the whole sequence on every rank (exact, at ``sp_size`` times their compute and
-            with their activations at full length; see :mod:`lightning_ulysses.hf.mixers`).
+            attention, state-space layers) that have no head-sharded form (those of transformers' hybrid families
+            have one and always use it, see :mod:`lightning_ulysses.hf.mixers`) and that the set-up check finds:
+            ``"refuse"`` the model (default), or ``"gather"``: run each on the whole sequence on every rank (exact, at
+            ``sp_size`` times their compute and with their activations at full length).
         **deepspeed_strategy_kwargs: anything :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`
             takes (``stage``, ``config``, offload options, ...).
     """
@@ -290,6 +292,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         assert self.lightning_module is not None
+        if self.config.get("zero_optimization", {}).get("stage", 0) == 3:
+            register_mixer_weights_for_zero3(self.lightning_module)
         super().setup(trainer)
         # after DeepSpeed's engine exists: the set-up check runs a short forward (ZeRO-3 gathers the weights for it)
         apply_ulysses_attention(

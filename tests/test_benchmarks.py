@@ -1,4 +1,5 @@
-"""The benchmarks: a shortened compare_alst run (CPU, 2 processes) and the CPU-free parts of gpu_long_context."""
+"""The benchmarks: a shortened compare_alst run (CPU, 2 processes), a short mixer_cost run, and the CPU-free parts of
+gpu_long_context."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from benchmarks import compare_alst, gpu_long_context, ring
+from benchmarks import compare_alst, gpu_long_context, mixer_cost, ring
 from benchmarks.compare_alst import BenchmarkConfig
 from benchmarks.gpu_long_context import LongContextConfig, flops_per_token, llama_config, parameter_counts
 
@@ -42,6 +43,17 @@ def test_ring_benchmark_counts_the_formulas() -> None:
         assert layout["measured"] == layout["expected"]
     sent = {r: max(m["to_other_ranks"] for m in layout["measured"]) for r, layout in table.items()}
     assert sent[4] < sent[1] and sent[2] <= sent[1]
+
+
+def test_mixer_cost_counts_the_formula(tmp_path: Path) -> None:
+    """Every head-sharded mixer layer sends exactly the formula's all-to-all bytes and keeps half its activations per
+    rank at sp=2 (as documented in docs/hybrid-models.md)."""
+    rows = mixer_cost.main(["--sp", "2", "--tokens", "32", "--output", str(tmp_path / "cost.md")])
+    assert len(rows) == len(mixer_cost.MIXERS)
+    for row in rows:
+        assert row["measured"] == row["formula"] > 0, row
+        assert 0.45 < row["saved_ratio"] < 0.6, row
+    assert "| `Qwen3NextGatedDeltaNet` |" in (tmp_path / "cost.md").read_text()
 
 
 def test_compare_alst_refuses_steps_the_adapter_would_hang_on() -> None:

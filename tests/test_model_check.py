@@ -208,6 +208,10 @@ class CausalCumulativeMean(nn.Module):
         return hidden_states.cumsum(dim=1) / counts
 
 
+def _recurrent_gemma() -> PreTrainedModel:
+    return tiny_model("recurrent_gemma", use_cache=False, attention_window_size=8)  # two recurrent (RG-LRU) layers
+
+
 def _llama_with_a_mixer() -> PreTrainedModel:
     model = tiny_model("llama")
     model.model.layers[1].mlp = nn.Sequential(model.model.layers[1].mlp, CausalCumulativeMean())
@@ -224,12 +228,15 @@ SP_CASES: dict[str, Any] = {  # the sequence (SEQ=40) runs beyond the original m
     "attention_sinks": lambda: tiny_model("gpt_oss", **GPT_OSS),
     "chunked_attention": lambda: tiny_model("llama4_text", **{**LLAMA4, "attn_temperature_tuning": False}),
     "local_index_scale": lambda: tiny_model("llama4_text", **LLAMA4),  # temperature tuning scales q by local index
-    "short_convolution": lambda: tiny_model("lfm2", layer_types=["conv", "full_attention"]),
+    "short_convolution": lambda: tiny_model("lfm2", layer_types=["conv", "full_attention"]),  # a known mixer: sharded
+    "recurrent_block": _recurrent_gemma,  # RG-LRU: no sharded form
     "user_written_mixer": _llama_with_a_mixer,
-    "short_convolution_gathered": lambda: tiny_model("lfm2", layer_types=["conv", "full_attention"]),
+    "recurrent_block_gathered": _recurrent_gemma,
     "user_written_mixer_gathered": _llama_with_a_mixer,
 }
-GATHERED = {"short_convolution_gathered", "user_written_mixer_gathered"}  # run with sequence_mixers="gather"
+GATHERED = {"recurrent_block_gathered", "user_written_mixer_gathered"}  # run with sequence_mixers="gather"
+# compared with each document on its own: mask no packed documents (gpt-oss, Llama4) or reset a mixer's state at them
+PER_DOCUMENT = {"attention_sinks", "chunked_attention", "local_index_scale", "short_convolution"}
 
 
 def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
@@ -239,8 +246,8 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
         model = factory()
         ids, positions = packed_ids_and_positions()
         # the plain model on the whole batch: transformers masks the packed documents, and length-dependent RoPE reads
-        # the largest position of the batch (gpt-oss and Llama4 mask no packed documents: each document alone)
-        if name in ("attention_sinks", "chunked_attention", "local_index_scale"):
+        # the largest position of the batch (PER_DOCUMENT: each document alone)
+        if name in PER_DOCUMENT:
             expected = plain_logits(model, ids, positions)
         else:
             expected = model(input_ids=ids, position_ids=positions, use_cache=False).logits
@@ -264,6 +271,7 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
             "grad_error": max(relative_error(grads[n], g) for n, g in expected_grads.items() if g.norm() > 0),
             "whole_sequence_rotary": [n for n, m in model.named_modules() if "_ulysses_rotary_hooks" in m.__dict__],
             "gathered": [n for n, m in model.named_modules() if "_ulysses_gather_hooks" in m.__dict__],
+            "sharded": [n for n, m in model.named_modules() if "_ulysses_mixer_forward" in m.__dict__],
         }
     dist.destroy_process_group()
     return results
@@ -294,7 +302,8 @@ def test_sinks_and_chunks_run_exactly_across_ranks(sp_results: list[dict[str, An
     [
         ("local_index_scale", r"model\.layers\.1\.self_attn \(Llama4TextAttention\): builds token indices from the "
                               r"length of its input \(torch\.arange at modeling_llama4\.py:\d+\)"),
-        ("short_convolution", r"model\.layers\.0\.conv \(Lfm2ShortConv\): changes its output when the sequence is split"),
+        ("recurrent_block", r"model\.layers\.0\.temporal_block \(RecurrentGemmaRecurrentBlock\): changes its output "
+                            r"when the sequence is split"),
         ("user_written_mixer", r"model\.layers\.1\.mlp\.1 \(CausalCumulativeMean\): changes its output when the "
                                r"sequence is split"),
     ],
@@ -309,10 +318,19 @@ def test_token_mixers_and_local_indices_are_refused_on_every_rank(
 
 @pytest.mark.parametrize(
     ("name", "gathered"),
-    [("short_convolution_gathered", ["model.layers.0.conv"]), ("user_written_mixer_gathered", ["model.layers.1.mlp.1"])],
+    [("recurrent_block_gathered", ["model.layers.0.temporal_block", "model.layers.1.temporal_block"]),
+     ("user_written_mixer_gathered", ["model.layers.1.mlp.1"])],
 )
 def test_gathered_token_mixers_run_exactly(sp_results: list[dict[str, Any]], name: str, gathered: list[str]) -> None:
     for rank_results in sp_results:
         got = rank_results[name]
         assert got["gathered"] == gathered
+        assert got["error"] < 1e-5 and got["grad_error"] < 1e-5
+
+
+def test_known_token_mixers_run_sharded(sp_results: list[dict[str, Any]]) -> None:
+    """LFM2's short convolution runs head-sharded (not gathered), and resets at the packed document of row 1."""
+    for rank_results in sp_results:
+        got = rank_results["short_convolution"]
+        assert got["sharded"] == ["model.layers.0.conv"] and got["gathered"] == []
         assert got["error"] < 1e-5 and got["grad_error"] < 1e-5

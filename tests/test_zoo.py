@@ -1,7 +1,8 @@
 """The model zoo (see :mod:`tests.zoo`): every causal LM that transformers registers trains exactly like one
 process on the whole sequence under ``UlyssesStrategy(sp_size=2)``, or is refused at set-up.
 
-One test per entry, all from one 2-process launch; the table of every entry is printed once. An entry fails when
+One test per entry, all from one 2-process launch; the table of every entry is printed once. The families whose
+token mixers run head-sharded (:mod:`lightning_ulysses.hf.mixers`) run again at sp=4, from one 4-process launch. An entry fails when
 its verdict is FAIL (ran and differs), ERROR (an exception other than the set-up refusal) or NOT BUILT (the harness
 could not build the tiny model or run the plain one: a harness bug to fix), and is skipped when building it needs
 an optional package that is not installed. The control tests check that the harness can fail: families known to
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.zoo import CONTROL_ENTRIES, FAIL, GATHER, PASS, REFUSED, Outcome, format_table, run_zoo, zoo_entries
+from tests.zoo import (
+    CONTROL_ENTRIES, FAIL, GATHER, PASS, REFUSED, SHARDED_MIXER_FAMILIES, Outcome, format_table, run_zoo, zoo_entries,
+)
 
 ENTRIES = [entry.name for entry in zoo_entries() if entry not in CONTROL_ENTRIES]
 KNOWN_TO_MATCH = ["llama", "mistral", "qwen3"]
@@ -23,6 +26,13 @@ def zoo(request: pytest.FixtureRequest) -> dict[str, Outcome]:
     results = run_zoo()
     with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
         print("\n" + format_table(results))  # shown also when pytest captures output
+    return results
+
+
+@pytest.fixture(scope="module")
+def zoo_sp4() -> dict[str, Outcome]:
+    """The families whose token mixers run head-sharded, at sp=4 (4 processes, one SP group)."""
+    results = run_zoo([entry for entry in zoo_entries() if entry.name in SHARDED_MIXER_FAMILIES], sp_size=4)
     return results
 
 
@@ -49,3 +59,19 @@ def test_wrong_sp_loss_fails(zoo: dict[str, Outcome]) -> None:
         assert outcome.verdict == FAIL, outcome
         assert outcome.loss_error == pytest.approx(1.0, rel=1e-3)
         assert outcome.update_error == pytest.approx(1.0, rel=1e-3)
+
+
+def test_sharded_mixer_families_are_listed(zoo: dict[str, Outcome]) -> None:
+    """The families that the sp=4 run covers are exactly those whose SP run at sp=2 sharded token mixers."""
+    sharded = {name for name, outcome in zoo.items() if outcome.sharded_mixers and name in ENTRIES}
+    assert sharded == set(SHARDED_MIXER_FAMILIES)
+    assert all(zoo[name].verdict == PASS for name in sharded)
+
+
+@pytest.mark.parametrize("name", SHARDED_MIXER_FAMILIES)
+def test_sharded_mixer_family_passes_at_sp4(zoo_sp4: dict[str, Outcome], name: str) -> None:
+    outcome = zoo_sp4[name]
+    assert outcome.verdict == PASS and outcome.sharded_mixers, (
+        f"{name} at sp=4: {outcome.verdict} (loss error {outcome.loss_error}, update error {outcome.update_error}) "
+        f"{outcome.reason}"
+    )

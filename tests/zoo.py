@@ -82,6 +82,12 @@ class ZooEntry:
     sp_loss_scale: float = 1.0  # a control entry's deliberately wrong SP loss
 
 
+# the families whose token mixers outside attention run head-sharded (checked against the sp=2 run), also run at sp=4
+SHARDED_MIXER_FAMILIES = [
+    "bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear", "lara_mini",
+    "lfm2", "lfm2_moe", "lfm3", "mamba", "mamba2", "minimax", "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
+    "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "zamba", "zamba2",
+]
 VARIANT_ENTRIES = [("llama", "rope=dynamic"), ("phi3", "rope=longrope")]
 # entries that check the harness: families known to match must PASS, a wrong SP loss must FAIL
 CONTROL_ENTRIES = [ZooEntry("llama[control: SP loss x2]", "llama", sp_loss_scale=2.0)]
@@ -105,6 +111,7 @@ class Outcome:
     features: str = ""
     seconds: float = 0.0
     missing_package: bool = False  # NOT BUILT for want of an optional package (the environment's, not the harness's)
+    sharded_mixers: int = 0  # token mixers whose kernels ran head-sharded (lightning_ulysses.hf.mixers.shard_token_mixers)
 
 
 @dataclass
@@ -214,9 +221,11 @@ class ZooModule(UlyssesLossMixin, L.LightningModule):
         self.loss_scale = loss_scale
         self.steps_started = 0
         self.losses: list[float] = []
+        self.sharded_mixers = 0  # token mixers running head-sharded in the latest step
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         self.steps_started += 1
+        self.sharded_mixers = sum("_ulysses_mixer_forward" in m.__dict__ for m in self.model.modules())
         logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         loss = self.causal_lm_loss(logits, batch["shift_labels"]) * self.loss_scale
         self.losses.append(loss.item())
@@ -232,7 +241,7 @@ def sp_run(entry: ZooEntry, prepared: Prepared, world_size: int, sequence_mixers
     that is exact."""
     assert prepared.recipe is not None
     strategy = UlyssesStrategy(
-        sp_size=SP_SIZE, stage=2, attn_implementation="sdpa", timeout=COLLECTIVE_TIMEOUT, sequence_mixers=sequence_mixers
+        sp_size=world_size, stage=2, attn_implementation="sdpa", timeout=COLLECTIVE_TIMEOUT, sequence_mixers=sequence_mixers
     )
     module: ZooModule | None = None
     refused: Outcome | None = None
@@ -265,7 +274,9 @@ def sp_run(entry: ZooEntry, prepared: Prepared, world_size: int, sequence_mixers
         return Outcome(NOT_BUILT, f"the plain model ran no training step: {prepared.reference_failed}")
     if not module.losses:
         return Outcome(ERROR, "the Trainer ran no training step")
-    return _compare(module, prepared)
+    outcome = _compare(module, prepared)
+    outcome.sharded_mixers = module.sharded_mixers
+    return outcome
 
 
 def _compare(module: ZooModule, prepared: Prepared) -> Outcome:
@@ -378,7 +389,7 @@ def merge(outcomes: list[Outcome]) -> Outcome:
     return Outcome(
         worst.verdict, " | ".join(reasons),
         max((o.loss_error for o in errors), default=None), max((o.update_error for o in errors), default=None),
-        worst.features, max(o.seconds for o in outcomes), worst.missing_package,
+        worst.features, max(o.seconds for o in outcomes), worst.missing_package, max(o.sharded_mixers for o in outcomes),
     )
 
 
@@ -390,12 +401,12 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def run_zoo(entries: list[ZooEntry] | None = None) -> dict[str, Outcome]:
-    """Run the zoo on 2 CPU processes; entry name -> merged outcome."""
+def run_zoo(entries: list[ZooEntry] | None = None, sp_size: int = SP_SIZE) -> dict[str, Outcome]:
+    """Run the zoo on ``sp_size`` CPU processes (one SP group); entry name -> merged outcome."""
     entries = zoo_entries() if entries is None else entries
     with tempfile.TemporaryDirectory() as folder:
         results = launch(
-            "tests.zoo:zoo_worker", SP_SIZE, {"entries": entries, "folder": folder}, timeout=LAUNCH_TIMEOUT_S
+            "tests.zoo:zoo_worker", sp_size, {"entries": entries, "folder": folder}, timeout=LAUNCH_TIMEOUT_S
         )
     return {entry.name: outcome for entry, outcome in zip(entries, results[0])}
 
@@ -432,9 +443,10 @@ def markdown_page(results: dict[str, Outcome]) -> str:
         "its features on (sliding windows, MoE, MLA, ...; `tests/zoo_configs.py`), trained one step with "
         "`UlyssesStrategy(sp_size=2)` and compared with one process of the plain model on the whole sequence. "
         "**PASS**: same loss (rtol 1e-5) and same weight update (relative error < 1e-4, or 10x the plain model's own "
-        "eager-vs-SDPA difference where that is larger: deep Gemma 4 stacks amplify float rounding to 9e-5). "
-        "**GATHER**: refused by default for token mixers outside attention (convolutions, linear attention, state-space "
-        "layers), and exact with `UlyssesStrategy(sequence_mixers=\"gather\")`, which runs those layers on the whole "
+        "eager-vs-SDPA difference where that is larger: deep Gemma 4 stacks amplify float rounding to 9e-5); the "
+        "hybrid families whose token mixers run head-sharded (`docs/hybrid-models.md`) pass at sp_size=4 too. "
+        "**GATHER**: refused by default for token mixers outside attention that have no sharded form, and exact "
+        "with `UlyssesStrategy(sequence_mixers=\"gather\")`, which runs those layers on the whole "
         "sequence on every rank (sp_size times their compute). "
         "**REFUSED**: the strategy refuses the model at set-up, for the reason given (the layer, then why). "
         "Anything else is a bug.",
@@ -466,11 +478,12 @@ def _error(value: float | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--markdown", type=Path, help="also write the model-support page here")
+    parser.add_argument("--sp-size", type=int, default=SP_SIZE, help="processes, all in one SP group (default: 2)")
     parser.add_argument("families", nargs="*", help="entries to run (default: all)")
     args = parser.parse_args()
     wanted = set(args.families)
     entries = [e for e in zoo_entries() if not wanted or e.name in wanted or e.model_type in wanted]
-    results = run_zoo(entries)
+    results = run_zoo(entries, args.sp_size)
     print(format_table(results))
     if args.markdown:
         args.markdown.write_text(markdown_page(results))

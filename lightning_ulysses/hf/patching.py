@@ -60,6 +60,8 @@ class PatchState:
     """``False`` inside :func:`unpatched`: the model runs as plain transformers."""
     depth: int = 0
     """Nesting of patched forwards (a vision-language model calls its language model): the outermost one reads the batch."""
+    sharded_mixers: bool = False
+    """Token mixers run head-sharded (:mod:`lightning_ulysses.hf.mixers`): their document rows are planned per batch."""
     gather_mixers: bool = False
     """Run token mixers other than attention on the whole sequence (:mod:`lightning_ulysses.hf.mixers`) instead of
     refusing the model."""
@@ -93,13 +95,16 @@ def apply_ulysses_attention(
     overhead). The model must be callable (under ZeRO-3: after DeepSpeed's engine exists): a short forward
     checks it (:func:`~lightning_ulysses.hf.check.check_model`; collective over ``group``) and raises
     :class:`UnsupportedModelError`, naming the layers, for anything that would not run exactly. Token mixers other
-    than attention (convolutions, linear attention, state-space layers) are refused, or with
-    ``sequence_mixers="gather"`` run on the whole sequence on every rank (:mod:`lightning_ulysses.hf.mixers`).
+    than attention (convolutions, linear attention, state-space layers) that call transformers' sequential kernels
+    run them head-sharded on the whole sequence (:func:`~lightning_ulysses.hf.mixers.shard_token_mixers`); any
+    other is refused, or with ``sequence_mixers="gather"`` run on the whole sequence on every rank
+    (:mod:`lightning_ulysses.hf.mixers.gather`).
     Idempotent.
     """
     if sequence_mixers not in ("refuse", "gather"):
         raise ValueError(f"sequence_mixers must be 'refuse' or 'gather', got {sequence_mixers!r}.")
     from lightning_ulysses.hf.check import check_model
+    from lightning_ulysses.hf.mixers import shard_token_mixers
 
     for hf_model in outermost_models(model):
         if "_ulysses_original_attn" in hf_model.__dict__:
@@ -108,6 +113,9 @@ def apply_ulysses_attention(
         _log_head_layout(hf_model, sp_size if ring is None else sp_size // ring.ring_size)
         state = PatchState(group, core, sp_size, gather_mixers=sequence_mixers == "gather")
         _patch(hf_model, state)
+        sharded = shard_token_mixers(hf_model, state)
+        state.sharded_mixers = bool(sharded)
+        _log_sharded_mixers(hf_model, sharded, sp_size)
         try:
             check_model(hf_model, state)
         except BaseException:
@@ -130,6 +138,15 @@ def _log_head_layout(model: PreTrainedModel, sp_size: int) -> None:
             f"{type(model).__name__}: {layout.num_heads} attention heads / {layout.num_kv_heads} key/value heads over "
             f"sp_size={sp_size} run as {layout.heads_per_rank} / {layout.kv_heads_per_rank} per rank "
             f"({layout.overhead:.2f}x attention compute, {layout.kv_overhead:.2f}x key/value traffic)."
+        )
+
+
+def _log_sharded_mixers(model: PreTrainedModel, names: list[str], sp_size: int) -> None:
+    if names and sp_size > 1:
+        rank_zero_info(
+            f"{type(model).__name__}: {len(names)} token mixers outside attention run their sequential kernels on the "
+            f"whole sequence for 1/{sp_size} of their heads or channels (all-to-all around each kernel): "
+            f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}."
         )
 
 
@@ -165,11 +182,12 @@ def _unpatch(model: PreTrainedModel) -> None:
             del sub.forward  # the guard was an instance attribute over the class's forward
         for name in ("_ulysses_state", "_ulysses_plan"):
             sub.__dict__.pop(name, None)
-    from lightning_ulysses.hf.mixers import remove_gather_whole_sequence
+    from lightning_ulysses.hf.mixers import remove_gather_whole_sequence, remove_sharded_mixers
     from lightning_ulysses.hf.rotary import remove_whole_sequence_rotary
 
     remove_whole_sequence_rotary(model)
     remove_gather_whole_sequence(model)
+    remove_sharded_mixers(model)
 
 
 def remove_ulysses_attention(model: nn.Module) -> None:
@@ -228,6 +246,10 @@ def _read_batch_layout(kwargs: dict[str, Any], state: PatchState, model: PreTrai
         check_foldable_attention_mask(mask, position_ids, state.group)
     state.position_ids = position_ids
     plan_batch(position_ids, state.group, state.core, _layer_patterns(model))
+    if state.sharded_mixers:
+        from lightning_ulysses.hf.mixers import plan_document_rows
+
+        plan_document_rows(position_ids, state.group)
     if state.agree_tokens:
         from lightning_ulysses.memory import agree_max_tokens
 

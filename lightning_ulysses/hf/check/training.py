@@ -19,7 +19,7 @@ from lightning_ulysses.hf.check.findings import Finding, agreed, module_label
 from lightning_ulysses.hf.check.shard import Shard
 from lightning_ulysses.hf.check.tensors import first_tensor, hooks, named_inputs, tensors_of
 from lightning_ulysses.hf.check.whole import WholeRun, probe_attention, token_local_attention
-from lightning_ulysses.hf.mixers import gather_whole_sequence, remove_gather_whole_sequence
+from lightning_ulysses.hf.mixers import gather_whole_sequence, remove_gather_whole_sequence, remove_sharded_mixers
 from lightning_ulysses.hf.patching import PatchState
 
 
@@ -51,6 +51,7 @@ def run_as_in_training(
                 return findings
             if tried is not None:
                 remove_gather_whole_sequence(modules[tried])
+            remove_sharded_mixers(modules[choice[0]])  # a mixer that its kernels do not make exact runs as it is
             gather_whole_sequence(modules[choice[0]], state, choice[1])
             gathered[finding.mixer] = choice[0]
     if gathered and not findings:

@@ -1,0 +1,203 @@
+"""Hybrid models whose token mixers run head-sharded (:mod:`lightning_ulysses.hf.mixers`) train exactly.
+
+One family per sequential kernel (LFM2's short convolution, Mamba2's SSD scan, Jamba's Mamba scan, Qwen3-Next's gated
+delta rule, Kimi delta attention, MiniMax's lightning attention), the zoo's tiny configs (:mod:`tests.zoo_configs`), at sp=2 and sp=4, ZeRO-2 and
+ZeRO-3, dp=2 x sp=2, on packed documents whose borders fall on and inside the shard borders, and with head counts that do not
+divide by ``sp_size`` (inert head slots, groups replicated). Each case trains two SGD steps with
+``UlyssesStrategy`` and compares the losses (rtol 1e-5) and the update (< 1e-4) with one process running every
+document of the plain model on its own. The zoo (:mod:`tests.test_zoo`) covers every family at sp=2 and sp=4 on
+unpacked rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_ulysses import UlyssesStrategy
+from lightning_ulysses.flops import TransformerFlops
+from lightning_ulysses.hf.mixers.kernels import FUSED_LAYER_KERNELS
+from tests.launch import launch
+from tests.tiny import collate, epoch_order, gathered_parameters, make_packed_samples, relative_update_error
+from tests.zoo import LR, ZooModule, build_model
+from tests.zoo_configs import SEQ_LEN, TinyRecipe, tiny_recipe
+
+ROWS, STEPS = 2, 2
+# name -> case: family, sp, ZeRO stage, document borders forced on even rows (random ones besides), config overrides
+TWO_RANKS: dict[str, dict[str, Any]] = {
+    "lfm2_zero3_packed": dict(family="lfm2", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
+    # as if mamba_ssm were installed: the training-only fused-layer kernel must not run on a shard
+    "mamba2_zero3_packed_fused_kernel": dict(family="mamba2", sp=2, stage=3, borders=(SEQ_LEN // 2,), fused=True),
+    "jamba_zero2_packed_fused_kernel": dict(family="jamba", sp=2, stage=2, borders=(SEQ_LEN // 2 - 1,), fused=True),
+    "qwen3_next_zero3_packed": dict(family="qwen3_next", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
+    "kimi_linear_zero2_packed": dict(family="kimi_linear", sp=2, stage=2, borders=(SEQ_LEN // 2 + 1,)),
+    "minimax_zero3_packed": dict(family="minimax", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
+}
+FOUR_RANKS: dict[str, dict[str, Any]] = {
+    # 70 channels over 4 ranks: 18 channel slots per rank, 2 of them inert (and 5 attention heads, 1 key/value head)
+    "lfm2_zero2_packed_70_channels": dict(family="lfm2", sp=4, stage=2, borders=(SEQ_LEN // 4, SEQ_LEN // 2),
+                                          config=dict(hidden_size=70, num_attention_heads=5, num_key_value_heads=1)),
+    # 2 heads over 4 ranks: two inert head slots
+    "mamba2_zero3_packed_2_heads": dict(family="mamba2", sp=4, stage=3, borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 4),
+                                        config=dict(num_heads=2, head_dim=64)),
+    "jamba_zero3_packed": dict(family="jamba", sp=4, stage=3, borders=(SEQ_LEN // 2, SEQ_LEN // 4 + 3)),
+    "qwen3_next_dp2_sp2_zero3_packed": dict(family="qwen3_next", sp=2, dp=2, stage=3, borders=(SEQ_LEN // 2,)),
+    # 6 value heads reading 3 key heads over 4 ranks: 2 value heads per rank, key heads split across ranks
+    "qwen3_next_zero2_packed_6_heads": dict(family="qwen3_next", sp=4, stage=2, borders=(SEQ_LEN // 4, SEQ_LEN // 2),
+                                            config=dict(linear_num_value_heads=6, linear_num_key_heads=3)),
+}
+
+
+class HybridModule(ZooModule):
+    """Also records the attention layers that the FLOP count of :class:`~lightning_ulysses.SequenceParallelMonitor`
+    sees in the patched model."""
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        self.flop_attention_layers = TransformerFlops.from_model(self.model).num_layers
+        return super().training_step(batch, batch_idx)
+
+
+def attention_layers(recipe: TinyRecipe) -> int:
+    """Softmax-attention layers of the config's layer pattern."""
+    return recipe.config.get_text_config().layer_types.count("full_attention")
+
+
+def recipe_of(case: dict[str, Any]) -> TinyRecipe:
+    recipe = tiny_recipe(case["family"])
+    config = copy.deepcopy(recipe.config)
+    for key, value in case.get("config", {}).items():
+        setattr(config, key, value)
+    return dataclasses.replace(recipe, config=config)
+
+
+def packed_samples(case: dict[str, Any], recipe: TinyRecipe) -> list[dict[str, Tensor]]:
+    """``ROWS * STEPS * dp`` rows of 3-5 packed documents (the layout of :func:`tests.tiny.make_packed_samples`) drawn
+    from the family's ordinary token ids."""
+    samples = make_packed_samples(ROWS * STEPS * case.get("dp", 1), SEQ_LEN, borders=case["borders"])
+    token_ids = torch.tensor(recipe.token_ids)
+    return [{**s, "input_ids": token_ids[s["input_ids"] % len(token_ids)]} for s in samples]
+
+
+def reference(case: dict[str, Any], initial: dict[str, Tensor]) -> tuple[list[list[float]], dict[str, Tensor]]:
+    """Plain transformers, one process: every document on its own, token-mean next-token loss of each DP group's batch
+    (its rows as Lightning's distributed sampler deals them, :func:`tests.tiny.epoch_order`), averaged over the DP
+    groups, SGD. Returns each DP group's step losses and the final weights."""
+    model, _ = build_model(recipe_of(case))
+    model.load_state_dict(initial)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    dp = case.get("dp", 1)
+    samples = packed_samples(case, recipe_of(case))
+    losses: list[list[float]] = [[] for _ in range(dp)]
+    for step in range(STEPS):
+        total = 0.0
+        for dp_rank in range(dp):
+            rows = epoch_order(samples, dp, dp_rank, epoch=0)[step * ROWS : (step + 1) * ROWS]
+            loss = _document_loss(model, rows)
+            total = total + loss / dp
+            losses[dp_rank].append(loss.item())
+        total.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _document_loss(model: torch.nn.Module, rows: list[dict[str, Tensor]]) -> Tensor:
+    loss_sum, count = 0.0, 0
+    for sample in rows:
+        ids, positions = sample["input_ids"], sample["position_ids"]
+        bounds = [*(positions == 0).nonzero().flatten().tolist(), len(ids)]
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            logits = model(input_ids=ids[None, start:end]).logits[0]
+            loss_sum = loss_sum + F.cross_entropy(logits[:-1], ids[start + 1 : end], reduction="sum")
+            count += end - start - 1
+    return loss_sum / count
+
+
+def initial_weights(case: dict[str, Any]) -> dict[str, Tensor]:
+    model, _ = build_model(recipe_of(case))
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def _fused_layer_kernel(*args: Any, **kwargs: Any) -> Tensor:
+    raise AssertionError("a fused whole-layer Mamba kernel ran on this rank's shard under sequence parallelism")
+
+
+def train_worker(args: dict[str, Any]) -> dict[str, Any]:
+    world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown deletes it
+    results = {}
+    for name, case in args["cases"].items():
+        recipe = recipe_of(case)
+        if case.get("fused"):  # mamba_ssm's fused layer kernel, which the layer calls first in training
+            modeling = sys.modules[recipe.model_class.__module__]
+            for kernel in FUSED_LAYER_KERNELS:
+                if hasattr(modeling, kernel):
+                    setattr(modeling, kernel, _fused_layer_kernel)
+        model, _ = build_model(recipe)  # the family's attention (eager where it has it), then the saved weights
+        model.load_state_dict(torch.load(Path(args["folder"]) / f"{name}.pt"))
+        module = HybridModule(model, loss_scale=1.0)
+        strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa")
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        loader = DataLoader(packed_samples(case, recipe), batch_size=ROWS, collate_fn=collate, shuffle=False)
+        trainer.fit(module, loader)
+        results[name] = {
+            "losses": module.losses, "params": gathered_parameters(module.model, case["stage"] == 3),
+            "sharded_mixers": module.sharded_mixers, "flop_attention_layers": module.flop_attention_layers,
+            "dp_rank": strategy.dp_rank,
+        }
+    return results
+
+
+def _run(cases: dict[str, dict[str, Any]], world_size: int) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as folder:
+        for name, case in cases.items():
+            torch.save(initial_weights(case), Path(folder) / f"{name}.pt")
+        return launch("tests.test_hybrid:train_worker", world_size, {"cases": cases, "folder": folder})
+
+
+@pytest.fixture(scope="module")
+def two_rank_results() -> list[dict[str, Any]]:
+    return _run(TWO_RANKS, 2)
+
+
+@pytest.fixture(scope="module")
+def four_rank_results() -> list[dict[str, Any]]:
+    return _run(FOUR_RANKS, 4)
+
+
+def _check(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> None:
+    initial = initial_weights(case)
+    expected_losses, weights = reference(case, initial)
+    initial = {key: initial[key] for key in weights}
+    for rank, result in enumerate(results):
+        got = result[name]
+        assert got["sharded_mixers"] > 0, f"{name}: no token mixer ran head-sharded"
+        assert got["flop_attention_layers"] == attention_layers(recipe_of(case)), "FLOPs count mixers as attention"
+        expected = expected_losses[got["dp_rank"]]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected), rtol=1e-5, atol=0)
+        error = relative_update_error(initial, weights, got["params"])
+        assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
+
+
+@pytest.mark.parametrize("name", TWO_RANKS)
+def test_two_ranks_equal_single_process(two_rank_results: list[dict[str, Any]], name: str) -> None:
+    _check(two_rank_results, name, TWO_RANKS[name])
+
+
+@pytest.mark.parametrize("name", FOUR_RANKS)
+def test_four_ranks_equal_single_process(four_rank_results: list[dict[str, Any]], name: str) -> None:
+    _check(four_rank_results, name, FOUR_RANKS[name])
