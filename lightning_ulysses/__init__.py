@@ -1,5 +1,10 @@
 """Ulysses sequence parallelism for PyTorch Lightning."""
 
+from lightning_ulysses import quiet
+
+quiet.install()  # before DeepSpeed is imported (isort: skip the order below)
+
+
 from lightning_ulysses.attention import ulysses_attention
 from lightning_ulysses.callbacks import SequenceParallelMonitor, SequenceParallelParityCheck
 from lightning_ulysses.checkpoint import check_resumable, convert_checkpoint, export_hf_model, is_universal_checkpoint
