@@ -113,7 +113,8 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         documents masked by the same attention run locally."""
         if "shift_labels" in batch:
             return batch
-        apply_ulysses_attention(self.model, group=None, sp_size=1, core="sdpa")  # idempotent
+        with torch.inference_mode(False):  # the first call runs the set-up check, which validate's inference mode breaks
+            apply_ulysses_attention(self.model, group=None, sp_size=1, core="sdpa")  # idempotent
         return prepare_batch(batch, sp_size=1)
 
     def _logits(self, batch: dict[str, Tensor]) -> Logits:

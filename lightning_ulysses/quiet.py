@@ -3,6 +3,8 @@ by its own text and origin, when ``lightning_ulysses`` is imported (before DeepS
 
 * DeepSpeed's "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.",
   logged to stdout when it imports (the first line of ``--print_config``), only where torch sees no GPU either;
+* DeepSpeed's "MPU is not provided, setting tp size to 1 in checkpoint loading." when it loads a converted
+  checkpoint (there is no tensor parallelism here);
 * DeepSpeed's ZeRO step calling ``torch.distributed.all_gather_into_tensor``, which torch 2.13 deprecates;
 * Lightning's own ``isinstance(treespec, LeafSpec)`` deprecation (``lightning.pytorch.utilities._pytree``);
 * Lightning's advertisements for its cloud services ("💡 Tip: For seamless cloud ...").
@@ -15,6 +17,7 @@ import warnings
 from collections.abc import Callable
 
 DEEPSPEED_CPU_WARNING = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+DEEPSPEED_NO_MPU = "MPU is not provided, setting tp size to 1 in checkpoint loading."
 LIGHTNING_TIP = "💡 Tip: For seamless cloud"
 
 
@@ -42,6 +45,7 @@ def install() -> None:
     """Add the filters (idempotent: each logger gets one of each, the warning filters are deduplicated by Python)."""
     for name, message_filter in (
         ("DeepSpeed", _DropMessages(DEEPSPEED_CPU_WARNING, keep_if=_torch_sees_a_gpu)),
+        ("DeepSpeed", _DropMessages(DEEPSPEED_NO_MPU)),
         # rank_zero_info logs through whichever of the two imported last
         ("lightning.fabric.utilities.rank_zero", _DropMessages(LIGHTNING_TIP)),
         ("lightning.pytorch.utilities.rank_zero", _DropMessages(LIGHTNING_TIP)),

@@ -36,6 +36,13 @@ def check_config(subcommand: str | None, config: Any) -> None:
                 resolve_attn_implementation(attn, "cuda")
             except (ValueError, ImportError) as error:
                 raise ConfigError(f"trainer.strategy.init_args.attn_implementation: {error}") from None
+    if trainer.get("logger") in (False, None):
+        for callback in trainer.get("callbacks") or []:
+            if str(getattr(callback, "class_path", "")).endswith(".LearningRateMonitor"):
+                raise ConfigError(
+                    "trainer.logger=false, but trainer.callbacks has a LearningRateMonitor, which logs through a logger: "
+                    "keep a logger, or remove the LearningRateMonitor from trainer.callbacks."
+                )
     data_args = getattr(config.get("data"), "init_args", None)
     batch_size = data_args.get("batch_size") if data_args is not None else None
     if isinstance(batch_size, int) and batch_size < 1:
