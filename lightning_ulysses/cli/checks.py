@@ -1,13 +1,15 @@
 """The checks the CLI runs on a parsed config before it builds anything or starts a process.
 
 Each refusal is one :class:`ConfigError` that names the key and what to change; the CLI prints it as one line and
-exits with status 2. The same rules hold inside the processes (:class:`~lightning_ulysses.UlyssesStrategy`,
+exits with status 2. The checkpoint's files are read whole only in the command the user ran (a launcher's ranks leave
+that to the strategy, which splits the files among them). The same rules hold inside the processes (:class:`~lightning_ulysses.UlyssesStrategy`,
 the data modules, the checkpoint loader), where they would otherwise be found only after start-up, once per rank.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,12 @@ def run_folder_of(ckpt_path: str | None) -> Path | None:
     return folder.parent if folder.name == "checkpoints" and (folder.parent / "config.yaml").is_file() else None
 
 
+def _is_a_launched_rank() -> bool:
+    """Whether this process is one rank of a job that a launcher started (Lightning's second process, torchrun, a
+    multi-task SLURM step), rather than the command the user ran."""
+    return "LOCAL_RANK" in os.environ or "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+
+
 def _ulysses_init_args(strategy: Any) -> Any:
     """The ``init_args`` of a ``UlyssesStrategy`` given as ``class_path``/``init_args``, else ``None``."""
     class_path = getattr(strategy, "class_path", None)
@@ -109,10 +117,11 @@ def _check_checkpoint(subcommand: str | None, path: Path, max_steps: Any) -> Non
             f"ckpt_path={str(path)!r} is a converted (universal) checkpoint, which resumes fit only. {subcommand} from "
             "the checkpoint as saved (on its own process count and ZeRO stage), or export it (lightning-ulysses export)."
         )
-    try:
-        check_integrity(path, UNIVERSAL_LATEST if universal else POINTER)
-    except ValueError as error:
-        raise ConfigError(f"ckpt_path: {error}") from None
+    if not _is_a_launched_rank():  # each rank of a launched job would read every file; the strategy's check splits them
+        try:
+            check_integrity(path, UNIVERSAL_LATEST if universal else POINTER)
+        except (ValueError, OSError) as error:
+            raise ConfigError(f"ckpt_path: {error}") from None
     if subcommand == "fit" and isinstance(max_steps, int) and max_steps >= 0:
         step = saved_global_step(path)
         if step >= max_steps:
