@@ -128,6 +128,26 @@ def test_progress_bar_counts_optimizer_steps_of_max_steps() -> None:
     assert bar.total_train_batches == 199 and bar._get_train_description(1).strip() == "Epoch 1/2"
 
 
+def test_progress_bar_unless_the_config_disables_or_names_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning as L
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from lightning_ulysses.cli import UlyssesCLI
+    from lightning_ulysses.progress import LogLines
+
+    monkeypatch.setattr(sys, "argv", ["lightning-ulysses"])
+
+    def trainer(*args: str) -> L.Trainer:
+        return UlyssesCLI(L.LightningModule, L.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                          auto_configure_optimizers=False, run=False,
+                          args=["--config", str(REPO_ROOT / "configs/quickstart.yaml"), *args]).trainer
+
+    assert isinstance(trainer().progress_bar_callback, LogLines)  # stdout is not a terminal under pytest
+    assert trainer("--trainer.enable_progress_bar", "false").progress_bar_callback is None
+    named = trainer("--trainer.callbacks+=TQDMProgressBar")
+    assert isinstance(named.progress_bar_callback, TQDMProgressBar)
+
+
 def cli_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"

@@ -22,6 +22,7 @@ import sys
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from lightning_ulysses.cli.checks import ConfigError, check_config, run_folder_of
@@ -79,6 +80,17 @@ class UlyssesCLI(LightningCLI):
         if self.subcommand in ("validate", "test", "predict"):
             _log_into_the_run(config, self.subcommand)
 
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
+        """The Trainer, with the progress bar of :func:`~lightning_ulysses.progress.progress_bar` unless the config
+        disables the bar or names one itself."""
+        configured = config.get("callbacks") or []
+        configured = configured if isinstance(configured, list) else [configured]
+        if config.get("enable_progress_bar") is not False and not any(
+            isinstance(callback, ProgressBar) for callback in (*configured, *callbacks)
+        ):
+            callbacks = [*callbacks, progress_bar()]
+        return super()._instantiate_trainer(config, callbacks)
+
     def before_predict(self) -> None:
         if not any(isinstance(callback, PredictionWriter) for callback in self.trainer.callbacks):
             self.trainer.callbacks.append(PredictionWriter())
@@ -104,7 +116,7 @@ def main(args: ArgsType = None) -> None:
         UlyssesCLI(
             L.LightningModule, L.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, args=args,
             auto_configure_optimizers=False, save_config_callback=SaveRunConfig, save_config_kwargs={"overwrite": True},
-            trainer_defaults={"callbacks": [progress_bar()]}, parser_kwargs={"prog": PROG},
+            parser_kwargs={"prog": PROG},
         )
     except ConfigError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
