@@ -114,6 +114,35 @@ def test_lr_schedule_is_saved_with_the_scheduler() -> None:
     assert resumed.lr_lambdas[0].total_steps == 10
 
 
+def test_a_resume_onto_a_new_schedule_length_changes_the_rate_at_the_resumed_step() -> None:
+    """``--model.lr_schedule_steps 20`` on a run resumed at step 10 of a 10-step schedule: the rate of the next step
+    is the 20-step schedule's at step 10, set on the optimizer before it steps; without it, a warning."""
+    from types import SimpleNamespace
+
+    from lightning_ulysses.model import _reconcile_schedule
+
+    def resumed() -> torch.optim.lr_scheduler.LambdaLR:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(2, 10, 0.1))
+        for _ in range(10):
+            optimizer.step(), scheduler.step()
+        return scheduler
+
+    trainer = SimpleNamespace(max_steps=20, estimated_stepping_batches=20)
+    scheduler = resumed()
+    assert scheduler.optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
+    with pytest.warns(UserWarning, match="decays over 10 optimizer steps; this run ends at step 20, so steps 10-19 run "
+                                         "at its final learning rate 0.2. To decay over 20 steps instead, add "
+                                         "--model.lr_schedule_steps 20"):
+        _reconcile_schedule(scheduler, None, trainer)
+    assert scheduler.optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
+    scheduler = resumed()
+    _reconcile_schedule(scheduler, 20, trainer)
+    assert scheduler.optimizer.param_groups[0]["lr"] == pytest.approx(2.0 * WarmupCosine(2, 20, 0.1)(10))
+    scheduler.optimizer.step(), scheduler.step()
+    assert scheduler.get_last_lr()[0] == pytest.approx(2.0 * WarmupCosine(2, 20, 0.1)(11))
+
+
 def test_progress_bar_counts_optimizer_steps_of_max_steps() -> None:
     """A step-limited run resumed at step 200 of 400, inside an epoch of 199 batches: ``Step``, 400 in all (Lightning's
     bar reads ``Epoch 0/-2`` and counts the epoch's batches against the 200 steps left)."""
