@@ -2,7 +2,7 @@
 
 from lightning_ulysses import quiet
 
-quiet.install()  # before DeepSpeed is imported (isort: skip the order below)
+quiet.install()  # first: DeepSpeed logs as it is imported
 
 
 from lightning_ulysses.attention import ulysses_attention
@@ -23,7 +23,7 @@ from lightning_ulysses.memory import (
     tiled_map,
 )
 from lightning_ulysses.metrics import Perplexity, TokenAccuracy, TokenCrossEntropy
-from lightning_ulysses.model import CausalLM
+from lightning_ulysses.model import CausalLM, WarmupCosine
 from lightning_ulysses.offload import ActivationOffload
 from lightning_ulysses.hf import (
     UnsupportedModelError,
@@ -31,7 +31,7 @@ from lightning_ulysses.hf import (
     remove_ulysses_attention,
     sequence_parallel_disabled,
 )
-from lightning_ulysses.prediction import gather_sequence, token_log_probs
+from lightning_ulysses.prediction import PredictionWriter, gather_sequence, token_log_probs
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
 from lightning_ulysses.strategy import UlyssesStrategy
 from lightning_ulysses.topology import SequenceParallelTopology
@@ -48,6 +48,7 @@ __all__ = [
     "LongTextDataModule",
     "MemoryOptions",
     "Perplexity",
+    "PredictionWriter",
     "PreferenceDataModule",
     "SFTDataModule",
     "SequenceParallelMonitor",
@@ -60,6 +61,7 @@ __all__ = [
     "UlyssesLossMixin",
     "UlyssesStrategy",
     "UnsupportedModelError",
+    "WarmupCosine",
     "apply_memory_options",
     "apply_ulysses_attention",
     "check_integrity",
