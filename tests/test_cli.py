@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 import yaml
@@ -158,7 +159,6 @@ def test_progress_bar_counts_optimizer_steps_of_max_steps() -> None:
 
 
 def test_progress_bar_unless_the_config_disables_or_names_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning as L
     from lightning.pytorch.callbacks import TQDMProgressBar
 
     from lightning_ulysses.cli import UlyssesCLI
@@ -226,6 +226,18 @@ def test_bad_configs_are_refused_before_any_process_starts(
     assert "data.batch_size=0" in line and "--data.batch_size 1" in line
     line = refusal(capsys, monkeypatch, *quickstart, "--ckpt_path", "no/such/checkpoint")
     assert "ckpt_path='no/such/checkpoint' does not exist" in line
+    line = refusal(capsys, monkeypatch, "test", "--config", str(REPO_ROOT / "configs/quickstart.yaml"),
+                   "--data", "tests.test_cli.TrainOnlyData")
+    assert "TrainOnlyData has no test_dataloader(), so it has no split for test" in line
+
+
+class TrainOnlyData(L.LightningDataModule):
+    """A data module with a training split only."""
+
+    vocab_size = 259
+
+    def train_dataloader(self) -> list[dict[str, torch.Tensor]]:
+        return [{"input_ids": torch.zeros(1, 8, dtype=torch.long)}]
 
 
 def test_no_logger_writes_no_config_into_the_working_directory(
@@ -330,7 +342,6 @@ def test_quickstart_commands_as_documented(
 def assert_export_equals_the_run(exported: Path, run: Path, val_loss: float) -> None:
     """Validate the exported folder with a plain HF model on the run's validation batches (the local reference
     attention masks the packed documents as the run did)."""
-    import lightning as L
     from transformers import AutoModelForCausalLM
 
     from lightning_ulysses import CausalLM

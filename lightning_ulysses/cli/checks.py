@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import lightning as L
+
 from lightning_ulysses.attention import resolve_attn_implementation
 from lightning_ulysses.checkpoint import UNIVERSAL_LATEST, is_universal_checkpoint, saved_global_step
 from lightning_ulysses.checkpoint_io import POINTER, check_integrity
@@ -45,6 +47,7 @@ def check_config(subcommand: str | None, config: Any) -> None:
                     "trainer.logger=false, but trainer.callbacks has a LearningRateMonitor, which logs through a logger: "
                     "keep a logger, or remove the LearningRateMonitor from trainer.callbacks."
                 )
+    _check_split(subcommand, config.get("data"))
     data_args = getattr(config.get("data"), "init_args", None)
     batch_size = data_args.get("batch_size") if data_args is not None else None
     if isinstance(batch_size, int) and batch_size < 1:
@@ -65,6 +68,34 @@ def run_folder_of(ckpt_path: str | None) -> Path | None:
     return folder.parent if folder.name == "checkpoints" and (folder.parent / "config.yaml").is_file() else None
 
 
+LOADERS = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
+
+
+def _check_split(subcommand: str | None, data: Any) -> None:
+    """A data module without the loader of the command (e.g. no test split for ``test``) is refused, rather than
+    left to fail after start-up."""
+    cls = _class_of(getattr(data, "class_path", None))
+    method = LOADERS.get(subcommand or "")
+    if cls is None or method is None or not issubclass(cls, L.LightningDataModule):
+        return
+    if getattr(cls, method) is getattr(L.LightningDataModule, method):
+        raise ConfigError(
+            f"data: {cls.__name__} has no {method}(), so it has no split for {subcommand}. Use a data module that "
+            f"defines one, or another command."
+        )
+
+
+def _class_of(class_path: Any) -> type | None:
+    if not isinstance(class_path, str):
+        return None
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None  # the parser has already refused what does not import
+    return cls if isinstance(cls, type) else None
+
+
 def _is_a_launched_rank() -> bool:
     """Whether this process is one rank of a job that a launcher started (Lightning's second process, torchrun, a
     multi-task SLURM step), rather than the command the user ran."""
@@ -73,15 +104,8 @@ def _is_a_launched_rank() -> bool:
 
 def _ulysses_init_args(strategy: Any) -> Any:
     """The ``init_args`` of a ``UlyssesStrategy`` given as ``class_path``/``init_args``, else ``None``."""
-    class_path = getattr(strategy, "class_path", None)
-    if not isinstance(class_path, str):
-        return None
-    module, _, name = class_path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError):
-        return None  # the parser has already refused what does not import
-    return strategy.init_args if isinstance(cls, type) and issubclass(cls, UlyssesStrategy) else None
+    cls = _class_of(getattr(strategy, "class_path", None))
+    return strategy.init_args if cls is not None and issubclass(cls, UlyssesStrategy) else None
 
 
 def _world_size(devices: Any, num_nodes: Any) -> int | None:
