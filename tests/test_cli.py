@@ -29,6 +29,7 @@ import yaml
 
 from lightning_ulysses.checkpoint_io import check_integrity
 from lightning_ulysses.cli import main
+from lightning_ulysses.cli.commands import build_from_config
 from lightning_ulysses.model import WarmupCosine
 from tests.launch import REPO_ROOT
 
@@ -345,9 +346,8 @@ def assert_export_equals_the_run(exported: Path, run: Path, val_loss: float) -> 
     from transformers import AutoModelForCausalLM
 
     from lightning_ulysses import CausalLM
-    from lightning_ulysses.cli.commands import _build_from_config
 
-    data = _build_from_config(yaml.safe_load((run / "config.yaml").read_text())).data
+    data = build_from_config(yaml.safe_load((run / "config.yaml").read_text())).data
     model = AutoModelForCausalLM.from_pretrained(exported)
     assert model.get_input_embeddings().num_embeddings == data.vocab_size
     module = CausalLM(model=str(exported), pretrained=True, vocab_size=data.vocab_size)
@@ -359,6 +359,28 @@ def assert_export_equals_the_run(exported: Path, run: Path, val_loss: float) -> 
         from transformers import AutoTokenizer
 
         assert AutoTokenizer.from_pretrained(exported)("def f():")["input_ids"] == data.tokenizer("def f():")["input_ids"]
+
+
+def test_sft_export_holds_what_the_dpo_quickstart_loads(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """The fine-tuning commands of the README: the SFT quickstart (shrunk to 2 steps), then ``export`` of its run,
+    which configs/dpo_quickstart.yaml loads as ``model.model`` (pretrained, every weight) and ``data.tokenizer``."""
+    run_cli("fit", "--config", "configs/sft_quickstart.yaml", "--trainer.max_steps", "2", "--trainer.val_check_interval",
+            "2", "--trainer.limit_val_batches", "1", "--data.seq_len", "256",
+            "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"))
+    run, exported = tmp_path / "runs" / "sft_quickstart" / "version_0", tmp_path / "sft_model"
+    main(["export", str(run), str(exported)])
+    assert f"Wrote {exported}: the model of {run / 'checkpoints' / 'last.ckpt'} (global step 2) and its tokenizer" in (
+        capsys.readouterr().out)
+    from lightning_ulysses import CausalLM
+    from lightning_ulysses.finetune.tokenizer import load_tokenizer
+
+    sft = build_from_config(yaml.safe_load((run / "config.yaml").read_text())).data
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    assert load_tokenizer(str(exported)).apply_chat_template(chat) == sft.tokenizer.apply_chat_template(chat)
+    dpo = yaml.safe_load((REPO_ROOT / "configs/dpo_quickstart.yaml").read_text())
+    assert dpo["model"]["init_args"]["model"] == dpo["data"]["init_args"]["tokenizer"] == "runs/sft_model"
+    module = CausalLM(model=str(exported), pretrained=True, vocab_size=len(sft.tokenizer))
+    module.configure_model()  # refuses a folder that lacks or mismatches any weight
 
 
 def test_ctrl_c_saves_a_checkpoint_that_the_printed_command_resumes(tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ def export(checkpoint: str, output: str) -> None:
     from transformers import PreTrainedModel
 
     run, ckpt = _run_and_checkpoint(Path(checkpoint))
-    built = _build_from_config(yaml.safe_load((run / "config.yaml").read_text()))
+    built = build_from_config(yaml.safe_load((run / "config.yaml").read_text()))
     module = built.model
     module.configure_model()
     model = getattr(module, "model", None)
@@ -85,7 +85,7 @@ def _run_and_checkpoint(path: Path) -> tuple[Path, Path]:
     return run, path
 
 
-def _build_from_config(config: dict[str, Any]) -> Any:
+def build_from_config(config: dict[str, Any]) -> Any:
     """The run's LightningModule and data module (``.model``, ``.data``), built as ``lightning-ulysses fit`` built them
     (the saved config names both classes in full)."""
     import lightning as L
