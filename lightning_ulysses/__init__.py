@@ -1,5 +1,10 @@
 """Ulysses sequence parallelism for PyTorch Lightning."""
 
+from lightning_ulysses import quiet
+
+quiet.install()  # first: DeepSpeed logs as it is imported
+
+
 from lightning_ulysses.attention import ulysses_attention
 from lightning_ulysses.callbacks import SequenceParallelMonitor, SequenceParallelParityCheck
 from lightning_ulysses.checkpoint import check_resumable, convert_checkpoint, export_hf_model, is_universal_checkpoint
@@ -18,7 +23,7 @@ from lightning_ulysses.memory import (
     tiled_map,
 )
 from lightning_ulysses.metrics import Perplexity, TokenAccuracy, TokenCrossEntropy
-from lightning_ulysses.model import CausalLM
+from lightning_ulysses.model import CausalLM, WarmupCosine
 from lightning_ulysses.offload import ActivationOffload
 from lightning_ulysses.hf import (
     UnsupportedModelError,
@@ -26,7 +31,7 @@ from lightning_ulysses.hf import (
     remove_ulysses_attention,
     sequence_parallel_disabled,
 )
-from lightning_ulysses.prediction import gather_sequence, token_log_probs
+from lightning_ulysses.prediction import PredictionWriter, gather_sequence, token_log_probs
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
 from lightning_ulysses.strategy import UlyssesStrategy
 from lightning_ulysses.topology import SequenceParallelTopology
@@ -42,6 +47,7 @@ __all__ = [
     "LongTextDataModule",
     "MemoryOptions",
     "Perplexity",
+    "PredictionWriter",
     "PreferenceDataModule",
     "SFTDataModule",
     "SequenceParallelMonitor",
@@ -54,6 +60,7 @@ __all__ = [
     "UlyssesLossMixin",
     "UlyssesStrategy",
     "UnsupportedModelError",
+    "WarmupCosine",
     "apply_memory_options",
     "apply_ulysses_attention",
     "byte_tokenizer",

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from lightning_ulysses.checkpoint_io import check_integrity, read_pointer
+from lightning_ulysses.checkpoint_io import POINTER, check_integrity, read_pointer
 from lightning_ulysses.hf import ULYSSES_ATTN_IMPLEMENTATION
 
 
@@ -57,7 +57,7 @@ def is_universal_checkpoint(checkpoint_dir: str | Path) -> bool:
 
 
 def _model_states_file(checkpoint_dir: Path) -> Path:
-    tag = read_pointer(checkpoint_dir)
+    tag = read_pointer(checkpoint_dir, UNIVERSAL_LATEST if is_universal_checkpoint(checkpoint_dir) else POINTER)
     files = sorted((checkpoint_dir / tag).glob("*model_states.pt"))
     if not files:
         raise FileNotFoundError(f"{checkpoint_dir / tag} holds no DeepSpeed *model_states.pt file.")
@@ -69,6 +69,12 @@ def saved_layout(checkpoint_dir: str | Path) -> tuple[int, int]:
     # mmap: only the metadata is read, not the weights that ZeRO 1/2 store next to it
     state = torch.load(_model_states_file(Path(checkpoint_dir)), map_location="cpu", mmap=True, weights_only=False)
     return int(state["dp_world_size"] * state["mp_world_size"]), int(state["ds_config"]["zero_optimization"]["stage"])
+
+
+def saved_global_step(checkpoint_dir: str | Path) -> int:
+    """The Trainer's ``global_step`` (optimizer steps done) that a DeepSpeed or converted checkpoint directory holds."""
+    state = torch.load(_model_states_file(Path(checkpoint_dir)), map_location="cpu", mmap=True, weights_only=False)
+    return int(state["global_step"])
 
 
 def check_resumable(checkpoint_dir: str | Path, num_processes: int, zero_stage: int) -> None:

@@ -10,6 +10,7 @@ documents attend to each other).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,8 +19,10 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, get_cosine_with_min_lr_schedule_with_warmup
+from torch.optim.lr_scheduler import LambdaLR
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from lightning_ulysses.logits import Logits
 from lightning_ulysses.loss import UlyssesLossMixin
@@ -45,9 +48,12 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
             apart by their real shapes, also under ZeRO-3.
         betas: AdamW betas.
         warmup_steps: linear warmup from 0; then cosine decay to ``min_lr_ratio * learning_rate`` at the
-            Trainer's last step.
+            schedule's last step (:class:`WarmupCosine`).
         min_lr_ratio: final learning rate as a fraction of ``learning_rate``.
         gradient_checkpointing: recompute each layer's activations in backward (long sequences).
+        lr_schedule_steps: optimizer steps the schedule decays over. ``None``: the Trainer's total when training
+            starts (``max_steps``). The schedule is saved in every checkpoint, so a resumed run continues it, also
+            with another ``max_steps`` (which it then says); set this to resume onto a new length.
 
     Logs ``train_loss`` (each step), ``val_loss`` and ``val_ppl`` (each validation; ``test_loss`` and
     ``test_ppl`` under ``test``): token-weighted means over every valid token, the same numbers one
@@ -67,6 +73,7 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
         gradient_checkpointing: bool = False,
+        lr_schedule_steps: int | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -106,7 +113,8 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         documents masked by the same attention run locally."""
         if "shift_labels" in batch:
             return batch
-        apply_ulysses_attention(self.model, group=None, sp_size=1, core="sdpa")  # idempotent
+        with torch.inference_mode(False):  # the first call runs the set-up check, which validate's inference mode breaks
+            apply_ulysses_attention(self.model, group=None, sp_size=1, core="sdpa")  # idempotent
         return prepare_batch(batch, sp_size=1)
 
     def _logits(self, batch: dict[str, Tensor]) -> Logits:
@@ -145,6 +153,13 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         self.eval_loss.reset()
         self.log_dict({f"{prefix}_loss": loss, f"{prefix}_ppl": loss.exp()}, prog_bar=True, sync_dist=True)
 
+    def on_train_start(self) -> None:
+        """A resumed run has the checkpoint's schedule (restored with the scheduler's state); say what a new
+        ``max_steps`` or ``lr_schedule_steps`` changes."""
+        scheduler = self.lr_schedulers()
+        if isinstance(scheduler, LambdaLR) and isinstance(scheduler.lr_lambdas[0], WarmupCosine):
+            _reconcile_schedule(scheduler, self.hparams.lr_schedule_steps, self.trainer)
+
     def teardown(self, stage: str) -> None:
         if self.model is not None:
             remove_ulysses_attention(self.model)  # undo the local patch (a no-op after UlyssesStrategy's teardown)
@@ -161,12 +176,59 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
             [group for group in groups if group["params"]],  # an empty group would break the LR schedule under ZeRO
             lr=hp.learning_rate, betas=tuple(hp.betas),
         )
-        total_steps = max(int(self.trainer.estimated_stepping_batches), 1)
-        scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-            optimizer, num_warmup_steps=min(hp.warmup_steps, total_steps), num_training_steps=total_steps,
-            min_lr_rate=hp.min_lr_ratio,
-        )
+        total_steps = hp.lr_schedule_steps or max(int(self.trainer.estimated_stepping_batches), 1)
+        scheduler = LambdaLR(optimizer, WarmupCosine(hp.warmup_steps, total_steps, hp.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class WarmupCosine:
+    """The learning-rate factor of optimizer step ``step``: linear warmup from 0 over ``warmup_steps``, cosine decay
+    to ``min_ratio`` at ``total_steps``, then ``min_ratio`` (transformers' warmup + cosine-with-min-lr schedule up to
+    ``total_steps``, held after it instead of rising again).
+
+    A callable object rather than a function, so that ``LambdaLR.state_dict`` saves its attributes: a checkpoint
+    holds the schedule's length, and a resumed run continues the schedule it resumes.
+    """
+
+    def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float) -> None:
+        self.warmup_steps = min(warmup_steps, total_steps)
+        self.total_steps = total_steps
+        self.min_ratio = min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return step / max(1, self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _reconcile_schedule(scheduler: LambdaLR, requested_steps: int | None, trainer: L.Trainer) -> None:
+    """After a resume: apply ``lr_schedule_steps`` if it differs from the checkpoint's schedule, or warn that the
+    run's end differs from the end of the schedule it continues."""
+    schedule, step = scheduler.lr_lambdas[0], scheduler.last_epoch
+    lr_at = lambda: scheduler.base_lrs[0] * schedule(step)  # noqa: E731
+    if requested_steps is not None and requested_steps != schedule.total_steps:
+        before, saved = lr_at(), schedule.total_steps
+        for fn in scheduler.lr_lambdas:
+            fn.total_steps = requested_steps
+        for group, base_lr in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
+            group["lr"] = base_lr * schedule(step)
+        scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+        rank_zero_info(
+            f"model.lr_schedule_steps={requested_steps}: the learning-rate schedule of the checkpoint decayed over "
+            f"{saved} steps; from step {step} on it decays over {requested_steps} (learning rate {before:.3g} -> {lr_at():.3g})."
+        )
+        return
+    end = int(trainer.estimated_stepping_batches) if trainer.max_steps != -1 else None
+    if requested_steps is None and end is not None and end != schedule.total_steps:
+        final = scheduler.base_lrs[0] * schedule.min_ratio
+        after = (f"steps {schedule.total_steps}-{end - 1} run at its final learning rate {final:.3g}"
+                 if end > schedule.total_steps else f"the run stops at step {end}, before the schedule's end")
+        rank_zero_warn(
+            f"Resumed at step {step} with the learning-rate schedule saved in the checkpoint, which decays over "
+            f"{schedule.total_steps} optimizer steps; this run ends at step {end}, so {after}. To decay over {end} "
+            f"steps instead, add --model.lr_schedule_steps {end}."
+        )
 
 
 def build_config(model: dict[str, Any] | str, vocab_size: int | None = None) -> PretrainedConfig:

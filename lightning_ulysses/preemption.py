@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM and SLURM's requeue signal end a run with a checkpoint that all ranks save at one safe point.
+"""Preemption and Ctrl-C: SIGTERM, SLURM's requeue signal and SIGINT end a run with a checkpoint that all ranks save
+at one safe point.
 
 Lightning acts inside the signal handler of the rank that got the signal: its SLURM handler (``SIGUSR1`` with
 ``SLURMEnvironment(auto_requeue=True)``) saves a checkpoint there, and its SIGTERM handler broadcasts a flag.
@@ -16,8 +17,13 @@ a signal, they all save the checkpoint that Lightning resumes from on SLURM (``h
 Lightning does), and every rank leaves ``fit`` with Lightning's ``SIGTERMException`` (exit status 0) before
 training another batch. Nothing of the run is lost: the checkpoint holds every completed optimizer step.
 
+Ctrl-C (SIGINT, which a terminal sends to every process of the job) is handled the same way during ``fit``: the
+ranks agree at the next step boundary, save ``interrupted.ckpt`` in the run's checkpoint folder, rank 0 says where
+and prints the command that resumes it, and the run stops as Lightning stops on Ctrl-C (exit status 1). A second
+Ctrl-C before that point interrupts at once, as without this handler.
+
 Outside ``fit`` there is nothing to save: SIGTERM stops the rank at its next batch, as Lightning does, minus the
-broadcast (its peers then fail in their next collective).
+broadcast (its peers then fail in their next collective), and Ctrl-C interrupts at once.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import subprocess
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -38,23 +46,32 @@ from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_ze
 
 log = logging.getLogger(__name__)
 
-_REQUEUE, _STOP = 0, 1  # the columns of the flag table: SLURM's requeue signal, SIGTERM
+_REQUEUE, _STOP, _INTERRUPT = 0, 1, 2  # the columns of the flag table: SLURM's requeue signal, SIGTERM, SIGINT
+INTERRUPTED_CHECKPOINT = "interrupted.ckpt"
 
 
 class PreemptionSignals(_SignalConnector):
     """The Trainer's signal connector, with handlers that only record the signal (see the module docstring).
 
     Lightning registers the handlers as it does its own: SIGTERM always, ``SIGUSR1`` (the environment's
-    ``requeue_signal``) under ``SLURMEnvironment(auto_requeue=True)``.
+    ``requeue_signal``) under ``SLURMEnvironment(auto_requeue=True)``; SIGINT is added here.
     """
 
     def __init__(self, trainer: Any) -> None:
         super().__init__(trainer)
-        self.signalled = [False, False]  # [requeue, stop] on this rank since the handlers were registered
+        self.signalled = [False, False, False]  # [requeue, stop, interrupt] on this rank since the handlers were registered
 
     def register_signal_handlers(self) -> None:
-        self.signalled = [False, False]
+        self.signalled = [False, False, False]
         super().register_signal_handlers()
+        self._register_signal(signal.SIGINT, self._sigint_handler_fn)
+
+    def _sigint_handler_fn(self, signum: Any, _: FrameType | None) -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C interrupts at once
+        if self.trainer.state.fn != TrainerFn.FITTING:
+            raise KeyboardInterrupt
+        self.signalled[_INTERRUPT] = True
+        rank_zero_info("Ctrl-C: saving a checkpoint before the next training step (Ctrl-C again to stop at once) ...")
 
     def _slurm_sigusr_handler_fn(self, signum: Any, _: FrameType | None) -> None:
         self.signalled[_REQUEUE] = True
@@ -70,13 +87,17 @@ class PreemptionSignals(_SignalConnector):
 
     def at_step_boundary(self, trainer: Any) -> None:
         """Run on every rank before the first micro-batch of each optimizer step (a collective): if any rank got
-        a signal, save the preemption checkpoint on all ranks, requeue on SLURM, and raise ``SIGTERMException``."""
-        flags = torch.zeros(trainer.world_size, 2, dtype=torch.int32, device=trainer.strategy.root_device)
+        a signal, save the preemption checkpoint on all ranks, requeue on SLURM, and raise ``SIGTERMException``
+        (Ctrl-C alone: save ``interrupted.ckpt`` and raise ``KeyboardInterrupt``)."""
+        flags = torch.zeros(trainer.world_size, len(self.signalled), dtype=torch.int32, device=trainer.strategy.root_device)
         flags[trainer.global_rank] = torch.tensor(self.signalled, dtype=torch.int32)
         dist.all_reduce(flags)
-        requeue_ranks, stop_ranks = (flags[:, column].nonzero().flatten().tolist() for column in (_REQUEUE, _STOP))
-        if not (requeue_ranks or stop_ranks):
+        requeue_ranks, stop_ranks, interrupt_ranks = (flags[:, column].nonzero().flatten().tolist()
+                                                      for column in (_REQUEUE, _STOP, _INTERRUPT))
+        if not (requeue_ranks or stop_ranks or interrupt_ranks):
             return
+        if interrupt_ranks and not (requeue_ranks or stop_ranks):
+            self._save_and_interrupt(trainer)
         path = preemption_checkpoint_path(trainer)
         trainer.save_checkpoint(path)
         signals = ", ".join(f"{name} on ranks {ranks}" for name, ranks in
@@ -86,6 +107,20 @@ class PreemptionSignals(_SignalConnector):
         if requeue_ranks and trainer.is_global_zero:
             requeue_slurm_job()
         raise SIGTERMException
+
+    @staticmethod
+    def _save_and_interrupt(trainer: Any) -> None:
+        """Ctrl-C: save ``interrupted.ckpt`` where the run keeps its checkpoints, say how to resume, and stop."""
+        callback = trainer.checkpoint_callback
+        folder = Path(callback.dirpath) if callback is not None and callback.dirpath else Path(trainer.default_root_dir)
+        path = folder / INTERRUPTED_CHECKPOINT
+        config = Path(trainer.log_dir or ".") / "config.yaml"  # log_dir: a collective, on every rank
+        trainer.save_checkpoint(path)
+        resume = (f"lightning-ulysses fit --config {config} --ckpt_path {path}" if config.is_file()
+                  else f"ckpt_path={str(path)!r}")
+        rank_zero_info(f"Interrupted (Ctrl-C): saved {path} at global step {trainer.global_step}, before its next "
+                       f"batch. Resume with: {resume}")
+        raise KeyboardInterrupt
 
 
 def preemption_checkpoint_path(trainer: Any) -> str:

@@ -438,11 +438,15 @@ class UlyssesStrategy(DeepSpeedStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """A collective that failed because a peer died names no rank: name the ranks whose heartbeat stopped."""
+        """A collective that failed because a peer died names no rank: name the ranks whose heartbeat stopped and
+        the checkpoint to resume from, in the log and as the last line of the traceback (a note on the exception)."""
         if isinstance(exception, RuntimeError) and self._heartbeat is not None:
             report = self._heartbeat.dead_ranks_report()
             if report:
-                log.error(rank_prefixed_message(f"lightning-ulysses: {report}.", self.global_rank))
+                message = f"lightning-ulysses: {report}. {_resume_hint(self.lightning_module.trainer)}"
+                log.error(rank_prefixed_message(message, self.global_rank))
+                if hasattr(exception, "add_note"):  # Python 3.11+
+                    exception.add_note(message)
 
     @override
     def teardown(self) -> None:
@@ -500,6 +504,15 @@ def _check_ring_options(
             "sequence_mixers='gather' is not supported with Ulysses x Ring (ring_size > 1): the gathered mixers cut "
             "contiguous shards, the ring's shards are zigzag. Use ring_size=1, or a model without such mixers."
         )
+
+
+def _resume_hint(trainer: Any) -> str:
+    """Where a failed fit can go on from: the last checkpoint that ``ModelCheckpoint`` wrote, if any."""
+    callback = trainer.checkpoint_callback
+    last = (callback.last_model_path or callback.best_model_path) if callback is not None else ""
+    if not last or trainer.state.fn != TrainerFn.FITTING:
+        return "Resume from the last checkpoint the run saved (ckpt_path)."
+    return f"Resume from the last checkpoint with --ckpt_path {last} (ckpt_path={last!r})."
 
 
 def compute_dtype(precision: str) -> torch.dtype:

@@ -1,23 +1,36 @@
-"""The ``lightning-ulysses`` CLI: every shipped config parses completely, and the quickstart trains and resumes.
+"""The ``lightning-ulysses`` CLI: every shipped config parses completely, and the commands of the README and of
+docs/ run as written.
 
-The quickstart test runs ``python -m lightning_ulysses fit --config configs/quickstart.yaml`` exactly as a
-user does (Lightning starts the second process itself by re-running the command), shortened on the
-command line, then resumes from its checkpoint with the config the run saved.
+The quickstart test runs the README's commands in order, exactly as a user does (Lightning starts the second
+process itself by re-running the command), shrunk on the command line: ``--print_config > my.yaml`` and ``fit
+--config my.yaml``; the resume with a larger ``max_steps`` (the learning rate continues the saved schedule); the
+conversion and the one-process resume; ``validate`` and ``predict`` from the checkpoint (into the run's folder);
+``export`` (loaded with ``from_pretrained``, its validation loss equals the run's). Bad configs are refused before
+any process starts, in one line naming the key; Ctrl-C saves a checkpoint that the printed command resumes.
 """
 
 from __future__ import annotations
 
 import csv
+import math
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import lightning as L
 import pytest
+import torch
 import yaml
 
 from lightning_ulysses.checkpoint_io import check_integrity
 from lightning_ulysses.cli import main
+from lightning_ulysses.cli.commands import build_from_config
+from lightning_ulysses.model import WarmupCosine
 from tests.launch import REPO_ROOT
 
 CONFIGS = sorted((REPO_ROOT / "configs").glob("*.yaml"))
@@ -30,7 +43,8 @@ def print_config(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch,
         main(["fit", *args, "--print_config"])
     assert exit_info.value.code in (None, 0)
     out = capsys.readouterr().out
-    return out[out.index("# lightning.pytorch=="):]  # DeepSpeed may log a line to stdout first
+    assert out.startswith("# lightning.pytorch=="), out[:300]  # nothing else on stdout: the YAML loads as printed
+    return out
 
 
 def test_configs_exist() -> None:
@@ -70,14 +84,130 @@ def test_strategy_arguments_from_the_command_line(capsys: pytest.CaptureFixture,
     assert config["trainer"]["strategy"]["init_args"]["stage"] == 3
 
 
-def run_cli(*args: str) -> None:
+def test_help_lists_every_command(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["lightning-ulysses"])
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listed = capsys.readouterr().out
+    for command in ("fit", "validate", "test", "predict", "convert-checkpoint", "export"):
+        assert re.search(rf"^\s+{command}\s+\S", listed, re.MULTILINE), f"--help does not list {command}:\n{listed}"
+
+
+def test_lr_schedule_is_saved_with_the_scheduler() -> None:
+    """The schedule's length travels in the scheduler's state (what a checkpoint holds), and it equals transformers'
+    warmup + cosine-with-min-lr schedule up to its end, then holds the final rate."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    def lambda_lr(total: int) -> torch.optim.lr_scheduler.LambdaLR:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(3, total, 0.1))
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    reference = get_cosine_with_min_lr_schedule_with_warmup(optimizer, 3, 10, min_lr_rate=0.1)
+    ours = lambda_lr(10)
+    for step in range(10):
+        assert math.isclose(ours.get_last_lr()[0], reference.get_last_lr()[0], rel_tol=1e-12), step
+        optimizer.step(), ours.optimizer.step(), reference.step(), ours.step()
+    for _ in range(5):  # past the end: the final rate (transformers' rises again)
+        assert math.isclose(ours.get_last_lr()[0], 0.2, rel_tol=1e-12)
+        ours.optimizer.step(), ours.step()
+    resumed = lambda_lr(400)  # a resumed run rebuilds the schedule for another max_steps, then loads the state
+    resumed.load_state_dict(ours.state_dict())
+    assert resumed.lr_lambdas[0].total_steps == 10
+
+
+def test_a_resume_onto_a_new_schedule_length_changes_the_rate_at_the_resumed_step() -> None:
+    """``--model.lr_schedule_steps 20`` on a run resumed at step 10 of a 10-step schedule: the rate of the next step
+    is the 20-step schedule's at step 10, set on the optimizer before it steps; without it, a warning."""
+    from types import SimpleNamespace
+
+    from lightning_ulysses.model import _reconcile_schedule
+
+    def resumed() -> torch.optim.lr_scheduler.LambdaLR:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(2, 10, 0.1))
+        for _ in range(10):
+            optimizer.step(), scheduler.step()
+        return scheduler
+
+    trainer = SimpleNamespace(max_steps=20, estimated_stepping_batches=20)
+    scheduler = resumed()
+    assert scheduler.optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
+    with pytest.warns(UserWarning, match="decays over 10 optimizer steps; this run ends at step 20, so steps 10-19 run "
+                                         "at its final learning rate 0.2. To decay over 20 steps instead, add "
+                                         "--model.lr_schedule_steps 20"):
+        _reconcile_schedule(scheduler, None, trainer)
+    assert scheduler.optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
+    scheduler = resumed()
+    _reconcile_schedule(scheduler, 20, trainer)
+    assert scheduler.optimizer.param_groups[0]["lr"] == pytest.approx(2.0 * WarmupCosine(2, 20, 0.1)(10))
+    scheduler.optimizer.step(), scheduler.step()
+    assert scheduler.get_last_lr()[0] == pytest.approx(2.0 * WarmupCosine(2, 20, 0.1)(11))
+
+
+def test_progress_bar_counts_optimizer_steps_of_max_steps() -> None:
+    """A step-limited run resumed at step 200 of 400, inside an epoch of 199 batches: ``Step``, 400 in all (Lightning's
+    bar reads ``Epoch 0/-2`` and counts the epoch's batches against the 200 steps left)."""
+    from types import SimpleNamespace
+
+    from lightning_ulysses.progress import StepProgressBar
+
+    bar = StepProgressBar()
+    bar._trainer = SimpleNamespace(max_epochs=-1, max_steps=400, global_step=200, num_training_batches=199)
+    assert bar.total_train_batches == 400 and bar._get_train_description(0).strip() == "Step"
+    bar._trainer = SimpleNamespace(max_epochs=3, max_steps=-1, global_step=0, num_training_batches=199)
+    assert bar.total_train_batches == 199 and bar._get_train_description(1).strip() == "Epoch 1/2"
+
+
+def test_progress_bar_unless_the_config_disables_or_names_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from lightning_ulysses.cli import UlyssesCLI
+    from lightning_ulysses.progress import LogLines
+
+    monkeypatch.setattr(sys, "argv", ["lightning-ulysses"])
+
+    def trainer(*args: str) -> L.Trainer:
+        return UlyssesCLI(L.LightningModule, L.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                          auto_configure_optimizers=False, run=False,
+                          args=["--config", str(REPO_ROOT / "configs/quickstart.yaml"), *args]).trainer
+
+    assert isinstance(trainer().progress_bar_callback, LogLines)  # stdout is not a terminal under pytest
+    assert trainer("--trainer.enable_progress_bar", "false").progress_bar_callback is None
+    named = trainer("--trainer.callbacks+=TQDMProgressBar")
+    assert isinstance(named.progress_bar_callback, TQDMProgressBar)
+
+
+def cli_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def run_cli(*args: str, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
+    """``lightning-ulysses <args>`` as a user runs it; its stdout is not a terminal (plain progress lines)."""
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_ulysses", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+        [sys.executable, "-m", "lightning_ulysses", *args], cwd=cwd, env=cli_env(), capture_output=True, text=True,
         timeout=600,
     )
     assert result.returncode == 0, f"lightning-ulysses {' '.join(args)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
+    return result
+
+
+def refusal(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, *args: str) -> str:
+    """Run ``lightning-ulysses <args>`` in this process, which must refuse it before building anything, within
+    seconds, with one error line and no traceback; returns that line."""
+    monkeypatch.setattr(sys, "argv", ["lightning-ulysses"])
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    elapsed = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    lines = [line for line in err.splitlines() if line.startswith("lightning-ulysses: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert elapsed < 10, f"refused after {elapsed:.1f} s"
+    return lines[0]
 
 
 def logged(run_dir: Path, key: str) -> list[tuple[int, float]]:
@@ -85,32 +215,220 @@ def logged(run_dir: Path, key: str) -> list[tuple[int, float]]:
         return [(int(row["step"]), float(row[key])) for row in csv.DictReader(file) if row.get(key)]
 
 
-def test_quickstart_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
-    shorten = [
-        "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "1",
-        "--trainer.logger.init_args.save_dir", str(tmp_path), "--data.max_files", "60", "--data.seq_len", "256",
-        "--model.warmup_steps", "2",
+def test_bad_configs_are_refused_before_any_process_starts(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    quickstart = ["fit", "--config", str(REPO_ROOT / "configs/quickstart.yaml")]
+    line = refusal(capsys, monkeypatch, *quickstart, "--trainer.strategy.init_args.sp_size", "3")
+    assert "trainer.strategy.init_args.sp_size=3" in line and "Valid sp_size values for this world size: [1, 2]" in line
+    line = refusal(capsys, monkeypatch, *quickstart, "--trainer.strategy.init_args.attn_implementation", "eager")
+    assert "attn_implementation" in line and "'eager'" in line and "'sdpa'" in line and len(line) < 500
+    line = refusal(capsys, monkeypatch, *quickstart, "--data.batch_size", "0")
+    assert "data.batch_size=0" in line and "--data.batch_size 1" in line
+    line = refusal(capsys, monkeypatch, *quickstart, "--ckpt_path", "no/such/checkpoint")
+    assert "ckpt_path='no/such/checkpoint' does not exist" in line
+    line = refusal(capsys, monkeypatch, "test", "--config", str(REPO_ROOT / "configs/quickstart.yaml"),
+                   "--data", "tests.test_cli.TrainOnlyData")
+    assert "TrainOnlyData has no test_dataloader(), so it has no split for test" in line
+
+
+class TrainOnlyData(L.LightningDataModule):
+    """A data module with a training split only."""
+
+    vocab_size = 259
+
+    def train_dataloader(self) -> list[dict[str, torch.Tensor]]:
+        return [{"input_ids": torch.zeros(1, 8, dtype=torch.long)}]
+
+
+def test_no_logger_writes_no_config_into_the_working_directory(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    no_logger = ["--trainer.logger", "false"]
+    line = refusal(capsys, monkeypatch, "fit", "--config", str(REPO_ROOT / "configs/quickstart.yaml"), *no_logger)
+    assert "LearningRateMonitor" in line  # it would fail at the start of training, after the set-up
+    config = yaml.safe_load((REPO_ROOT / "configs/quickstart.yaml").read_text())
+    callbacks = config["trainer"]["callbacks"]
+    config["trainer"]["callbacks"] = [c for c in callbacks if not c["class_path"].endswith("LearningRateMonitor")]
+    (tmp_path / "no-lr-monitor.yaml").write_text(yaml.safe_dump(config))
+    one_step = [
+        *no_logger, "--trainer.max_steps", "1", "--trainer.devices", "1", "--trainer.strategy.init_args.sp_size", "1",
+        "--trainer.limit_val_batches", "0", "--data.max_files", "20", "--data.seq_len", "128",
     ]
-    run_cli("fit", "--config", "configs/quickstart.yaml", "--trainer.max_steps", "8", *shorten)
-    first = tmp_path / "quickstart" / "version_0"
-    losses = [loss for _, loss in logged(first, "train_loss")]
+    run_cli("fit", "--config", str(tmp_path / "no-lr-monitor.yaml"), *one_step, cwd=tmp_path)
+    assert not (tmp_path / "config.yaml").exists(), "a run without a logger wrote config.yaml into the working directory"
+
+
+def test_quickstart_commands_as_documented(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    shrink = [
+        "--trainer.max_steps", "8", "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "2",
+        "--trainer.log_every_n_steps", "1", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
+        "--data.max_files", "60", "--data.seq_len", "256", "--model.warmup_steps", "2",
+    ]
+    # lightning-ulysses fit --config configs/quickstart.yaml --print_config > my.yaml; lightning-ulysses fit --config my.yaml
+    printed = run_cli("fit", "--config", "configs/quickstart.yaml", *shrink, "--print_config").stdout
+    (tmp_path / "my.yaml").write_text(printed)
+    trained = run_cli("fit", "--config", str(tmp_path / "my.yaml"))
+    run = tmp_path / "runs" / "quickstart" / "version_0"
+    losses = [loss for _, loss in logged(run, "train_loss")]
     assert len(losses) == 8
     assert sum(losses[-2:]) / 2 < 0.9 * losses[0], f"train loss did not fall: {losses}"
-    val_losses = [loss for _, loss in logged(first, "val_loss")]
+    val_losses = [loss for _, loss in logged(run, "val_loss")]
     assert len(val_losses) == 2 and val_losses[1] < val_losses[0]
-    checkpoint = first / "checkpoints" / "last.ckpt"
+    # stdout is a pipe here: plain progress lines with the optimizer step out of max_steps, no "Epoch 0/-2", no v_num
+    assert re.search(r"^step 4/8 \| .*train_loss [0-9.]+ \| sp/tokens_per_sec", trained.stdout, re.MULTILINE), trained.stdout
+    assert "validation at step 8 | val_loss" in trained.stdout and "v_num" not in trained.stdout
+    for noise in ("Setting accelerator to CPU", "💡 Tip", "all_gather_into_tensor", "LeafSpec"):
+        assert noise not in trained.stdout + trained.stderr, noise
+    checkpoint = run / "checkpoints" / "last.ckpt"
     check_integrity(checkpoint)  # a committed DeepSpeed checkpoint, every file whole
 
-    run_cli("fit", "--config", str(first / "config.yaml"), "--ckpt_path", str(checkpoint), "--trainer.max_steps", "10")
-    resumed = tmp_path / "quickstart" / "version_1"
-    steps = [step for step, _ in logged(resumed, "train_loss")]
-    assert steps == [8, 9], f"the resumed run did not continue at step 8: {steps}"
-    check_integrity(resumed / "checkpoints" / "last.ckpt")
+    # the README's resume, with a larger max_steps: the learning rate continues the schedule saved in the checkpoint
+    # (which ended at step 8: its final rate), and the run says so. Rebuilt for 10 steps it would be 4.6e-4 at step 8.
+    resumed_run = run_cli("fit", "--config", str(run / "config.yaml"), "--ckpt_path", str(checkpoint),
+                          "--trainer.max_steps", "10")
+    resumed = tmp_path / "runs" / "quickstart" / "version_1"
+    assert [step for step, _ in logged(resumed, "train_loss")] == [8, 9], "the resumed run did not continue at step 8"
+    lrs = [lr for _, lr in logged(resumed, "lr-AdamW/pg1")]
+    assert lrs == pytest.approx([0.002 * 0.1] * 2, rel=1e-6), lrs
+    assert "decays over 8 optimizer steps; this run ends at step 10" in resumed_run.stderr
+    assert "--model.lr_schedule_steps 10" in resumed_run.stderr
+    assert "step 10/10" in resumed_run.stdout
 
     # the 2-process checkpoint, converted, resumes on 1 process (tied embeddings, AdamW)
-    universal = tmp_path / "last-universal"
-    run_cli("convert-checkpoint", str(checkpoint), str(universal))
-    one_process = ["--trainer.devices", "1", "--trainer.strategy.init_args.sp_size", "1", "--trainer.max_steps", "10"]
-    run_cli("fit", "--config", str(first / "config.yaml"), "--ckpt_path", str(universal), *one_process)
-    steps = [step for step, _ in logged(tmp_path / "quickstart" / "version_2", "train_loss")]
+    universal = run / "checkpoints" / "last-universal"
+    main(["convert-checkpoint", str(checkpoint), str(universal)])
+    assert f"Wrote {universal}: a universal copy of {checkpoint} (global step 8" in capsys.readouterr().out
+    one_process = ["--trainer.devices", "1", "--trainer.strategy.init_args.sp_size", "1"]
+    line = refusal(capsys, monkeypatch, "fit", "--config", str(run / "config.yaml"), "--ckpt_path", str(universal),
+                   *one_process)  # the saved config's max_steps is reached: it says so and how to go on
+    assert "saved at global step 8 and trainer.max_steps=8: nothing is left to train" in line
+    assert "--trainer.max_steps 16" in line
+    run_cli("fit", "--config", str(run / "config.yaml"), "--ckpt_path", str(universal), *one_process,
+            "--trainer.max_steps", "10")
+    steps = [step for step, _ in logged(tmp_path / "runs" / "quickstart" / "version_2", "train_loss")]
     assert steps == [8, 9], f"the converted checkpoint did not continue at step 8 on one process: {steps}"
+
+    # a damaged shard is refused before any process starts, naming the file
+    damaged = tmp_path / "damaged.ckpt"
+    shutil.copytree(checkpoint, damaged)
+    shard = next(damaged.glob("*/zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    with open(shard, "r+b") as file:
+        file.truncate(shard.stat().st_size // 2)
+    line = refusal(capsys, monkeypatch, "fit", "--config", str(run / "config.yaml"), "--ckpt_path", str(damaged),
+                   "--trainer.max_steps", "10")
+    assert f"{shard}: truncated" in line
+
+    # validate and predict from the checkpoint write into the run's folder, not a new version_N
+    run_cli("validate", "--config", str(run / "config.yaml"), "--ckpt_path", str(checkpoint))
+    (_, validated), = logged(run / "validate", "val_loss")
+    assert validated == pytest.approx(val_losses[-1], rel=1e-5)  # the run's last validation, on the same weights
+    predicted = run_cli("predict", "--config", str(run / "config.yaml"), "--ckpt_path", str(checkpoint))
+    predictions = torch.load(run / "predict" / "predictions.pt")
+    assert f"to {run / 'predict' / 'predictions.pt'}" in predicted.stdout
+    first = predictions["predictions"][0]
+    assert first["token_log_probs"].shape == first["input_ids"].shape == (4, 256)
+    assert (first["token_log_probs"][:, :-1] < 0).all()  # every next token scored
+    assert sorted(path.name for path in (tmp_path / "runs" / "quickstart").iterdir()) == ["version_0", "version_1", "version_2"]
+
+    # export: a from_pretrained folder whose validation loss, on one process without this package, is the run's
+    exported = tmp_path / "model"
+    main(["export", str(run), str(exported)])
+    assert f"Wrote {exported}" in capsys.readouterr().out
+    assert_export_equals_the_run(exported, run, validated)
+
+
+def assert_export_equals_the_run(exported: Path, run: Path, val_loss: float) -> None:
+    """Validate the exported folder with a plain HF model on the run's validation batches (the local reference
+    attention masks the packed documents as the run did)."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_ulysses import CausalLM
+
+    data = build_from_config(yaml.safe_load((run / "config.yaml").read_text())).data
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    assert model.get_input_embeddings().num_embeddings == data.vocab_size
+    module = CausalLM(model=str(exported), pretrained=True, vocab_size=data.vocab_size)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, limit_val_batches=2, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)
+    (metrics,) = trainer.validate(module, datamodule=data, verbose=False)
+    assert metrics["val_loss"] == pytest.approx(val_loss, rel=1e-4)
+    if hasattr(data.tokenizer, "save_pretrained"):  # the data module's tokenizer is saved with the model
+        from transformers import AutoTokenizer
+
+        assert AutoTokenizer.from_pretrained(exported)("def f():")["input_ids"] == data.tokenizer("def f():")["input_ids"]
+
+
+def test_sft_export_holds_what_the_dpo_quickstart_loads(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """The fine-tuning commands of the README: the SFT quickstart (shrunk to 2 steps), then ``export`` of its run,
+    which configs/dpo_quickstart.yaml loads as ``model.model`` (pretrained, every weight) and ``data.tokenizer``."""
+    run_cli("fit", "--config", "configs/sft_quickstart.yaml", "--trainer.max_steps", "2", "--trainer.val_check_interval",
+            "2", "--trainer.limit_val_batches", "1", "--data.seq_len", "256",
+            "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"))
+    run, exported = tmp_path / "runs" / "sft_quickstart" / "version_0", tmp_path / "sft_model"
+    main(["export", str(run), str(exported)])
+    assert f"Wrote {exported}: the model of {run / 'checkpoints' / 'last.ckpt'} (global step 2) and its tokenizer" in (
+        capsys.readouterr().out)
+    from lightning_ulysses import CausalLM
+    from lightning_ulysses.finetune.tokenizer import load_tokenizer
+
+    sft = build_from_config(yaml.safe_load((run / "config.yaml").read_text())).data
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    assert load_tokenizer(str(exported)).apply_chat_template(chat) == sft.tokenizer.apply_chat_template(chat)
+    dpo = yaml.safe_load((REPO_ROOT / "configs/dpo_quickstart.yaml").read_text())
+    assert dpo["model"]["init_args"]["model"] == dpo["data"]["init_args"]["tokenizer"] == "runs/sft_model"
+    module = CausalLM(model=str(exported), pretrained=True, vocab_size=len(sft.tokenizer))
+    module.configure_model()  # refuses a folder that lacks or mismatches any weight
+
+
+def test_ctrl_c_saves_a_checkpoint_that_the_printed_command_resumes(tmp_path: Path) -> None:
+    """Ctrl-C as a terminal sends it (SIGINT to the whole process group) during a 2-process fit."""
+    args = [
+        "fit", "--config", "configs/quickstart.yaml", "--trainer.max_steps", "200", "--trainer.val_check_interval", "100",
+        "--trainer.limit_val_batches", "1", "--trainer.log_every_n_steps", "1",
+        "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--data.max_files", "60", "--data.seq_len", "256",
+    ]
+    process = subprocess.Popen([sys.executable, "-m", "lightning_ulysses", *args], cwd=REPO_ROOT, env=cli_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output = []
+    try:
+        for line in process.stdout:
+            output.append(line)
+            if line.startswith("step 3/200"):
+                os.killpg(process.pid, signal.SIGINT)
+                break
+        output += process.stdout.readlines()
+        process.wait(timeout=300)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    text = "".join(output)
+    run = tmp_path / "runs" / "quickstart" / "version_0"
+    found = re.search(r"Interrupted \(Ctrl-C\): saved (\S+) at global step (\d+), before its next batch\. "
+                      r"Resume with: (lightning-ulysses fit .*)", text)
+    assert found, text[-6000:]
+    path, step, command = Path(found[1]), int(found[2]), found[3].split()
+    assert path == run / "checkpoints" / "interrupted.ckpt" and step >= 3
+    assert command == ["lightning-ulysses", "fit", "--config", str(run / "config.yaml"), "--ckpt_path", str(path)]
+    check_integrity(path)
+    run_cli(*command[1:], "--trainer.max_steps", str(step + 2))
+    steps = [s for s, _ in logged(tmp_path / "runs" / "quickstart" / "version_1", "train_loss")]
+    assert steps == [step, step + 1], steps
+
+
+def test_strategy_names_are_registered_by_importing_the_package() -> None:
+    """Lightning has no entry point for strategy names: ``Trainer(strategy="ulysses")`` needs ``import
+    lightning_ulysses`` first (README), and says so through Lightning's own error otherwise."""
+    script = (
+        "import lightning as L\n"
+        "try:\n    L.Trainer(strategy='ulysses', accelerator='cpu', devices=1, logger=False)\n"
+        "except ValueError as error:\n    print('refused:', error)\n"
+        "import lightning_ulysses\n"
+        "print('after import:', type(L.Trainer(strategy='ulysses', accelerator='cpu', devices=1, logger=False).strategy).__name__)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=cli_env(), capture_output=True, text=True,
+                            timeout=300)
+    assert "refused: You selected an invalid strategy name: `strategy='ulysses'`" in result.stdout, result.stdout + result.stderr
+    assert "after import: UlyssesStrategy" in result.stdout, result.stdout + result.stderr

@@ -199,6 +199,7 @@ def test_a_killed_rank_ends_every_rank_naming_it(faults: dict[str, Any]) -> None
     assert killed.returncode == -signal.SIGKILL, _output(killed)
     assert survivor.returncode not in (None, 0), _output(survivor)
     assert "rank 1 stopped: no heartbeat" in survivor.output, _output(survivor)
+    assert "Resume from the last checkpoint" in survivor.output, _output(survivor)
     killed_at = float((faults["dir"] / "killing1").read_text())
     assert float((faults["dir"] / "failed0").read_text()) - killed_at < PG_TIMEOUT_S
 

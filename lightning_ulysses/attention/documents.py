@@ -86,7 +86,13 @@ class _GatheredPositions:
     documents: dict[int | None, Documents]
 
     def gathered_from(self, shard: Tensor, group: ProcessGroup | None) -> bool:
-        return self.shard() is shard and self.version == shard._version and self.group is group
+        return self.shard() is shard and self.version == _version(shard) and self.group is group
+
+
+def _version(tensor: Tensor) -> int:
+    """The in-place edit counter of ``tensor``; an inference tensor (evaluation under ``torch.inference_mode``) has
+    none, and is edited by no layer of the forward that reads it."""
+    return -1 if tensor.is_inference() else tensor._version
 
 
 _last_gathered: _GatheredPositions | None = None
@@ -106,7 +112,7 @@ def documents_of(position_ids: Tensor, group: ProcessGroup | None, chunk: int | 
     global _last_gathered
     if _last_gathered is None or not _last_gathered.gathered_from(position_ids, group):
         gathered = gather_sequence(position_ids, group)
-        _last_gathered = _GatheredPositions(weakref.ref(position_ids), position_ids._version, group, gathered, {})
+        _last_gathered = _GatheredPositions(weakref.ref(position_ids), _version(position_ids), group, gathered, {})
     documents = _last_gathered.documents
     if chunk not in documents:
         documents[chunk] = Documents.from_position_ids(_last_gathered.position_ids, chunk)

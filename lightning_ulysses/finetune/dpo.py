@@ -65,9 +65,10 @@ class DPO(CausalLM):
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
         gradient_checkpointing: bool = False,
+        lr_schedule_steps: int | None = None,
     ) -> None:
         super().__init__(model, pretrained, vocab_size, learning_rate, weight_decay, betas, warmup_steps, min_lr_ratio,
-                         gradient_checkpointing)
+                         gradient_checkpointing, lr_schedule_steps)
         if reference is None and not pretrained:
             raise ValueError(
                 "DPO needs a reference model: a pretrained model.model folder (the reference is then the same folder) "
