@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.masking_utils import chunked_causal_mask_function, sliding_window_causal_mask_function
 
 from lightning_ulysses import UnsupportedModelError, apply_ulysses_attention, prepare_batch, shard_batch
-from lightning_ulysses.attention import gather_sequence
+from lightning_ulysses.attention import RingLayout, gather_sequence, set_ring_layout
 from lightning_ulysses.hf import ULYSSES_ATTN_IMPLEMENTATION, remove_ulysses_attention, unpatched
 from lightning_ulysses.hf.masks import MaskPattern, identify_pattern
 from tests.launch import launch
@@ -233,8 +233,10 @@ SP_CASES: dict[str, Any] = {  # the sequence (SEQ=40) runs beyond the original m
     "user_written_mixer": _llama_with_a_mixer,
     "recurrent_block_gathered": _recurrent_gemma,
     "user_written_mixer_gathered": _llama_with_a_mixer,
+    "recurrent_block_ring": _recurrent_gemma,
 }
 GATHERED = {"recurrent_block_gathered", "user_written_mixer_gathered"}  # run with sequence_mixers="gather"
+RING = {"recurrent_block_ring"}  # under Ulysses x Ring (ring 2 x Ulysses 1)
 # compared with each document on its own: mask no packed documents (gpt-oss, Llama4) or reset a mixer's state at them
 PER_DOCUMENT = {"attention_sinks", "chunked_attention", "local_index_scale", "short_convolution"}
 
@@ -242,6 +244,7 @@ PER_DOCUMENT = {"attention_sinks", "chunked_attention", "local_index_scale", "sh
 def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
     dist.init_process_group("gloo")
     rank, results = dist.get_rank(), {}
+    ulysses_groups = [dist.new_group([r]) for r in range(2)]
     for name, factory in SP_CASES.items():
         model = factory()
         ids, positions = packed_ids_and_positions()
@@ -254,12 +257,16 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
         expected.sum().backward()
         expected_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad()
+        if name in RING:
+            set_ring_layout(dist.group.WORLD, RingLayout(2, ulysses_groups[rank], dist.group.WORLD))
         try:
             mixers = "gather" if name in GATHERED else "refuse"
             apply_ulysses_attention(model, dist.group.WORLD, sp_size=2, core="sdpa", sequence_mixers=mixers)
         except UnsupportedModelError as error:
             results[name] = {"refused": str(error)}
             continue
+        finally:
+            set_ring_layout(dist.group.WORLD, None)
         batch = shard_batch(prepare_batch({"input_ids": ids, "position_ids": positions}, 2), rank, 2)
         local = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         local.sum().backward()  # summed over the ranks: the gradient of the whole sequence's logits sum
@@ -306,6 +313,10 @@ def test_sinks_and_chunks_run_exactly_across_ranks(sp_results: list[dict[str, An
                             r"when the sequence is split"),
         ("user_written_mixer", r"model\.layers\.1\.mlp\.1 \(CausalCumulativeMean\): changes its output when the "
                                r"sequence is split"),
+        # under Ulysses x Ring, which gathers no mixer, the suggestion is to gather at ring_size=1
+        ("recurrent_block_ring", r"model\.layers\.0\.temporal_block \(RecurrentGemmaRecurrentBlock\): changes its "
+                                 r"output when the sequence is split(.|\n)*UlyssesStrategy\(ring_size=1, "
+                                 r"sequence_mixers='gather'\) runs such layers"),
     ],
 )
 def test_token_mixers_and_local_indices_are_refused_on_every_rank(
