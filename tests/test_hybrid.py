@@ -1,10 +1,12 @@
 """Hybrid models whose token mixers run head-sharded (:mod:`lightning_ulysses.hf.mixers`) train exactly.
 
-One family per sequential kernel (LFM2's short convolution, Mamba2's SSD scan, Jamba's Mamba scan, Qwen3-Next's gated
-delta rule, Kimi delta attention, MiniMax's lightning attention), the zoo's tiny configs (:mod:`tests.zoo_configs`), at sp=2 and sp=4, ZeRO-2 and
-ZeRO-3, dp=2 x sp=2, on packed documents whose borders fall on and inside the shard borders, and with head counts that do not
-divide by ``sp_size`` (inert head slots, groups replicated). Each case trains two SGD steps with
-``UlyssesStrategy`` and compares the losses (rtol 1e-5) and the update (< 1e-4) with one process running every
+One family per sequential kernel (LFM2's short convolution, Mamba2's SSD scan, Jamba's Mamba scan, Qwen3-Next's
+gated delta rule, Kimi delta attention, MiniMax's lightning attention), the zoo's tiny configs
+(:mod:`tests.zoo_configs`), at sp=2 and sp=4, ZeRO-2 and ZeRO-3, dp=2 x sp=2, on packed documents whose borders fall
+on and inside the shard borders, on rows of one long document and many short ones (the kernels' token count per
+call is checked too), with head counts that do not divide by ``sp_size`` (inert head slots, groups replicated), and
+under Ulysses x Ring (zigzag shards: ring 2 x Ulysses 2, dp 2 x ring 2 x Ulysses 1). Each case trains two SGD steps
+with ``UlyssesStrategy`` and compares the losses (rtol 1e-5) and the update (< 1e-4) with one process running every
 document of the plain model on its own. The zoo (:mod:`tests.test_zoo`) covers every family at sp=2 and sp=4 on
 unpacked rows.
 """
@@ -164,13 +166,13 @@ class KernelTokens:
     def __init__(self, modeling: Any) -> None:
         self.modeling = modeling
         self.originals = {name: getattr(modeling, name) for name in KERNELS if hasattr(modeling, name)}
-        self.calls: list[dict[str, Any]] = []  # per mixer call: whole-row tokens, kernel -> [tokens of each call]
+        self.calls: list[dict[str, Any] | None] = []  # per mixer call: whole-row tokens, kernel -> [tokens per call]
         for name, kernel in self.originals.items():
             setattr(modeling, name, self._counted(name, kernel))
 
     def _counted(self, name: str, kernel: Any) -> Any:
         spec, signature = KERNELS[name], inspect.signature(kernel)
-        key, axis = spec.head_count
+        key = spec.head_count[0]
         sequence_axis = spec.heads[key].index("N")
 
         @functools.wraps(kernel)
@@ -230,7 +232,8 @@ def train_worker(args: dict[str, Any]) -> dict[str, Any]:
         results[name] = {
             "losses": module.losses, "params": gathered_parameters(module.model, case["stage"] == 3),
             "sharded_mixers": module.sharded_mixers, "flop_attention_layers": module.flop_attention_layers,
-            "dp_rank": strategy.dp_rank, "ring_size": strategy.ring_size, "kernel_tokens": [c for c in counter.calls if c is not None],
+            "dp_rank": strategy.dp_rank, "ring_size": strategy.ring_size,
+            "kernel_tokens": [call for call in counter.calls if call is not None],
         }
     return results
 
