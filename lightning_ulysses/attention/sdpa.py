@@ -7,7 +7,8 @@ outputs are dropped, so it gets no gradient. Classes keep :data:`SIGNIFICANT_BIT
 (less than 25% padding), so a row runs at most about ``4 * log2(N)`` calls per layer, and one call when its
 documents have one length (a 128k row of 64-token documents: 1 call, where one call per document is 2048).
 The plan (which token goes to which slot of which class) is built on the host once per batch and kept with the
-:class:`~lightning_ulysses.attention.documents.Documents`.
+:class:`~lightning_ulysses.attention.documents.Documents`; the token mixers of hybrid models run their packed
+documents with the same plan and :func:`run_packed` (:mod:`lightning_ulysses.hf.mixers.core`).
 """
 
 from __future__ import annotations
