@@ -76,8 +76,7 @@ def check_model(model: PreTrainedModel, state: PatchState) -> None:
         for module, training in modes.items():
             module.training = training
     if findings:
-        gather = not state.gather_mixers
-        raise UnsupportedModelError(refusal(model, findings, suggest_gather=gather, ring=ring_size > 1))
+        raise UnsupportedModelError(refusal(model, findings, suggest_gather=not state.gather_mixers))
 
 
 def probe_ids(model: PreTrainedModel, length: int, device: torch.device) -> Tensor:

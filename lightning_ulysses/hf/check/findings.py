@@ -56,19 +56,15 @@ def module_label(names: dict[nn.Module, str], module: nn.Module) -> str:
     return f"{names.get(module, '?') or '<model>'} ({type(module).__name__})"
 
 
-def refusal(model: PreTrainedModel, findings: list[Finding], suggest_gather: bool, ring: bool = False) -> str:
-    """The refusal naming every finding; the ``gather`` fallback suggested where it would help (with
-    ``ring_size=1`` under Ulysses x Ring, which does not gather)."""
+def refusal(model: PreTrainedModel, findings: list[Finding], suggest_gather: bool) -> str:
     shown = findings[:8]
     lines = [f"  - {f.where}: {f.problem}" for f in shown]
     if len(findings) > len(shown):
         lines.append(f"  - ... and {len(findings) - len(shown)} more")
     if suggest_gather and all(f.mixer is not None for f in findings):
-        options = "ring_size=1, sequence_mixers='gather'" if ring else "sequence_mixers='gather'"
         lines.append(
-            f"  UlyssesStrategy({options}) runs such layers on the whole sequence on every rank instead: exact, at "
-            "sp_size times their compute and with their activations at full length"
-            + (" (Ulysses x Ring does not gather: its shards are zigzag)." if ring else ".")
+            "  UlyssesStrategy(sequence_mixers='gather') runs such layers on the whole sequence on every rank instead: "
+            "exact, at sp_size times their compute and with their activations at full length."
         )
     return (
         f"{type(model).__name__} cannot be trained exactly with Ulysses sequence parallelism; lightning-ulysses checked "
