@@ -79,8 +79,12 @@ def gather_whole_sequence(module: nn.Module, state: PatchState, dims: TokenDims)
         length = module.__dict__.pop("_ulysses_shard_length", None)
         if length is None:
             return None
-        rank, counter = dist.get_rank(state.group), iter(range(1 << 30))
-        return _map_tensors(output, lambda t: _shard(t, dims.outputs.get(next(counter)), length, rank, state.group))
+        rank, counter, name = dist.get_rank(state.group), iter(range(1 << 30)), type(module).__name__
+
+        def shard(t: Tensor) -> Tensor:
+            return _shard(t, dims.outputs.get(next(counter)), length, rank, state.group, name)
+
+        return _map_tensors(output, shard)
 
     module._ulysses_gather_hooks = (
         module.register_forward_pre_hook(gather_inputs, with_kwargs=True),
@@ -107,15 +111,16 @@ def _gather_tree(value: Any, key: str, dims: dict[str, int], group: ProcessGroup
     return value
 
 
-def _shard(tensor: Tensor, dim: int | None, length: int, rank: int, group: ProcessGroup) -> Tensor:
-    """This rank's ``length`` rows of a whole-sequence output, plus the constant number an output longer than the
-    sequence carries past it (a padded convolution's ``k - 1``; not under Ulysses x Ring, whose shards are zigzag)."""
+def _shard(tensor: Tensor, dim: int | None, length: int, rank: int, group: ProcessGroup, module: str) -> Tensor:
+    """This rank's ``length`` rows of a whole-sequence output of ``module`` (its class name), plus the constant number
+    an output longer than the sequence carries past it (a padded convolution's ``k - 1``; not under Ulysses x Ring,
+    whose shards are zigzag)."""
     if dim is None:
         return tensor
     extra = tensor.shape[dim] - length * dist.get_world_size(group)
     if extra and ring_layout(group) is not None:
         raise ValueError(
-            f"A gathered token mixer returned an output {extra} tokens longer than the sequence (a padded "
+            f"The gathered token mixer {module} returns an output {extra} tokens longer than the sequence (a padded "
             "convolution's tail), which has no zigzag shard under Ulysses x Ring. Use ring_size=1 for this model."
         )
     return to_shard_order(tensor, group, dim).narrow(dim, rank * length, length + extra)
