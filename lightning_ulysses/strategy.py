@@ -138,7 +138,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
             resolve_attn_implementation(attn_implementation, "cuda")  # refuse unknown names before any work
         if sequence_mixers not in ("refuse", "gather"):
             raise ValueError(f"sequence_mixers must be 'refuse' or 'gather', got {sequence_mixers!r}.")
-        _check_ring_options(ring_size, sp_size, attn_implementation, sequence_mixers)
+        _check_ring_options(ring_size, sp_size, attn_implementation)
         self._requested_ring_size = ring_size
         self.sequence_mixers = sequence_mixers
         self._requested_sp_size = sp_size
@@ -247,7 +247,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         ring_size = self._requested_ring_size
         if ring_size == "auto":
             ring_size = auto_ring_size(sp_size, self.num_processes) if self.world_size % sp_size == 0 else 1
-            _check_ring_options(ring_size, sp_size, self._requested_attn_implementation, self.sequence_mixers)
+            _check_ring_options(ring_size, sp_size, self._requested_attn_implementation)
         self._topology = SequenceParallelTopology(self.world_size, sp_size, self.global_rank, ring_size)
         if ring_size > 1 and self.root_device.type != "cpu":
             raise ValueError(
@@ -477,9 +477,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
 UlyssesStrategy.register_strategies(StrategyRegistry)
 
 
-def _check_ring_options(
-    ring_size: Any, sp_size: Any, attn_implementation: str, sequence_mixers: str
-) -> None:
+def _check_ring_options(ring_size: Any, sp_size: Any, attn_implementation: str) -> None:
     """Refuse what Ulysses x Ring cannot run, at construction (``"auto"``: once resolved, at set-up); the attention
     layers refuse the rest (``check_ring_supported`` in :mod:`lightning_ulysses.attention.ulysses`)."""
     if ring_size == "auto":
@@ -498,11 +496,6 @@ def _check_ring_options(
             f"Ulysses x Ring (ring_size={ring_size!r}) runs its own block kernels (torch's SDPA kernels, which return "
             f"the log-sum-exp), not attn_implementation={attn_implementation!r}. Set attn_implementation='sdpa' (or "
             "'auto'), or ring_size=1 for Ulysses only."
-        )
-    if sequence_mixers == "gather":
-        raise ValueError(
-            "sequence_mixers='gather' is not supported with Ulysses x Ring (ring_size > 1): the gathered mixers cut "
-            "contiguous shards, the ring's shards are zigzag. Use ring_size=1, or a model without such mixers."
         )
 
 

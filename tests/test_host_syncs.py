@@ -4,10 +4,10 @@ On a GPU every ``.item()``, ``.tolist()``, ``.cpu()``, ``bool(tensor)``, ``nonze
 host until the device has caught up. They are counted here on CPU, by intercepting the tensor methods and the aten
 ops that would synchronise on CUDA, during the forward and backward of a patched 4-layer Llama with packed documents,
 tiled MLP and activation checkpointing, on 2 gloo processes (sp=2, so the tiled MLP's token agreement is a real
-collective), with Ulysses and with Ulysses x Ring (ring 2 x Ulysses 1), and of a hybrid (Qwen3-Next: its
-convolutions and delta rules run head-sharded, the packed rows cut into documents for them). What is built once per
-batch (the documents, the attention plans, the mixers' document rows, the MLP tile count) runs before the first
-layer; the test requires 0 syncs in every layer and in the backward.
+collective), and of a hybrid (Qwen3-Next: its convolutions and delta rules run head-sharded, the packed rows in
+length classes of documents for them), each with Ulysses and with Ulysses x Ring (ring 2 x Ulysses 1). What is built
+once per batch (the documents, the attention plans, the mixers' length classes, the MLP tile count) runs before the
+first layer; the test requires 0 syncs in every layer and in the backward.
 """
 
 from __future__ import annotations
@@ -90,11 +90,11 @@ def sync_worker(args: dict[str, Any]) -> dict[str, Any]:
         set_ring_layout(dist.group.WORLD, RingLayout(ring_size, ulysses_groups[rank], dist.group.WORLD))
     counts: Counter[tuple[str, str]] = Counter()
     counts.update(_count_syncs(tiny_llama(num_hidden_layers=4), args["backend"], ring_size, tiled_mlp=True))
-    if ring_size == 1:
-        # a hybrid: gated DeltaNet layers (convolution and delta rule run head-sharded, packed rows cut into documents)
-        hybrid = tiny_recipe("qwen3_next").build("sdpa")
-        counts.update({(f"{where} (hybrid)", op): n for (where, op), n in
-                       _count_syncs(hybrid, args["backend"], ring_size, tiled_mlp=False).items()})
+    # a hybrid: gated DeltaNet layers (convolution and delta rule run head-sharded, packed rows in length classes of
+    # documents; under the ring the gathered sequence is put in sequence order and back)
+    hybrid = tiny_recipe("qwen3_next").build("sdpa")
+    counts.update({(f"{where} (hybrid)", op): n for (where, op), n in
+                   _count_syncs(hybrid, args["backend"], ring_size, tiled_mlp=False).items()})
     dist.destroy_process_group()
     return dict(counts)
 

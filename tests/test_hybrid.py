@@ -1,10 +1,12 @@
 """Hybrid models whose token mixers run head-sharded (:mod:`lightning_ulysses.hf.mixers`) train exactly.
 
-One family per sequential kernel (LFM2's short convolution, Mamba2's SSD scan, Jamba's Mamba scan, Qwen3-Next's gated
-delta rule, Kimi delta attention, MiniMax's lightning attention), the zoo's tiny configs (:mod:`tests.zoo_configs`), at sp=2 and sp=4, ZeRO-2 and
-ZeRO-3, dp=2 x sp=2, on packed documents whose borders fall on and inside the shard borders, and with head counts that do not
-divide by ``sp_size`` (inert head slots, groups replicated). Each case trains two SGD steps with
-``UlyssesStrategy`` and compares the losses (rtol 1e-5) and the update (< 1e-4) with one process running every
+One family per sequential kernel (LFM2's short convolution, Mamba2's SSD scan, Jamba's Mamba scan, Qwen3-Next's
+gated delta rule, Kimi delta attention, MiniMax's lightning attention), the zoo's tiny configs
+(:mod:`tests.zoo_configs`), at sp=2 and sp=4, ZeRO-2 and ZeRO-3, dp=2 x sp=2, on packed documents whose borders fall
+on and inside the shard borders, on rows of one long document and many short ones (the kernels' token count per
+call is checked too), with head counts that do not divide by ``sp_size`` (inert head slots, groups replicated), and
+under Ulysses x Ring (zigzag shards: ring 2 x Ulysses 2, dp 2 x ring 2 x Ulysses 1). Each case trains two SGD steps
+with ``UlyssesStrategy`` and compares the losses (rtol 1e-5) and the update (< 1e-4) with one process running every
 document of the plain model on its own. The zoo (:mod:`tests.test_zoo`) covers every family at sp=2 and sp=4 on
 unpacked rows.
 """
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import inspect
 import os
 import sys
 import tempfile
@@ -28,6 +32,7 @@ from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesStrategy
 from lightning_ulysses.flops import TransformerFlops
+from lightning_ulysses.hf.mixers import KERNELS, kernels_called
 from lightning_ulysses.hf.mixers.kernels import FUSED_LAYER_KERNELS
 from tests.launch import launch
 from tests.tiny import collate, epoch_order, gathered_parameters, make_packed_samples, relative_update_error
@@ -44,6 +49,9 @@ TWO_RANKS: dict[str, dict[str, Any]] = {
     "qwen3_next_zero3_packed": dict(family="qwen3_next", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
     "kimi_linear_zero2_packed": dict(family="kimi_linear", sp=2, stage=2, borders=(SEQ_LEN // 2 + 1,)),
     "minimax_zero3_packed": dict(family="minimax", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
+    # one long document and many short ones: the kernels must not see every document padded to the longest
+    "qwen3_next_zero2_skewed_packing": dict(family="qwen3_next", sp=2, stage=2, lengths=(17, 3, 3, 3, 3, 3)),
+    "mamba2_zero2_skewed_packing": dict(family="mamba2", sp=2, stage=2, lengths=(2, 2, 21, 1, 3, 3)),
 }
 FOUR_RANKS: dict[str, dict[str, Any]] = {
     # 70 channels over 4 ranks: 18 channel slots per rank, 2 of them inert (and 5 attention heads, 1 key/value head)
@@ -57,6 +65,13 @@ FOUR_RANKS: dict[str, dict[str, Any]] = {
     # 6 value heads reading 3 key heads over 4 ranks: 2 value heads per rank, key heads split across ranks
     "qwen3_next_zero2_packed_6_heads": dict(family="qwen3_next", sp=4, stage=2, borders=(SEQ_LEN // 4, SEQ_LEN // 2),
                                             config=dict(linear_num_value_heads=6, linear_num_key_heads=3)),
+    # Ulysses x Ring (zigzag shards, chunks of SEQ_LEN / 4): borders on a ring-chunk border and inside a chunk
+    "lfm2_ring2_ulysses2_zero2_packed": dict(family="lfm2", sp=4, ring=2, stage=2,
+                                             borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8)),
+    "qwen3_next_dp2_ring2_ulysses1_zero3_skewed_packing": dict(family="qwen3_next", sp=2, dp=2, ring=2, stage=3,
+                                                              lengths=(3, 3, 17, 3, 3, 3)),
+    "mamba2_ring2_ulysses2_zero3_packed": dict(family="mamba2", sp=4, ring=2, stage=3, borders=(SEQ_LEN // 2, 5)),
+    "minimax_ring2_ulysses2_zero2": dict(family="minimax", sp=4, ring=2, stage=2, lengths=(SEQ_LEN,)),
 }
 
 
@@ -83,9 +98,18 @@ def recipe_of(case: dict[str, Any]) -> TinyRecipe:
 
 
 def packed_samples(case: dict[str, Any], recipe: TinyRecipe) -> list[dict[str, Tensor]]:
-    """``ROWS * STEPS * dp`` rows of 3-5 packed documents (the layout of :func:`tests.tiny.make_packed_samples`) drawn
-    from the family's ordinary token ids."""
-    samples = make_packed_samples(ROWS * STEPS * case.get("dp", 1), SEQ_LEN, borders=case["borders"])
+    """``ROWS * STEPS * dp`` rows of 3-5 packed documents (the layout of :func:`tests.tiny.make_packed_samples`), or of
+    documents of the case's ``lengths`` (rotated by one document per row), drawn from the family's ordinary token
+    ids."""
+    rows = ROWS * STEPS * case.get("dp", 1)
+    if "lengths" in case:
+        lengths = case["lengths"]
+        samples = make_packed_samples(rows, SEQ_LEN)  # the token ids
+        for i, sample in enumerate(samples):
+            rotated = lengths[i % len(lengths) :] + lengths[: i % len(lengths)]
+            sample["position_ids"] = torch.cat([torch.arange(n) for n in rotated])
+    else:
+        samples = make_packed_samples(rows, SEQ_LEN, borders=case["borders"])
     token_ids = torch.tensor(recipe.token_ids)
     return [{**s, "input_ids": token_ids[s["input_ids"] % len(token_ids)]} for s in samples]
 
@@ -134,30 +158,82 @@ def _fused_layer_kernel(*args: Any, **kwargs: Any) -> Tensor:
     raise AssertionError("a fused whole-layer Mamba kernel ran on this rank's shard under sequence parallelism")
 
 
+class KernelTokens:
+    """Counts the tokens (rows x sequence, per head slot) that the sequential kernels of a modeling module receive,
+    per training call of the token mixer that calls them, next to the whole rows' token count of that call (the set-up
+    check's calls, in eval mode, are not counted)."""
+
+    def __init__(self, modeling: Any) -> None:
+        self.modeling = modeling
+        self.originals = {name: getattr(modeling, name) for name in KERNELS if hasattr(modeling, name)}
+        self.calls: list[dict[str, Any] | None] = []  # per mixer call: whole-row tokens, kernel -> [tokens per call]
+        for name, kernel in self.originals.items():
+            setattr(modeling, name, self._counted(name, kernel))
+
+    def _counted(self, name: str, kernel: Any) -> Any:
+        spec, signature = KERNELS[name], inspect.signature(kernel)
+        key = spec.head_count[0]
+        sequence_axis = spec.heads[key].index("N")
+
+        @functools.wraps(kernel)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            stream = signature.bind(*args, **kwargs).arguments[key]
+            if self.calls and self.calls[-1] is not None:
+                self.calls[-1]["kernels"].setdefault(name, []).append(stream.shape[0] * stream.shape[sequence_axis])
+            return kernel(*args, **kwargs)
+
+        return counted
+
+    def watch(self, model: torch.nn.Module, sp_size: int) -> None:
+        """Start a new count at every call of a token mixer of ``model``: ``[B, N/sp, C]`` hidden states in."""
+        def new_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if not module.training:
+                self.calls.append(None)
+                return
+            hidden = next(t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.dim() == 3)
+            self.calls.append({"tokens": hidden.shape[0] * hidden.shape[1] * sp_size, "kernels": {}})
+
+        for module in model.modules():
+            if kernels_called(module):
+                module.register_forward_pre_hook(new_call, with_kwargs=True)
+
+    def restore(self) -> None:
+        for name, kernel in self.originals.items():
+            setattr(self.modeling, name, kernel)
+
+
 def train_worker(args: dict[str, Any]) -> dict[str, Any]:
     world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown deletes it
     results = {}
     for name, case in args["cases"].items():
         recipe = recipe_of(case)
+        modeling = sys.modules[recipe.model_class.__module__]
         if case.get("fused"):  # mamba_ssm's fused layer kernel, which the layer calls first in training
-            modeling = sys.modules[recipe.model_class.__module__]
             for kernel in FUSED_LAYER_KERNELS:
                 if hasattr(modeling, kernel):
                     setattr(modeling, kernel, _fused_layer_kernel)
+        counter = KernelTokens(modeling)
         model, _ = build_model(recipe)  # the family's attention (eager where it has it), then the saved weights
         model.load_state_dict(torch.load(Path(args["folder"]) / f"{name}.pt"))
+        counter.watch(model, case["sp"])
         module = HybridModule(model, loss_scale=1.0)
-        strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa")
+        strategy = UlyssesStrategy(
+            sp_size=case["sp"], ring_size=case.get("ring", 1), stage=case["stage"], attn_implementation="sdpa"
+        )
         trainer = L.Trainer(
             accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )
         loader = DataLoader(packed_samples(case, recipe), batch_size=ROWS, collate_fn=collate, shuffle=False)
-        trainer.fit(module, loader)
+        try:
+            trainer.fit(module, loader)
+        finally:
+            counter.restore()
         results[name] = {
             "losses": module.losses, "params": gathered_parameters(module.model, case["stage"] == 3),
             "sharded_mixers": module.sharded_mixers, "flop_attention_layers": module.flop_attention_layers,
-            "dp_rank": strategy.dp_rank,
+            "dp_rank": strategy.dp_rank, "ring_size": strategy.ring_size,
+            "kernel_tokens": [call for call in counter.calls if call is not None],
         }
     return results
 
@@ -187,6 +263,7 @@ def _check(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> No
         got = result[name]
         assert got["sharded_mixers"] > 0, f"{name}: no token mixer ran head-sharded"
         assert got["flop_attention_layers"] == attention_layers(recipe_of(case)), "FLOPs count mixers as attention"
+        assert got["ring_size"] == case.get("ring", 1)
         expected = expected_losses[got["dp_rank"]]
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected), rtol=1e-5, atol=0)
         error = relative_update_error(initial, weights, got["params"])
@@ -201,3 +278,21 @@ def test_two_ranks_equal_single_process(two_rank_results: list[dict[str, Any]], 
 @pytest.mark.parametrize("name", FOUR_RANKS)
 def test_four_ranks_equal_single_process(four_rank_results: list[dict[str, Any]], name: str) -> None:
     _check(four_rank_results, name, FOUR_RANKS[name])
+
+
+SKEWED = [name for name, case in {**TWO_RANKS, **FOUR_RANKS}.items() if len(case.get("lengths", ())) > 1]
+
+
+@pytest.mark.parametrize("name", SKEWED)
+def test_packed_documents_cost_the_kernels_at_most_twice_the_tokens(request: pytest.FixtureRequest, name: str) -> None:
+    """One long document next to many short ones: inside every mixer call its kernels receive at most ``2 N`` tokens
+    per head slot (``N`` the whole rows' tokens), not every document padded to the longest (3-4x here); packed rows
+    run one call per length class."""
+    results = request.getfixturevalue("two_rank_results" if name in TWO_RANKS else "four_rank_results")
+    for rank, result in enumerate(results):
+        calls = result[name]["kernel_tokens"]
+        assert calls and all(call["kernels"] for call in calls), f"rank {rank}: the kernels were not counted"
+        for call in calls:
+            for kernel, tokens in call["kernels"].items():
+                assert sum(tokens) <= 2 * call["tokens"], f"rank {rank}: {kernel} got {tokens} for {call['tokens']}"
+        assert max(len(tokens) for call in calls for tokens in call["kernels"].values()) > 1, "no length classes ran"

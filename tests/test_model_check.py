@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.masking_utils import chunked_causal_mask_function, sliding_window_causal_mask_function
 
 from lightning_ulysses import UnsupportedModelError, apply_ulysses_attention, prepare_batch, shard_batch
-from lightning_ulysses.attention import gather_sequence
+from lightning_ulysses.attention import RingLayout, gather_sequence, set_ring_layout
 from lightning_ulysses.hf import ULYSSES_ATTN_IMPLEMENTATION, remove_ulysses_attention, unpatched
 from lightning_ulysses.hf.masks import MaskPattern, identify_pattern
 from tests.launch import launch
@@ -233,8 +233,11 @@ SP_CASES: dict[str, Any] = {  # the sequence (SEQ=40) runs beyond the original m
     "user_written_mixer": _llama_with_a_mixer,
     "recurrent_block_gathered": _recurrent_gemma,
     "user_written_mixer_gathered": _llama_with_a_mixer,
+    "recurrent_block_ring": _recurrent_gemma,
+    "recurrent_block_gathered_ring": _recurrent_gemma,
 }
-GATHERED = {"recurrent_block_gathered", "user_written_mixer_gathered"}  # run with sequence_mixers="gather"
+GATHERED = {"recurrent_block_gathered", "user_written_mixer_gathered", "recurrent_block_gathered_ring"}  # "gather"
+RING = {"recurrent_block_ring", "recurrent_block_gathered_ring"}  # under Ulysses x Ring (ring 2 x Ulysses 1)
 # compared with each document on its own: mask no packed documents (gpt-oss, Llama4) or reset a mixer's state at them
 PER_DOCUMENT = {"attention_sinks", "chunked_attention", "local_index_scale", "short_convolution"}
 
@@ -242,6 +245,7 @@ PER_DOCUMENT = {"attention_sinks", "chunked_attention", "local_index_scale", "sh
 def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
     dist.init_process_group("gloo")
     rank, results = dist.get_rank(), {}
+    ulysses_groups = [dist.new_group([r]) for r in range(2)]
     for name, factory in SP_CASES.items():
         model = factory()
         ids, positions = packed_ids_and_positions()
@@ -254,13 +258,17 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
         expected.sum().backward()
         expected_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad()
+        ring_size = 2 if name in RING else 1
+        layout = RingLayout(2, ulysses_groups[rank], dist.group.WORLD) if name in RING else None
+        set_ring_layout(dist.group.WORLD, layout)
         try:
             mixers = "gather" if name in GATHERED else "refuse"
             apply_ulysses_attention(model, dist.group.WORLD, sp_size=2, core="sdpa", sequence_mixers=mixers)
         except UnsupportedModelError as error:
             results[name] = {"refused": str(error)}
             continue
-        batch = shard_batch(prepare_batch({"input_ids": ids, "position_ids": positions}, 2), rank, 2)
+        batch = prepare_batch({"input_ids": ids, "position_ids": positions}, 2, ring_size)
+        batch = shard_batch(batch, rank, 2, ring_size)
         local = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         local.sum().backward()  # summed over the ranks: the gradient of the whole sequence's logits sum
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if n in expected_grads}
@@ -273,6 +281,7 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
             "gathered": [n for n, m in model.named_modules() if "_ulysses_gather_hooks" in m.__dict__],
             "sharded": [n for n, m in model.named_modules() if "_ulysses_mixer_forward" in m.__dict__],
         }
+    set_ring_layout(dist.group.WORLD, None)
     dist.destroy_process_group()
     return results
 
@@ -306,6 +315,10 @@ def test_sinks_and_chunks_run_exactly_across_ranks(sp_results: list[dict[str, An
                             r"when the sequence is split"),
         ("user_written_mixer", r"model\.layers\.1\.mlp\.1 \(CausalCumulativeMean\): changes its output when the "
                                r"sequence is split"),
+        # under Ulysses x Ring too (the zigzag shards), with the gather fallback suggested (it runs under the ring)
+        ("recurrent_block_ring", r"model\.layers\.0\.temporal_block \(RecurrentGemmaRecurrentBlock\): changes its "
+                                 r"output when the sequence is split(.|\n)*UlyssesStrategy\(sequence_mixers='gather'\) "
+                                 r"runs such layers"),
     ],
 )
 def test_token_mixers_and_local_indices_are_refused_on_every_rank(
@@ -319,7 +332,9 @@ def test_token_mixers_and_local_indices_are_refused_on_every_rank(
 @pytest.mark.parametrize(
     ("name", "gathered"),
     [("recurrent_block_gathered", ["model.layers.0.temporal_block", "model.layers.1.temporal_block"]),
-     ("user_written_mixer_gathered", ["model.layers.1.mlp.1"])],
+     ("user_written_mixer_gathered", ["model.layers.1.mlp.1"]),
+     # zigzag shards: the gathered sequence in sequence order, each rank's zigzag shard of the outputs
+     ("recurrent_block_gathered_ring", ["model.layers.0.temporal_block", "model.layers.1.temporal_block"])],
 )
 def test_gathered_token_mixers_run_exactly(sp_results: list[dict[str, Any]], name: str, gathered: list[str]) -> None:
     for rank_results in sp_results:

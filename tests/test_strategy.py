@@ -118,8 +118,6 @@ def test_impossible_ring_layouts_are_refused_at_construction() -> None:
         UlyssesStrategy(sp_size=4, ring_size=0)
     with pytest.raises(ValueError, match="Ulysses x Ring .* not attn_implementation='flex_attention'"):
         UlyssesStrategy(sp_size=4, ring_size=2, attn_implementation="flex_attention")
-    with pytest.raises(ValueError, match="sequence_mixers='gather' is not supported with Ulysses x Ring"):
-        UlyssesStrategy(sp_size=4, ring_size=2, sequence_mixers="gather")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")

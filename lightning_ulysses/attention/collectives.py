@@ -84,12 +84,27 @@ def gather_sequence(local: Tensor, group: ProcessGroup | None) -> Tensor:
         return local
     shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(shards, local.contiguous(), group=group)
-    in_shard_order = torch.cat(shards, dim=1)
+    return to_sequence_order(torch.cat(shards, dim=1), group)
+
+
+def to_sequence_order(x: Tensor, group: ProcessGroup | None, dim: int = 1) -> Tensor:
+    """The whole sequence ``x`` with its ``N`` tokens along ``dim`` as the shards of ``group`` concatenated in rank
+    order (what an all-gather or :func:`sequence_to_heads` over ``group`` yields) -> in sequence order: the zigzag
+    order undone under Ulysses x Ring, ``x`` itself otherwise. Differentiable."""
     layout = ring_layout(group)
     if layout is None:
-        return in_shard_order
-    order = zigzag_order(in_shard_order.shape[1], layout.ring_size, local.device)
-    return torch.empty_like(in_shard_order).index_copy_(1, order, in_shard_order)
+        return x
+    order = zigzag_order(x.shape[dim], layout.ring_size, x.device)
+    return torch.empty_like(x).index_copy(dim, order, x)
+
+
+def to_shard_order(x: Tensor, group: ProcessGroup | None, dim: int = 1) -> Tensor:
+    """The inverse of :func:`to_sequence_order`: a whole sequence in sequence order -> the shards of ``group``
+    concatenated in rank order (as :func:`heads_to_sequence` over ``group`` cuts it). Differentiable."""
+    layout = ring_layout(group)
+    if layout is None:
+        return x
+    return x.index_select(dim, zigzag_order(x.shape[dim], layout.ring_size, x.device))
 
 
 def ring_exchange(tensors: list[Tensor], group: ProcessGroup) -> tuple[list[Tensor], list[dist.Work]]:
@@ -98,7 +113,8 @@ def ring_exchange(tensors: list[Tensor], group: ProcessGroup) -> tuple[list[Tens
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     send_to = dist.get_global_rank(group, (rank + 1) % size)
     receive_from = dist.get_global_rank(group, (rank - 1) % size)
+    tensors = [t.contiguous() for t in tensors]  # gloo sends and receives contiguous buffers only
     received = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), send_to, group) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, send_to, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, receive_from, group) for r in received]
     return received, dist.batch_isend_irecv(ops)

@@ -7,12 +7,13 @@ outputs are dropped, so it gets no gradient. Classes keep :data:`SIGNIFICANT_BIT
 (less than 25% padding), so a row runs at most about ``4 * log2(N)`` calls per layer, and one call when its
 documents have one length (a 128k row of 64-token documents: 1 call, where one call per document is 2048).
 The plan (which token goes to which slot of which class) is built on the host once per batch and kept with the
-:class:`~lightning_ulysses.attention.documents.Documents`.
+:class:`~lightning_ulysses.attention.documents.Documents`; the token mixers of hybrid models run their packed
+documents with the same plan and :func:`run_packed` (:mod:`lightning_ulysses.hf.mixers.core`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -124,17 +125,17 @@ def _cat_tokens(pieces: list[tuple[Tensor, ...]], dim: int = 1) -> tuple[Tensor,
     return tuple(torch.cat(parts, dim=dim) for parts in zip(*pieces))
 
 
-Attend = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, ...]]
-
-
-def run_packed(plan: PackedPlan, query: Tensor, key: Tensor, value: Tensor, attend: Attend) -> tuple[Tensor, ...]:
-    """``attend`` (causal, ``[b, n, h, d]`` -> output and maybe log-sum-exp) on each length class of packed
-    ``[B, N, h, d]`` rows; results in token order, ``[B * N, ...]``."""
-    flat = [t.flatten(0, 1) for t in (query, key, value)]  # [B * N, h, d]
+def run_packed(
+    plan: PackedPlan, streams: Sequence[Tensor], run: Callable[..., tuple[Tensor, ...]]
+) -> tuple[Tensor, ...]:
+    """``run`` (causal along the sequence: ``[b, n, ...]`` streams -> ``[b, n, ...]`` results, as attention's query,
+    key, value -> output and maybe log-sum-exp) on each length class of packed ``[B, N, ...]`` rows, each document
+    a row of its own; results in token order, ``[B * N, ...]``."""
+    flat = [t.flatten(0, 1) for t in streams]  # [B * N, ...]
     kept = []
     for cls in plan.classes:
         batch = (t.index_select(0, cls.gather).unflatten(0, (-1, cls.length)) for t in flat)
-        kept.append(tuple(r.flatten(0, 1).index_select(0, cls.keep) for r in attend(*batch)))
+        kept.append(tuple(r.flatten(0, 1).index_select(0, cls.keep) for r in run(*batch)))
     return tuple(t.index_select(0, plan.order) for t in _cat_tokens(kept, dim=0))
 
 
@@ -182,6 +183,6 @@ def sdpa_attention(
     if documents is None or documents.one_per_row:
         results = causal(query, key, value)
     else:
-        results = run_packed(packed_plan(documents, significant_bits), query, key, value, causal)
+        results = run_packed(packed_plan(documents, significant_bits), (query, key, value), causal)
     out = results[0].view_as(query)
     return (out, results[1].view(query.shape[:3])) if return_lse else out

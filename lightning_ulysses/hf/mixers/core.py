@@ -4,7 +4,7 @@ heads (or channels), sequence-sharded out.
 Every sequential kernel of a hybrid model (a depthwise causal convolution, a Mamba / Mamba2 scan, a gated delta
 rule) is independent across its heads or channels. Per kernel call, with ``P`` ranks in the SP group::
 
-    streams [B, N/P, H, D]  --all-to-all-->  [B, N, h, D]   (all tokens, h = ceil(H/P) head slots)
+    streams [B, N/P, H, D]  --all-to-all-->  [B, N, h, D]   (all tokens, h = ceil(H/P) head slots, sequence order)
                                                | one row per document (packed rows only)
                                                | the kernel, unchanged, on this rank's heads
     output  [B, N/P, H, D]  <--all-to-all--  [B, N, h, D]
@@ -15,18 +15,26 @@ slots are laid out by :func:`~lightning_ulysses.heads.plan_heads` with the group
 so a head always sits next to its group, groups are replicated where ``G < P``, and head counts that do not divide
 ``P`` get inert slots whose outputs are dropped (no gradient reaches them).
 
-Packed documents: a kernel that carries state along the sequence must start every document afresh. The streams
-of a row of several documents are cut into one row per document (zero-padded at the end to the longest; causal
-kernels never read the padding into a real token) and put back after the kernel, so any kernel, the torch
-fallbacks included, computes each document exactly as if it ran alone. Each document's row costs up to the
-longest document's length: ``num_documents * longest`` tokens per head slot, held only inside the kernel.
-The index plan is built once per batch, before the first layer, from the documents the attention layers use
+Ulysses x Ring: the all-to-alls span the whole SP group (ring and Ulysses ranks), whose shards are the zigzag ones
+of :func:`~lightning_ulysses.sharding.shard_index`; the gathered sequence is put back in sequence order before the
+kernel and in shard order after it (:func:`~lightning_ulysses.attention.collectives.to_sequence_order`).
+
+Packed documents: a kernel that carries state along the sequence must start every document afresh. The documents
+of packed rows run as rows of their own, grouped in *length classes* as SDPA runs them
+(:func:`~lightning_ulysses.attention.sdpa.plan_packed`, the same plan): each document padded at its end to its
+class's length (less than 25% more), one kernel call ``[num_documents, length, h, D]`` per class, the outputs put
+back in token order. A causal kernel never reads a document's padding into its real tokens and the padding's
+outputs are dropped (no gradient), so any kernel, the torch fallbacks with their own chunk padding included,
+computes each document exactly as if it ran alone, on fewer than ``1.25 N`` tokens per head slot whatever the mix
+of lengths (a row of one long and many short documents included), in at most about ``4 log2(N)`` calls. The plan
+is built once per batch, before the first layer, from the documents the attention layers use
 (:func:`plan_document_rows`; no host sync inside a layer).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,45 +42,18 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_ulysses.attention import Documents, documents_of, heads_to_sequence, sequence_to_heads
+from lightning_ulysses.attention.collectives import to_sequence_order, to_shard_order
+from lightning_ulysses.attention.sdpa import PackedPlan, packed_plan, run_packed
 from lightning_ulysses.heads import HeadLayout, plan_heads, select_heads
 
-
-@dataclass(frozen=True)
-class DocumentRows:
-    """Cut ``[B, N, ...]`` whole rows into ``[D, L, ...]`` rows of one document each (``L`` the longest) and back."""
-
-    to_rows: Tensor  # [D * L] flat token index, B * N (a zero row) past a document's end
-    to_tokens: Tensor  # [B * N] flat row-slot index of every token
-    num_documents: int
-    longest: int
-
-    @classmethod
-    def of(cls, documents: Documents) -> "DocumentRows":
-        device = documents.starts.device
-        offsets = torch.tensor(documents.offsets, device=device)
-        starts, lengths = offsets[:-1], offsets[1:] - offsets[:-1]
-        total, count, longest = documents.starts.numel(), len(documents.offsets) - 1, documents.max_seqlen
-        steps = torch.arange(longest, device=device)
-        to_rows = torch.where(steps < lengths[:, None], starts[:, None] + steps, total).flatten()
-        document = torch.repeat_interleave(torch.arange(count, device=device), lengths, output_size=total)
-        to_tokens = document * longest + torch.arange(total, device=device) - starts[document]
-        return cls(to_rows, to_tokens, count, longest)
-
-    def split(self, x: Tensor) -> Tensor:
-        """``[B, N, ...] -> [D, L, ...]``."""
-        flat = x.flatten(0, 1)
-        flat = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
-        return flat.index_select(0, self.to_rows).unflatten(0, (self.num_documents, self.longest))
-
-    def join(self, x: Tensor, batch: int) -> Tensor:
-        """``[D, L, ...] -> [B, N, ...]``."""
-        return x.flatten(0, 1).index_select(0, self.to_tokens).unflatten(0, (batch, -1))
+Kernel = Callable[..., tuple[Tensor, Any]]
+"""A kernel on whole rows: ``[b, n, ...]`` streams -> ``([b, n, ...] output, final state or None)``."""
 
 
-def document_rows(documents: Documents | None) -> DocumentRows | None:
-    """The rows of one document each of packed ``documents`` (built once, kept with them); ``None`` when every row
-    is one document."""
-    return None if documents is None or documents.one_per_row else documents.plan(DocumentRows, DocumentRows.of)
+def document_rows(documents: Documents | None) -> PackedPlan | None:
+    """The length classes of packed ``documents`` (built once, kept with them); ``None`` when every row is one
+    document."""
+    return None if documents is None or documents.one_per_row else packed_plan(documents)
 
 
 def plan_document_rows(position_ids: Tensor, group: ProcessGroup | None) -> None:
@@ -96,22 +77,27 @@ class ShardedCore:
         return self.layout.kv_slots if grouped else self.layout.query_slots
 
     def scatter(self, x: Tensor, grouped: bool = False) -> Tensor:
-        """``[B, N/P, H or G, D]`` (this rank's tokens) -> ``[B', N', h, D]``: every token of this rank's slots, one
-        row per document when the rows are packed."""
-        x = sequence_to_heads(select_heads(x, self._slots(grouped)), self.group)
-        return x if self.rows is None else self.rows.split(x)
+        """``[B, N/P, H or G, D]`` (this rank's tokens) -> ``[B, N, h, D]``: every token of this rank's slots, in
+        sequence order."""
+        return to_sequence_order(sequence_to_heads(select_heads(x, self._slots(grouped)), self.group), self.group)
 
-    def gather(self, y: Tensor, batch: int) -> Tensor:
-        """The inverse of :meth:`scatter` for a per-head output: ``[B', N', h, D] -> [B, N/P, H, D]``."""
-        if self.rows is not None:
-            y = self.rows.join(y, batch)
-        return select_heads(heads_to_sequence(y, self.group), self.layout.output_slots)
+    def run(self, kernel: Kernel, *streams: Tensor) -> tuple[Tensor, Any]:
+        """``kernel`` on scattered ``[B, N, ...]`` streams: ``(output [B, N, ...], final state)``. Packed rows run
+        one call per length class, each document a row of its own; their state (per document) is ``None``."""
+        if self.rows is None:
+            return kernel(*streams)
+        batch, seq_len = streams[0].shape[:2]
+        (output,) = run_packed(self.rows, streams, lambda *rows: kernel(*rows)[:1])
+        return output.unflatten(0, (batch, seq_len)), None
 
-    def gather_state(self, state: Tensor) -> Tensor | None:
+    def gather(self, y: Tensor) -> Tensor:
+        """The inverse of :meth:`scatter` for a per-head output: ``[B, N, h, D] -> [B, N/P, H, D]``."""
+        y = heads_to_sequence(to_shard_order(y, self.group), self.group)
+        return select_heads(y, self.layout.output_slots)
+
+    def gather_state(self, state: Tensor) -> Tensor:
         """A per-head recurrent state of this rank's slots ``[B, h, ...]`` -> ``[B, H, ...]``, every head's, detached
-        (for a layer that returns its final state next to its output); ``None`` for rows cut into documents."""
-        if self.rows is not None:
-            return None
+        (for a layer that returns its final state next to its output)."""
         states = [torch.empty_like(state) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(states, state.detach().contiguous(), group=self.group)
         return select_heads(torch.cat(states, dim=1), self.layout.output_slots, dim=1)

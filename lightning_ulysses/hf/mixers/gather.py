@@ -3,7 +3,8 @@
 A convolution over the sequence, a linear-attention, recurrent or state-space layer needs the tokens
 before this rank's shard. :func:`gather_whole_sequence` makes such a module exact without knowing
 what it computes: every rank all-gathers the module's per-token inputs along the sequence, runs the
-module on the whole sequence and keeps its own shard of the outputs::
+module on the whole sequence and keeps its own shard of the outputs (under Ulysses x Ring, whose shards are zigzag,
+the gathered sequence is put in sequence order and each rank keeps its zigzag shard)::
 
     x [B, N/sp, C] --all-gather--> [B, N, C] --module--> [B, N, C'] --keep this rank's rows--> [B, N/sp, C']
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from lightning_ulysses.attention.collectives import ring_layout, to_sequence_order, to_shard_order
 from lightning_ulysses.hf.patching import PatchState
 
 
@@ -49,13 +51,14 @@ class _GatherSequence(torch.autograd.Function):
         ctx.group, ctx.dim = group, dim
         shards = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(shards, x.contiguous(), group=group)
-        return torch.cat(shards, dim=dim)
+        return to_sequence_order(torch.cat(shards, dim=dim), group, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
         size = dist.get_world_size(ctx.group)
+        grad = to_shard_order(grad, ctx.group, ctx.dim)
         return grad.tensor_split(size, dim=ctx.dim)[dist.get_rank(ctx.group)], None, None
 
 
@@ -76,8 +79,12 @@ def gather_whole_sequence(module: nn.Module, state: PatchState, dims: TokenDims)
         length = module.__dict__.pop("_ulysses_shard_length", None)
         if length is None:
             return None
-        rank, counter = dist.get_rank(state.group), iter(range(1 << 30))
-        return _map_tensors(output, lambda t: _shard(t, dims.outputs.get(next(counter)), length, rank, state.sp_size))
+        rank, counter, name = dist.get_rank(state.group), iter(range(1 << 30)), type(module).__name__
+
+        def shard(t: Tensor) -> Tensor:
+            return _shard(t, dims.outputs.get(next(counter)), length, rank, state.group, name)
+
+        return _map_tensors(output, shard)
 
     module._ulysses_gather_hooks = (
         module.register_forward_pre_hook(gather_inputs, with_kwargs=True),
@@ -104,13 +111,19 @@ def _gather_tree(value: Any, key: str, dims: dict[str, int], group: ProcessGroup
     return value
 
 
-def _shard(tensor: Tensor, dim: int | None, length: int, rank: int, sp_size: int) -> Tensor:
-    """This rank's ``length`` rows of a whole-sequence output, plus the constant number an output longer than the
-    sequence carries past it (a padded convolution's ``k - 1``)."""
+def _shard(tensor: Tensor, dim: int | None, length: int, rank: int, group: ProcessGroup, module: str) -> Tensor:
+    """This rank's ``length`` rows of a whole-sequence output of ``module`` (its class name), plus the constant number
+    an output longer than the sequence carries past it (a padded convolution's ``k - 1``; not under Ulysses x Ring,
+    whose shards are zigzag)."""
     if dim is None:
         return tensor
-    extra = tensor.shape[dim] - length * sp_size
-    return tensor.narrow(dim, rank * length, length + extra)
+    extra = tensor.shape[dim] - length * dist.get_world_size(group)
+    if extra and ring_layout(group) is not None:
+        raise ValueError(
+            f"The gathered token mixer {module} returns an output {extra} tokens longer than the sequence (a padded "
+            "convolution's tail), which has no zigzag shard under Ulysses x Ring. Use ring_size=1 for this model."
+        )
+    return to_shard_order(tensor, group, dim).narrow(dim, rank * length, length + extra)
 
 
 def _map_tensors(value: Any, fn: Any) -> Any:

@@ -125,18 +125,23 @@ def sharded_kernel(
                 "and trains without a cache."
             )
         extra = {key: value for key, value in extra.items() if value is not None}
-        batch = arguments[spec.head_count[0]].shape[0]
         core = ShardedCore(group(), *_head_counts(spec, arguments), documents())
-        for streams, grouped in ((spec.heads, False), (spec.grouped, True)):
-            for key, layout in streams.items():
-                if isinstance(arguments.get(key), Tensor):
-                    arguments[key] = _FROM_CORE[layout](core.scatter(_TO_CORE[layout](arguments[key]), grouped))
+        layouts = {
+            key: layout for streams in (spec.heads, spec.grouped) for key, layout in streams.items()
+            if isinstance(arguments.get(key), Tensor)
+        }
+        streams = [core.scatter(_TO_CORE[layouts[key]](arguments[key]), key in spec.grouped) for key in layouts]
         for key in spec.weights:
             if isinstance(arguments.get(key), Tensor):
                 arguments[key] = core.local(arguments[key])
-        result = kernel(**arguments, **extra)
-        output = result[0] if spec.returns_state else result
-        output = _FROM_CORE[spec.output](core.gather(_TO_CORE[spec.output](output), batch))
+
+        def on_rows(*rows: Tensor) -> tuple[Tensor, None]:  # [b, n, h, D] streams, whole rows or documents
+            for key, row in zip(layouts, rows):
+                arguments[key] = _FROM_CORE[layouts[key]](row)
+            result = kernel(**arguments, **extra)
+            return _TO_CORE[spec.output](result[0] if spec.returns_state else result), None
+
+        output = _FROM_CORE[spec.output](core.gather(core.run(on_rows, *streams)[0]))
         return (output, None) if spec.returns_state else output
 
     return call

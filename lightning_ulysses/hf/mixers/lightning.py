@@ -81,10 +81,15 @@ def sharded_lightning_forward(
         heads, head_dim = module.num_attention_heads, module.head_dim
         qkv = module.act_fn(module.qkv_proj(hidden_states)).reshape(batch, seq_len, heads, 3 * head_dim)
         core = ShardedCore(group(), heads, heads, documents())
-        query, key, value = (core.scatter(t).transpose(1, 2) for t in torch.split(qkv, head_dim, dim=3))
-        out, state = lightning_attention(query, key, value, module, core.local)
-        out = core.gather(out.transpose(1, 2), batch).reshape(batch, seq_len, heads * head_dim)
+        query, key, value = (core.scatter(t) for t in torch.split(qkv, head_dim, dim=3))
+
+        def on_rows(*rows: Tensor) -> tuple[Tensor, Tensor]:  # [b, n, h, D] query, key, value
+            out, state = lightning_attention(*(t.transpose(1, 2) for t in rows), module, core.local)
+            return out.transpose(1, 2), state
+
+        out, state = core.run(on_rows, query, key, value)
+        out = core.gather(out).reshape(batch, seq_len, heads * head_dim)
         out = F.sigmoid(module.output_gate(hidden_states)) * module.norm(out)
-        return module.out_proj(out), core.gather_state(state)
+        return module.out_proj(out), None if state is None else core.gather_state(state)
 
     return forward
