@@ -206,8 +206,7 @@ class LongTextDataModule(L.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if seq_len < 2:
-            raise ValueError(f"data.seq_len must be at least 2 tokens, got {seq_len}.")
+        check_sample_shape(seq_len, batch_size)
         if not 0 < val_fraction < 1:
             raise ValueError(f"data.val_fraction must be between 0 and 1 (exclusive), got {val_fraction}.")
         if not 0 <= test_fraction < 1 or val_fraction + test_fraction >= 1:
@@ -316,6 +315,17 @@ def split_files(files: list[Path], val_fraction: float, test_fraction: float) ->
             f"{' or set data.test_fraction=0' if num_test else ''}."
         )
     return {"train": files[num_val + num_test :], "val": files[:num_val], "test": files[num_val : num_val + num_test]}
+
+
+def check_sample_shape(seq_len: int, batch_size: int) -> None:
+    """Refuse rows of fewer than 2 tokens (no next token to predict) and micro-batches of no sample."""
+    if seq_len < 2:
+        raise ValueError(f"data.seq_len must be at least 2 tokens, got {seq_len}.")
+    if batch_size < 1:
+        raise ValueError(
+            f"data.batch_size={batch_size}: it is the number of sequences per micro-batch of each data-parallel group "
+            "and must be at least 1 (data.batch_size=1)."
+        )
 
 
 def warn_on_empty_shards(seq_len: int, sp_size: int) -> None:

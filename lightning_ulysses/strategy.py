@@ -383,6 +383,17 @@ class UlyssesStrategy(DeepSpeedStrategy):
         drop_rows(args[0] if args else kwargs["batch"], keep)  # the batch that on_predict_batch_end and writers see
         return drop_rows(output, keep)
 
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """``[world, *tensor.shape]``. Without ``sync_grads`` a plain ``dist.all_gather``: Lightning's gathers through
+        ``torch.distributed.nn.functional.all_gather``, which torch deprecates with a warning on every call."""
+        if sync_grads or not dist.is_initialized():
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        tensor = tensor.detach().contiguous()
+        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, tensor, group=group)
+        return torch.stack(gathered)
+
     def gather_sequence(self, local: Tensor) -> Tensor:
         """``[B, N/sp, ...]`` per-token outputs of this rank -> ``[B, N, ...]`` in sequence order (the zigzag of a ring
         undone), on every SP rank."""

@@ -192,6 +192,15 @@ def test_warns_when_sp_size_leaves_ranks_without_a_token(corpus: Path, tmp_path:
             chats.setup("fit")
 
 
+@pytest.mark.parametrize("module", ["LongTextDataModule", "SFTDataModule"])
+def test_data_modules_refuse_an_empty_micro_batch_when_built(module: str) -> None:
+    """In Python, not only in the CLI's check: a micro-batch of no sample is refused naming data.batch_size, where
+    torch's DataLoader would fail minutes later without naming it."""
+    build = {"LongTextDataModule": LongTextDataModule, "SFTDataModule": SFTDataModule}[module]
+    with pytest.raises(ValueError, match=r"data\.batch_size=0: .* must be at least 1"):
+        build(paths=["unused.jsonl"] if module == "SFTDataModule" else ["unused"], batch_size=0)
+
+
 def test_default_corpus_is_the_standard_library() -> None:
     files = find_text_files(["stdlib"], "*.py")
     assert len(files) > 100 and any(f.name == "os.py" for f in files)

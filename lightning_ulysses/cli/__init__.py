@@ -22,11 +22,12 @@ import sys
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback, ProgressBar
+from lightning.pytorch.callbacks import Callback, ModelSummary, ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from lightning_ulysses.cli.checks import ConfigError, check_config, run_folder_of
 from lightning_ulysses.cli.commands import COMMANDS, command_parser, run_command
+from lightning_ulysses.cli.summary import ModelSummaryWithoutFlops
 from lightning_ulysses.prediction import PredictionWriter
 from lightning_ulysses.progress import progress_bar
 
@@ -81,14 +82,16 @@ class UlyssesCLI(LightningCLI):
             _log_into_the_run(config, self.subcommand)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
-        """The Trainer, with the progress bar of :func:`~lightning_ulysses.progress.progress_bar` unless the config
-        disables the bar or names one itself."""
+        """The Trainer, with the progress bar of :func:`~lightning_ulysses.progress.progress_bar` and the model summary
+        of :mod:`~lightning_ulysses.cli.summary`, unless the config disables them or names its own."""
         configured = config.get("callbacks") or []
-        configured = configured if isinstance(configured, list) else [configured]
-        if config.get("enable_progress_bar") is not False and not any(
-            isinstance(callback, ProgressBar) for callback in (*configured, *callbacks)
+        configured = [*(configured if isinstance(configured, list) else [configured]), *callbacks]
+        for switch, kind, default in (
+            ("enable_progress_bar", ProgressBar, progress_bar),
+            ("enable_model_summary", ModelSummary, ModelSummaryWithoutFlops),
         ):
-            callbacks = [*callbacks, progress_bar()]
+            if config.get(switch) is not False and not any(isinstance(callback, kind) for callback in configured):
+                callbacks = [*callbacks, default()]
         return super()._instantiate_trainer(config, callbacks)
 
     def before_predict(self) -> None:

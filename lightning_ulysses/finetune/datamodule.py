@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_ulysses.data import collate_right_padded, warn_on_empty_shards
+from lightning_ulysses.data import check_sample_shape, collate_right_padded, warn_on_empty_shards
 from lightning_ulysses.finetune.packing import Truncation
 from lightning_ulysses.finetune.records import load_records
 from lightning_ulysses.finetune.tokenizer import load_tokenizer
@@ -30,8 +30,7 @@ class RecordsDataModule(L.LightningDataModule):
         val_paths: Sequence[str] | None, val_fraction: float, num_proc: int | None, num_workers: int, seed: int,
     ) -> None:
         super().__init__()
-        if seq_len < 2:
-            raise ValueError(f"data.seq_len must be at least 2 tokens, got {seq_len}.")
+        check_sample_shape(seq_len, batch_size)
         if truncation not in ("truncate", "drop", "refuse"):
             raise ValueError(f"data.truncation must be 'truncate', 'drop' or 'refuse', got {truncation!r}.")
         if not val_paths and not 0 < val_fraction < 1:
