@@ -86,12 +86,11 @@ class UlyssesCLI(LightningCLI):
         of :mod:`~lightning_ulysses.cli.summary`, unless the config disables them or names its own."""
         configured = config.get("callbacks") or []
         configured = [*(configured if isinstance(configured, list) else [configured]), *callbacks]
-        for switch, kind, default in (
-            ("enable_progress_bar", ProgressBar, progress_bar),
-            ("enable_model_summary", ModelSummary, ModelSummaryWithoutFlops),
-        ):
-            if config.get(switch) is not False and not any(isinstance(callback, kind) for callback in configured):
-                callbacks = [*callbacks, default()]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in configured):
+            callbacks = [*callbacks, progress_bar()]
+        if config.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in configured):
+            callbacks = [*callbacks, ModelSummaryWithoutFlops()]
+            config["enable_model_summary"] = False  # else Lightning announces that it skips its own summary
         return super()._instantiate_trainer(config, callbacks)
 
     def before_predict(self) -> None:

@@ -7,13 +7,11 @@ its summary always read ``Total FLOPs: 0`` next to a column of zeros.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
-
-log = logging.getLogger(__name__)
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 
 class ModelSummaryWithoutFlops(ModelSummary):
@@ -36,4 +34,4 @@ class ModelSummaryWithoutFlops(ModelSummary):
         )
         if not total_flops:
             table = table.rsplit("\n", 1)[0]  # its last line is the FLOPs total
-        log.info("\n" + table)
+        rank_zero_info("\n" + table)
