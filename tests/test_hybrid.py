@@ -26,7 +26,6 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -35,7 +34,9 @@ from lightning_ulysses.flops import TransformerFlops
 from lightning_ulysses.hf.mixers import KERNELS, kernels_called
 from lightning_ulysses.hf.mixers.kernels import FUSED_LAYER_KERNELS
 from tests.launch import launch
-from tests.tiny import collate, epoch_order, gathered_parameters, make_packed_samples, relative_update_error
+from tests.tiny import (
+    collate, epoch_order, gathered_parameters, make_packed_samples, reference_loss, relative_update_error,
+)
 from tests.zoo import LR, ZooModule, build_model
 from tests.zoo_configs import SEQ_LEN, TinyRecipe, tiny_recipe
 
@@ -128,25 +129,13 @@ def reference(case: dict[str, Any], initial: dict[str, Tensor]) -> tuple[list[li
         total = 0.0
         for dp_rank in range(dp):
             rows = epoch_order(samples, dp, dp_rank, epoch=0)[step * ROWS : (step + 1) * ROWS]
-            loss = _document_loss(model, rows)
+            loss = reference_loss(model, collate(rows))  # each packed document run alone
             total = total + loss / dp
             losses[dp_rank].append(loss.item())
         total.backward()
         optimizer.step()
         optimizer.zero_grad()
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def _document_loss(model: torch.nn.Module, rows: list[dict[str, Tensor]]) -> Tensor:
-    loss_sum, count = 0.0, 0
-    for sample in rows:
-        ids, positions = sample["input_ids"], sample["position_ids"]
-        bounds = [*(positions == 0).nonzero().flatten().tolist(), len(ids)]
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            logits = model(input_ids=ids[None, start:end]).logits[0]
-            loss_sum = loss_sum + F.cross_entropy(logits[:-1], ids[start + 1 : end], reduction="sum")
-            count += end - start - 1
-    return loss_sum / count
 
 
 def initial_weights(case: dict[str, Any]) -> dict[str, Tensor]:
