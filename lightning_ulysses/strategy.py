@@ -54,6 +54,7 @@ from typing_extensions import override
 
 from lightning_ulysses.attention import gather_sequence, resolve_attn_implementation
 from lightning_ulysses.attention.collectives import RingLayout, set_ring_layout
+from lightning_ulysses.attention.ring_blocks import check_block_kernels
 from lightning_ulysses.checkpoint import (
     UNIVERSAL_LATEST, check_resumable, is_universal_checkpoint, load_untrained_state, repair_zero3_universal_load,
 )
@@ -86,8 +87,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
             groups (``world = dp x ring x ulysses``); ``1`` (default): Ulysses only. ``"auto"``: the Ulysses degree is
             the largest divisor of ``sp_size`` that fits in a node, the ring joins the nodes. Sequences are cut into
             zigzag shards (causal work balanced over the ring); batches, ``gather_sequence`` and the loss keep
-            whole-sequence order. Runs torch's SDPA flash kernel for CPU on each block (``attn_implementation``
-            ``"auto"`` or ``"sdpa"``), without attention dropout or sinks; CPU only for now (refused on CUDA).
+            whole-sequence order. Runs torch's SDPA kernels on each block (the flash kernel for CPU, the memory-efficient
+            one on CUDA; ``attn_implementation`` ``"auto"`` or ``"sdpa"``), without attention dropout or sinks; the
+            kernels of the device are checked against float64 at set-up (refused where they are not exact).
         attn_implementation: core attention kernel run on the gathered sequence: ``"auto"`` (flash-attn 2
             on CUDA for fp16/bf16 when installed, else SDPA), ``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``
             or ``"flex_attention"``.
@@ -249,12 +251,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
             ring_size = auto_ring_size(sp_size, self.num_processes) if self.world_size % sp_size == 0 else 1
             _check_ring_options(ring_size, sp_size, self._requested_attn_implementation)
         self._topology = SequenceParallelTopology(self.world_size, sp_size, self.global_rank, ring_size)
-        if ring_size > 1 and self.root_device.type != "cpu":
-            raise ValueError(
-                f"Ulysses x Ring (ring_size={ring_size}) runs on CPU only in this version: its block kernels on "
-                f"{self.root_device.type} (with the log-sum-exp forward and backward) are not implemented yet. Use "
-                "ring_size=1 (Ulysses only) on GPUs."
-            )
+        if ring_size > 1:
+            _check_ring_kernels(self.root_device, compute_dtype(self.precision_plugin.precision), ring_size)
         if self.num_nodes > 1 and self._topology.sp_groups_span_nodes(self.num_nodes):
             spanning = next(r for r in self._topology.ulysses_group_ranks if _nodes_of(r, self.num_processes) > 1)
             ulysses = self._topology.ulysses_size
@@ -507,6 +505,18 @@ def _check_ring_options(ring_size: Any, sp_size: Any, attn_implementation: str) 
             f"Ulysses x Ring (ring_size={ring_size!r}) runs its own block kernels (torch's SDPA kernels, which return "
             f"the log-sum-exp), not attn_implementation={attn_implementation!r}. Set attn_implementation='sdpa' (or "
             "'auto'), or ring_size=1 for Ulysses only."
+        )
+
+
+def _check_ring_kernels(device: torch.device, dtype: torch.dtype, ring_size: int) -> None:
+    """Refuse Ulysses x Ring on a device whose block kernels are not exact in ``dtype`` (or fp32), checked on a small
+    problem against float64 (:func:`~lightning_ulysses.attention.ring_blocks.check_block_kernels`), before any step."""
+    failures = [f for d in dict.fromkeys((torch.float32, dtype)) for f in check_block_kernels(device, d)]
+    if failures:
+        raise ValueError(
+            f"Ulysses x Ring (ring_size={ring_size}): the ring's block kernels on {device} do not compute attention "
+            f"exactly here (checked at set-up against float64 attention: {'; '.join(failures)}). Use ring_size=1 "
+            "(Ulysses only) on this machine."
         )
 
 

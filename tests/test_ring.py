@@ -17,8 +17,10 @@ import torch.distributed as dist
 from lightning_ulysses.attention import gather_sequence, ulysses_attention
 from lightning_ulysses.attention.collectives import RingLayout, set_ring_layout
 from lightning_ulysses.attention.documents import Documents
-from lightning_ulysses.attention import ring
+from lightning_ulysses import strategy as strategy_module
+from lightning_ulysses.attention import ring, ring_blocks
 from lightning_ulysses.attention.ring import classify_pair, plan_ring
+from lightning_ulysses.attention.ring_blocks import check_block_kernels
 from lightning_ulysses.attention.ulysses import check_ring_supported
 from lightning_ulysses.sharding import shard_index, shard_multiple, zigzag_order
 from lightning_ulysses.topology import SequenceParallelTopology
@@ -258,29 +260,69 @@ def test_blocks_with_no_allowed_pair_are_skipped() -> None:
     assert kinds[1] == {(3, 2): "masked"}  # (3, 1) skipped; (0, *) keys after the queries
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["gqa", "packed_window"])
-def test_a_ring_of_one_matches_dense_attention(name: str, dtype: torch.dtype) -> None:
+def test_a_ring_of_one_matches_dense_attention(name: str, dtype: torch.dtype, device: str) -> None:
     """One process, ring size 1 (its two chunks, three pairs: causal, causal, full or masked), fp32 and bf16: the
-    block kernels, the merge and the backward against the dense reference."""
+    block kernels of the device (CPU: the flash kernel for CPU; CUDA: the memory-efficient kernel), the merge and the
+    backward against the dense reference."""
     case = CASES[name]
     q, k, v, grad, pos = _tensors(case)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = reference(*full, pos, window=case.get("window"))
     expected.backward(grad)
-    low = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    documents = None if pos is None else Documents.from_position_ids(pos)
+    low = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+    documents = None if pos is None else Documents.from_position_ids(pos.to(device))
     out = ring.ring_attention(*low, documents, None, 1, 0, window=case.get("window"))
-    out.backward(grad.to(dtype))
+    out.backward(grad.to(device, dtype))
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for got, want in [(out, expected)] + [(t.grad, f.grad) for t, f in zip(low, full)]:
         assert got.dtype == dtype
-        assert ((got.float() - want).norm() / want.norm()).item() < tolerance
+        assert ((got.float().cpu() - want).norm() / want.norm()).item() < tolerance
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_block_kernels_of_the_device_pass_their_set_up_check(device: str) -> None:
+    """:func:`check_block_kernels` (run by the strategy at set-up under the ring) finds the device's kernels exact
+    in every dtype training uses."""
+    dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if device == "cuda" else [])
+    for dtype in dtypes:
+        assert check_block_kernels(torch.device(device), dtype) == [], dtype
+
+
+def test_inexact_block_kernels_are_refused_at_set_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel off anywhere (a doubled dK, a causal block run full, a wrong scale) fails the set-up check, and the
+    strategy refuses the ring on that device, naming what differs and ring_size=1."""
+    forward, backward = ring_blocks.block_forward, ring_blocks.block_backward
+    def doubled_key_gradient(*args: Any) -> tuple:
+        dq, dk, dv = backward(*args)
+        return dq, 2 * dk, dv
+
+    monkeypatch.setattr(ring_blocks, "block_backward", doubled_key_gradient)
+    assert check_block_kernels(torch.device("cpu"), torch.float32) == [
+        "torch.float32 dK: relative error 1.0e+00 > 1e-04"
+    ]
+    with pytest.raises(ValueError, match=r"ring_size=2\): the ring's block kernels on cpu do not compute attention "
+                                         r"exactly here \(.*torch.float32 dK: relative error .*Use ring_size=1"):
+        strategy_module._check_ring_kernels(torch.device("cpu"), torch.bfloat16, 2)
+    monkeypatch.setattr(ring_blocks, "block_backward", backward)
+    for wrong in (dict(kind="full"), dict(scale=0.25)):
+        def wrong_forward(q, k, v, kind, mask, scale, wrong=wrong):
+            return forward(q, k, v, wrong.get("kind", kind), mask, wrong.get("scale", scale))
+
+        monkeypatch.setattr(ring_blocks, "block_forward", wrong_forward)
+        failures = check_block_kernels(torch.device("cpu"), torch.bfloat16)
+        assert any("output" in f for f in failures) and any("dQ" in f for f in failures), (wrong, failures)
 
 
 def test_what_the_ring_does_not_run_is_refused() -> None:
-    """Devices other than the CPU, other core backends, dropout and sinks: refused, naming each and what to do."""
-    check_ring_supported("sdpa", 0.0, None, torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"does not support cuda tensors .* or the attention backend 'flex_attention'"
+    """Other core backends, dropout and sinks: refused, naming each and what to do."""
+    check_ring_supported("sdpa", 0.0, None)
+    with pytest.raises(ValueError, match=r"does not support the attention backend 'flex_attention'"
                                          r" .* or attention dropout \(dropout_p=0.1\) or attention sinks. Use ring_size=1"):
-        check_ring_supported("flex_attention", 0.1, torch.zeros(4), torch.device("cuda"))
+        check_ring_supported("flex_attention", 0.1, torch.zeros(4))

@@ -33,8 +33,8 @@ from torch.distributed import ProcessGroup
 
 from lightning_ulysses.attention.collectives import ring_exchange
 from lightning_ulysses.attention.documents import Documents
+from lightning_ulysses.attention.ring_blocks import BlockKind, block_backward, block_forward, merge_blocks
 
-BlockKind = Literal["causal", "full", "masked"]
 SameDocument = Callable[[int, int], Literal["all", "some", "none"]]
 
 
@@ -144,62 +144,8 @@ def ring_plan(
 
 
 # ----------------------------------------------------------------------------------------------
-# one block: [b, n, h, D] queries against [b, m, kv_h, D] keys, forward with the log-sum-exp, and the backward.
-# CPU only for now: a CUDA version needs kernels that return the log-sum-exp and take it back in their backward
-# (flash-attn's, torch's flash / memory-efficient ones, flex with return_lse); Ulysses x Ring is refused there.
-# ----------------------------------------------------------------------------------------------
-def _bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """``[b, n, m]`` bool -> ``[b, 1, n, m]`` additive mask (0 / -inf) for the kernels' ``[b, h, n, m]`` scores."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))[:, None]
-
-
-def block_forward(
-    query: Tensor, key: Tensor, value: Tensor, kind: BlockKind, mask: Tensor | None, scale: float
-) -> tuple[Tensor, Tensor]:
-    """Attention of one block with torch's flash kernel for CPU: ``[b, n, h, D]`` output and ``[b, n, h]`` fp32
-    log-sum-exp (``-inf`` for a query that reads no key of the block). GQA runs fused."""
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, h, n, D]
-    bias = None if mask is None else _bias(mask, query.dtype)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, kind == "causal", attn_mask=bias, scale=scale
-    )
-    lse = lse.float()
-    if mask is not None:  # the kernel gives a query that reads nothing a log-sum-exp of 0
-        lse = lse.masked_fill(~mask.any(-1)[:, None], float("-inf"))
-    return out.transpose(1, 2), lse.transpose(1, 2)
-
-
-def block_backward(
-    grad: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, kind: BlockKind,
-    mask: Tensor | None, scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The gradients of one block's ``query``, ``key`` and ``value`` (``[b, n, h, D]`` layouts) for the output
-    gradient ``grad``, given the *merged* output and log-sum-exp of the queries over all blocks (then each block's
-    share of the softmax, and so its gradient, is exact)."""
-    g, q, k, v, o = (t.transpose(1, 2) for t in (grad, query, key, value, out))
-    lse = lse.transpose(1, 2).contiguous()
-    bias = None if mask is None else _bias(mask, query.dtype)
-    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        g, q, k, v, o, lse, 0.0, kind == "causal", attn_mask=bias, scale=scale
-    )
-    return tuple(t.transpose(1, 2) for t in grads)
-
-
-# ----------------------------------------------------------------------------------------------
 # the ring
 # ----------------------------------------------------------------------------------------------
-def _merge(acc: tuple[Tensor, Tensor] | None, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
-    """Merge one block's ``out [b, n, h, D]`` and ``lse [b, n, h]`` into the running ones (fp32)."""
-    if acc is None:
-        return out.float(), lse
-    acc_out, acc_lse = acc
-    merged = torch.logaddexp(acc_lse, lse)
-    return (
-        acc_out * torch.exp(acc_lse - merged)[..., None] + out.float() * torch.exp(lse - merged)[..., None],
-        merged,
-    )
-
-
 def _attend_step(
     queries: tuple[Tensor, Tensor], kv: list[Tensor], pairs: tuple[BlockPair, ...], plan: RingPlan, scale: float,
     acc: list[tuple[Tensor, Tensor] | None],
@@ -210,7 +156,7 @@ def _attend_step(
     for pair in pairs:
         mask = plan.mask(pair, keys[0].device) if pair.kind == "masked" else None
         out, lse = block_forward(queries[pair.query], keys[pair.key], values[pair.key], pair.kind, mask, scale)
-        acc[pair.query] = _merge(acc[pair.query], out, lse)
+        acc[pair.query] = merge_blocks(acc[pair.query], out, lse)
 
 
 def _gradient_step(

@@ -92,7 +92,7 @@ def ulysses_attention(
     documents = None if position_ids is None else documents_of(position_ids, group, chunk)
     ring = ring_layout(group)
     if ring is not None:
-        check_ring_supported(attn_fn, dropout_p, sinks, query.device)
+        check_ring_supported(attn_fn, dropout_p, sinks)
         return _ulysses_x_ring(query, key, value, ring, documents, scale, window)
     sp_size = 1 if group is None else dist.get_world_size(group)
     layout = plan_heads(query.shape[2], key.shape[2], sp_size)
@@ -113,15 +113,11 @@ def ulysses_attention(
     return select_heads(heads_to_sequence(out, group), layout.output_slots)  # [B, N/P, H, D]
 
 
-def check_ring_supported(
-    attn_fn: str | CoreAttention, dropout_p: float, sinks: Tensor | None, device: torch.device
-) -> None:
-    """Refuse what Ulysses x Ring does not run (yet): devices other than the CPU and core backends other than SDPA
-    (the ring runs its own block kernels: torch's flash kernel for CPU, which returns the log-sum-exp and takes it
-    back in its backward), attention dropout and attention sinks."""
+def check_ring_supported(attn_fn: str | CoreAttention, dropout_p: float, sinks: Tensor | None) -> None:
+    """Refuse what Ulysses x Ring does not run (yet): core backends other than SDPA (the ring runs its own block
+    kernels, :mod:`~lightning_ulysses.attention.ring_blocks`, which return the log-sum-exp and take it back in their
+    backward), attention dropout and attention sinks."""
     unsupported = []
-    if device.type != "cpu":
-        unsupported.append(f"{device.type} tensors (its block kernels run on CPU only for now)")
     if attn_fn not in ("sdpa", CORE_ATTENTION["sdpa"]):
         unsupported.append(f"the attention backend {attn_fn!r} (the ring runs SDPA-equivalent block kernels)")
     if dropout_p:
