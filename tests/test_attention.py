@@ -104,7 +104,7 @@ def _tensors(case: dict[str, Any]) -> tuple[torch.Tensor, ...]:
     return q, k, v, grad, pos
 
 
-def _sinks(case: dict[str, Any]) -> torch.Tensor | None:
+def sink_logits(case: dict[str, Any]) -> torch.Tensor | None:
     """Sink logits near the log-sum-exps of these cases (0.5 to 3), so that they take a real share of each softmax."""
     if not case.get("sinks"):
         return None
@@ -125,7 +125,7 @@ def attention_worker(args: dict[str, Any]) -> dict[tuple[str, int], float]:
     errors = {}
     for (name, case), sp in itertools.product(CASES.items(), SP_SIZES):
         q, k, v, grad, pos = _tensors(case)
-        sinks = _sinks(case)
+        sinks = sink_logits(case)
         full = [t.clone().requires_grad_() for t in (q, k, v) + ((sinks,) if sinks is not None else ())]
         expected = reference(*full[:3], pos, **_options(case), sinks=None if sinks is None else full[3])
         expected.backward(grad)
@@ -204,7 +204,7 @@ def _sink_errors(name: str, attend: Any, dtype: torch.dtype = torch.float32) -> 
     """Relative errors of ``attend(q, k, v, sinks)`` and of its q, k, v, sinks gradients against the reference."""
     case = CASES[name]
     q, k, v, grad, pos = (None if t is None else t.to(dtype) for t in _tensors(case))
-    inputs = [t.requires_grad_() for t in (q, k, v, _sinks(case).to(dtype))]
+    inputs = [t.requires_grad_() for t in (q, k, v, sink_logits(case).to(dtype))]
     expected = reference(*inputs[:3], pos, **_options(case), sinks=inputs[3])
     expected_grads = torch.autograd.grad(expected, inputs, grad)
     got = attend(*inputs)
@@ -241,7 +241,7 @@ def test_sink_attention_needs_the_log_sum_exp_gradient() -> None:
     assert max(out, grad_v, grad_sinks) < 1e-5 and min(grad_q, grad_k) > 1e-2
     q, k, v, _, _ = _tensors(case)
     without = reference(q, k, v, pos, **_options(case))
-    assert _relative_errors([without], [reference(q, k, v, pos, **_options(case), sinks=_sinks(case))])[0] > 0.1
+    assert _relative_errors([without], [reference(q, k, v, pos, **_options(case), sinks=sink_logits(case))])[0] > 0.1
 
 
 def test_sinks_match_transformers_gpt_oss_attention() -> None:
@@ -251,7 +251,7 @@ def test_sinks_match_transformers_gpt_oss_attention() -> None:
 
     case = CASES["sinks_heads6_kv2_packed_window"]
     q, k, v, grad, pos = _tensors(case)
-    sinks = _sinks(case)
+    sinks = sink_logits(case)
     inputs = [t.requires_grad_() for t in (q, k, v, sinks)]
     module = torch.nn.Module()
     module.sinks, module.num_key_value_groups = inputs[3], case["heads"] // case["kv_heads"]
@@ -311,10 +311,10 @@ def test_flex_backend_forward_on_cpu(name: str) -> None:
     case = CASES[name]
     q, k, v, _, pos = _tensors(case)
     with torch.no_grad():
-        got = _attend("flex_attention", case, pos)(q, k, v, _sinks(case))
+        got = _attend("flex_attention", case, pos)(q, k, v, sink_logits(case))
         _, lse = CORE_ATTENTION["flex_attention"](q, k, v, _documents(case, pos), window=case.get("window"),
                                                   return_lse=True)
-    expected = reference(q, k, v, pos, **_options(case), sinks=_sinks(case))
+    expected = reference(q, k, v, pos, **_options(case), sinks=sink_logits(case))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     expected_lse = reference_scores(q, k, pos, **_options(case)).logsumexp(-1).transpose(1, 2)
     torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
@@ -336,7 +336,7 @@ def test_cuda_backends_match_dense_reference(backend: str, name: str) -> None:
     _cuda_backend(backend)
     case = CASES[name]
     q, k, v, grad, pos = (None if t is None else t.cuda() for t in _tensors(case))
-    sinks = [] if _sinks(case) is None else [_sinks(case).cuda().requires_grad_()]
+    sinks = [] if sink_logits(case) is None else [sink_logits(case).cuda().requires_grad_()]
     full = [t.requires_grad_() for t in (q, k, v)] + sinks
     expected = reference(*full[:3], pos, **_options(case), sinks=sinks[0] if sinks else None)
     low = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)] + sinks

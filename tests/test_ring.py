@@ -24,7 +24,7 @@ from lightning_ulysses.attention.ring_blocks import check_block_kernels
 from lightning_ulysses.attention.ulysses import check_ring_supported
 from lightning_ulysses.sharding import shard_index, shard_multiple, zigzag_order
 from lightning_ulysses.topology import SequenceParallelTopology
-from tests.test_attention import reference
+from tests.test_attention import reference, sink_logits
 from tests.launch import launch
 
 SEQ = 32
@@ -46,6 +46,9 @@ CASES: dict[str, dict[str, Any]] = {
     "window_across_chunks": dict(heads=4, kv_heads=2, window=13),
     "packed_window": dict(heads=6, kv_heads=2, positions=PACKED, window=5),
     "chunked_packed": dict(heads=4, kv_heads=2, positions=PACKED, chunk=6),
+    # attention sinks (gpt-oss): 6 heads over 2 Ulysses ranks with 3 K/V heads; packed with a window
+    "sinks_heads6_kv3": dict(heads=6, kv_heads=3, sinks=True),
+    "sinks_packed_window": dict(heads=4, kv_heads=2, positions=PACKED, window=5, sinks=True),
 }
 LAYOUTS = [(2, 1), (2, 2), (4, 1)]  # (ring_size, ulysses_size)
 
@@ -83,16 +86,22 @@ def ring_worker(args: dict[str, Any]) -> dict[Any, Any]:
         results["gather", ring_size, ulysses_size] = torch.equal(gather_sequence(columns[:, index], group), columns)
         for name, case in CASES.items():
             q, k, v, grad, pos = _tensors(case)
+            sinks = sink_logits(case)
             full = [t.clone().requires_grad_() for t in (q, k, v)]
-            expected = reference(*full, pos, window=case.get("window"), chunk=case.get("chunk"))
+            full_sinks = None if sinks is None else sinks.clone().requires_grad_()
+            expected = reference(*full, pos, window=case.get("window"), chunk=case.get("chunk"), sinks=full_sinks)
             expected.backward(grad)
             shards = [t[:, index].clone().requires_grad_() for t in (q, k, v)]
+            rank_sinks = None if sinks is None else sinks.clone().requires_grad_()
             out = ulysses_attention(
                 *shards, group=group, attn_fn="sdpa", window=case.get("window"), chunk=case.get("chunk"),
-                position_ids=None if pos is None else pos[:, index],
+                position_ids=None if pos is None else pos[:, index], sinks=rank_sinks,
             )
             out.backward(grad[:, index])
             compared = [(out, expected[:, index])] + [(s.grad, f.grad[:, index]) for s, f in zip(shards, full)]
+            if sinks is not None:  # each rank's share of the sinks' gradient, summed over the SP group
+                dist.all_reduce(rank_sinks.grad, group=group)
+                compared.append((rank_sinks.grad, full_sinks.grad))
             results[name, ring_size, ulysses_size] = max(((a - b).norm() / b.norm()).item() for a, b in compared)
     results["window_models"] = _window_models(groups_of_layout)
     results["dropout_refusal"] = _dropout_refusal(groups_of_layout)
@@ -114,9 +123,12 @@ def _dropout_refusal(group: dist.ProcessGroup) -> str:
 
 def _window_models(group: dist.ProcessGroup) -> dict[str, float]:
     """Patched Mistral and Qwen2 (a sliding layer after a full one), window 3 under ring 2 x Ulysses 2 (chunks of 6
-    tokens), against transformers' own SDPA on the whole sequence: the logits, and the gradients summed over the SP
-    group (each rank's loss is its tokens' share)."""
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    tokens), against transformers' own SDPA on the whole sequence, and gpt-oss (attention sinks, a sliding layer and
+    a full one, MoE) against its eager attention: the logits, and the gradients summed over the SP group (each rank's
+    loss is its tokens' share)."""
+    from transformers import (
+        GptOssConfig, GptOssForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+    )
 
     from lightning_ulysses import apply_ulysses_attention
 
@@ -125,6 +137,10 @@ def _window_models(group: dist.ProcessGroup) -> dict[str, float]:
     makers = {
         "mistral": lambda: MistralForCausalLM(MistralConfig(**common)),
         "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True, max_window_layers=1)),
+        "gpt_oss": lambda: GptOssForCausalLM(GptOssConfig(
+            **{**common, "attn_implementation": "eager"}, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"],
+        )),
     }
     seq, sp = 24, dist.get_world_size(group)
     index = shard_index(seq, dist.get_rank(group), sp, ring_size=2)
@@ -166,8 +182,10 @@ def test_ring_attention_matches_single_process(ring_results: list[dict[Any, Any]
 
 def test_sliding_window_models_under_the_ring(ring_results: list[dict[Any, Any]]) -> None:
     """Mistral and Qwen2 with a window (3) shorter than a ring chunk (6), ring 2 x Ulysses 2: logits and summed
-    gradients equal transformers' own SDPA on the whole sequence (relative error < 1e-5)."""
+    gradients equal transformers' own SDPA on the whole sequence (relative error < 1e-5); gpt-oss (attention sinks
+    in both layers, a window of 3 in one) equals its eager attention."""
     for rank, results in enumerate(ring_results):
+        assert set(results["window_models"]) == {"mistral", "qwen2", "gpt_oss"}
         for family, error in results["window_models"].items():
             assert error < 1e-5, f"rank {rank}, {family}: relative error {error:.2e}"
 
@@ -321,8 +339,8 @@ def test_inexact_block_kernels_are_refused_at_set_up(monkeypatch: pytest.MonkeyP
 
 
 def test_what_the_ring_does_not_run_is_refused() -> None:
-    """Other core backends, dropout and sinks: refused, naming each and what to do."""
-    check_ring_supported("sdpa", 0.0, None)
+    """Other core backends and dropout: refused, naming each and what to do."""
+    check_ring_supported("sdpa", 0.0)
     with pytest.raises(ValueError, match=r"does not support the attention backend 'flex_attention'"
-                                         r" .* or attention dropout \(dropout_p=0.1\) or attention sinks. Use ring_size=1"):
-        check_ring_supported("flex_attention", 0.1, torch.zeros(4))
+                                         r" .* or attention dropout \(dropout_p=0.1\). Use ring_size=1"):
+        check_ring_supported("flex_attention", 0.1)

@@ -198,7 +198,8 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, query: Tensor, key: Tensor, value: Tensor, plan: RingPlan, group: ProcessGroup, scale: float
+        ctx: Any, query: Tensor, key: Tensor, value: Tensor, sinks: Tensor | None, plan: RingPlan, group: ProcessGroup,
+        scale: float,
     ) -> Tensor:
         queries = query.chunk(2, dim=1)
         acc: list[tuple[Tensor, Tensor] | None] = [None, None]
@@ -211,16 +212,23 @@ class _RingAttention(torch.autograd.Function):
             if not last:
                 _wait(requests)
                 kv = incoming
-        out = torch.cat([a[0] for a in acc], dim=1).to(query.dtype)
-        lse = torch.cat([a[1] for a in acc], dim=1)
-        ctx.save_for_backward(query, key, value, out, lse)
+        out, lse = (torch.cat(parts, dim=1) for parts in zip(*acc))
+        if sinks is not None:  # one more logit per head whose value is zero: a block of its own, merged last
+            with_sinks = torch.logaddexp(lse, sinks.float())
+            out, lse = out * torch.exp(lse - with_sinks)[..., None], with_sinks
+        out = out.to(query.dtype)
+        ctx.save_for_backward(query, key, value, sinks, out, lse)
         ctx.plan, ctx.group, ctx.scale = plan, group, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        query, key, value, out, lse = ctx.saved_tensors
+        query, key, value, sinks, out, lse = ctx.saved_tensors
         plan, group, scale = ctx.plan, ctx.group, ctx.scale
+        grad_sinks = None
+        if sinks is not None:  # d out / d sink_h = -p_sink * out, p_sink = exp(sink_h - lse) (lse with the sinks)
+            grad_sinks = -(torch.exp(sinks.float() - lse) * (grad.float() * out.float()).sum(-1)).sum((0, 1))
+            grad_sinks = grad_sinks.to(sinks.dtype)
         split = [t.chunk(2, dim=1) for t in (grad.contiguous(), query, out, lse)]
         grad_query = torch.zeros_like(query, dtype=torch.float32)
         kv = [key, value]
@@ -242,12 +250,12 @@ class _RingAttention(torch.autograd.Function):
         received, waits = travelling
         _wait(waits)
         grad_key, grad_value = (g.to(t.dtype) for g, t in zip(received, (key, value)))
-        return grad_query.to(query.dtype), grad_key, grad_value, None, None, None
+        return grad_query.to(query.dtype), grad_key, grad_value, grad_sinks, None, None, None
 
 
 def ring_attention(
     query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, group: ProcessGroup, ring_size: int,
-    ring_rank: int, *, scale: float | None = None, window: int | None = None,
+    ring_rank: int, *, scale: float | None = None, window: int | None = None, sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of this ring rank's zigzag chunks against the whole sequence, exact (see the module docstring).
 
@@ -257,9 +265,12 @@ def ring_attention(
         documents: the documents of the whole rows, in sequence order (``None``: one per row).
         group: the ring group (``ring_size`` ranks, this one at ``ring_rank``).
         scale: softmax scale (``None``: ``D ** -0.5``); window: sliding window as in :func:`ulysses_attention`.
+        sinks: ``[h]`` attention sink logits of the query heads (gpt-oss): merged after the blocks as one more
+            logit per head whose value is zero; its gradient is this ring rank's queries' share.
 
     Returns ``[B, 2c, h, D]``; gradients flow to ``query``, ``key`` and ``value`` of every ring rank.
     """
     batch, local = query.shape[:2]
     plan = ring_plan(documents, batch, local * ring_size, ring_size, ring_rank, window)
-    return _RingAttention.apply(query, key, value, plan, group, query.shape[-1] ** -0.5 if scale is None else scale)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    return _RingAttention.apply(query, key, value, sinks, plan, group, scale)

@@ -15,7 +15,7 @@ from lightning_ulysses.attention.core import CoreAttention
 from lightning_ulysses.attention.documents import Documents, documents_of
 from lightning_ulysses.attention.ring import ring_attention, ring_plan
 from lightning_ulysses.attention.sinks import sink_attention
-from lightning_ulysses.heads import plan_heads, select_heads
+from lightning_ulysses.heads import HeadLayout, plan_heads, select_heads
 
 
 def plan_batch(
@@ -92,8 +92,8 @@ def ulysses_attention(
     documents = None if position_ids is None else documents_of(position_ids, group, chunk)
     ring = ring_layout(group)
     if ring is not None:
-        check_ring_supported(attn_fn, dropout_p, sinks)
-        return _ulysses_x_ring(query, key, value, ring, documents, scale, window)
+        check_ring_supported(attn_fn, dropout_p)
+        return _ulysses_x_ring(query, key, value, ring, documents, scale, window, sinks)
     sp_size = 1 if group is None else dist.get_world_size(group)
     layout = plan_heads(query.shape[2], key.shape[2], sp_size)
 
@@ -104,44 +104,50 @@ def ulysses_attention(
 
     if sp_size == 1:
         return attend(query, key, value, sinks)
-    if sinks is not None:  # the sinks of this rank's query slots, inert copies included (their outputs are dropped)
-        first = dist.get_rank(group) * layout.heads_per_rank
-        sinks = select_heads(sinks, layout.query_slots[first : first + layout.heads_per_rank], dim=0)
+    sinks = _sinks_of_rank(sinks, layout, group)
     query = sequence_to_heads(select_heads(query, layout.query_slots), group)  # [B, N, h, D]
     key, value = (sequence_to_heads(select_heads(t, layout.kv_slots), group) for t in (key, value))
     out = attend(query, key, value, sinks)
     return select_heads(heads_to_sequence(out, group), layout.output_slots)  # [B, N/P, H, D]
 
 
-def check_ring_supported(attn_fn: str | CoreAttention, dropout_p: float, sinks: Tensor | None) -> None:
+def check_ring_supported(attn_fn: str | CoreAttention, dropout_p: float) -> None:
     """Refuse what Ulysses x Ring does not run (yet): core backends other than SDPA (the ring runs its own block
     kernels, :mod:`~lightning_ulysses.attention.ring_blocks`, which return the log-sum-exp and take it back in their
-    backward), attention dropout and attention sinks."""
+    backward) and attention dropout."""
     unsupported = []
     if attn_fn not in ("sdpa", CORE_ATTENTION["sdpa"]):
         unsupported.append(f"the attention backend {attn_fn!r} (the ring runs SDPA-equivalent block kernels)")
     if dropout_p:
         unsupported.append(f"attention dropout (dropout_p={dropout_p})")
-    if sinks is not None:
-        unsupported.append("attention sinks")
     if unsupported:
         raise ValueError(
             f"Ulysses x Ring (ring_size > 1) does not support {' or '.join(unsupported)}. Use ring_size=1 (Ulysses "
-            "only), or attn_implementation='sdpa' without attention dropout or sinks."
+            "only), or attn_implementation='sdpa' without attention dropout."
         )
+
+
+def _sinks_of_rank(sinks: Tensor | None, layout: HeadLayout, group: ProcessGroup) -> Tensor | None:
+    """The sinks ``[H] -> [h]`` of this rank's query slots in ``group``, inert copies included (their outputs are
+    dropped, so no gradient reaches them)."""
+    if sinks is None:
+        return None
+    first = dist.get_rank(group) * layout.heads_per_rank
+    return select_heads(sinks, layout.query_slots[first : first + layout.heads_per_rank], dim=0)
 
 
 def _ulysses_x_ring(
     query: Tensor, key: Tensor, value: Tensor, ring: RingLayout, documents: Documents | None, scale: float | None,
-    window: int | None,
+    window: int | None, sinks: Tensor | None,
 ) -> Tensor:
     """Ulysses inside ``ring.ulysses_group`` (all-to-alls to the ring rank's two zigzag chunks, its share of the
     heads), ring attention across ``ring.ring_group``, and back: ``[B, N/P, H, D] -> [B, N/P, H, D]``."""
     layout = plan_heads(query.shape[2], key.shape[2], dist.get_world_size(ring.ulysses_group))
+    sinks = _sinks_of_rank(sinks, layout, ring.ulysses_group)
     query = sequence_to_heads(select_heads(query, layout.query_slots), ring.ulysses_group)  # [B, N/R, h, D]
     key, value = (sequence_to_heads(select_heads(t, layout.kv_slots), ring.ulysses_group) for t in (key, value))
     out = ring_attention(
         query, key, value, documents, ring.ring_group, ring.ring_size, dist.get_rank(ring.ring_group),
-        scale=scale, window=window,
+        scale=scale, window=window, sinks=sinks,
     )
     return select_heads(heads_to_sequence(out, ring.ulysses_group), layout.output_slots)  # [B, N/P, H, D]

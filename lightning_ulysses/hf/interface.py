@@ -59,13 +59,9 @@ def read_layer_call(
     sinks = kwargs.get("s_aux")
     if sinks is not None and getattr(module, "attention_dropout", 0.0):
         problems.append("combines attention sinks with attention dropout, which Ulysses attention does not implement")
-    if ring:
-        unsupported = [name for name, used in (("attention sinks", sinks is not None),
-                                               ("attention dropout", getattr(module, "attention_dropout", 0.0)))
-                       if used]
-        if unsupported:
-            problems.append(f"uses {' and '.join(unsupported)}, which Ulysses x Ring (ring_size > 1) does not implement "
-                            "yet (ring_size=1 does)")
+    if ring and getattr(module, "attention_dropout", 0.0):
+        problems.append("uses attention dropout, which Ulysses x Ring (ring_size > 1) does not implement yet "
+                        "(ring_size=1 does)")
     window = kwargs.get("sliding_window")
     if pattern is not None and window is not None and pattern.window != window:
         problems.append(
