@@ -75,6 +75,7 @@ def _groups(ring_size: int, ulysses_size: int) -> tuple[dist.ProcessGroup, RingL
 
 def ring_worker(args: dict[str, Any]) -> dict[Any, Any]:
     dist.init_process_group("gloo")
+    ring.MASK_TILE = 3  # masked chunk pairs (chunks of 8 and 4 tokens) run as several query tiles
     results: dict[Any, Any] = {}
     for ring_size, ulysses_size in LAYOUTS:
         sp = ring_size * ulysses_size
@@ -276,6 +277,31 @@ def test_blocks_with_no_allowed_pair_are_skipped() -> None:
     kinds = [{(p.query_chunk, p.key_chunk): p.kind for p in step} for step in plan.steps]
     assert kinds[0] == {(0, 0): "causal", (3, 3): "causal"}  # (3, 0): documents in between, skipped
     assert kinds[1] == {(3, 2): "masked"}  # (3, 1) skipped; (0, *) keys after the queries
+
+
+def test_masked_pairs_never_build_a_chunk_by_chunk_mask() -> None:
+    """Packed rows of 4096 tokens at ring 2 (chunks of 1024), documents of every length: a masked chunk pair runs as
+    query tiles, and no tile's mask exceeds [tile, chunk]; with a window of 16, [tile, tile + 16]. Without a window
+    the parts that no document border crosses run without a mask."""
+    seq, ring_size, tile = 4096, 2, 64
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(2):
+        lengths = []
+        while sum(lengths) < seq:
+            lengths.append(int(torch.randint(1, 700, (1,), generator=generator)))
+        lengths[-1] -= sum(lengths) - seq
+        rows.append([p for n in lengths for p in range(n)])
+    documents = Documents.from_position_ids(torch.tensor(rows))
+    for window, largest in ((None, tile * seq // (2 * ring_size)), (16, tile * (tile + 16))):
+        tiles = [
+            t for rank in range(ring_size) for step in plan_ring(documents, 2, seq, ring_size, rank, window, tile).steps
+            for pair in step if pair.kind == "masked" for t in pair.tiles
+        ]
+        masked = [t for t in tiles if t.kind == "masked"]
+        assert masked and max((t.q_hi - t.q_lo) * (t.k_hi - t.k_lo) for t in masked) <= largest, window
+        if window is None:  # only the parts a document border crosses need a mask
+            assert len(masked) < len(tiles), (len(masked), len(tiles))
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
