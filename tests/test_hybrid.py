@@ -53,6 +53,7 @@ TWO_RANKS: dict[str, dict[str, Any]] = {
     # one long document and many short ones: the kernels must not see every document padded to the longest
     "qwen3_next_zero2_skewed_packing": dict(family="qwen3_next", sp=2, stage=2, lengths=(17, 3, 3, 3, 3, 3)),
     "mamba2_zero2_skewed_packing": dict(family="mamba2", sp=2, stage=2, lengths=(2, 2, 21, 1, 3, 3)),
+    "xlstm_zero3_packed": dict(family="xlstm", sp=2, stage=3, borders=(SEQ_LEN // 2, SEQ_LEN // 2 + 3)),
 }
 FOUR_RANKS: dict[str, dict[str, Any]] = {
     # 70 channels over 4 ranks: 18 channel slots per rank, 2 of them inert (and 5 attention heads, 1 key/value head)
@@ -73,6 +74,9 @@ FOUR_RANKS: dict[str, dict[str, Any]] = {
                                                               lengths=(3, 3, 17, 3, 3, 3)),
     "mamba2_ring2_ulysses2_zero3_packed": dict(family="mamba2", sp=4, ring=2, stage=3, borders=(SEQ_LEN // 2, 5)),
     "minimax_ring2_ulysses2_zero2": dict(family="minimax", sp=4, ring=2, stage=2, lengths=(SEQ_LEN,)),
+    # 2 mLSTM heads over 4 ranks (two inert head slots), under the ring
+    "xlstm_ring2_ulysses2_zero2_packed_2_heads": dict(family="xlstm", sp=4, ring=2, stage=2,
+                                                      borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8), config=dict(num_heads=2)),
 }
 
 
@@ -86,8 +90,8 @@ class HybridModule(ZooModule):
 
 
 def attention_layers(recipe: TinyRecipe) -> int:
-    """Softmax-attention layers of the config's layer pattern."""
-    return recipe.config.get_text_config().layer_types.count("full_attention")
+    """Softmax-attention layers of the config's layer pattern (none without one: xLSTM)."""
+    return (getattr(recipe.config.get_text_config(), "layer_types", None) or []).count("full_attention")
 
 
 def recipe_of(case: dict[str, Any]) -> TinyRecipe:

@@ -12,12 +12,15 @@ the output gate and the out-projection after it act per token.
 :func:`sharded_mlstm_forward` replaces the backend's forward: the five streams travel in one all-to-all
 (:class:`~lightning_ulysses.hf.mixers.core.ShardedCore`, ``[B, N/P, H, 2 D_qk + D_v + 2]`` -> ``[B, N, h, ...]``),
 the backend's own forward (its own kernel and mode) runs on the whole sequence of this rank's heads, one row per
-document for packed rows, and the output travels back. In ``"train"`` mode the chunkwise kernel takes only
-multiples of its chunk size: document rows are padded at their end to one, as ``wrap_chunkwise_pad_zeros`` pads
-(causal: the padding never reaches a real token, its outputs are dropped). A state handed in (``c_initial``, ...;
-the xLSTM cache, or the chunked inference of ``xLSTMModel`` in eval mode when ``max_inference_chunksize`` is below
-the sequence length) is refused; the final state the backend returns is gathered over the heads (detached), or
-``None`` for packed rows.
+document for packed rows (each padded at its end to its length class: causal, the padding never reaches a real
+token), and the output travels back. A state handed in (``c_initial``, ...: the xLSTM cache, or the chunked
+inference of ``xLSTMModel`` in eval mode when ``max_inference_chunksize`` is below the sequence length) is refused;
+the final state the backend returns is gathered over the heads (detached), or ``None`` for packed rows.
+
+Modes: ``"inference"`` (the default, any length) runs so. In ``"train"`` mode the chunkwise kernel takes only
+multiples of its chunk size, so the plain model fails on the set-up check's probe (``2 * 11 * sp`` tokens), which
+refuses it, naming that error; ``"train_with_padding"`` cannot return the final state that ``xLSTMLayer`` unpacks
+(transformers 5.x), and fails the same way.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
@@ -91,13 +93,9 @@ def sharded_mlstm_forward(
         # [B, H, N/P, D] and [B, H, N/P] -> one [B, N/P, H, 2 D_qk + D_v + 2] stream, one all-to-all
         widths = [query.shape[-1], key.shape[-1], value.shape[-1], 1, 1]
         joined = torch.cat([query, key, value, igate.unsqueeze(-1), fgate.unsqueeze(-1)], dim=-1).transpose(1, 2)
-        chunk_size = _chunk_size(module, bound.arguments.get("mode")) if core.rows is not None else None
         returns_state = []
 
         def on_rows(rows: Tensor) -> tuple[Tensor, Any]:  # [b, n, h, 2 D_qk + D_v + 2], whole rows or documents
-            length = rows.shape[1]
-            if chunk_size is not None and length % chunk_size:
-                rows = F.pad(rows, (0, 0, 0, 0, 0, chunk_size - length % chunk_size))
             parts = torch.split(rows.transpose(1, 2), widths, dim=-1)
             call = dict(bound.arguments)
             for name, part, stream in zip(STREAMS, parts, streams):
@@ -105,7 +103,7 @@ def sharded_mlstm_forward(
             result = forward(**call)
             returns_state.append(isinstance(result, tuple))
             h, state = result if returns_state[-1] else (result, None)
-            return h.transpose(1, 2)[:, :length], state
+            return h.transpose(1, 2), state
 
         h, state = core.run(on_rows, core.scatter(joined))
         h = core.gather(h).transpose(1, 2)
@@ -115,11 +113,3 @@ def sharded_mlstm_forward(
 
     return sharded
 
-
-def _chunk_size(module: nn.Module, mode: str | None) -> int | None:
-    """The chunk size that document rows are padded to a multiple of: the config's in ``"train"`` mode, whose
-    chunkwise kernel takes nothing else (``"train_with_padding"`` pads itself, ``"inference"`` takes any length)."""
-    config = getattr(module, "config", None)
-    if config is None:
-        return None
-    return config.chunk_size if (config.mode if mode is None else mode) == "train" else None
