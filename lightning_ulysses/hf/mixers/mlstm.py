@@ -84,7 +84,7 @@ def sharded_mlstm_forward(
             raise ValueError(
                 f"{type(module).__name__} under sequence parallelism starts every sequence from an empty state (got "
                 f"{', '.join(states)}): train without a cache, and in eval mode keep the config's "
-                "max_inference_chunksize at least the sequence length (xLSTMModel otherwise runs the sequence in "
+                "max_inference_chunksize at least the sequence length (xLSTMModel otherwise runs each rank's shard in "
                 "chunks that carry the state from one to the next)."
             )
         streams = [bound.arguments[name] for name in STREAMS]
