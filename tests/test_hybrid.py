@@ -33,6 +33,7 @@ from lightning_ulysses import UlyssesStrategy
 from lightning_ulysses.flops import TransformerFlops
 from lightning_ulysses.hf.mixers import KERNELS, kernels_called
 from lightning_ulysses.hf.mixers.kernels import FUSED_LAYER_KERNELS
+from lightning_ulysses.hf.mixers.mlstm import is_mlstm_backend, sharded_mlstm_forward
 from tests.launch import launch
 from tests.tiny import (
     collate, epoch_order, gathered_parameters, make_packed_samples, reference_loss, relative_update_error,
@@ -271,6 +272,21 @@ def test_two_ranks_equal_single_process(two_rank_results: list[dict[str, Any]], 
 @pytest.mark.parametrize("name", FOUR_RANKS)
 def test_four_ranks_equal_single_process(four_rank_results: list[dict[str, Any]], name: str) -> None:
     _check(four_rank_results, name, FOUR_RANKS[name])
+
+
+def test_an_mlstm_state_handed_in_is_refused() -> None:
+    """xLSTM's backends are recognised by the kernels they hold (not its layers or blocks), and their sharded forward
+    refuses an initial state (a cache, or eval-mode chunked inference) before any collective."""
+    model, _ = build_model(tiny_recipe("xlstm"))
+    backends = [name for name, module in model.named_modules() if is_mlstm_backend(module)]
+    assert backends == [f"backbone.blocks.{i}.mlstm_layer.mlstm_backend" for i in range(model.config.num_blocks)]
+    backend = model.get_submodule(backends[0])
+    forward = sharded_mlstm_forward(backend, lambda: pytest.fail("reached the all-to-all"), lambda: None)
+    heads, n, dim = model.config.num_heads, 8, 4
+    q, k, v = (torch.zeros(1, heads, n, dim) for _ in range(3))
+    gates = torch.zeros(1, heads, n)
+    with pytest.raises(ValueError, match="empty state .*c_initial.*max_inference_chunksize"):
+        forward(q, k, v, gates, gates, c_initial=torch.zeros(1, heads, dim, dim))
 
 
 SKEWED = [name for name, case in {**TWO_RANKS, **FOUR_RANKS}.items() if len(case.get("lengths", ())) > 1]

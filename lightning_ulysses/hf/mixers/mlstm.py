@@ -64,8 +64,10 @@ def mlstm_kernels_held(module: nn.Module) -> set[str]:
 
 def is_mlstm_backend(module: nn.Module) -> bool:
     """A module whose forward takes the mLSTM streams (:data:`STREAMS`) and that holds mLSTM kernels to run them."""
+    if not mlstm_kernels_held(module):
+        return False
     parameters = inspect.signature(type(module).forward).parameters
-    return all(name in parameters for name in STREAMS) and bool(mlstm_kernels_held(module))
+    return all(name in parameters for name in STREAMS)
 
 
 def sharded_mlstm_forward(
