@@ -1,7 +1,7 @@
 """Hybrid models whose token mixers run head-sharded (:mod:`lightning_ulysses.hf.mixers`) train exactly.
 
 One family per sequential kernel (LFM2's short convolution, Mamba2's SSD scan, Jamba's Mamba scan, Qwen3-Next's
-gated delta rule, Kimi delta attention, MiniMax's lightning attention), the zoo's tiny configs
+gated delta rule, Kimi delta attention, MiniMax's lightning attention, xLSTM's mLSTM), the zoo's tiny configs
 (:mod:`tests.zoo_configs`), at sp=2 and sp=4, ZeRO-2 and ZeRO-3, dp=2 x sp=2, on packed documents whose borders fall
 on and inside the shard borders, on rows of one long document and many short ones (the kernels' token count per
 call is checked too), with head counts that do not divide by ``sp_size`` (inert head slots, groups replicated), and
