@@ -15,7 +15,8 @@ transformers ships them), runs forward and backward on ``--tokens`` tokens split
   per token of the rank's shard, sharded at ``--sp`` and on one process with the whole sequence: the sharded form
   keeps ``1/sp`` of it per rank (the ``gather`` fallback keeps all of it on every rank).
 * **against attention**: a softmax-attention layer of the same family sends ``2 * (H + H_kv) * D`` elements per token
-  (q, k, v in; the output back; backward as much): the ratio says what a mixer layer costs next to one.
+  (q, k, v in; the output back; backward as much): the ratio says what a mixer layer costs next to one (xLSTM has
+  no attention layer: one of the same width, its ``num_heads`` heads of ``hidden_size / num_heads``).
 
 ``python -m benchmarks.mixer_cost --sp 2 --tokens 256 --output benchmarks/mixer_cost.md``
 """
@@ -42,7 +43,7 @@ class Mixer:
     family: str
     module_class: str
     config_class: str
-    layer_idx: int = 0
+    layer_idx: int | None = 0  # None: the layer takes no index
 
     def build(self) -> tuple[nn.Module, Any]:
         import transformers
@@ -51,7 +52,8 @@ class Mixer:
         module_path = type(config).__module__.replace("configuration_", "modeling_")
         module_class = getattr(__import__(module_path, fromlist=[self.module_class]), self.module_class)
         torch.manual_seed(0)
-        return module_class(config, self.layer_idx).float(), config
+        args = (config,) if self.layer_idx is None else (config, self.layer_idx)
+        return module_class(*args).float(), config
 
 
 MIXERS = [
@@ -61,6 +63,7 @@ MIXERS = [
     Mixer("qwen3_next (Qwen3.5, OLMo-Hybrid)", "Qwen3NextGatedDeltaNet", "Qwen3NextConfig"),
     Mixer("kimi_linear (Bailing hybrid)", "KimiLinearDeltaAttention", "KimiLinearConfig"),
     Mixer("minimax", "MiniMaxLightningAttention", "MiniMaxConfig"),
+    Mixer("xlstm (mLSTM)", "xLSTMLayer", "xLSTMConfig", layer_idx=None),
 ]
 
 
@@ -88,14 +91,18 @@ def formula(module: nn.Module, sp: int) -> int:
         forward = 2 * slots(module.conv_dim)[0] + slots(module.num_heads)[0] * (5 * module.head_dim + 1)
     elif name == "MiniMaxLightningAttention":  # q, k, v in, out
         forward = slots(module.num_attention_heads)[0] * 4 * module.head_dim
+    elif name == "xLSTMLayer":  # q, k, v and the two gates in (one stream), h out
+        heads = module.config.num_heads
+        forward = slots(heads)[0] * (2 * module.qk_dim // heads + 2 * module.v_dim // heads + 2)
     else:
         raise ValueError(f"no formula for {name}")
     return 2 * forward
 
 
 def attention_formula(config: Any) -> int:
-    """A softmax-attention layer of the family: q, k, v in, the output back, forward and backward."""
-    heads = config.num_attention_heads
+    """A softmax-attention layer of the family (of the same width, ``num_heads`` heads, where it has none: xLSTM):
+    q, k, v in, the output back, forward and backward."""
+    heads = getattr(config, "num_attention_heads", None) or config.num_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return 2 * 2 * (heads + kv_heads) * head_dim

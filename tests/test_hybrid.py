@@ -1,7 +1,7 @@
 """Hybrid models whose token mixers run head-sharded (:mod:`lightning_ulysses.hf.mixers`) train exactly.
 
 One family per sequential kernel (LFM2's short convolution, Mamba2's SSD scan, Jamba's Mamba scan, Qwen3-Next's
-gated delta rule, Kimi delta attention, MiniMax's lightning attention), the zoo's tiny configs
+gated delta rule, Kimi delta attention, MiniMax's lightning attention, xLSTM's mLSTM), the zoo's tiny configs
 (:mod:`tests.zoo_configs`), at sp=2 and sp=4, ZeRO-2 and ZeRO-3, dp=2 x sp=2, on packed documents whose borders fall
 on and inside the shard borders, on rows of one long document and many short ones (the kernels' token count per
 call is checked too), with head counts that do not divide by ``sp_size`` (inert head slots, groups replicated), and
@@ -33,6 +33,7 @@ from lightning_ulysses import UlyssesStrategy
 from lightning_ulysses.flops import TransformerFlops
 from lightning_ulysses.hf.mixers import KERNELS, kernels_called
 from lightning_ulysses.hf.mixers.kernels import FUSED_LAYER_KERNELS
+from lightning_ulysses.hf.mixers.mlstm import is_mlstm_backend, sharded_mlstm_forward
 from tests.launch import launch
 from tests.tiny import (
     collate, epoch_order, gathered_parameters, make_packed_samples, reference_loss, relative_update_error,
@@ -53,6 +54,7 @@ TWO_RANKS: dict[str, dict[str, Any]] = {
     # one long document and many short ones: the kernels must not see every document padded to the longest
     "qwen3_next_zero2_skewed_packing": dict(family="qwen3_next", sp=2, stage=2, lengths=(17, 3, 3, 3, 3, 3)),
     "mamba2_zero2_skewed_packing": dict(family="mamba2", sp=2, stage=2, lengths=(2, 2, 21, 1, 3, 3)),
+    "xlstm_zero3_packed": dict(family="xlstm", sp=2, stage=3, borders=(SEQ_LEN // 2, SEQ_LEN // 2 + 3)),
 }
 FOUR_RANKS: dict[str, dict[str, Any]] = {
     # 70 channels over 4 ranks: 18 channel slots per rank, 2 of them inert (and 5 attention heads, 1 key/value head)
@@ -73,6 +75,9 @@ FOUR_RANKS: dict[str, dict[str, Any]] = {
                                                               lengths=(3, 3, 17, 3, 3, 3)),
     "mamba2_ring2_ulysses2_zero3_packed": dict(family="mamba2", sp=4, ring=2, stage=3, borders=(SEQ_LEN // 2, 5)),
     "minimax_ring2_ulysses2_zero2": dict(family="minimax", sp=4, ring=2, stage=2, lengths=(SEQ_LEN,)),
+    # 2 mLSTM heads over 4 ranks (two inert head slots), under the ring
+    "xlstm_ring2_ulysses2_zero2_packed_2_heads": dict(family="xlstm", sp=4, ring=2, stage=2,
+                                                      borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8), config=dict(num_heads=2)),
 }
 
 
@@ -86,8 +91,8 @@ class HybridModule(ZooModule):
 
 
 def attention_layers(recipe: TinyRecipe) -> int:
-    """Softmax-attention layers of the config's layer pattern."""
-    return recipe.config.get_text_config().layer_types.count("full_attention")
+    """Softmax-attention layers of the config's layer pattern (none without one: xLSTM)."""
+    return (getattr(recipe.config.get_text_config(), "layer_types", None) or []).count("full_attention")
 
 
 def recipe_of(case: dict[str, Any]) -> TinyRecipe:
@@ -267,6 +272,21 @@ def test_two_ranks_equal_single_process(two_rank_results: list[dict[str, Any]], 
 @pytest.mark.parametrize("name", FOUR_RANKS)
 def test_four_ranks_equal_single_process(four_rank_results: list[dict[str, Any]], name: str) -> None:
     _check(four_rank_results, name, FOUR_RANKS[name])
+
+
+def test_an_mlstm_state_handed_in_is_refused() -> None:
+    """xLSTM's backends are recognised by the kernels they hold (not its layers or blocks), and their sharded forward
+    refuses an initial state (a cache, or eval-mode chunked inference) before any collective."""
+    model, _ = build_model(tiny_recipe("xlstm"))
+    backends = [name for name, module in model.named_modules() if is_mlstm_backend(module)]
+    assert backends == [f"backbone.blocks.{i}.mlstm_layer.mlstm_backend" for i in range(model.config.num_blocks)]
+    backend = model.get_submodule(backends[0])
+    forward = sharded_mlstm_forward(backend, lambda: pytest.fail("reached the all-to-all"), lambda: None)
+    heads, n, dim = model.config.num_heads, 8, 4
+    q, k, v = (torch.zeros(1, heads, n, dim) for _ in range(3))
+    gates = torch.zeros(1, heads, n)
+    with pytest.raises(ValueError, match="empty state .*c_initial.*max_inference_chunksize"):
+        forward(q, k, v, gates, gates, c_initial=torch.zeros(1, heads, dim, dim))
 
 
 SKEWED = [name for name, case in {**TWO_RANKS, **FOUR_RANKS}.items() if len(case.get("lengths", ())) > 1]

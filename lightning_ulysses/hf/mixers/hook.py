@@ -4,7 +4,8 @@ A token mixer is recognised by what its ``forward`` calls: a module whose forwar
 kernels of :data:`~lightning_ulysses.hf.mixers.kernels.KERNELS` in its modeling module. While such a module runs
 under sequence parallelism, the kernel names in its modeling module point at their sharded forms, and back
 afterwards; everything else in its forward (projections, gates, norms) runs unchanged on this rank's tokens. A layer
-built like lightning attention, which has no kernel function, runs :mod:`.lightning`'s head-sharded forward. The
+built like lightning attention, which has no kernel function, runs :mod:`.lightning`'s head-sharded forward, and an
+mLSTM backend (xLSTM), which holds its kernels rather than calling them by name, :mod:`.mlstm`'s. The
 set-up check then compares the model with the plain one on the whole sequence: a mixer the kernels do not make
 exact (a mixing step of its own outside them) is found and refused, or gathered with ``sequence_mixers="gather"``.
 """
@@ -22,6 +23,7 @@ from torch import nn
 from lightning_ulysses.attention import Documents, documents_of
 from lightning_ulysses.hf.mixers.kernels import FUSED_LAYER_KERNELS, KERNELS, sharded_kernel
 from lightning_ulysses.hf.mixers.lightning import is_lightning_attention, sharded_lightning_forward
+from lightning_ulysses.hf.mixers.mlstm import is_mlstm_backend, sharded_mlstm_forward
 
 if TYPE_CHECKING:
     from lightning_ulysses.hf.patching import PatchState
@@ -43,7 +45,8 @@ def kernels_called(module: nn.Module) -> dict[str, Any]:
 
 def shard_token_mixers(model: nn.Module, state: PatchState) -> list[str]:
     """Run the sequential kernels of every token mixer inside ``model`` on this rank's heads over the whole sequence
-    (see the module docstring), and lightning attention (:mod:`.lightning`, computed inline by its layer) likewise;
+    (see the module docstring), and lightning attention (:mod:`.lightning`, computed inline by its layer) and mLSTM
+    backends (:mod:`.mlstm`) likewise;
     the names of the modules changed. Idempotent."""
     names = []
     for name, module in model.named_modules():
@@ -55,6 +58,10 @@ def shard_token_mixers(model: nn.Module, state: PatchState) -> list[str]:
         elif is_lightning_attention(module):
             module.forward = _while_sharded(
                 module, state, sharded_lightning_forward(module, lambda: state.group, _documents(state))
+            )
+        elif is_mlstm_backend(module):
+            module.forward = _while_sharded(
+                module, state, sharded_mlstm_forward(module, lambda: state.group, _documents(state))
             )
         else:
             continue
