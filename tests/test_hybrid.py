@@ -92,8 +92,9 @@ class HybridModule(ZooModule):
 
 
 def attention_layers(recipe: TinyRecipe) -> int:
-    """Softmax-attention layers of the config's layer pattern."""
-    return recipe.config.get_text_config().layer_types.count("full_attention")
+    """Softmax-attention layers of the config's layer pattern (RecurrentGemma's are sliding-window ones)."""
+    layer_types = recipe.config.get_text_config().layer_types
+    return sum(kind in ("full_attention", "sliding_attention") for kind in layer_types)
 
 
 def recipe_of(case: dict[str, Any]) -> TinyRecipe:
