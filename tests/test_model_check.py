@@ -313,6 +313,12 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
             "gathered": [n for n, m in model.named_modules() if "_ulysses_gather_hooks" in m.__dict__],
             "sharded": [n for n, m in model.named_modules() if "_ulysses_mixer_forward" in m.__dict__],
         }
+        if name == "recurrent_block":  # with a cache, whose states would hold this rank's heads only
+            block, hidden = model.model.layers[0].temporal_block, torch.zeros(2, SEQ // 2, model.config.hidden_size)
+            try:
+                block(hidden, position_ids=batch["position_ids"], attention_mask=None, use_cache=True)
+            except ValueError as error:
+                results[name]["cache_refused"] = str(error)
     set_ring_layout(dist.group.WORLD, None)
     dist.destroy_process_group()
     return results
@@ -388,3 +394,5 @@ def test_known_token_mixers_run_sharded(sp_results: list[dict[str, Any]], name: 
         got = rank_results[name]
         assert got["sharded"] == sharded and got["gathered"] == []
         assert got["error"] < 1e-5 and got["grad_error"] < 1e-5
+    if name == "recurrent_block":
+        assert all("without a cache (use_cache=False)" in r[name]["cache_refused"] for r in sp_results)
