@@ -353,7 +353,8 @@ def test_sinks_and_chunks_run_exactly_across_ranks(sp_results: list[dict[str, An
                                r"sequence is split"),
         # under Ulysses x Ring too (the zigzag shards), with the gather fallback suggested (it runs under the ring)
         ("user_written_mixer_ring", r"model\.layers\.1\.mlp\.1 \(CausalCumulativeMean\): changes its output when the "
-                                    r"sequence is split(.|\n)*UlyssesStrategy\(sequence_mixers='gather'\) runs such layers"),
+                                    r"sequence is split(.|\n)*UlyssesStrategy\(sequence_mixers='gather'\) runs "
+                                    r"such layers"),
         # a gathered output longer than the sequence has no zigzag shard
         ("padded_convolution_gathered_ring", r"The gathered token mixer CausalConvolution returns an output 2 tokens "
                                              r"longer than the sequence(.|\n)*Use ring_size=1"),

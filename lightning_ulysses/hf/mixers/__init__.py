@@ -2,9 +2,9 @@
 
 * :mod:`.kernels`, :mod:`.core`, :mod:`.hook`, :mod:`.lightning`, :mod:`.rglru`: the Ulysses form. The sequential
   kernels that transformers' hybrid models call (depthwise causal convolutions, Mamba / Mamba2 scans, gated and Kimi
-  delta rules), MiniMax's lightning attention and RecurrentGemma's convolution + RG-LRU run on the whole sequence for
-  this rank's heads or channels, between two all-to-alls, as attention does; installed on every mixer that calls them (:func:`shard_token_mixers`), with
-  packed documents cut into rows of their own.
+  delta rules), MiniMax's lightning attention and RecurrentGemma's convolution + RG-LRU run on the whole sequence
+  for this rank's heads or channels, between two all-to-alls, as attention does; installed on every mixer that calls
+  them (:func:`shard_token_mixers`), with packed documents cut into rows of their own.
 * :mod:`.gather`: the opt-in fallback for any other mixer (``sequence_mixers="gather"``): the module runs on the
   whole sequence on every rank.
 """

@@ -7,12 +7,16 @@ where the position id is 0; then ``linear_out(rg_lru(conv(x)) * y)``. transforme
 inline (no kernel function to swap), and both are head-local, so :func:`sharded_recurrent_forward` runs them
 together between one pair of all-to-alls of :class:`~lightning_ulysses.hf.mixers.core.ShardedCore`::
 
-    x [B, N/P, H, bw] --all-to-all--> [B, N, h, bw] --conv, RG-LRU (this rank's heads)--> --all-to-all--> [B, N/P, H, bw]
+    x [B, N/P, H, bw] --all-to-all--> [B, N, h, bw]   (all tokens of this rank's heads, sequence order)
+                                        | one row per document (packed rows only)
+                                        | the convolution, then the RG-LRU
+    y [B, N/P, H, bw] <--all-to-all-- [B, N, h, bw]
 
-``2 x lru_width`` elements per token each way, as the convolution alone would cost. The reset flags come from the
-whole rows' position ids, which every layer shares (gathered once per batch with the documents,
-:func:`~lightning_ulysses.attention.documents.whole_position_ids`). Packed rows run one row per document, so the
-convolution's window and the recurrence start afresh at every document. :func:`rg_lru` is the layer's own
+``lru_width`` elements per token in and as many out (again in backward): what the convolution alone would cost,
+the RG-LRU adding nothing. The reset flags come from the whole rows' position ids, which every layer shares
+(gathered once per batch with the documents, :func:`~lightning_ulysses.attention.documents.whole_position_ids`).
+Packed rows run one row per document, so the convolution's window and the recurrence start afresh at every
+document. :func:`rg_lru` is the layer's own
 computation (the same operations in the same order, transformers' ``_rnn_scan`` and its bounded-gradient square
 root) on some heads.
 """
@@ -82,7 +86,9 @@ def rg_lru(lru: nn.Module, x: Tensor, reset: Tensor, heads: Callable[[Tensor], T
     multiplier = sqrt_bound.apply(1 - a_square)
     multiplier = reset + ~reset * multiplier
     normalized_x = gated_inputs * multiplier.type(x.dtype)
-    out, _ = lru._rnn_scan(hidden_states=normalized_x, recurrent_gate=recurrent_gate, reset=reset, recurrent_states=None)
+    out, _ = lru._rnn_scan(
+        hidden_states=normalized_x, recurrent_gate=recurrent_gate, reset=reset, recurrent_states=None
+    )
     return out
 
 
