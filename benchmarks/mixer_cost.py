@@ -11,7 +11,7 @@ transformers ships them), runs forward and backward on ``--tokens`` tokens split
   number of head (or group, or channel) slots over all ranks (:func:`~lightning_ulysses.heads.plan_heads`), into
   the kernel and out of it, and as much again in backward.
 * **activation memory**: the bytes that autograd keeps for backward (``saved_tensors_hooks``, each storage once,
-  the layer's weights not counted),
+  the layer's weights and buffers not counted),
   per token of the rank's shard, sharded at ``--sp`` and on one process with the whole sequence: the sharded form
   keeps ``1/sp`` of it per rank (the ``gather`` fallback keeps all of it on every rank).
 * **against attention**: a softmax-attention layer of the same family sends ``2 * (H + H_kv) * D`` elements per token
@@ -63,6 +63,7 @@ MIXERS = [
     Mixer("qwen3_next (Qwen3.5, OLMo-Hybrid)", "Qwen3NextGatedDeltaNet", "Qwen3NextConfig"),
     Mixer("kimi_linear (Bailing hybrid)", "KimiLinearDeltaAttention", "KimiLinearConfig"),
     Mixer("minimax", "MiniMaxLightningAttention", "MiniMaxConfig"),
+    Mixer("recurrent_gemma", "RecurrentGemmaRecurrentBlock", "RecurrentGemmaConfig"),
     Mixer("xlstm (mLSTM)", "xLSTMLayer", "xLSTMConfig", layer_idx=None),
 ]
 
@@ -91,6 +92,8 @@ def formula(module: nn.Module, sp: int) -> int:
         forward = 2 * slots(module.conv_dim)[0] + slots(module.num_heads)[0] * (5 * module.head_dim + 1)
     elif name == "MiniMaxLightningAttention":  # q, k, v in, out
         forward = slots(module.num_attention_heads)[0] * 4 * module.head_dim
+    elif name == "RecurrentGemmaRecurrentBlock":  # x into the convolution + RG-LRU, out
+        forward = 2 * slots(module.rg_lru.num_attention_heads)[0] * module.rg_lru.block_width
     elif name == "xLSTMLayer":  # q, k, v and the two gates in (one stream), h out
         heads = module.config.num_heads
         forward = slots(heads)[0] * (2 * module.qk_dim // heads + 2 * module.v_dim // heads + 2)
@@ -109,9 +112,9 @@ def attention_formula(config: Any) -> int:
 
 
 def saved_bytes(run: Any, module: nn.Module) -> tuple[Any, int]:
-    """``run()`` and the bytes of the distinct storages (weights excluded) that autograd saves for backward while it
-    builds its graph."""
-    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    """``run()`` and the bytes of the distinct storages (weights and buffers excluded) that autograd saves for
+    backward while it builds its graph."""
+    weights = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
     storages: dict[int, int] = {}
 
     def pack(tensor: Tensor) -> Tensor:
@@ -147,18 +150,24 @@ def worker(args: dict[str, Any]) -> list[dict[str, Any]]:
         shard = hidden[:, rank * tokens // sp : (rank + 1) * tokens // sp].clone().requires_grad_()
         whole = hidden.clone().requires_grad_()
 
-        def call(x: Tensor) -> Tensor:
-            out = module(x, None, None) if mixer.module_class == "MiniMaxLightningAttention" else module(x)
+        def call(x: Tensor, position_ids: Tensor) -> Tensor:
+            if mixer.module_class == "MiniMaxLightningAttention":
+                out = module(x, None, None)
+            elif mixer.module_class == "RecurrentGemmaRecurrentBlock":
+                out = module(x, position_ids, None, use_cache=False)
+            else:
+                out = module(x)
             return out[0] if isinstance(out, tuple) else out
 
-        _, whole_saved = saved_bytes(lambda: call(whole), module)  # one process, the whole sequence (not sharded yet)
+        positions = torch.arange(tokens)[None]
+        _, whole_saved = saved_bytes(lambda: call(whole, positions), module)  # one process, the whole sequence
         state = PatchState(dist.group.WORLD, "sdpa", sp)
-        state.position_ids = torch.arange(tokens)[None, rank * tokens // sp : (rank + 1) * tokens // sp]
+        state.position_ids = positions[:, rank * tokens // sp : (rank + 1) * tokens // sp]
         holder = nn.ModuleDict({"mixer": module})
         if not shard_token_mixers(holder, state):
             raise RuntimeError(f"{mixer.module_class} was not recognised as a token mixer")
         counted[0] = 0
-        out, sharded_saved = saved_bytes(lambda: call(shard), module)
+        out, sharded_saved = saved_bytes(lambda: call(shard, state.position_ids), module)
         out.sum().backward()
         local_tokens = tokens // sp
         rows.append({

@@ -1,10 +1,11 @@
 """Hybrid models whose token mixers run head-sharded (:mod:`lightning_ulysses.hf.mixers`) train exactly.
 
 One family per sequential kernel (LFM2's short convolution, Mamba2's SSD scan, Jamba's Mamba scan, Qwen3-Next's
-gated delta rule, Kimi delta attention, MiniMax's lightning attention, xLSTM's mLSTM), the zoo's tiny configs
-(:mod:`tests.zoo_configs`), at sp=2 and sp=4, ZeRO-2 and ZeRO-3, dp=2 x sp=2, on packed documents whose borders fall
-on and inside the shard borders, on rows of one long document and many short ones (the kernels' token count per
-call is checked too), with head counts that do not divide by ``sp_size`` (inert head slots, groups replicated), and
+gated delta rule, Kimi delta attention, MiniMax's lightning attention, RecurrentGemma's convolution + RG-LRU, xLSTM's
+mLSTM), the zoo's tiny configs (:mod:`tests.zoo_configs`), at sp=2 and sp=4, ZeRO-2 and ZeRO-3, dp=2 x sp=2, on packed
+documents whose borders fall on and inside the shard borders, on rows of one long document and many short ones (the
+kernels' token count per call is checked too), with head counts that do not divide by ``sp_size`` (inert head slots,
+groups replicated), and
 under Ulysses x Ring (zigzag shards: ring 2 x Ulysses 2, dp 2 x ring 2 x Ulysses 1). Each case trains two SGD steps
 with ``UlyssesStrategy`` and compares the losses (rtol 1e-5) and the update (< 1e-4) with one process running every
 document of the plain model on its own. The zoo (:mod:`tests.test_zoo`) covers every family at sp=2 and sp=4 on
@@ -51,6 +52,8 @@ TWO_RANKS: dict[str, dict[str, Any]] = {
     "qwen3_next_zero3_packed": dict(family="qwen3_next", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
     "kimi_linear_zero2_packed": dict(family="kimi_linear", sp=2, stage=2, borders=(SEQ_LEN // 2 + 1,)),
     "minimax_zero3_packed": dict(family="minimax", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
+    # the convolution and the RG-LRU in one head-sharded core; a border inside rank 1's shard
+    "recurrent_gemma_zero3_packed": dict(family="recurrent_gemma", sp=2, stage=3, borders=(SEQ_LEN // 2, 21)),
     # one long document and many short ones: the kernels must not see every document padded to the longest
     "qwen3_next_zero2_skewed_packing": dict(family="qwen3_next", sp=2, stage=2, lengths=(17, 3, 3, 3, 3, 3)),
     "mamba2_zero2_skewed_packing": dict(family="mamba2", sp=2, stage=2, lengths=(2, 2, 21, 1, 3, 3)),
@@ -78,6 +81,10 @@ FOUR_RANKS: dict[str, dict[str, Any]] = {
     # 2 mLSTM heads over 4 ranks (two inert head slots), under the ring
     "xlstm_ring2_ulysses2_zero2_packed_2_heads": dict(family="xlstm", sp=4, ring=2, stage=2,
                                                       borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8), config=dict(num_heads=2)),
+    # 3 RG-LRU heads (and 3 attention heads) over 4 ranks: one inert head slot
+    "recurrent_gemma_ring2_ulysses2_zero2_packed_3_heads": dict(
+        family="recurrent_gemma", sp=4, ring=2, stage=2, borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8),
+        config=dict(num_attention_heads=3, num_key_value_heads=1, lru_width=48)),
 }
 
 
@@ -91,8 +98,10 @@ class HybridModule(ZooModule):
 
 
 def attention_layers(recipe: TinyRecipe) -> int:
-    """Softmax-attention layers of the config's layer pattern (none without one: xLSTM)."""
-    return (getattr(recipe.config.get_text_config(), "layer_types", None) or []).count("full_attention")
+    """Softmax-attention layers of the config's layer pattern (RecurrentGemma's are sliding-window ones; none
+    without a pattern: xLSTM)."""
+    layer_types = getattr(recipe.config.get_text_config(), "layer_types", None) or []
+    return sum(kind in ("full_attention", "sliding_attention") for kind in layer_types)
 
 
 def recipe_of(case: dict[str, Any]) -> TinyRecipe:

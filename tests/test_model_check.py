@@ -208,14 +208,42 @@ class CausalCumulativeMean(nn.Module):
         return hidden_states.cumsum(dim=1) / counts
 
 
+class CausalConvolution(nn.Module):
+    """A user-written causal convolution over the sequence that also returns its zero-padded output (a tail of
+    ``K - 1`` tokens past the sequence): ``[B, N, C] -> ([B, N, C], [B, N + K - 1, C])``."""
+
+    def __init__(self, channels: int, width: int = 3) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(channels, channels, width, groups=channels, padding=width - 1)
+
+    def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
+        padded = self.conv(hidden_states.transpose(1, 2)).transpose(1, 2)
+        return padded[:, : hidden_states.shape[1]], padded
+
+
+class FirstOutput(nn.Module):
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return self.module(hidden_states)[0]
+
+
 def _recurrent_gemma() -> PreTrainedModel:
     return tiny_model("recurrent_gemma", use_cache=False, attention_window_size=8)  # two recurrent (RG-LRU) layers
 
 
-def _llama_with_a_mixer() -> PreTrainedModel:
+def _llama_with_a_mixer(mixer: type[nn.Module] = CausalCumulativeMean) -> PreTrainedModel:
     model = tiny_model("llama")
-    model.model.layers[1].mlp = nn.Sequential(model.model.layers[1].mlp, CausalCumulativeMean())
+    torch.manual_seed(1)
+    extra = FirstOutput(mixer(model.config.hidden_size)) if mixer is CausalConvolution else mixer()
+    model.model.layers[1].mlp = nn.Sequential(model.model.layers[1].mlp, extra)
     return model
+
+
+def _llama_with_a_convolution() -> PreTrainedModel:
+    return _llama_with_a_mixer(CausalConvolution)
 
 
 SP_CASES: dict[str, Any] = {  # the sequence (SEQ=40) runs beyond the original maximum position (16) of both RoPEs
@@ -228,18 +256,22 @@ SP_CASES: dict[str, Any] = {  # the sequence (SEQ=40) runs beyond the original m
     "attention_sinks": lambda: tiny_model("gpt_oss", **GPT_OSS),
     "chunked_attention": lambda: tiny_model("llama4_text", **{**LLAMA4, "attn_temperature_tuning": False}),
     "local_index_scale": lambda: tiny_model("llama4_text", **LLAMA4),  # temperature tuning scales q by local index
-    "short_convolution": lambda: tiny_model("lfm2", layer_types=["conv", "full_attention"]),  # a known mixer: sharded
-    "recurrent_block": _recurrent_gemma,  # RG-LRU: no sharded form
+    # known mixers: sharded
+    "short_convolution": lambda: tiny_model("lfm2", layer_types=["conv", "full_attention"]),
+    "recurrent_block": _recurrent_gemma,  # RecurrentGemma's convolution + RG-LRU
+    # mixers with no sharded form
     "user_written_mixer": _llama_with_a_mixer,
-    "recurrent_block_gathered": _recurrent_gemma,
     "user_written_mixer_gathered": _llama_with_a_mixer,
-    "recurrent_block_ring": _recurrent_gemma,
-    "recurrent_block_gathered_ring": _recurrent_gemma,
+    "user_written_mixer_ring": _llama_with_a_mixer,
+    "user_written_mixer_gathered_ring": _llama_with_a_mixer,
+    "padded_convolution_gathered": _llama_with_a_convolution,  # the gathered module returns N + 2 tokens too
+    "padded_convolution_gathered_ring": _llama_with_a_convolution,
 }
-GATHERED = {"recurrent_block_gathered", "user_written_mixer_gathered", "recurrent_block_gathered_ring"}  # "gather"
-RING = {"recurrent_block_ring", "recurrent_block_gathered_ring"}  # under Ulysses x Ring (ring 2 x Ulysses 1)
+GATHERED = {"user_written_mixer_gathered", "user_written_mixer_gathered_ring", "padded_convolution_gathered",
+            "padded_convolution_gathered_ring"}  # sequence_mixers="gather"
+RING = {"user_written_mixer_ring", "user_written_mixer_gathered_ring", "padded_convolution_gathered_ring"}  # ring 2
 # compared with each document on its own: mask no packed documents (gpt-oss, Llama4) or reset a mixer's state at them
-PER_DOCUMENT = {"attention_sinks", "chunked_attention", "local_index_scale", "short_convolution"}
+PER_DOCUMENT = {"attention_sinks", "chunked_attention", "local_index_scale", "short_convolution", "recurrent_block"}
 
 
 def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
@@ -281,6 +313,12 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
             "gathered": [n for n, m in model.named_modules() if "_ulysses_gather_hooks" in m.__dict__],
             "sharded": [n for n, m in model.named_modules() if "_ulysses_mixer_forward" in m.__dict__],
         }
+        if name == "recurrent_block":  # with a cache, whose states would hold this rank's heads only
+            block, hidden = model.model.layers[0].temporal_block, torch.zeros(2, SEQ // 2, model.config.hidden_size)
+            try:
+                block(hidden, position_ids=batch["position_ids"], attention_mask=None, use_cache=True)
+            except ValueError as error:
+                results[name]["cache_refused"] = str(error)
     set_ring_layout(dist.group.WORLD, None)
     dist.destroy_process_group()
     return results
@@ -311,14 +349,15 @@ def test_sinks_and_chunks_run_exactly_across_ranks(sp_results: list[dict[str, An
     [
         ("local_index_scale", r"model\.layers\.1\.self_attn \(Llama4TextAttention\): builds token indices from the "
                               r"length of its input \(torch\.arange at modeling_llama4\.py:\d+\)"),
-        ("recurrent_block", r"model\.layers\.0\.temporal_block \(RecurrentGemmaRecurrentBlock\): changes its output "
-                            r"when the sequence is split"),
         ("user_written_mixer", r"model\.layers\.1\.mlp\.1 \(CausalCumulativeMean\): changes its output when the "
                                r"sequence is split"),
         # under Ulysses x Ring too (the zigzag shards), with the gather fallback suggested (it runs under the ring)
-        ("recurrent_block_ring", r"model\.layers\.0\.temporal_block \(RecurrentGemmaRecurrentBlock\): changes its "
-                                 r"output when the sequence is split(.|\n)*UlyssesStrategy\(sequence_mixers='gather'\) "
-                                 r"runs such layers"),
+        ("user_written_mixer_ring", r"model\.layers\.1\.mlp\.1 \(CausalCumulativeMean\): changes its output when the "
+                                    r"sequence is split(.|\n)*UlyssesStrategy\(sequence_mixers='gather'\) runs "
+                                    r"such layers"),
+        # a gathered output longer than the sequence has no zigzag shard
+        ("padded_convolution_gathered_ring", r"The gathered token mixer CausalConvolution returns an output 2 tokens "
+                                             r"longer than the sequence(.|\n)*Use ring_size=1"),
     ],
 )
 def test_token_mixers_and_local_indices_are_refused_on_every_rank(
@@ -331,10 +370,11 @@ def test_token_mixers_and_local_indices_are_refused_on_every_rank(
 
 @pytest.mark.parametrize(
     ("name", "gathered"),
-    [("recurrent_block_gathered", ["model.layers.0.temporal_block", "model.layers.1.temporal_block"]),
-     ("user_written_mixer_gathered", ["model.layers.1.mlp.1"]),
+    [("user_written_mixer_gathered", ["model.layers.1.mlp.1"]),
+     # the padded output: each rank keeps its rows and the 2 after them
+     ("padded_convolution_gathered", ["model.layers.1.mlp.1.module"]),
      # zigzag shards: the gathered sequence in sequence order, each rank's zigzag shard of the outputs
-     ("recurrent_block_gathered_ring", ["model.layers.0.temporal_block", "model.layers.1.temporal_block"])],
+     ("user_written_mixer_gathered_ring", ["model.layers.1.mlp.1"])],
 )
 def test_gathered_token_mixers_run_exactly(sp_results: list[dict[str, Any]], name: str, gathered: list[str]) -> None:
     for rank_results in sp_results:
@@ -343,9 +383,17 @@ def test_gathered_token_mixers_run_exactly(sp_results: list[dict[str, Any]], nam
         assert got["error"] < 1e-5 and got["grad_error"] < 1e-5
 
 
-def test_known_token_mixers_run_sharded(sp_results: list[dict[str, Any]]) -> None:
-    """LFM2's short convolution runs head-sharded (not gathered), and resets at the packed document of row 1."""
+@pytest.mark.parametrize(
+    ("name", "sharded"),
+    [("short_convolution", ["model.layers.0.conv"]),
+     ("recurrent_block", ["model.layers.0.temporal_block", "model.layers.1.temporal_block"])],
+)
+def test_known_token_mixers_run_sharded(sp_results: list[dict[str, Any]], name: str, sharded: list[str]) -> None:
+    """LFM2's short convolution and RecurrentGemma's recurrent blocks run head-sharded (not gathered), and reset at
+    the packed document of row 1."""
     for rank_results in sp_results:
-        got = rank_results["short_convolution"]
-        assert got["sharded"] == ["model.layers.0.conv"] and got["gathered"] == []
+        got = rank_results[name]
+        assert got["sharded"] == sharded and got["gathered"] == []
         assert got["error"] < 1e-5 and got["grad_error"] < 1e-5
+    if name == "recurrent_block":
+        assert all("without a cache (use_cache=False)" in r[name]["cache_refused"] for r in sp_results)

@@ -32,7 +32,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> Tensor:
         ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
-        return all_to_all(x, group, scatter_dim, gather_dim)
+        return all_to_all(x.contiguous(), group, scatter_dim, gather_dim)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:

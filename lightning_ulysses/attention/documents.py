@@ -109,11 +109,18 @@ def documents_of(position_ids: Tensor, group: ProcessGroup | None, chunk: int | 
     same tensor object at the same version (an in-place edit recomputes); every rank of the group sees the same
     sequence of tensors and so takes the same branch, collectives included.
     """
+    whole = whole_position_ids(position_ids, group)
+    documents = _last_gathered.documents
+    if chunk not in documents:
+        documents[chunk] = Documents.from_position_ids(whole, chunk)
+    return documents[chunk]
+
+
+def whole_position_ids(position_ids: Tensor, group: ProcessGroup | None) -> Tensor:
+    """The whole ``[B, N]`` rows, in sequence order, of the ``[B, N/P]`` shard ``position_ids`` of global position ids:
+    all-gathered once per tensor and kept with its documents (see :func:`documents_of`; no host sync)."""
     global _last_gathered
     if _last_gathered is None or not _last_gathered.gathered_from(position_ids, group):
         gathered = gather_sequence(position_ids, group)
         _last_gathered = _GatheredPositions(weakref.ref(position_ids), _version(position_ids), group, gathered, {})
-    documents = _last_gathered.documents
-    if chunk not in documents:
-        documents[chunk] = Documents.from_position_ids(_last_gathered.position_ids, chunk)
-    return documents[chunk]
+    return _last_gathered.position_ids

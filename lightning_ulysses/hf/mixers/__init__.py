@@ -1,10 +1,11 @@
 """Token mixers other than attention: short convolutions, linear attention, state-space layers.
 
-* :mod:`.kernels`, :mod:`.core`, :mod:`.hook`, :mod:`.lightning`, :mod:`.mlstm`: the Ulysses form. The sequential
-  kernels that transformers' hybrid models call (depthwise causal convolutions, Mamba / Mamba2 scans, gated and
-  Kimi delta rules), MiniMax's lightning attention and xLSTM's mLSTM backend run on the whole sequence for this
-  rank's heads or channels, between two all-to-alls, as attention does; installed on every mixer that calls them
-  (:func:`shard_token_mixers`), with packed documents cut into rows of their own.
+* :mod:`.kernels`, :mod:`.core`, :mod:`.hook`, :mod:`.lightning`, :mod:`.rglru`, :mod:`.mlstm`: the Ulysses form.
+  The sequential kernels that transformers' hybrid models call (depthwise causal convolutions, Mamba / Mamba2 scans,
+  gated and Kimi delta rules), MiniMax's lightning attention, RecurrentGemma's convolution + RG-LRU and xLSTM's mLSTM
+  backend run on the whole sequence for this rank's heads or channels, between two all-to-alls, as attention does;
+  installed on every mixer that calls them (:func:`shard_token_mixers`), with packed documents cut into rows of their
+  own.
 * :mod:`.gather`: the opt-in fallback for any other mixer (``sequence_mixers="gather"``): the module runs on the
   whole sequence on every rank.
 """

@@ -103,7 +103,11 @@ class ShardedCore:
         return select_heads(torch.cat(states, dim=1), self.layout.output_slots, dim=1)
 
     def local(self, per_head: Tensor, grouped: bool = False) -> Tensor:
-        """This rank's slots of a per-head (or per-group) parameter ``[H or G, ...]``, inert copies included."""
+        """This rank's slots of a per-head (or per-group) parameter ``[H or G, ...]``, inert copies included: a view
+        of it when they are consecutive heads (no copy of the weight for autograd to keep)."""
         per_rank = len(self._slots(grouped)) // dist.get_world_size(self.group)
         first = self.rank * per_rank
-        return select_heads(per_head, self._slots(grouped)[first : first + per_rank], dim=0)
+        slots = self._slots(grouped)[first : first + per_rank]
+        if slots == tuple(range(slots[0], slots[0] + per_rank)):
+            return per_head.narrow(0, slots[0], per_rank)
+        return select_heads(per_head, slots, dim=0)

@@ -24,6 +24,7 @@ from lightning_ulysses.attention import Documents, documents_of
 from lightning_ulysses.hf.mixers.kernels import FUSED_LAYER_KERNELS, KERNELS, sharded_kernel
 from lightning_ulysses.hf.mixers.lightning import is_lightning_attention, sharded_lightning_forward
 from lightning_ulysses.hf.mixers.mlstm import is_mlstm_backend, sharded_mlstm_forward
+from lightning_ulysses.hf.mixers.rglru import is_recurrent_block, sharded_recurrent_forward
 
 if TYPE_CHECKING:
     from lightning_ulysses.hf.patching import PatchState
@@ -45,9 +46,9 @@ def kernels_called(module: nn.Module) -> dict[str, Any]:
 
 def shard_token_mixers(model: nn.Module, state: PatchState) -> list[str]:
     """Run the sequential kernels of every token mixer inside ``model`` on this rank's heads over the whole sequence
-    (see the module docstring), and lightning attention (:mod:`.lightning`, computed inline by its layer) and mLSTM
-    backends (:mod:`.mlstm`) likewise;
-    the names of the modules changed. Idempotent."""
+    (see the module docstring), and lightning attention and Griffin's recurrent block (:mod:`.lightning`,
+    :mod:`.rglru`, computed inline by their layers) and mLSTM backends (:mod:`.mlstm`) likewise; the names of the
+    modules changed. Idempotent."""
     names = []
     for name, module in model.named_modules():
         if "_ulysses_mixer_forward" in module.__dict__:
@@ -63,6 +64,10 @@ def shard_token_mixers(model: nn.Module, state: PatchState) -> list[str]:
             module.forward = _while_sharded(
                 module, state, sharded_mlstm_forward(module, lambda: state.group, _documents(state))
             )
+        elif is_recurrent_block(module):
+            module.forward = _while_sharded(
+                module, state, sharded_recurrent_forward(module, lambda: state.group, _documents(state))
+            )
         else:
             continue
         module._ulysses_mixer_forward = True
@@ -72,13 +77,13 @@ def shard_token_mixers(model: nn.Module, state: PatchState) -> list[str]:
 
 def register_mixer_weights_for_zero3(model: nn.Module) -> None:
     """Tell ZeRO-3 that every token mixer inside ``model`` uses its children's weights: their forwards read them
-    (``self.conv1d.weight``) without calling the children, and ZeRO-3 gathers a weight only around its owner's call
-    otherwise (the plain model fails the same way). Registered as the mixer's external parameters, they are gathered
-    for its forward and its backward."""
+    (``self.conv1d.weight``; the sharded recurrent block reads its ``conv_1d``'s and ``rg_lru``'s) without calling
+    the children, and ZeRO-3 gathers a weight only around its owner's call otherwise (the plain model fails the same
+    way). Registered as the mixer's external parameters, they are gathered for its forward and its backward."""
     from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
     for module in model.modules():
-        if kernels_called(module):
+        if kernels_called(module) or is_recurrent_block(module):
             for child in module.children():
                 for parameter in child.parameters():
                     register_external_parameter(module, parameter)
