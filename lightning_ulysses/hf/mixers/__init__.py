@@ -4,7 +4,8 @@
   transformers' hybrid models call (depthwise causal convolutions, Mamba / Mamba2 scans, gated and Kimi delta
   rules) and MiniMax's lightning attention run on the whole sequence for this rank's heads or channels, between
   two all-to-alls, as attention does; installed on every mixer that calls them (:func:`shard_token_mixers`), with
-  packed documents cut into rows of their own.
+  packed documents cut into rows of their own. :mod:`.shift`: token shifts (RWKV's ``time_shift``) take the tokens
+  before each shard from the rank holding them (a halo, no all-to-all), resetting at document starts.
 * :mod:`.gather`: the opt-in fallback for any other mixer (``sequence_mixers="gather"``): the module runs on the
   whole sequence on every rank.
 """
@@ -15,8 +16,10 @@ from lightning_ulysses.hf.mixers.hook import (
     kernels_called, register_mixer_weights_for_zero3, remove_sharded_mixers, shard_token_mixers,
 )
 from lightning_ulysses.hf.mixers.kernels import KERNELS, KernelSpec
+from lightning_ulysses.hf.mixers.shift import shift_sequence
 
 __all__ = [
     "KERNELS", "KernelSpec", "TokenDims", "gather_whole_sequence", "kernels_called", "plan_document_rows",
     "register_mixer_weights_for_zero3", "remove_gather_whole_sequence", "remove_sharded_mixers", "shard_token_mixers",
+    "shift_sequence",
 ]

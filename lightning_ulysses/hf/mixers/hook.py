@@ -4,7 +4,8 @@ A token mixer is recognised by what its ``forward`` calls: a module whose forwar
 kernels of :data:`~lightning_ulysses.hf.mixers.kernels.KERNELS` in its modeling module. While such a module runs
 under sequence parallelism, the kernel names in its modeling module point at their sharded forms, and back
 afterwards; everything else in its forward (projections, gates, norms) runs unchanged on this rank's tokens. A layer
-built like lightning attention, which has no kernel function, runs :mod:`.lightning`'s head-sharded forward. The
+built like lightning attention, which has no kernel function, runs :mod:`.lightning`'s head-sharded forward; a
+token shift by constant padding (RWKV's ``time_shift``) takes its halo from the previous rank (:mod:`.shift`). The
 set-up check then compares the model with the plain one on the whole sequence: a mixer the kernels do not make
 exact (a mixing step of its own outside them) is found and refused, or gathered with ``sequence_mixers="gather"``.
 """
@@ -22,6 +23,7 @@ from torch import nn
 from lightning_ulysses.attention import Documents, documents_of
 from lightning_ulysses.hf.mixers.kernels import FUSED_LAYER_KERNELS, KERNELS, sharded_kernel
 from lightning_ulysses.hf.mixers.lightning import is_lightning_attention, sharded_lightning_forward
+from lightning_ulysses.hf.mixers.shift import sequence_shift_of, sharded_shift_forward
 
 if TYPE_CHECKING:
     from lightning_ulysses.hf.patching import PatchState
@@ -44,7 +46,7 @@ def kernels_called(module: nn.Module) -> dict[str, Any]:
 def shard_token_mixers(model: nn.Module, state: PatchState) -> list[str]:
     """Run the sequential kernels of every token mixer inside ``model`` on this rank's heads over the whole sequence
     (see the module docstring), and lightning attention (:mod:`.lightning`, computed inline by its layer) likewise;
-    the names of the modules changed. Idempotent."""
+    token shifts take their halo (:mod:`.shift`); the names of the modules changed. Idempotent."""
     names = []
     for name, module in model.named_modules():
         if "_ulysses_mixer_forward" in module.__dict__:
@@ -56,6 +58,10 @@ def shard_token_mixers(model: nn.Module, state: PatchState) -> list[str]:
             module.forward = _while_sharded(
                 module, state, sharded_lightning_forward(module, lambda: state.group, _documents(state))
             )
+        elif sequence_shift_of(module) is not None:
+            module.forward = _while_sharded(module, state, sharded_shift_forward(
+                module, lambda: state.group, _documents(state), lambda: _local_tokens(state)
+            ))
         else:
             continue
         module._ulysses_mixer_forward = True
@@ -87,6 +93,11 @@ def remove_sharded_mixers(model: nn.Module) -> None:
 def _documents(state: PatchState) -> Callable[[], Documents | None]:
     """The documents of the whole rows of the current batch, at call time."""
     return lambda: None if state.position_ids is None else documents_of(state.position_ids, state.group)
+
+
+def _local_tokens(state: PatchState) -> int | None:
+    """This rank's tokens per row in the current batch."""
+    return None if state.position_ids is None else state.position_ids.shape[-1]
 
 
 def _sharded_forward(module: nn.Module, kernels: dict[str, Any], state: PatchState) -> Any:
