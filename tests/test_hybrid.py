@@ -46,7 +46,8 @@ from tests.zoo import LR, ZooModule, build_model
 from tests.zoo_configs import SEQ_LEN, TinyRecipe, tiny_recipe
 
 ROWS, STEPS = 2, 2
-# name -> case: family, sp, ZeRO stage, document borders forced on even rows (random ones besides), config overrides
+# name -> case: family, sp, ZeRO stage, document borders forced on even rows (random ones besides), config overrides,
+# the attention layers where the config's layer_types do not name them
 TWO_RANKS: dict[str, dict[str, Any]] = {
     "lfm2_zero3_packed": dict(family="lfm2", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
     # as if mamba_ssm were installed: the training-only fused-layer kernel must not run on a shard
@@ -61,6 +62,12 @@ TWO_RANKS: dict[str, dict[str, Any]] = {
     # RWKV's token shifts take the token before each shard from the previous rank; a document of one token at the
     # shard border
     "rwkv_zero3_packed": dict(family="rwkv", sp=2, stage=3, borders=(SEQ_LEN // 2, SEQ_LEN // 2 + 1)),
+    # ZAYA's CCA convolutions (6 heads) and its delayed values, next to its attention layers; with biases, the
+    # delayed values of each document's first token are the bias; key scales of about 1 (0.02 at initialisation:
+    # the queries and keys, which the convolutions compute, would barely matter)
+    "zaya_zero3_packed_bias": dict(family="zaya", sp=2, stage=3, borders=(SEQ_LEN // 2 - 1, SEQ_LEN // 2),
+                                   config=dict(attention_bias=True), scaled={"qk_norm.temp": 50.0},
+                                   attention_layers=2),
 }
 FOUR_RANKS: dict[str, dict[str, Any]] = {
     # 70 channels over 4 ranks: 18 channel slots per rank, 2 of them inert (and 5 attention heads, 1 key/value head)
@@ -84,6 +91,9 @@ FOUR_RANKS: dict[str, dict[str, Any]] = {
     # the token before each zigzag shard lies on another ring rank (shards hold columns 0-7, 24-31, 8-15, 16-23)
     "rwkv_ring2_ulysses2_zero2_packed": dict(family="rwkv", sp=4, ring=2, stage=2,
                                              borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8 + 1)),
+    # 6 convolution heads over 4 ranks (2 slots each, 2 inert), attention over ring 2 x Ulysses 2
+    "zaya_ring2_ulysses2_zero2_packed": dict(family="zaya", sp=4, ring=2, stage=2, borders=(SEQ_LEN // 2, 7),
+                                             scaled={"qk_norm.temp": 50.0}, attention_layers=2),
 }
 
 
@@ -150,8 +160,13 @@ def reference(case: dict[str, Any], initial: dict[str, Tensor]) -> tuple[list[li
 
 
 def initial_weights(case: dict[str, Any]) -> dict[str, Tensor]:
+    """The zoo's initial weights, those whose names end with a key of the case's ``scaled`` multiplied by its value."""
     model, _ = build_model(recipe_of(case))
-    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+    scaled = case.get("scaled", {})
+    return {
+        name: value.detach() * next((factor for key, factor in scaled.items() if name.endswith(key)), 1.0)
+        for name, value in model.state_dict().items()
+    }
 
 
 def _fused_layer_kernel(*args: Any, **kwargs: Any) -> Tensor:
@@ -311,7 +326,8 @@ def _check(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> No
     for rank, result in enumerate(results):
         got = result[name]
         assert got["sharded_mixers"] > 0, f"{name}: no token mixer ran head-sharded"
-        assert got["flop_attention_layers"] == attention_layers(recipe_of(case)), "FLOPs count mixers as attention"
+        expected_layers = case.get("attention_layers", attention_layers(recipe_of(case)))
+        assert got["flop_attention_layers"] == expected_layers, "FLOPs count mixers as attention"
         assert got["ring_size"] == case.get("ring", 1)
         expected = expected_losses[got["dp_rank"]]
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected), rtol=1e-5, atol=0)

@@ -5,7 +5,8 @@
   rules) and MiniMax's lightning attention run on the whole sequence for this rank's heads or channels, between
   two all-to-alls, as attention does; installed on every mixer that calls them (:func:`shard_token_mixers`), with
   packed documents cut into rows of their own. :mod:`.shift`: token shifts (RWKV's ``time_shift``) take the tokens
-  before each shard from the rank holding them (a halo, no all-to-all), resetting at document starts.
+  before each shard from the rank holding them (a halo, no all-to-all), resetting at document starts. :mod:`.cca`:
+  ZAYA's CCA projection, its q|k convolutions head-sharded, its delayed values shifted.
 * :mod:`.gather`: the opt-in fallback for any other mixer (``sequence_mixers="gather"``): the module runs on the
   whole sequence on every rank.
 """

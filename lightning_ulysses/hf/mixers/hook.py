@@ -5,7 +5,8 @@ kernels of :data:`~lightning_ulysses.hf.mixers.kernels.KERNELS` in its modeling 
 under sequence parallelism, the kernel names in its modeling module point at their sharded forms, and back
 afterwards; everything else in its forward (projections, gates, norms) runs unchanged on this rank's tokens. A layer
 built like lightning attention, which has no kernel function, runs :mod:`.lightning`'s head-sharded forward; a
-token shift by constant padding (RWKV's ``time_shift``) takes its halo from the previous rank (:mod:`.shift`). The
+token shift by constant padding (RWKV's ``time_shift``) takes its halo from the previous rank (:mod:`.shift`); ZAYA's
+CCA projection runs its convolutions head-sharded and its delayed values shifted (:mod:`.cca`). The
 set-up check then compares the model with the plain one on the whole sequence: a mixer the kernels do not make
 exact (a mixing step of its own outside them) is found and refused, or gathered with ``sequence_mixers="gather"``.
 """
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from lightning_ulysses.attention import Documents, documents_of
+from lightning_ulysses.hf.mixers.cca import is_cca_projection, sharded_cca_forward
 from lightning_ulysses.hf.mixers.kernels import FUSED_LAYER_KERNELS, KERNELS, sharded_kernel
 from lightning_ulysses.hf.mixers.lightning import is_lightning_attention, sharded_lightning_forward
 from lightning_ulysses.hf.mixers.shift import sequence_shift_of, sharded_shift_forward
@@ -58,6 +60,10 @@ def shard_token_mixers(model: nn.Module, state: PatchState) -> list[str]:
             module.forward = _while_sharded(
                 module, state, sharded_lightning_forward(module, lambda: state.group, _documents(state))
             )
+        elif is_cca_projection(module):
+            module.forward = _while_sharded(
+                module, state, sharded_cca_forward(module, lambda: state.group, _documents(state))
+            )
         elif sequence_shift_of(module) is not None:
             module.forward = _while_sharded(module, state, sharded_shift_forward(
                 module, lambda: state.group, _documents(state), lambda: _local_tokens(state)
@@ -77,7 +83,7 @@ def register_mixer_weights_for_zero3(model: nn.Module) -> None:
     from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
     for module in model.modules():
-        if kernels_called(module):
+        if kernels_called(module) or is_cca_projection(module):
             for child in module.children():
                 for parameter in child.parameters():
                     register_external_parameter(module, parameter)
