@@ -66,6 +66,14 @@ def shard_pieces(seq_len: int, sp_size: int, ring_size: int) -> tuple[tuple[Piec
     return tuple(shards)
 
 
+def all_gather(x: Tensor, group: ProcessGroup) -> Tensor:
+    """``x`` of every rank of ``group``, stacked in rank order: ``[P, *x.shape]``. Not differentiable."""
+    x = x.contiguous()
+    gathered = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, x, group=group)
+    return torch.stack(gathered)
+
+
 class _GatherTails(torch.autograd.Function):
     """All-gather ``[B, T, ...]`` from every rank of ``group`` -> ``[P, B, T, ...]``; the gradient of each rank's part
     goes back to it, summed over the ranks that read it."""
@@ -73,9 +81,7 @@ class _GatherTails(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tails: Tensor, group: ProcessGroup) -> Tensor:
         ctx.group = group
-        gathered = [torch.empty_like(tails) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, tails.contiguous(), group=group)
-        return torch.stack(gathered)
+        return all_gather(tails, group)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
