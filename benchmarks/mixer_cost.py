@@ -16,7 +16,7 @@ transformers ships them), runs forward and backward on ``--tokens`` tokens split
   an all-to-all (``P k C``): ``(P + 1) k C`` elements per shift and rank whatever the sequence length, counted here
   per token of the shard.
 * **activation memory**: the bytes that autograd keeps for backward (``saved_tensors_hooks``, each storage once,
-  the layer's weights not counted),
+  the layer's weights and buffers not counted, nor this rank's slices of them, which are views),
   per token of the rank's shard, sharded at ``--sp`` and on one process with the whole sequence: the sharded form
   keeps ``1/sp`` of it per rank (the ``gather`` fallback keeps all of it on every rank).
 * **against attention**: a softmax-attention layer of the same family sends ``2 * (H + H_kv) * D`` elements per token
@@ -134,9 +134,9 @@ def attention_formula(config: Any) -> int:
 
 
 def saved_bytes(run: Any, module: nn.Module) -> tuple[Any, int]:
-    """``run()`` and the bytes of the distinct storages (weights excluded) that autograd saves for backward while it
-    builds its graph."""
-    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    """``run()`` and the bytes of the distinct storages (the layer's weights and buffers, and views of them,
+    excluded) that autograd saves for backward while it builds its graph."""
+    weights = {p.untyped_storage().data_ptr() for p in (*module.parameters(), *module.buffers())}
     storages: dict[int, int] = {}
 
     def pack(tensor: Tensor) -> Tensor:
