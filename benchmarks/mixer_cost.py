@@ -71,7 +71,7 @@ MIXERS = [
     Mixer("qwen3_next (Qwen3.5, OLMo-Hybrid)", "Qwen3NextGatedDeltaNet", "Qwen3NextConfig"),
     Mixer("kimi_linear (Bailing hybrid)", "KimiLinearDeltaAttention", "KimiLinearConfig"),
     Mixer("minimax", "MiniMaxLightningAttention", "MiniMaxConfig", nones=2),
-    Mixer("rwkv (WKV and both token shifts)", "RwkvBlock", "RwkvConfig", layer_idx=1),
+    Mixer("rwkv (WKV and its token shift)", "RwkvSelfAttention", "RwkvConfig"),
     Mixer("zaya (CCA convolutions, delayed values)", "ZayaCCAProjection", "ZayaConfig", nones=1, outputs=3),
 ]
 
@@ -100,8 +100,8 @@ def formula(module: nn.Module, sp: int) -> int:
         forward = 2 * slots(module.conv_dim)[0] + slots(module.num_heads)[0] * (5 * module.head_dim + 1)
     elif name == "MiniMaxLightningAttention":  # q, k, v in, out
         forward = slots(module.num_attention_heads)[0] * 4 * module.head_dim
-    elif name == "RwkvBlock":  # key, value into the WKV kernel, its output back: one slot per channel
-        forward = 3 * slots(module.attention.attention_hidden_size)[0]
+    elif name == "RwkvSelfAttention":  # key, value into the WKV kernel, its output back: one slot per channel
+        forward = 3 * slots(module.attention_hidden_size)[0]
     elif name == "ZayaCCAProjection":  # q|k heads into the two convolutions and back
         forward = 2 * slots(module.num_attention_heads + module.num_key_value_heads)[0] * module.head_dim
     else:
@@ -117,8 +117,8 @@ def halo_formula(module: nn.Module, sp: int, tokens: int) -> float:
     name = type(module).__name__
     if name == "ZayaCCAProjection":  # the delayed half of every value head
         shifted = module.v_proj_delayed.out_features
-    else:
-        shifted = sum(module.ln1.normalized_shape[0] for m in module.modules() if sequence_shift_of(m))
+    else:  # RWKV: its time_shift, on the hidden states
+        shifted = sum(module.config.hidden_size for m in module.modules() if sequence_shift_of(m))
     return (sp + 1) * shifted / (tokens / sp)
 
 
