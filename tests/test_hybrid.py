@@ -1,14 +1,16 @@
 """Hybrid models whose token mixers run head-sharded (:mod:`lightning_ulysses.hf.mixers`) train exactly.
 
 One family per sequential kernel (LFM2's short convolution, Mamba2's SSD scan, Jamba's Mamba scan, Qwen3-Next's
-gated delta rule, Kimi delta attention, MiniMax's lightning attention), the zoo's tiny configs
+gated delta rule, Kimi delta attention, MiniMax's lightning attention, RWKV's WKV and token shifts, ZAYA's CCA
+convolutions and delayed values), the zoo's tiny configs
 (:mod:`tests.zoo_configs`), at sp=2 and sp=4, ZeRO-2 and ZeRO-3, dp=2 x sp=2, on packed documents whose borders fall
 on and inside the shard borders, on rows of one long document and many short ones (the kernels' token count per
 call is checked too), with head counts that do not divide by ``sp_size`` (inert head slots, groups replicated), and
 under Ulysses x Ring (zigzag shards: ring 2 x Ulysses 2, dp 2 x ring 2 x Ulysses 1). Each case trains two SGD steps
 with ``UlyssesStrategy`` and compares the losses (rtol 1e-5) and the update (< 1e-4) with one process running every
-document of the plain model on its own. The zoo (:mod:`tests.test_zoo`) covers every family at sp=2 and sp=4 on
-unpacked rows.
+document of the plain model on its own. Both launches also check the token shift's halo
+(:func:`~lightning_ulysses.hf.mixers.shift.shift_sequence`) against the shift of the whole rows. The zoo
+(:mod:`tests.test_zoo`) covers every family at sp=2 and sp=4 on unpacked rows.
 """
 
 from __future__ import annotations
