@@ -224,7 +224,8 @@ def report(rows: list[dict[str, Any]], sp: int, tokens: int) -> str:
     for r in rows:
         lines.append(
             f"| {r['family']} | `{r['module']}` | {r['measured']:.0f} | {r['formula']:.0f} | {r['halo']:.0f} | "
-            f"{r['halo_formula']:.0f} | {r['attention']:.0f} | {(r['measured'] + r['halo']) / r['attention']:.2f} | {r['saved_whole']:.0f} | {r['saved_sharded']:.0f} | "
+            f"{r['halo_formula']:.0f} | {r['attention']:.0f} | {(r['measured'] + r['halo']) / r['attention']:.2f} | "
+            f"{r['saved_whole']:.0f} | {r['saved_sharded']:.0f} | "
             f"{r['saved_ratio']:.3f} |"
         )
     return "\n".join(lines) + "\n"
