@@ -10,13 +10,19 @@ transformers ships them), runs forward and backward on ``--tokens`` tokens split
   of its shard. The formula: each sharded stream sends ``slots * dim`` elements per token, where ``slots`` is the
   number of head (or group, or channel) slots over all ranks (:func:`~lightning_ulysses.heads.plan_heads`), into
   the kernel and out of it, and as much again in backward.
+* **halo bytes**: the token shifts (RWKV's ``time_shift``, ZAYA's delayed values,
+  :func:`~lightning_ulysses.hf.mixers.shift.shift_sequence`) send no all-to-all of the sequence: forward, one
+  all-gather of each shard piece's last ``k`` tokens (the buffer sent, ``k C``), backward, their gradients back by
+  an all-to-all (``P k C``): ``(P + 1) k C`` elements per shift and rank whatever the sequence length, counted here
+  per token of the shard.
 * **activation memory**: the bytes that autograd keeps for backward (``saved_tensors_hooks``, each storage once,
-  the layer's weights and buffers not counted),
+  the layer's weights and buffers not counted, nor this rank's slices of them, which are views),
   per token of the rank's shard, sharded at ``--sp`` and on one process with the whole sequence: the sharded form
   keeps ``1/sp`` of it per rank (the ``gather`` fallback keeps all of it on every rank).
 * **against attention**: a softmax-attention layer of the same family sends ``2 * (H + H_kv) * D`` elements per token
-  (q, k, v in; the output back; backward as much): the ratio says what a mixer layer costs next to one (xLSTM has
-  no attention layer: one of the same width, its ``num_heads`` heads of ``hidden_size / num_heads``).
+  (q, k, v in; the output back; backward as much; for a family with none, multi-head attention of the model's
+  width: xLSTM's ``num_heads`` heads of ``hidden_size / num_heads``, ``4 C`` for RWKV): the ratio (all-to-all and
+  halo) says what a mixer layer costs next to one.
 
 ``python -m benchmarks.mixer_cost --sp 2 --tokens 256 --output benchmarks/mixer_cost.md``
 """
@@ -44,6 +50,12 @@ class Mixer:
     module_class: str
     config_class: str
     layer_idx: int | None = 0  # None: the layer takes no index
+    nones: int = 0
+    """``None`` arguments after the hidden states (the cache and mask arguments that the layer's forward requires)."""
+    outputs: int = 1
+    """How many leading outputs of the layer are its per-token outputs (ZAYA's projection: query, key, value)."""
+    positions: bool = False
+    """The layer takes the position ids after the hidden states (RecurrentGemma's block, and ``use_cache=False``)."""
 
     def build(self) -> tuple[nn.Module, Any]:
         import transformers
@@ -62,9 +74,11 @@ MIXERS = [
     Mixer("jamba (Mamba)", "JambaMambaMixer", "JambaConfig"),
     Mixer("qwen3_next (Qwen3.5, OLMo-Hybrid)", "Qwen3NextGatedDeltaNet", "Qwen3NextConfig"),
     Mixer("kimi_linear (Bailing hybrid)", "KimiLinearDeltaAttention", "KimiLinearConfig"),
-    Mixer("minimax", "MiniMaxLightningAttention", "MiniMaxConfig"),
-    Mixer("recurrent_gemma", "RecurrentGemmaRecurrentBlock", "RecurrentGemmaConfig"),
+    Mixer("minimax", "MiniMaxLightningAttention", "MiniMaxConfig", nones=2),
+    Mixer("recurrent_gemma", "RecurrentGemmaRecurrentBlock", "RecurrentGemmaConfig", nones=1, positions=True),
     Mixer("xlstm (mLSTM)", "xLSTMLayer", "xLSTMConfig", layer_idx=None),
+    Mixer("rwkv (WKV and its token shift)", "RwkvSelfAttention", "RwkvConfig"),
+    Mixer("zaya (CCA convolutions, delayed values)", "ZayaCCAProjection", "ZayaConfig", nones=1, outputs=3),
 ]
 
 
@@ -97,24 +111,43 @@ def formula(module: nn.Module, sp: int) -> int:
     elif name == "xLSTMLayer":  # q, k, v and the two gates in (one stream), h out
         heads = module.config.num_heads
         forward = slots(heads)[0] * (2 * module.qk_dim // heads + 2 * module.v_dim // heads + 2)
+    elif name == "RwkvSelfAttention":  # key, value into the WKV kernel, its output back: one slot per channel
+        forward = 3 * slots(module.attention_hidden_size)[0]
+    elif name == "ZayaCCAProjection":  # q|k heads into the two convolutions and back
+        forward = 2 * slots(module.num_attention_heads + module.num_key_value_heads)[0] * module.head_dim
     else:
         raise ValueError(f"no formula for {name}")
     return 2 * forward
 
 
+def halo_formula(module: nn.Module, sp: int, tokens: int) -> float:
+    """Halo elements per token of a rank's shard, forward and backward: ``(sp + 1) k C`` per token shift (one piece
+    per shard, plain Ulysses) over the shard's ``tokens / sp`` tokens."""
+    from lightning_ulysses.hf.mixers.shift import sequence_shift_of
+
+    name = type(module).__name__
+    if name == "ZayaCCAProjection":  # the delayed half of every value head
+        shifted = module.v_proj_delayed.out_features
+    else:  # RWKV: its time_shift, on the hidden states
+        shifted = sum(module.config.hidden_size for m in module.modules() if sequence_shift_of(m))
+    return (sp + 1) * shifted / (tokens / sp)
+
+
 def attention_formula(config: Any) -> int:
-    """A softmax-attention layer of the family (of the same width, ``num_heads`` heads, where it has none: xLSTM):
-    q, k, v in, the output back, forward and backward."""
-    heads = getattr(config, "num_attention_heads", None) or config.num_heads
+    """A softmax-attention layer of the family: q, k, v in, the output back, forward and backward; for a family with
+    none, multi-head attention of the model's width (xLSTM: its ``num_heads`` heads; RWKV: ``4 C``)."""
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None)
+    if heads is None:
+        return 2 * 2 * 2 * config.hidden_size
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return 2 * 2 * (heads + kv_heads) * head_dim
 
 
 def saved_bytes(run: Any, module: nn.Module) -> tuple[Any, int]:
-    """``run()`` and the bytes of the distinct storages (weights and buffers excluded) that autograd saves for
-    backward while it builds its graph."""
-    weights = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+    """``run()`` and the bytes of the distinct storages (the layer's weights and buffers, and views of them,
+    excluded) that autograd saves for backward while it builds its graph."""
+    weights = {p.untyped_storage().data_ptr() for p in (*module.parameters(), *module.buffers())}
     storages: dict[int, int] = {}
 
     def pack(tensor: Tensor) -> Tensor:
@@ -130,19 +163,27 @@ def saved_bytes(run: Any, module: nn.Module) -> tuple[Any, int]:
 
 def worker(args: dict[str, Any]) -> list[dict[str, Any]]:
     from lightning_ulysses.attention import collectives
-    from lightning_ulysses.hf.mixers import shard_token_mixers
+    from lightning_ulysses.hf.mixers import shard_token_mixers, shift
     from lightning_ulysses.hf.patching import PatchState
 
     dist.init_process_group("gloo")
     sp, rank, tokens = dist.get_world_size(), dist.get_rank(), args["tokens"]
-    counted = [0]
-    original = collectives.all_to_all
+    counted, halo = [0], [0]
+    original, all_gather = collectives.all_to_all, shift.all_gather
 
     def counting(x: Tensor, group: Any, *rest: Any) -> Tensor:
         counted[0] += x.numel() * x.element_size()
         return original(x, group, *rest)
 
-    collectives.all_to_all = counting
+    def counting_halo(x: Tensor, group: Any, *rest: Any) -> Tensor:  # the halo's gradient, back to its owners
+        halo[0] += x.numel() * x.element_size()
+        return original(x, group, *rest)
+
+    def gathering_halo(x: Tensor, group: Any) -> Tensor:  # each piece's last tokens, to every rank
+        halo[0] += x.numel() * x.element_size()
+        return all_gather(x, group)
+
+    collectives.all_to_all, shift.all_to_all, shift.all_gather = counting, counting_halo, gathering_halo
     rows = []
     for mixer in MIXERS:
         module, config = mixer.build()
@@ -151,13 +192,11 @@ def worker(args: dict[str, Any]) -> list[dict[str, Any]]:
         whole = hidden.clone().requires_grad_()
 
         def call(x: Tensor, position_ids: Tensor) -> Tensor:
-            if mixer.module_class == "MiniMaxLightningAttention":
-                out = module(x, None, None)
-            elif mixer.module_class == "RecurrentGemmaRecurrentBlock":
-                out = module(x, position_ids, None, use_cache=False)
-            else:
-                out = module(x)
-            return out[0] if isinstance(out, tuple) else out
+            leading = (position_ids,) if mixer.positions else ()
+            extra = {"use_cache": False} if mixer.positions else {}
+            out = module(x, *leading, *[None] * mixer.nones, **extra)
+            out = out if isinstance(out, tuple) else (out,)
+            return torch.cat([o.flatten() for o in out[: mixer.outputs]])
 
         positions = torch.arange(tokens)[None]
         _, whole_saved = saved_bytes(lambda: call(whole, positions), module)  # one process, the whole sequence
@@ -166,13 +205,14 @@ def worker(args: dict[str, Any]) -> list[dict[str, Any]]:
         holder = nn.ModuleDict({"mixer": module})
         if not shard_token_mixers(holder, state):
             raise RuntimeError(f"{mixer.module_class} was not recognised as a token mixer")
-        counted[0] = 0
+        counted[0] = halo[0] = 0
         out, sharded_saved = saved_bytes(lambda: call(shard, state.position_ids), module)
         out.sum().backward()
         local_tokens = tokens // sp
         rows.append({
             "family": mixer.family, "module": mixer.module_class, "measured": counted[0] / local_tokens,
             "formula": formula(module, sp) * ELEMENT,
+            "halo": halo[0] / local_tokens, "halo_formula": halo_formula(module, sp, tokens) * ELEMENT,
             "attention": attention_formula(config) * ELEMENT,
             "saved_whole": whole_saved / tokens, "saved_sharded": sharded_saved / local_tokens,
             "saved_ratio": sharded_saved / whole_saved,
@@ -190,14 +230,16 @@ def report(rows: list[dict[str, Any]], sp: int, tokens: int) -> str:
         "forward and backward, per token of its shard; activation memory is what autograd keeps for backward, "
         "per token of the rank's shard, against one process holding the whole sequence.",
         "",
-        "| family | layer | all-to-all measured (B/token) | formula (B/token) | attention layer (B/token) | "
-        "mixer / attention | kept for backward, 1 process (B/token) | sharded (B/token) | sharded / 1 process, per rank |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| family | layer | all-to-all measured (B/token) | formula (B/token) | halo measured (B/token) | "
+        "formula (B/token) | attention layer (B/token) | mixer / attention | kept for backward, 1 process (B/token) | "
+        "sharded (B/token) | sharded / 1 process, per rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['family']} | `{r['module']}` | {r['measured']:.0f} | {r['formula']:.0f} | {r['attention']:.0f} | "
-            f"{r['measured'] / r['attention']:.2f} | {r['saved_whole']:.0f} | {r['saved_sharded']:.0f} | "
+            f"| {r['family']} | `{r['module']}` | {r['measured']:.0f} | {r['formula']:.0f} | {r['halo']:.0f} | "
+            f"{r['halo_formula']:.0f} | {r['attention']:.0f} | {(r['measured'] + r['halo']) / r['attention']:.2f} | "
+            f"{r['saved_whole']:.0f} | {r['saved_sharded']:.0f} | "
             f"{r['saved_ratio']:.3f} |"
         )
     return "\n".join(lines) + "\n"

@@ -46,13 +46,15 @@ def test_ring_benchmark_counts_the_formulas() -> None:
 
 
 def test_mixer_cost_counts_the_formula(tmp_path: Path) -> None:
-    """Every head-sharded mixer layer sends exactly the formula's all-to-all bytes and keeps half its activations per
-    rank at sp=2 (as documented in docs/hybrid-models.md)."""
+    """Every head-sharded mixer layer sends exactly the formula's all-to-all (and token-shift halo) bytes and keeps half
+    its activations per rank at sp=2 (as documented in docs/hybrid-models.md)."""
     rows = mixer_cost.main(["--sp", "2", "--tokens", "32", "--output", str(tmp_path / "cost.md")])
     assert len(rows) == len(mixer_cost.MIXERS)
     for row in rows:
         assert row["measured"] == row["formula"] > 0, row
+        assert row["halo"] == pytest.approx(row["halo_formula"]), row
         assert 0.45 < row["saved_ratio"] < 0.6, row
+    assert sum(row["halo"] > 0 for row in rows) == 2  # RWKV's token shift, ZAYA's delayed values
     assert "| `Qwen3NextGatedDeltaNet` |" in (tmp_path / "cost.md").read_text()
 
 

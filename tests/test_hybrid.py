@@ -2,14 +2,15 @@
 
 One family per sequential kernel (LFM2's short convolution, Mamba2's SSD scan, Jamba's Mamba scan, Qwen3-Next's
 gated delta rule, Kimi delta attention, MiniMax's lightning attention, RecurrentGemma's convolution + RG-LRU, xLSTM's
-mLSTM), the zoo's tiny configs (:mod:`tests.zoo_configs`), at sp=2 and sp=4, ZeRO-2 and ZeRO-3, dp=2 x sp=2, on packed
-documents whose borders fall on and inside the shard borders, on rows of one long document and many short ones (the
-kernels' token count per call is checked too), with head counts that do not divide by ``sp_size`` (inert head slots,
-groups replicated), and
+mLSTM, RWKV's WKV and token shifts, ZAYA's CCA convolutions and delayed values), the zoo's tiny configs
+(:mod:`tests.zoo_configs`), at sp=2 and sp=4, ZeRO-2 and ZeRO-3, dp=2 x sp=2, on packed documents whose borders fall
+on and inside the shard borders, on rows of one long document and many short ones (the kernels' token count per
+call is checked too), with head counts that do not divide by ``sp_size`` (inert head slots, groups replicated), and
 under Ulysses x Ring (zigzag shards: ring 2 x Ulysses 2, dp 2 x ring 2 x Ulysses 1). Each case trains two SGD steps
 with ``UlyssesStrategy`` and compares the losses (rtol 1e-5) and the update (< 1e-4) with one process running every
-document of the plain model on its own. The zoo (:mod:`tests.test_zoo`) covers every family at sp=2 and sp=4 on
-unpacked rows.
+document of the plain model on its own. Both launches also check the token shift's halo
+(:func:`~lightning_ulysses.hf.mixers.shift.shift_sequence`) against the shift of the whole rows. The zoo
+(:mod:`tests.test_zoo`) covers every family at sp=2 and sp=4 on unpacked rows.
 """
 
 from __future__ import annotations
@@ -27,14 +28,19 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesStrategy
+from lightning_ulysses.attention import Documents
+from lightning_ulysses.attention.collectives import RingLayout, set_ring_layout
 from lightning_ulysses.flops import TransformerFlops
 from lightning_ulysses.hf.mixers import KERNELS, kernels_called
 from lightning_ulysses.hf.mixers.kernels import FUSED_LAYER_KERNELS
 from lightning_ulysses.hf.mixers.mlstm import is_mlstm_backend, sharded_mlstm_forward
+from lightning_ulysses.hf.mixers.shift import shift_sequence
+from lightning_ulysses.sharding import positions_within_runs, shard_index
 from tests.launch import launch
 from tests.tiny import (
     collate, epoch_order, gathered_parameters, make_packed_samples, reference_loss, relative_update_error,
@@ -43,7 +49,8 @@ from tests.zoo import LR, ZooModule, build_model
 from tests.zoo_configs import SEQ_LEN, TinyRecipe, tiny_recipe
 
 ROWS, STEPS = 2, 2
-# name -> case: family, sp, ZeRO stage, document borders forced on even rows (random ones besides), config overrides
+# name -> case: family, sp, ZeRO stage, document borders forced on even rows (random ones besides), config overrides,
+# the attention layers where the config's layer_types do not name them
 TWO_RANKS: dict[str, dict[str, Any]] = {
     "lfm2_zero3_packed": dict(family="lfm2", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
     # as if mamba_ssm were installed: the training-only fused-layer kernel must not run on a shard
@@ -58,6 +65,15 @@ TWO_RANKS: dict[str, dict[str, Any]] = {
     "qwen3_next_zero2_skewed_packing": dict(family="qwen3_next", sp=2, stage=2, lengths=(17, 3, 3, 3, 3, 3)),
     "mamba2_zero2_skewed_packing": dict(family="mamba2", sp=2, stage=2, lengths=(2, 2, 21, 1, 3, 3)),
     "xlstm_zero3_packed": dict(family="xlstm", sp=2, stage=3, borders=(SEQ_LEN // 2, SEQ_LEN // 2 + 3)),
+    # RWKV's token shifts take the token before each shard from the previous rank; a document of one token at the
+    # shard border
+    "rwkv_zero3_packed": dict(family="rwkv", sp=2, stage=3, borders=(SEQ_LEN // 2, SEQ_LEN // 2 + 1)),
+    # ZAYA's CCA convolutions (6 heads) and its delayed values, next to its attention layers; with biases, the
+    # delayed values of each document's first token are the bias; key scales of about 1 (0.02 at initialisation:
+    # the queries and keys, which the convolutions compute, would barely matter)
+    "zaya_zero3_packed_bias": dict(family="zaya", sp=2, stage=3, borders=(SEQ_LEN // 2 - 1, SEQ_LEN // 2),
+                                   config=dict(attention_bias=True), scaled={"qk_norm.temp": 50.0},
+                                   attention_layers=2),
 }
 FOUR_RANKS: dict[str, dict[str, Any]] = {
     # 70 channels over 4 ranks: 18 channel slots per rank, 2 of them inert (and 5 attention heads, 1 key/value head)
@@ -85,6 +101,12 @@ FOUR_RANKS: dict[str, dict[str, Any]] = {
     "recurrent_gemma_ring2_ulysses2_zero2_packed_3_heads": dict(
         family="recurrent_gemma", sp=4, ring=2, stage=2, borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8),
         config=dict(num_attention_heads=3, num_key_value_heads=1, lru_width=48)),
+    # the token before each zigzag shard lies on another ring rank (shards hold columns 0-7, 24-31, 8-15, 16-23)
+    "rwkv_ring2_ulysses2_zero2_packed": dict(family="rwkv", sp=4, ring=2, stage=2,
+                                             borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8 + 1)),
+    # 6 convolution heads over 4 ranks (2 slots each, 2 inert), attention over ring 2 x Ulysses 2
+    "zaya_ring2_ulysses2_zero2_packed": dict(family="zaya", sp=4, ring=2, stage=2, borders=(SEQ_LEN // 2, 7),
+                                             scaled={"qk_norm.temp": 50.0}, attention_layers=2),
 }
 
 
@@ -153,8 +175,13 @@ def reference(case: dict[str, Any], initial: dict[str, Tensor]) -> tuple[list[li
 
 
 def initial_weights(case: dict[str, Any]) -> dict[str, Tensor]:
+    """The zoo's initial weights, those whose names end with a key of the case's ``scaled`` multiplied by its value."""
     model, _ = build_model(recipe_of(case))
-    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+    scaled = case.get("scaled", {})
+    return {
+        name: value.detach() * next((factor for key, factor in scaled.items() if name.endswith(key)), 1.0)
+        for name, value in model.state_dict().items()
+    }
 
 
 def _fused_layer_kernel(*args: Any, **kwargs: Any) -> Tensor:
@@ -238,7 +265,56 @@ def train_worker(args: dict[str, Any]) -> dict[str, Any]:
             "dp_rank": strategy.dp_rank, "ring_size": strategy.ring_size,
             "kernel_tokens": [call for call in counter.calls if call is not None],
         }
+    results["shift_errors"] = shift_errors(world_size)
     return results
+
+
+SHIFT_RING_SIZES = {2: (1, 2), 4: (1, 2, 4)}
+"""The layouts of :func:`shift_errors` per world size: Ulysses, and Ulysses x Ring with one or two zigzag chunks per
+shard."""
+
+
+def shift_errors(world_size: int) -> dict[str, float]:
+    """:func:`~lightning_ulysses.hf.mixers.shift.shift_sequence` on the shards of ``[2, 8 P, 3]`` rows of packed
+    documents (a one-token document on the first shard border) against the shift of the whole rows: the largest
+    absolute error of the output, of the input's gradient and of the fill's gradient, per ring size and shift."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    group, rank = dist.group.WORLD, dist.get_rank()
+    seq_len = 8 * world_size
+    starts = torch.zeros(2, seq_len, dtype=torch.bool)
+    starts[:, 0] = starts[0, [seq_len // world_size, seq_len // world_size + 1, 5]] = starts[1, [3, seq_len - 2]] = True
+    documents = Documents.from_position_ids(positions_within_runs(starts))
+    generator = torch.Generator().manual_seed(0)
+    x, weight = (torch.randn(2, seq_len, 3, generator=generator) for _ in range(2))
+    errors = {}
+    for ring_size in SHIFT_RING_SIZES[world_size]:
+        for shift in (1, 2):
+            fill = torch.randn(3, generator=generator)
+            whole = x.clone().requires_grad_()
+            whole_fill = fill.clone().requires_grad_()
+            source = torch.arange(seq_len) - shift
+            same = (source >= 0) & (documents.document_ids == documents.document_ids[:, source.clamp(min=0)])
+            expected = torch.where(same[..., None], whole[:, source.clamp(min=0)], whole_fill)
+            (expected * weight).sum().backward()
+
+            columns = shard_index(seq_len, rank, world_size, ring_size)
+            local = x[:, columns].clone().requires_grad_()
+            local_fill = fill.clone().requires_grad_()
+            set_ring_layout(group, RingLayout(ring_size, group, group) if ring_size > 1 else None)
+            try:
+                shifted = shift_sequence(local, shift, group, documents, local_fill)
+                (shifted * weight[:, columns]).sum().backward()
+            finally:
+                set_ring_layout(group, None)
+            fill_grad = local_fill.grad.clone()
+            dist.all_reduce(fill_grad, group=group)
+            errors[f"ring {ring_size}, shift {shift}"] = max(
+                (shifted - expected[:, columns]).abs().max().item(),
+                (local.grad - whole.grad[:, columns]).abs().max().item(),
+                (fill_grad - whole_fill.grad).abs().max().item(),
+            )
+    return errors
 
 
 def _run(cases: dict[str, dict[str, Any]], world_size: int) -> list[dict[str, Any]]:
@@ -265,12 +341,23 @@ def _check(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> No
     for rank, result in enumerate(results):
         got = result[name]
         assert got["sharded_mixers"] > 0, f"{name}: no token mixer ran head-sharded"
-        assert got["flop_attention_layers"] == attention_layers(recipe_of(case)), "FLOPs count mixers as attention"
+        expected_layers = case.get("attention_layers", attention_layers(recipe_of(case)))
+        assert got["flop_attention_layers"] == expected_layers, "FLOPs count mixers as attention"
         assert got["ring_size"] == case.get("ring", 1)
         expected = expected_losses[got["dp_rank"]]
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected), rtol=1e-5, atol=0)
         error = relative_update_error(initial, weights, got["params"])
         assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
+
+
+@pytest.mark.parametrize("ranks", ["two_rank_results", "four_rank_results"])
+def test_token_shift_takes_the_tokens_before_each_shard(request: pytest.FixtureRequest, ranks: str) -> None:
+    """The halo of a token shift comes from the rank holding it, zigzag shards included, and no token reads across
+    a document start; gradients go back to the owners."""
+    for rank, result in enumerate(request.getfixturevalue(ranks)):
+        errors = result["shift_errors"]
+        assert len(errors) == 2 * len(SHIFT_RING_SIZES[len(request.getfixturevalue(ranks))]), errors
+        assert max(errors.values()) < 1e-6, f"rank {rank}: {errors}"
 
 
 @pytest.mark.parametrize("name", TWO_RANKS)

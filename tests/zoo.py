@@ -86,7 +86,7 @@ class ZooEntry:
 SHARDED_MIXER_FAMILIES = [
     "bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear", "lara_mini",
     "lfm2", "lfm2_moe", "lfm3", "mamba", "mamba2", "minimax", "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
-    "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma", "xlstm", "zamba", "zamba2",
+    "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2", "zaya",
 ]
 VARIANT_ENTRIES = [("llama", "rope=dynamic"), ("phi3", "rope=longrope")]
 # entries that check the harness: families known to match must PASS, a wrong SP loss must FAIL

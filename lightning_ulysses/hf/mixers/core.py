@@ -106,8 +106,7 @@ class ShardedCore:
         """This rank's slots of a per-head (or per-group) parameter ``[H or G, ...]``, inert copies included: a view
         of it when they are consecutive heads (no copy of the weight for autograd to keep)."""
         per_rank = len(self._slots(grouped)) // dist.get_world_size(self.group)
-        first = self.rank * per_rank
-        slots = self._slots(grouped)[first : first + per_rank]
-        if slots == tuple(range(slots[0], slots[0] + per_rank)):
+        slots = self._slots(grouped)[self.rank * per_rank : (self.rank + 1) * per_rank]
+        if slots == tuple(range(slots[0], slots[0] + per_rank)):  # a view: the kernel's backward keeps no weight copy
             return per_head.narrow(0, slots[0], per_rank)
         return select_heads(per_head, slots, dim=0)

@@ -5,7 +5,10 @@ kernels of :data:`~lightning_ulysses.hf.mixers.kernels.KERNELS` in its modeling 
 under sequence parallelism, the kernel names in its modeling module point at their sharded forms, and back
 afterwards; everything else in its forward (projections, gates, norms) runs unchanged on this rank's tokens. A layer
 built like lightning attention, which has no kernel function, runs :mod:`.lightning`'s head-sharded forward, and an
-mLSTM backend (xLSTM), which holds its kernels rather than calling them by name, :mod:`.mlstm`'s. The
+mLSTM backend (xLSTM), which holds its kernels rather than calling them by name, :mod:`.mlstm`'s; Griffin's
+recurrent block :mod:`.rglru`'s; a token shift by constant padding (RWKV's ``time_shift``) takes its halo from the
+previous rank (:mod:`.shift`); ZAYA's CCA projection runs its convolutions head-sharded and its delayed values
+shifted (:mod:`.cca`). The
 set-up check then compares the model with the plain one on the whole sequence: a mixer the kernels do not make
 exact (a mixing step of its own outside them) is found and refused, or gathered with ``sequence_mixers="gather"``.
 """
@@ -21,10 +24,12 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from lightning_ulysses.attention import Documents, documents_of
+from lightning_ulysses.hf.mixers.cca import is_cca_projection, sharded_cca_forward
 from lightning_ulysses.hf.mixers.kernels import FUSED_LAYER_KERNELS, KERNELS, sharded_kernel
 from lightning_ulysses.hf.mixers.lightning import is_lightning_attention, sharded_lightning_forward
 from lightning_ulysses.hf.mixers.mlstm import is_mlstm_backend, sharded_mlstm_forward
 from lightning_ulysses.hf.mixers.rglru import is_recurrent_block, sharded_recurrent_forward
+from lightning_ulysses.hf.mixers.shift import sequence_shift_of, sharded_shift_forward
 
 if TYPE_CHECKING:
     from lightning_ulysses.hf.patching import PatchState
@@ -47,8 +52,9 @@ def kernels_called(module: nn.Module) -> dict[str, Any]:
 def shard_token_mixers(model: nn.Module, state: PatchState) -> list[str]:
     """Run the sequential kernels of every token mixer inside ``model`` on this rank's heads over the whole sequence
     (see the module docstring), and lightning attention and Griffin's recurrent block (:mod:`.lightning`,
-    :mod:`.rglru`, computed inline by their layers) and mLSTM backends (:mod:`.mlstm`) likewise; the names of the
-    modules changed. Idempotent."""
+    :mod:`.rglru`, computed inline by their layers), mLSTM backends (:mod:`.mlstm`) and ZAYA's CCA projection
+    (:mod:`.cca`) likewise; token shifts take their halo (:mod:`.shift`); the names of the modules changed.
+    Idempotent."""
     names = []
     for name, module in model.named_modules():
         if "_ulysses_mixer_forward" in module.__dict__:
@@ -68,6 +74,14 @@ def shard_token_mixers(model: nn.Module, state: PatchState) -> list[str]:
             module.forward = _while_sharded(
                 module, state, sharded_recurrent_forward(module, lambda: state.group, _documents(state))
             )
+        elif is_cca_projection(module):
+            module.forward = _while_sharded(
+                module, state, sharded_cca_forward(module, lambda: state.group, _documents(state))
+            )
+        elif sequence_shift_of(module) is not None:
+            module.forward = _while_sharded(module, state, sharded_shift_forward(
+                module, lambda: state.group, _documents(state), lambda: _local_tokens(state)
+            ))
         else:
             continue
         module._ulysses_mixer_forward = True
@@ -83,7 +97,7 @@ def register_mixer_weights_for_zero3(model: nn.Module) -> None:
     from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
     for module in model.modules():
-        if kernels_called(module) or is_recurrent_block(module):
+        if kernels_called(module) or is_recurrent_block(module) or is_cca_projection(module):
             for child in module.children():
                 for parameter in child.parameters():
                     register_external_parameter(module, parameter)
@@ -99,6 +113,11 @@ def remove_sharded_mixers(model: nn.Module) -> None:
 def _documents(state: PatchState) -> Callable[[], Documents | None]:
     """The documents of the whole rows of the current batch, at call time."""
     return lambda: None if state.position_ids is None else documents_of(state.position_ids, state.group)
+
+
+def _local_tokens(state: PatchState) -> int | None:
+    """This rank's tokens per row in the current batch."""
+    return None if state.position_ids is None else state.position_ids.shape[-1]
 
 
 def _sharded_forward(module: nn.Module, kernels: dict[str, Any], state: PatchState) -> Any:

@@ -2,7 +2,8 @@
 
 transformers (5.x) calls every token mixer's sequential part through a few module-level kernel functions, each
 a hub kernel with a torch fallback (``causal_conv1d_fn``, ``mamba2_chunk_scan``, ``mamba_selective_scan``,
-``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``); the projections, gates and norms around them act per token. A
+``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``, RWKV's ``rwkv_linear_attention``); the
+projections, gates and norms around them act per token. A
 :class:`KernelSpec` says, for one such function, where its per-token streams keep their heads, which inputs are
 shared by groups of heads and which are per-head weights; :func:`sharded_kernel` turns the function into one that
 takes this rank's sequence shard and runs the original on the whole sequence for this rank's heads
@@ -85,6 +86,11 @@ KERNELS: dict[str, KernelSpec] = {
     "chunk_kimi_delta_attention": KernelSpec(
         heads={"query": "BNHD", "key": "BNHD", "value": "BNHD", "g": "BNHD", "beta": "BNH"}, output="BNHD",
         head_count=("value", 2), no_state=("initial_state", "output_final_state"), returns_state=True,
+    ),
+    # RWKV's WKV: key, value [B, N, C], one decay and one bonus per channel (time_decay, time_first [C])
+    "rwkv_linear_attention": KernelSpec(
+        heads={"key": "BNH", "value": "BNH"}, output="BNH", head_count=("key", 2),
+        weights=("time_decay", "time_first"), no_state=("state", "return_state"), returns_state=True,
     ),
 }
 
