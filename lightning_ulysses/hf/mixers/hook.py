@@ -35,6 +35,16 @@ if TYPE_CHECKING:
     from lightning_ulysses.hf.patching import PatchState
 
 
+LAYER_FORMS: tuple[tuple[Callable[[nn.Module], bool], Callable[..., Callable[..., Any]]], ...] = (
+    (is_lightning_attention, sharded_lightning_forward),
+    (is_mlstm_backend, sharded_mlstm_forward),
+    (is_recurrent_block, sharded_recurrent_forward),
+    (is_cca_projection, sharded_cca_forward),
+)
+"""Layers that compute their sequential part inline (no kernel function to swap), each recognised by its structure,
+and the head-sharded forward that replaces theirs: ``build(module, group, documents)``."""
+
+
 def kernels_called(module: nn.Module) -> dict[str, Any]:
     """The sequential kernels (name -> function) that ``module``'s forward calls from its modeling module, the fused
     whole-layer kernels among them (:data:`~lightning_ulysses.hf.mixers.kernels.FUSED_LAYER_KERNELS`) when it calls
@@ -62,22 +72,8 @@ def shard_token_mixers(model: nn.Module, state: PatchState) -> list[str]:
         kernels = kernels_called(module)
         if kernels:
             module.forward = _sharded_forward(module, kernels, state)
-        elif is_lightning_attention(module):
-            module.forward = _while_sharded(
-                module, state, sharded_lightning_forward(module, lambda: state.group, _documents(state))
-            )
-        elif is_mlstm_backend(module):
-            module.forward = _while_sharded(
-                module, state, sharded_mlstm_forward(module, lambda: state.group, _documents(state))
-            )
-        elif is_recurrent_block(module):
-            module.forward = _while_sharded(
-                module, state, sharded_recurrent_forward(module, lambda: state.group, _documents(state))
-            )
-        elif is_cca_projection(module):
-            module.forward = _while_sharded(
-                module, state, sharded_cca_forward(module, lambda: state.group, _documents(state))
-            )
+        elif (form := next((build for recognise, build in LAYER_FORMS if recognise(module)), None)) is not None:
+            module.forward = _while_sharded(module, state, form(module, lambda: state.group, _documents(state)))
         elif sequence_shift_of(module) is not None:
             module.forward = _while_sharded(module, state, sharded_shift_forward(
                 module, lambda: state.group, _documents(state), lambda: _local_tokens(state)
