@@ -339,6 +339,23 @@ def test_the_block_kernels_of_the_device_pass_their_set_up_check(device: str) ->
         assert check_block_kernels(torch.device(device), dtype) == [], dtype
 
 
+def test_cuda_block_kernel_calls_are_well_formed() -> None:
+    """The CUDA path's calls of torch's memory-efficient kernels on meta tensors (no GPU): the arguments fit the
+    kernels' schemas (a masked block's bias included) and our side of the plumbing returns the block layouts (the
+    log-sum-exp cut from the kernel's 32-padded one, the GQA gradients summed back per K/V head), for every kind, 40
+    queries against 24 keys (causal: 40 against 40). The meta kernels check neither the head counts nor the
+    log-sum-exp layout they are given: only the set-up check on a GPU (above) does."""
+    meta = torch.device("meta")
+    for kind, keys in (("full", 24), ("causal", 40), ("masked", 24)):
+        q, grad = torch.empty(2, 6, 40, 64, device=meta), torch.empty(2, 6, 40, 64, device=meta)
+        k, v = torch.empty(2, 3, keys, 64, device=meta), torch.empty(2, 3, keys, 64, device=meta)
+        mask = torch.ones(1, 40, keys, dtype=torch.bool, device=meta) if kind == "masked" else None
+        out, lse = ring_blocks._cuda_forward(q, k, v, kind, mask, 0.125)
+        assert out.shape == (2, 6, 40, 64) and lse.shape == (2, 6, 40), kind
+        dq, dk, dv = ring_blocks._cuda_backward(grad, q, k, v, out, lse, kind, mask, 0.125)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape, kind
+
+
 def test_inexact_block_kernels_are_refused_at_set_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel off anywhere (a doubled dK, a causal block run full, a wrong scale) fails the set-up check, and the
     strategy refuses the ring on that device, naming what differs and ring_size=1."""
