@@ -53,7 +53,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ulysses.attention import gather_sequence, resolve_attn_implementation
-from lightning_ulysses.attention.collectives import RingLayout, set_ring_layout
+from lightning_ulysses.attention.collectives import RingLayout, gather_from_ranks, set_ring_layout
 from lightning_ulysses.attention.ring_blocks import check_block_kernels
 from lightning_ulysses.checkpoint import (
     UNIVERSAL_LATEST, check_resumable, is_universal_checkpoint, load_untrained_state, repair_zero3_universal_load,
@@ -387,10 +387,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         ``torch.distributed.nn.functional.all_gather``, which torch deprecates with a warning on every call."""
         if sync_grads or not dist.is_initialized():
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-        tensor = tensor.detach().contiguous()
-        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, tensor, group=group)
-        return torch.stack(gathered)
+        return torch.stack(gather_from_ranks(tensor.detach(), group))
 
     def gather_sequence(self, local: Tensor) -> Tensor:
         """``[B, N/sp, ...]`` per-token outputs of this rank -> ``[B, N, ...]`` in sequence order (the zigzag of a ring

@@ -76,15 +76,21 @@ def ring_layout(group: ProcessGroup | None) -> RingLayout | None:
     return None if group is None else _RING_LAYOUTS.get(group)
 
 
+def gather_from_ranks(x: Tensor, group: ProcessGroup | None) -> list[Tensor]:
+    """``x`` of every rank of ``group`` (``None``: the default group), in rank order. Not differentiable."""
+    x = x.contiguous()
+    gathered = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, x, group=group)
+    return gathered
+
+
 def gather_sequence(local: Tensor, group: ProcessGroup | None) -> Tensor:
     """``[B, N/P, ...]`` shards of ``group`` -> ``[B, N, ...]`` in sequence order on every rank of it
     (the inverse of :func:`~lightning_ulysses.shard_batch` for one tensor, zigzag order included; not
     differentiable)."""
     if group is None or dist.get_world_size(group) == 1:
         return local
-    shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(shards, local.contiguous(), group=group)
-    return to_sequence_order(torch.cat(shards, dim=1), group)
+    return to_sequence_order(torch.cat(gather_from_ranks(local, group), dim=1), group)
 
 
 def to_sequence_order(x: Tensor, group: ProcessGroup | None, dim: int = 1) -> Tensor:

@@ -42,7 +42,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_ulysses.attention import Documents, documents_of, heads_to_sequence, sequence_to_heads
-from lightning_ulysses.attention.collectives import to_sequence_order, to_shard_order
+from lightning_ulysses.attention.collectives import gather_from_ranks, to_sequence_order, to_shard_order
 from lightning_ulysses.attention.sdpa import PackedPlan, packed_plan, run_packed
 from lightning_ulysses.heads import HeadLayout, plan_heads, select_heads
 
@@ -98,8 +98,7 @@ class ShardedCore:
     def gather_state(self, state: Tensor) -> Tensor:
         """A per-head recurrent state of this rank's slots ``[B, h, ...]`` -> ``[B, H, ...]``, every head's, detached
         (for a layer that returns its final state next to its output)."""
-        states = [torch.empty_like(state) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(states, state.detach().contiguous(), group=self.group)
+        states = gather_from_ranks(state.detach(), self.group)
         return select_heads(torch.cat(states, dim=1), self.layout.output_slots, dim=1)
 
     def local(self, per_head: Tensor, grouped: bool = False) -> Tensor:

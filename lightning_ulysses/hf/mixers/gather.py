@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from lightning_ulysses.attention.collectives import ring_layout, to_sequence_order, to_shard_order
+from lightning_ulysses.attention.collectives import gather_from_ranks, ring_layout, to_sequence_order, to_shard_order
 from lightning_ulysses.hf.patching import PatchState
 
 
@@ -49,9 +49,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
         ctx.group, ctx.dim = group, dim
-        shards = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(shards, x.contiguous(), group=group)
-        return to_sequence_order(torch.cat(shards, dim=dim), group, dim)
+        return to_sequence_order(torch.cat(gather_from_ranks(x, group), dim=dim), group, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:

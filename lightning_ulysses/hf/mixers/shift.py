@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from lightning_ulysses.attention import Documents
-from lightning_ulysses.attention.collectives import all_to_all, ring_layout
+from lightning_ulysses.attention.collectives import all_to_all, gather_from_ranks, ring_layout
 from lightning_ulysses.sharding import zigzag_order
 
 Piece = tuple[int, int, int]
@@ -67,11 +67,9 @@ def shard_pieces(seq_len: int, sp_size: int, ring_size: int) -> tuple[tuple[Piec
 
 
 def all_gather(x: Tensor, group: ProcessGroup) -> Tensor:
-    """``x`` of every rank of ``group``, stacked in rank order: ``[P, *x.shape]``. Not differentiable."""
-    x = x.contiguous()
-    gathered = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, x, group=group)
-    return torch.stack(gathered)
+    """``x`` of every rank of ``group``, stacked in rank order: ``[P, *x.shape]``. Not differentiable. (A name of this
+    module's own, which ``benchmarks.mixer_cost`` counts.)"""
+    return torch.stack(gather_from_ranks(x, group))
 
 
 class _GatherTails(torch.autograd.Function):
