@@ -76,7 +76,9 @@ def sampler_over_dp_ranks(loader: Any, topology: SequenceParallelTopology, loade
         seed=sampler.seed, drop_last=sampler.drop_last,
     )
     over_dp.set_epoch(sampler.epoch)
-    batch_sampler.sampler = over_dp  # read at every iteration and by len(); Lightning sets the epoch of both
+    # the batch sampler's is read at every iteration and by len(); DataLoader.sampler cannot be reassigned and keeps
+    # the old one, whose epoch Lightning sets along with this one's
+    batch_sampler.sampler = over_dp
     rank_zero_info(
         f"lightning-ulysses: the {loader_name}'s DistributedSampler runs over all {topology.world_size} ranks, which "
         f"would give the {topology.sp_size} ranks of each SP group different rows; it now runs over the "
