@@ -227,6 +227,8 @@ def test_bad_configs_are_refused_before_any_process_starts(
     assert "data.batch_size=0" in line and "--data.batch_size 1" in line
     line = refusal(capsys, monkeypatch, *quickstart, "--ckpt_path", "no/such/checkpoint")
     assert "ckpt_path='no/such/checkpoint' does not exist" in line
+    line = refusal(capsys, monkeypatch, *quickstart, "--ckpt_path", "configs/quickstart.yaml")  # a file, not a checkpoint
+    assert "ckpt_path='configs/quickstart.yaml': not a checkpoint" in line and "weights_only" not in line
     line = refusal(capsys, monkeypatch, "test", "--config", str(REPO_ROOT / "configs/quickstart.yaml"),
                    "--data", "tests.test_cli.TrainOnlyData")
     assert "TrainOnlyData has no test_dataloader(), so it has no split for test" in line

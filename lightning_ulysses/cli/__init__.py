@@ -25,7 +25,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelSummary, ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
 
-from lightning_ulysses.cli.checks import ConfigError, check_config, run_folder_of
+from lightning_ulysses.cli.checks import ConfigError, check_checkpoint_file, check_config, run_folder_of
 from lightning_ulysses.cli.commands import COMMANDS, command_parser, run_command
 from lightning_ulysses.cli.summary import ModelSummaryWithoutFlops
 from lightning_ulysses.prediction import PredictionWriter
@@ -74,6 +74,13 @@ class UlyssesCLI(LightningCLI):
         super()._add_subcommands(parser, **kwargs)
         for name, function in COMMANDS.items():  # listed in --help; main() runs them without LightningCLI
             parser._subcommands_action.add_subcommand(name, command_parser(name, function), help=function.__doc__.splitlines()[0])
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning unpickles a file ``ckpt_path`` here for its hyperparameters, before any check: a file that is
+        no checkpoint is refused first, in one line."""
+        if self.config.get("subcommand"):
+            check_checkpoint_file(self.config[self.config.subcommand].get("ckpt_path"))
+        super()._parse_ckpt_path()
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
