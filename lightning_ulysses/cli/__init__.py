@@ -85,6 +85,7 @@ class UlyssesCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_config(self.subcommand, config)
+        _keep_last_checkpoint_current(config.trainer)
         if self.subcommand in ("validate", "test", "predict"):
             _log_into_the_run(config, self.subcommand)
 
@@ -103,6 +104,16 @@ class UlyssesCLI(LightningCLI):
     def before_predict(self) -> None:
         if not any(isinstance(callback, PredictionWriter) for callback in self.trainer.callbacks):
             self.trainer.callbacks.append(PredictionWriter())
+
+
+def _keep_last_checkpoint_current(trainer: Any) -> None:
+    """Lightning's ``ModelCheckpoint`` named in a config runs as :class:`lightning_ulysses.ModelCheckpoint` (the same
+    arguments), whose ``last.ckpt`` is always the latest step (Lightning's keeps an older one when a validation is not
+    the best)."""
+    callbacks = trainer.get("callbacks") or []
+    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+        if getattr(callback, "class_path", None) == "lightning.pytorch.callbacks.ModelCheckpoint":
+            callback.class_path = "lightning_ulysses.ModelCheckpoint"
 
 
 def _log_into_the_run(config: Any, command: str) -> None:
