@@ -363,6 +363,27 @@ def assert_export_equals_the_run(exported: Path, run: Path, val_loss: float) -> 
         from transformers import AutoTokenizer
 
         assert AutoTokenizer.from_pretrained(exported)("def f():")["input_ids"] == data.tokenizer("def f():")["input_ids"]
+    assert_generation_stops_at(exported, data.tokenizer.eos_token_id)  # ByT5's </s>, 1
+
+
+def assert_generation_stops_at(exported: Path, end_token_id: int) -> None:
+    """The exported folder as transformers loads it: the special ids of its config are its tokenizer's, and
+    ``generate`` stops at the end token (forced as the third new token, after two others: a model trained for a
+    few steps seldom writes it by itself)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(exported), AutoTokenizer.from_pretrained(exported)
+    special = ("bos_token_id", "eos_token_id", "pad_token_id")
+    assert [getattr(model.config, key) for key in special] == [getattr(tokenizer, key) for key in special]
+    prompt = tokenizer("2+2=", add_special_tokens=False, return_tensors="pt")
+    start = prompt["input_ids"].shape[1]
+    others = [i for i in range(len(tokenizer)) if i != end_token_id]
+
+    def allowed(batch_id: int, ids: torch.Tensor) -> list[int]:
+        return [end_token_id] if len(ids) >= start + 2 else others
+
+    out = model.generate(**prompt, max_new_tokens=10, do_sample=False, prefix_allowed_tokens_fn=allowed)
+    assert out[0, start:].tolist()[-1] == end_token_id and out.shape[1] == start + 3, out[0, start:].tolist()
 
 
 def test_sft_export_holds_what_the_dpo_quickstart_loads(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
@@ -385,6 +406,7 @@ def test_sft_export_holds_what_the_dpo_quickstart_loads(capsys: pytest.CaptureFi
     assert dpo["model"]["init_args"]["model"] == dpo["data"]["init_args"]["tokenizer"] == "runs/sft_model"
     module = CausalLM(model=str(exported), pretrained=True, vocab_size=len(sft.tokenizer))
     module.configure_model()  # refuses a folder that lacks or mismatches any weight
+    assert_generation_stops_at(exported, sft.tokenizer.convert_tokens_to_ids("<|im_end|>"))  # the chat's end, 256
 
 
 def test_ctrl_c_saves_a_checkpoint_that_the_printed_command_resumes(tmp_path: Path) -> None:
