@@ -290,30 +290,56 @@ def test_quickstart_commands_as_documented(
     check_integrity(checkpoint)  # a committed DeepSpeed checkpoint, every file whole
 
     # the README's resume, with a larger max_steps: the learning rate continues the schedule saved in the checkpoint
-    # (which ended at step 8: its final rate), and the run says so. Rebuilt for 10 steps it would be 4.6e-4 at step 8.
+    # (which ended at step 8: its final rate), and the run says so. Rebuilt for 12 steps it would be 6.6e-4 at step 8.
     resumed_run = run_cli("fit", "--config", str(run / "config.yaml"), "--ckpt_path", str(checkpoint),
-                          "--trainer.max_steps", "10")
+                          "--trainer.max_steps", "12")
+    # it writes a new run folder and says which, at its start and its end; the README sets R to it
+    said = re.findall(r"^.*Run folder (\S+): (.*)$", resumed_run.stdout + resumed_run.stderr, re.MULTILINE)
+    assert len(said) == 2, said
     resumed = tmp_path / "runs" / "quickstart" / "version_1"
-    assert [step for step, _ in logged(resumed, "train_loss")] == [8, 9], "the resumed run did not continue at step 8"
+    assert [Path(folder) for folder, _ in said] == [resumed, resumed]
+    assert said[0][1] == f"config.yaml, metrics.csv; checkpoints in {resumed / 'checkpoints'}"
+    assert said[1][1] == f"ended at global step 12; latest checkpoint {resumed / 'checkpoints' / 'last.ckpt'}"
+    assert [step for step, _ in logged(resumed, "train_loss")] == [8, 9, 10, 11], "the resumed run did not continue at step 8"
     lrs = [lr for _, lr in logged(resumed, "lr-AdamW/pg1")]
-    assert lrs == pytest.approx([0.002 * 0.1] * 2, rel=1e-6), lrs
-    assert "decays over 8 optimizer steps; this run ends at step 10" in resumed_run.stderr
-    assert "--model.lr_schedule_steps 10" in resumed_run.stderr
-    assert "step 10/10" in resumed_run.stdout
+    assert lrs == pytest.approx([0.002 * 0.1] * 4, rel=1e-6), lrs
+    assert "decays over 8 optimizer steps; this run ends at step 12" in resumed_run.stderr
+    assert "--model.lr_schedule_steps 12" in resumed_run.stderr
+    assert "step 12/12" in resumed_run.stdout
+    R, checkpoint = resumed, resumed / "checkpoints" / "last.ckpt"  # R=runs/quickstart/version_1
+    (_, resumed_val_loss), = logged(R, "val_loss")  # at step 12
+
+    # validate and predict from the resumed run's checkpoint write into its folder, not a new version_N
+    run_cli("validate", "--config", str(R / "config.yaml"), "--ckpt_path", str(checkpoint))
+    (_, validated), = logged(R / "validate", "val_loss")
+    assert validated == pytest.approx(resumed_val_loss, rel=1e-5)  # the step-12 validation, on the same weights
+    predicted = run_cli("predict", "--config", str(R / "config.yaml"), "--ckpt_path", str(checkpoint))
+    predictions = torch.load(R / "predict" / "predictions.pt")
+    assert f"to {R / 'predict' / 'predictions.pt'}" in predicted.stdout
+    first = predictions["predictions"][0]
+    assert first["token_log_probs"].shape == first["input_ids"].shape == (4, 256)
+    assert (first["token_log_probs"][:, :-1] < 0).all()  # every next token scored
+
+    # export: a from_pretrained folder of step 12, whose validation loss on one process without this package is the run's
+    exported = tmp_path / "model"
+    main(["export", str(R), str(exported)])
+    assert f"Wrote {exported}: the model of {checkpoint} (global step 12)" in capsys.readouterr().out
+    assert_export_equals_the_run(exported, R, validated)
 
     # the 2-process checkpoint, converted, resumes on 1 process (tied embeddings, AdamW)
-    universal = run / "checkpoints" / "last-universal"
+    universal = R / "checkpoints" / "last-universal"
     main(["convert-checkpoint", str(checkpoint), str(universal)])
-    assert f"Wrote {universal}: a universal copy of {checkpoint} (global step 8" in capsys.readouterr().out
+    assert f"Wrote {universal}: a universal copy of {checkpoint} (global step 12" in capsys.readouterr().out
     one_process = ["--trainer.devices", "1", "--trainer.strategy.init_args.sp_size", "1"]
-    line = refusal(capsys, monkeypatch, "fit", "--config", str(run / "config.yaml"), "--ckpt_path", str(universal),
+    line = refusal(capsys, monkeypatch, "fit", "--config", str(R / "config.yaml"), "--ckpt_path", str(universal),
                    *one_process)  # the saved config's max_steps is reached: it says so and how to go on
-    assert "saved at global step 8 and trainer.max_steps=8: nothing is left to train" in line
-    assert "--trainer.max_steps 16" in line
-    run_cli("fit", "--config", str(run / "config.yaml"), "--ckpt_path", str(universal), *one_process,
-            "--trainer.max_steps", "10")
+    assert "saved at global step 12 and trainer.max_steps=12: nothing is left to train" in line
+    assert "--trainer.max_steps 24" in line
+    run_cli("fit", "--config", str(R / "config.yaml"), "--ckpt_path", str(universal), *one_process,
+            "--trainer.max_steps", "14")
     steps = [step for step, _ in logged(tmp_path / "runs" / "quickstart" / "version_2", "train_loss")]
-    assert steps == [8, 9], f"the converted checkpoint did not continue at step 8 on one process: {steps}"
+    assert steps == [12, 13], f"the converted checkpoint did not continue at step 12 on one process: {steps}"
+    assert sorted(path.name for path in (tmp_path / "runs" / "quickstart").iterdir()) == ["version_0", "version_1", "version_2"]
 
     # a damaged shard is refused before any process starts, naming the file
     damaged = tmp_path / "damaged.ckpt"
@@ -321,27 +347,9 @@ def test_quickstart_commands_as_documented(
     shard = next(damaged.glob("*/zero_pp_rank_1_mp_rank_00_optim_states.pt"))
     with open(shard, "r+b") as file:
         file.truncate(shard.stat().st_size // 2)
-    line = refusal(capsys, monkeypatch, "fit", "--config", str(run / "config.yaml"), "--ckpt_path", str(damaged),
-                   "--trainer.max_steps", "10")
+    line = refusal(capsys, monkeypatch, "fit", "--config", str(R / "config.yaml"), "--ckpt_path", str(damaged),
+                   "--trainer.max_steps", "14")
     assert f"{shard}: truncated" in line
-
-    # validate and predict from the checkpoint write into the run's folder, not a new version_N
-    run_cli("validate", "--config", str(run / "config.yaml"), "--ckpt_path", str(checkpoint))
-    (_, validated), = logged(run / "validate", "val_loss")
-    assert validated == pytest.approx(val_losses[-1], rel=1e-5)  # the run's last validation, on the same weights
-    predicted = run_cli("predict", "--config", str(run / "config.yaml"), "--ckpt_path", str(checkpoint))
-    predictions = torch.load(run / "predict" / "predictions.pt")
-    assert f"to {run / 'predict' / 'predictions.pt'}" in predicted.stdout
-    first = predictions["predictions"][0]
-    assert first["token_log_probs"].shape == first["input_ids"].shape == (4, 256)
-    assert (first["token_log_probs"][:, :-1] < 0).all()  # every next token scored
-    assert sorted(path.name for path in (tmp_path / "runs" / "quickstart").iterdir()) == ["version_0", "version_1", "version_2"]
-
-    # export: a from_pretrained folder whose validation loss, on one process without this package, is the run's
-    exported = tmp_path / "model"
-    main(["export", str(run), str(exported)])
-    assert f"Wrote {exported}" in capsys.readouterr().out
-    assert_export_equals_the_run(exported, run, validated)
 
 
 def assert_export_equals_the_run(exported: Path, run: Path, val_loss: float) -> None:

@@ -27,6 +27,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 
 from lightning_ulysses.cli.checks import ConfigError, check_checkpoint_file, check_config, run_folder_of
 from lightning_ulysses.cli.commands import COMMANDS, command_parser, run_command
+from lightning_ulysses.cli.run_folder import RunFolderReport
 from lightning_ulysses.cli.summary import ModelSummaryWithoutFlops
 from lightning_ulysses.prediction import PredictionWriter
 from lightning_ulysses.progress import progress_bar
@@ -91,7 +92,8 @@ class UlyssesCLI(LightningCLI):
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
         """The Trainer, with the progress bar of :func:`~lightning_ulysses.progress.progress_bar` and the model summary
-        of :mod:`~lightning_ulysses.cli.summary`, unless the config disables them or names its own."""
+        of :mod:`~lightning_ulysses.cli.summary`, unless the config disables them or names its own, and the lines that say
+        where a fit writes (:class:`~lightning_ulysses.cli.run_folder.RunFolderReport`)."""
         configured = config.get("callbacks") or []
         configured = [*(configured if isinstance(configured, list) else [configured]), *callbacks]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in configured):
@@ -99,7 +101,7 @@ class UlyssesCLI(LightningCLI):
         if config.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in configured):
             callbacks = [*callbacks, ModelSummaryWithoutFlops()]
             config["enable_model_summary"] = False  # else Lightning announces that it skips its own summary
-        return super()._instantiate_trainer(config, callbacks)
+        return super()._instantiate_trainer(config, [*callbacks, RunFolderReport()])
 
     def before_predict(self) -> None:
         if not any(isinstance(callback, PredictionWriter) for callback in self.trainer.callbacks):
