@@ -3,9 +3,10 @@ docs/ run as written.
 
 The quickstart test runs the README's commands in order, exactly as a user does (Lightning starts the second
 process itself by re-running the command), shrunk on the command line: ``--print_config > my.yaml`` and ``fit
---config my.yaml``; the resume with a larger ``max_steps`` (the learning rate continues the saved schedule); the
-conversion and the one-process resume; ``validate`` and ``predict`` from the checkpoint (into the run's folder);
-``export`` (loaded with ``from_pretrained``, its validation loss equals the run's). Bad configs are refused before
+--config my.yaml``; the resume with a larger ``max_steps`` (the learning rate continues the saved schedule), into
+the new run folder it prints, which the rest acts on: ``validate`` and ``predict`` from its checkpoint (into its
+folder); ``export`` (loaded with ``from_pretrained``, its validation loss equals the run's, ``generate`` stops at the
+end token); the conversion and the one-process resume. Bad configs are refused before
 any process starts, in one line naming the key; Ctrl-C saves a checkpoint that the printed command resumes.
 """
 
@@ -227,7 +228,7 @@ def test_bad_configs_are_refused_before_any_process_starts(
     assert "data.batch_size=0" in line and "--data.batch_size 1" in line
     line = refusal(capsys, monkeypatch, *quickstart, "--ckpt_path", "no/such/checkpoint")
     assert "ckpt_path='no/such/checkpoint' does not exist" in line
-    line = refusal(capsys, monkeypatch, *quickstart, "--ckpt_path", "configs/quickstart.yaml")  # a file, not a checkpoint
+    line = refusal(capsys, monkeypatch, *quickstart, "--ckpt_path", "configs/quickstart.yaml")  # not a checkpoint
     assert "ckpt_path='configs/quickstart.yaml': not a checkpoint" in line and "weights_only" not in line
     line = refusal(capsys, monkeypatch, "test", "--config", str(REPO_ROOT / "configs/quickstart.yaml"),
                    "--data", "tests.test_cli.TrainOnlyData")
@@ -300,7 +301,7 @@ def test_quickstart_commands_as_documented(
     assert [Path(folder) for folder, _ in said] == [resumed, resumed]
     assert said[0][1] == f"config.yaml, metrics.csv; checkpoints in {resumed / 'checkpoints'}"
     assert said[1][1] == f"ended at global step 12; latest checkpoint {resumed / 'checkpoints' / 'last.ckpt'}"
-    assert [step for step, _ in logged(resumed, "train_loss")] == [8, 9, 10, 11], "the resumed run did not continue at step 8"
+    assert [step for step, _ in logged(resumed, "train_loss")] == [8, 9, 10, 11], "not continued at step 8"
     lrs = [lr for _, lr in logged(resumed, "lr-AdamW/pg1")]
     assert lrs == pytest.approx([0.002 * 0.1] * 4, rel=1e-6), lrs
     assert "decays over 8 optimizer steps; this run ends at step 12" in resumed_run.stderr
@@ -320,7 +321,7 @@ def test_quickstart_commands_as_documented(
     assert first["token_log_probs"].shape == first["input_ids"].shape == (4, 256)
     assert (first["token_log_probs"][:, :-1] < 0).all()  # every next token scored
 
-    # export: a from_pretrained folder of step 12, whose validation loss on one process without this package is the run's
+    # export: a from_pretrained folder of step 12; its validation loss (one process, without this package) is the run's
     exported = tmp_path / "model"
     main(["export", str(R), str(exported)])
     assert f"Wrote {exported}: the model of {checkpoint} (global step 12)" in capsys.readouterr().out
@@ -339,7 +340,8 @@ def test_quickstart_commands_as_documented(
             "--trainer.max_steps", "14")
     steps = [step for step, _ in logged(tmp_path / "runs" / "quickstart" / "version_2", "train_loss")]
     assert steps == [12, 13], f"the converted checkpoint did not continue at step 12 on one process: {steps}"
-    assert sorted(path.name for path in (tmp_path / "runs" / "quickstart").iterdir()) == ["version_0", "version_1", "version_2"]
+    folders = sorted(path.name for path in (tmp_path / "runs" / "quickstart").iterdir())
+    assert folders == ["version_0", "version_1", "version_2"]
 
     # a damaged shard is refused before any process starts, naming the file
     damaged = tmp_path / "damaged.ckpt"

@@ -213,8 +213,9 @@ def test_default_corpus_is_the_standard_library() -> None:
     assert not third_party, f"{len(third_party)} of {len(files)} files are installed packages, e.g. {third_party[:3]}"
     top_level = {f.relative_to(root).parts[0].removesuffix(".py") for f in files}
     # besides the modules: the test suite, the frozen-module samples, the build's sysconfig data and Makefile folder
+    extras = ("test", "__hello__", "__phello__")
     not_modules = {name for name in top_level - set(sys.stdlib_module_names)
-                   if name not in ("test", "__hello__", "__phello__") and not name.startswith(("_sysconfigdata", "config-"))}
+                   if name not in extras and not name.startswith(("_sysconfigdata", "config-"))}
     assert not not_modules, f"not standard-library modules: {sorted(not_modules)}"
     with_sources = {name for name in sys.stdlib_module_names if (root / f"{name}.py").is_file()
                     or (root / name / "__init__.py").is_file()}

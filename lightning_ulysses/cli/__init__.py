@@ -92,8 +92,8 @@ class UlyssesCLI(LightningCLI):
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
         """The Trainer, with the progress bar of :func:`~lightning_ulysses.progress.progress_bar` and the model summary
-        of :mod:`~lightning_ulysses.cli.summary`, unless the config disables them or names its own, and the lines that say
-        where a fit writes (:class:`~lightning_ulysses.cli.run_folder.RunFolderReport`)."""
+        of :mod:`~lightning_ulysses.cli.summary`, unless the config disables them or names its own, and the lines
+        that say where a fit writes (:class:`~lightning_ulysses.cli.run_folder.RunFolderReport`)."""
         configured = config.get("callbacks") or []
         configured = [*(configured if isinstance(configured, list) else [configured]), *callbacks]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in configured):
