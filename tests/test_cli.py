@@ -419,6 +419,22 @@ def test_sft_export_holds_what_the_dpo_quickstart_loads(capsys: pytest.CaptureFi
     assert_generation_stops_at(exported, sft.tokenizer.convert_tokens_to_ids("<|im_end|>"))  # the chat's end, 256
 
 
+def test_export_stops_generation_at_the_end_of_a_turn_that_is_not_eos() -> None:
+    """A chat template that ends the assistant's turn in its own token (as Llama 3's <|eot_id|>, not its eos):
+    the exported generation config ends at both, the config keeps the tokenizer's eos."""
+    from lightning_ulysses.cli.commands import _set_special_token_ids
+    from lightning_ulysses.finetune.tokenizer import byte_chat_tokenizer
+    from tests.tiny import tiny_llama
+
+    tokenizer = byte_chat_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|eot|>"]})
+    tokenizer.chat_template = tokenizer.chat_template.replace("<|im_end|>", "<|eot|>")
+    model = tiny_llama(vocab_size=len(tokenizer))
+    _set_special_token_ids(model, tokenizer)
+    eos, eot = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|eot|>")
+    assert eot != eos and model.generation_config.eos_token_id == [eos, eot] and model.config.eos_token_id == eos
+
+
 def test_ctrl_c_saves_a_checkpoint_that_the_printed_command_resumes(tmp_path: Path) -> None:
     """Ctrl-C as a terminal sends it (SIGINT to the whole process group) during a 2-process fit."""
     args = [

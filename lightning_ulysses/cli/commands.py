@@ -80,11 +80,14 @@ def _set_special_token_ids(model: Any, tokenizer: Any) -> None:
 
     ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
            "pad_token_id": tokenizer.pad_token_id}
+    generation = getattr(model, "generation_config", None)  # None for a model that cannot generate
     for key, value in ids.items():
-        setattr(model.config, key, value)
-        setattr(model.generation_config, key, value)
-    ends = list(dict.fromkeys(i for i in (tokenizer.eos_token_id, turn_end_token_id(tokenizer)) if i is not None))
-    model.generation_config.eos_token_id = ends[0] if len(ends) == 1 else ends or None
+        for config in (model.config, generation):
+            if config is not None:
+                setattr(config, key, value)
+    if generation is not None:
+        ends = list(dict.fromkeys(i for i in (tokenizer.eos_token_id, turn_end_token_id(tokenizer)) if i is not None))
+        generation.eos_token_id = ends[0] if len(ends) == 1 else ends or None
 
 
 def _run_and_checkpoint(path: Path) -> tuple[Path, Path]:
