@@ -262,9 +262,24 @@ def test_no_logger_writes_no_config_into_the_working_directory(
     assert not (tmp_path / "config.yaml").exists(), "a run without a logger wrote config.yaml into the working directory"
 
 
+def readme_follow_up_block() -> list[str]:
+    """The README's block after the quickstart (the one that sets ``R``), one entry per command or assignment."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(R=runs/quickstart/.*?)```", readme, re.DOTALL)[1]
+    return [line.split("#")[0].strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
 def test_quickstart_commands_as_documented(
     capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    # the README's follow-up block, in the order this test runs it: resume, then R is the resumed run for the rest
+    block = readme_follow_up_block()
+    assert [line.split()[:2] for line in block] == [
+        ["R=runs/quickstart/version_0"], ["lightning-ulysses", "fit"], ["R=runs/quickstart/version_1"],
+        ["lightning-ulysses", "validate"], ["lightning-ulysses", "predict"], ["lightning-ulysses", "export"],
+        ["lightning-ulysses", "convert-checkpoint"], ["lightning-ulysses", "fit"],
+    ], block
+    assert all("$R/" in line or line.startswith(("R=", "lightning-ulysses export $R ")) for line in block), block
     shrink = [
         "--trainer.max_steps", "8", "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "2",
         "--trainer.log_every_n_steps", "1", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
