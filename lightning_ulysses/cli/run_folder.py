@@ -14,17 +14,24 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 class RunFolderReport(Callback):
     """``Run folder <log_dir>: config.yaml, metrics.csv; checkpoints in <dirpath>`` when fit starts, and
     ``Run folder <log_dir>: ended at global step N; latest checkpoint <last.ckpt>`` when it ends (after the last
-    save)."""
+    save). Without a logger there is no run folder, and the lines say so."""
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        folder = trainer.log_dir  # a collective: every rank asks
+        folder = _run_folder(trainer)
         callback = trainer.checkpoint_callback
         checkpoints = f"; checkpoints in {callback.dirpath}" if callback is not None and callback.dirpath else ""
-        rank_zero_info(f"Run folder {folder}: config.yaml, metrics.csv{checkpoints}")
+        head = f"Run folder {folder}: config.yaml, metrics.csv" if folder else "No run folder (no logger)"
+        rank_zero_info(head + checkpoints)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        folder = trainer.log_dir
+        folder = _run_folder(trainer)
         callback = trainer.checkpoint_callback
         path = callback.last_model_path or callback.best_model_path if callback is not None else ""
         saved = f"latest checkpoint {path}" if path else "no checkpoint saved"
-        rank_zero_info(f"Run folder {folder}: ended at global step {trainer.global_step}; {saved}")
+        head = f"Run folder {folder}: ended" if folder else "Fit ended"
+        rank_zero_info(f"{head} at global step {trainer.global_step}; {saved}")
+
+
+def _run_folder(trainer: L.Trainer) -> str | None:
+    """The logger's folder (``trainer.log_dir``, a collective: every rank asks); ``None`` without a logger."""
+    return trainer.log_dir if trainer.logger is not None else None
