@@ -125,7 +125,8 @@ class DPO(CausalLM):
             "rewards_margin": (chosen - rejected).mean(), "rewards_accuracy": (chosen > rejected).float().mean(),
         }
         # every SP rank holds the same values; sync_dist averages the DP groups, as their gradients are
-        self.log_dict({f"{prefix}_{k}": v.detach() for k, v in metrics.items()}, sync_dist=True, batch_size=len(losses))
+        for key, value in metrics.items():  # the loss also on the console's progress lines, as CausalLM's
+            self.log(f"{prefix}_{key}", value.detach(), prog_bar=key == "loss", sync_dist=True, batch_size=len(losses))
         return loss
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
