@@ -4,7 +4,7 @@ Ring rank ``r`` of ``R`` holds the queries, keys and values of two chunks of the
 ``2R - 1 - r`` of ``2R`` (zigzag, :func:`~lightning_ulysses.sharding.zigzag_order`), each ``c = N / 2R`` tokens::
 
     query, key, value  [B, 2c, h, D]   (this rank's two chunks, concatenated; h = the Ulysses group's head slots;
-                                        the value's head size may differ from the query's, D_v, as the output's)
+                                        the value and the output may have a head size D_v of their own)
 
 At step ``s`` it holds the K/V block of ring rank ``j = r - s`` (mod ``R``), attends its queries to it and passes
 it on to rank ``r + 1`` while the next block arrives (point to point, overlapped with the compute). The partial
