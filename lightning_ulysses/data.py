@@ -246,8 +246,8 @@ class LongTextDataModule(L.LightningDataModule):
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
 
-    @staticmethod
-    def check_arguments(args: Mapping[str, Any]) -> None:
+    @classmethod
+    def check_arguments(cls, args: Mapping[str, Any]) -> None:
         """Refuse what the init arguments ``args`` alone show cannot run, before anything is read (the CLI calls it
         before any process starts): rows too short, no sample per batch, a data path or tokenizer folder that does
         not exist. Raises ``ValueError`` or ``FileNotFoundError`` naming the key."""
