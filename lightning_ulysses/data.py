@@ -95,6 +95,15 @@ def check_paths_exist(paths: Sequence[str], key: str, globs: bool = False) -> No
             )
 
 
+def check_data_arguments(args: Mapping[str, Any], paths: Sequence[str], globs: bool = False) -> None:
+    """Refuse what a data module's init arguments ``args`` alone show cannot run, before anything is read: rows too
+    short, no sample per batch, a tokenizer folder or an entry of ``paths`` (``data.paths``, read as globs with
+    ``globs``) that does not exist. Raises ``ValueError`` or ``FileNotFoundError`` naming the key."""
+    check_sample_shape(args["seq_len"], args["batch_size"])
+    check_tokenizer(args["tokenizer"])
+    check_paths_exist(paths, "data.paths", globs)
+
+
 def read_text_files(files: Sequence[Path]) -> tuple[dict[Path, str], list[Path]]:
     """The text of every file that is UTF-8 text (in the order given), and the files that are not."""
     texts, skipped = {}, []
@@ -248,12 +257,8 @@ class LongTextDataModule(L.LightningDataModule):
 
     @classmethod
     def check_arguments(cls, args: Mapping[str, Any]) -> None:
-        """Refuse what the init arguments ``args`` alone show cannot run, before anything is read (the CLI calls it
-        before any process starts): rows too short, no sample per batch, a data path or tokenizer folder that does
-        not exist. Raises ``ValueError`` or ``FileNotFoundError`` naming the key."""
-        check_sample_shape(args["seq_len"], args["batch_size"])
-        check_tokenizer(args["tokenizer"])
-        check_paths_exist([path for path in args["paths"] if path != STDLIB], "data.paths")
+        """:func:`check_data_arguments` of the init arguments ``args`` (the CLI calls it before any process starts)."""
+        check_data_arguments(args, [path for path in args["paths"] if path != STDLIB])
 
     @property
     def vocab_size(self) -> int:

@@ -11,7 +11,7 @@ import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_ulysses.data import (
-    check_paths_exist, check_sample_shape, check_tokenizer, collate_right_padded, warn_on_empty_shards,
+    check_data_arguments, check_paths_exist, check_sample_shape, collate_right_padded, warn_on_empty_shards,
 )
 from lightning_ulysses.finetune.packing import Truncation
 from lightning_ulysses.finetune.records import load_records
@@ -65,12 +65,9 @@ class RecordsDataModule(L.LightningDataModule):
 
     @classmethod
     def check_arguments(cls, args: Mapping[str, Any]) -> None:
-        """Refuse what the init arguments ``args`` alone show cannot run, before anything is read (the CLI calls it
-        before any process starts): rows too short, no sample per batch, a data file or tokenizer folder that does
-        not exist. Raises ``ValueError`` or ``FileNotFoundError`` naming the key."""
-        check_sample_shape(args["seq_len"], args["batch_size"])
-        check_tokenizer(args["tokenizer"])
-        check_paths_exist(args["paths"], "data.paths", globs=True)
+        """:func:`~lightning_ulysses.data.check_data_arguments` of the init arguments ``args``, and ``val_paths`` (the
+        CLI calls it before any process starts)."""
+        check_data_arguments(args, args["paths"], globs=True)
         check_paths_exist(args.get("val_paths") or [], "data.val_paths", globs=True)
 
     @property
