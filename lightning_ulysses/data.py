@@ -29,11 +29,12 @@ which this module does not target.
 from __future__ import annotations
 
 import functools
+import glob
 import random
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import lightning as L
 import numpy as np
@@ -94,6 +95,27 @@ def standard_library_files(pattern: str) -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     return sorted(path for path in root.rglob(pattern)
                   if path.is_file() and not THIRD_PARTY_FOLDERS.intersection(path.relative_to(root).parts))
+
+
+def check_paths_exist(paths: Sequence[str], key: str, globs: bool = False) -> None:
+    """Refuse the first entry of ``paths`` (the value of the config key ``key``) that is no file or folder (nor, with
+    ``globs``, a pattern that matches a file): a cheap check, before anything is read."""
+    for entry in paths:
+        path = Path(entry).expanduser()
+        if not path.exists() and not (globs and any(Path(p).is_file() for p in glob.glob(str(path), recursive=True))):
+            raise FileNotFoundError(
+                f"{key}: {entry!r} does not exist{' (nor matches a file as a glob)' if globs else ''}. Give existing "
+                f"files or folders (--{key} '[path/to/data]')."
+            )
+
+
+def check_data_arguments(args: Mapping[str, Any], paths: Sequence[str], globs: bool = False) -> None:
+    """Refuse what a data module's init arguments ``args`` alone show cannot run, before anything is read: rows too
+    short, no sample per batch, a tokenizer folder or an entry of ``paths`` (``data.paths``, read as globs with
+    ``globs``) that does not exist. Raises ``ValueError`` or ``FileNotFoundError`` naming the key."""
+    check_sample_shape(args["seq_len"], args["batch_size"])
+    check_tokenizer(args["tokenizer"])
+    check_paths_exist(paths, "data.paths", globs)
 
 
 def read_text_files(files: Sequence[Path]) -> tuple[dict[Path, str], list[Path]]:
@@ -247,6 +269,11 @@ class LongTextDataModule(L.LightningDataModule):
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
 
+    @classmethod
+    def check_arguments(cls, args: Mapping[str, Any]) -> None:
+        """:func:`check_data_arguments` of the init arguments ``args`` (the CLI calls it before any process starts)."""
+        check_data_arguments(args, [path for path in args["paths"] if path != STDLIB])
+
     @property
     def vocab_size(self) -> int:
         """Token ids run from 0 to ``vocab_size - 1``; the model's embedding must be at least this large."""
@@ -332,9 +359,16 @@ def split_files(files: list[Path], val_fraction: float, test_fraction: float) ->
 
 
 def check_sample_shape(seq_len: int, batch_size: int) -> None:
-    """Refuse rows of fewer than 2 tokens (no next token to predict) and micro-batches of no sample."""
+    """Refuse rows of fewer than 2 tokens (no next token to predict) and micro-batches of no sample.
+
+    2 is the least at any ``sp_size``: a row of 2 tokens over 2 ranks leaves the second rank no label, which is
+    exact (it adds nothing to the token sums), and shorter rows than ``sp_size`` only warn
+    (:func:`warn_on_empty_shards`)."""
     if seq_len < 2:
-        raise ValueError(f"data.seq_len must be at least 2 tokens, got {seq_len}.")
+        raise ValueError(
+            f"data.seq_len={seq_len}: a row needs at least 2 tokens (a token and the next one it predicts); set "
+            "data.seq_len to 2 or more, e.g. --data.seq_len 1024."
+        )
     if batch_size < 1:
         raise ValueError(
             f"data.batch_size={batch_size}: it is the number of sequences per micro-batch of each data-parallel group "
@@ -370,13 +404,18 @@ def _report_skipped(skipped: list[Path], total: int, pattern: str) -> None:
     )
 
 
-def _load_hf_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
-
-    if not Path(path).expanduser().is_dir():
+def check_tokenizer(name: str) -> None:
+    """Refuse a ``data.tokenizer`` that is neither ``"byte"`` nor a local folder (nothing is downloaded)."""
+    if name != BYTE and not Path(name).expanduser().is_dir():
         raise FileNotFoundError(
-            f"data.tokenizer={path!r} is neither 'byte' nor a local tokenizer folder. Nothing is downloaded at run "
+            f"data.tokenizer={name!r} is neither 'byte' nor a local tokenizer folder. Nothing is downloaded at run "
             "time: save the tokenizer first (AutoTokenizer.from_pretrained(name).save_pretrained(folder)) and give "
             "the folder."
         )
+
+
+def _load_hf_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    check_tokenizer(path)
     return AutoTokenizer.from_pretrained(Path(path).expanduser())

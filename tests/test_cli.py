@@ -85,13 +85,41 @@ def test_strategy_arguments_from_the_command_line(capsys: pytest.CaptureFixture,
     assert config["trainer"]["strategy"]["init_args"]["stage"] == 3
 
 
-def test_help_lists_every_command(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+def help_text(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, *args: str) -> str:
+    """What ``lightning-ulysses <args> --help`` prints."""
     monkeypatch.setattr(sys, "argv", ["lightning-ulysses"])
     with pytest.raises(SystemExit):
-        main(["--help"])
-    listed = capsys.readouterr().out
-    for command in ("fit", "validate", "test", "predict", "convert-checkpoint", "export"):
-        assert re.search(rf"^\s+{command}\s+\S", listed, re.MULTILINE), f"--help does not list {command}:\n{listed}"
+        main([*args, "--help"])
+    return capsys.readouterr().out
+
+
+def test_help_says_what_the_tool_is_and_lists_every_command_in_whole(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    listed = help_text(capsys, monkeypatch)
+    assert "Lightning Trainer command line tool" not in listed
+    assert "Ulysses sequence parallelism" in " ".join(listed.split()), listed
+    # each command's line, its wrapped continuation lines joined: one whole sentence
+    entries = dict(re.findall(r"^    (\S+) +(.+(?:\n {20,}\S.*)*)", listed, re.MULTILINE))
+    assert set(entries) == {"fit", "validate", "test", "predict", "convert-checkpoint", "export"}, listed
+    for command, text in entries.items():
+        text = " ".join(text.split())
+        assert text.endswith("."), f"the description of {command} is cut: {text!r}"
+    assert "sp_size" in " ".join(entries["fit"].split())
+
+
+def test_fit_help_leads_with_the_keys_a_run_sets(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fit --help`` names sp_size, seq_len, --config and --print_config in its first lines, and still lists every
+    key of LightningCLI's help."""
+    text = help_text(capsys, monkeypatch, "fit")
+    head = "\n".join(text.splitlines()[:25])
+    for key in ("--trainer.strategy.init_args.sp_size", "--data.seq_len", "--config", "--print_config", "--ckpt_path"):
+        assert key in head, f"{key} is not in the first lines of fit --help:\n{head}"
+    for key in ("--trainer.max_epochs", "--trainer.accumulate_grad_batches", "--model.help", "--data.help"):
+        assert key in text, key
+    assert "--data.seq_len" in help_text(capsys, monkeypatch, "validate")
 
 
 def test_lr_schedule_is_saved_with_the_scheduler() -> None:
@@ -185,11 +213,12 @@ def cli_env() -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
-    """``lightning-ulysses <args>`` as a user runs it; its stdout is not a terminal (plain progress lines)."""
+def run_cli(*args: str, cwd: Path = REPO_ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``lightning-ulysses <args>`` as a user runs it (``env``: added to the environment); its stdout is not a
+    terminal (plain progress lines)."""
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_ulysses", *args], cwd=cwd, env=cli_env(), capture_output=True, text=True,
-        timeout=600,
+        [sys.executable, "-m", "lightning_ulysses", *args], cwd=cwd, env={**cli_env(), **(env or {})},
+        capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, f"lightning-ulysses {' '.join(args)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
     return result
@@ -233,6 +262,62 @@ def test_bad_configs_are_refused_before_any_process_starts(
     line = refusal(capsys, monkeypatch, "test", "--config", str(REPO_ROOT / "configs/quickstart.yaml"),
                    "--data", "tests.test_cli.TrainOnlyData")
     assert "TrainOnlyData has no test_dataloader(), so it has no split for test" in line
+    # the data module's own checks of its values: rows too short, paths and a tokenizer folder that are not there
+    line = refusal(capsys, monkeypatch, *quickstart, "--data.seq_len", "1")
+    assert "data.seq_len=1" in line and "--data.seq_len" in line
+    line = refusal(capsys, monkeypatch, *quickstart, "--data.tokenizer", "no/such/tokenizer")
+    assert "data.tokenizer='no/such/tokenizer' is neither 'byte' nor a local tokenizer folder" in line
+    sft = ["fit", "--config", str(REPO_ROOT / "configs/sft_quickstart.yaml")]
+    line = refusal(capsys, monkeypatch, *sft, "--data.paths", "[no/such/chats.jsonl]")
+    assert "data.paths: 'no/such/chats.jsonl' does not exist" in line
+    line = refusal(capsys, monkeypatch, *sft, "--data.val_paths", "[no/such/*.jsonl]")
+    assert "data.val_paths: 'no/such/*.jsonl' does not exist" in line
+    line = refusal(capsys, monkeypatch, "fit", "--config", str(REPO_ROOT / "configs/dpo_quickstart.yaml"),
+                   "--data.tokenizer", "byte", "--data.seq_len", "3")
+    assert "data.seq_len=3" in line and "4 (2 per sequence of a pair)" in line
+
+
+def test_a_missing_data_folder_is_refused_in_one_line_before_start_up(tmp_path: Path) -> None:
+    """As a user types it: the whole output is the one line (it was two processes' tracebacks, 76 lines)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_ulysses", "fit", "--config", "configs/quickstart.yaml", "--data.paths",
+         f"[{tmp_path / 'no-such-folder'}]"], cwd=REPO_ROOT, env=cli_env(), capture_output=True, text=True, timeout=300,
+    )
+    output = (result.stdout + result.stderr).strip()
+    assert result.returncode == 2 and output == (
+        f"lightning-ulysses: error: data.paths: '{tmp_path / 'no-such-folder'}' does not exist. Give existing files or "
+        "folders (--data.paths '[path/to/data]')."
+    ), output
+
+
+def test_a_mistyped_key_gets_the_closest_valid_one(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch,
+                                                    tmp_path: Path) -> None:
+    """Two lines instead of the usage (about 50 lines) and jsonargparse's report: the error with the closest key,
+    and where every key is listed."""
+    quickstart = ["fit", "--config", str(REPO_ROOT / "configs/quickstart.yaml")]
+    (tmp_path / "typo.yaml").write_text("trainer:\n  max_stepz: 4\n")
+    for args, expected in [
+        ([*quickstart, "--data.seq_lem", "512"], "unknown key --data.seq_lem: LongTextDataModule has no argument "
+                                                 "'seq_lem'; did you mean --data.seq_len?"),
+        ([*quickstart, "--seq_len", "512"], "unknown key --seq_len; did you mean --data.seq_len?"),
+        ([*quickstart, "--trainer.max_stepz", "4"],
+         "unknown key --trainer.max_stepz; did you mean --trainer.max_steps?"),
+        ([*quickstart, "--trainer.strategy.init_args.sp_sise", "2"],
+         "did you mean --trainer.strategy.init_args.sp_size?"),
+        (["fit", "--config", str(REPO_ROOT / "configs/sft_quickstart.yaml"), "--data.truncaton", "drop"],
+         "SFTDataModule has no argument 'truncaton'; did you mean --data.truncation?"),
+        (["fit", "--config", str(tmp_path / "typo.yaml")], "'trainer.max_stepz'; did you mean trainer.max_steps?"),
+        ([*quickstart, "--data.seq_len", "many"], "data.seq_len: Expected a <class 'int'>. Got value: many"),
+        (["fitt"], "invalid choice: 'fitt'"),
+    ]:
+        monkeypatch.setattr(sys, "argv", ["lightning-ulysses"])
+        with pytest.raises(SystemExit) as exit_info:
+            main(args)
+        captured = capsys.readouterr()
+        lines = captured.err.splitlines()
+        assert exit_info.value.code == 2 and captured.out == "" and len(lines) == 2, captured.err
+        assert lines[0].startswith("lightning-ulysses: error: ") and expected in lines[0], (expected, lines[0])
+        assert lines[1] == f"Every key: lightning-ulysses {'fit ' if args[0] == 'fit' else ''}--help", lines[1]
 
 
 class TrainOnlyData(L.LightningDataModule):
@@ -298,10 +383,9 @@ def test_quickstart_commands_as_documented(
     # stdout is a pipe here: plain progress lines with the optimizer step out of max_steps, no "Epoch 0/-2", no v_num
     assert re.search(r"^step 4/8 \| .*train_loss [0-9.]+ \| sp/tokens_per_sec", trained.stdout, re.MULTILINE), trained.stdout
     assert "validation at step 8 | val_loss" in trained.stdout and "v_num" not in trained.stdout
-    for noise in ("Setting accelerator to CPU", "💡 Tip", "all_gather_into_tensor", "LeafSpec", "Total Flops",
-                  "Total FLOPs", "nn.functional.all_gather", "Skipping setting a default"):
-        assert noise not in trained.stdout + trained.stderr, noise
-    assert "Total params" in trained.stdout + trained.stderr  # the model summary is still there, without FLOPs
+    assert_no_noise(trained)
+    for kept in ("Total params", "Sequence-parallel training summary", "validation at step 8"):
+        assert (trained.stdout + trained.stderr).count(kept) == 1, kept  # the summaries are still there, once
     checkpoint = run / "checkpoints" / "last.ckpt"
     check_integrity(checkpoint)  # a committed DeepSpeed checkpoint, every file whole
 
@@ -319,6 +403,7 @@ def test_quickstart_commands_as_documented(
     assert [step for step, _ in logged(resumed, "train_loss")] == [8, 9, 10, 11], "not continued at step 8"
     lrs = [lr for _, lr in logged(resumed, "lr-AdamW/pg1")]
     assert lrs == pytest.approx([0.002 * 0.1] * 4, rel=1e-6), lrs
+    assert_no_noise(resumed_run)
     assert "decays over 8 optimizer steps; this run ends at step 12" in resumed_run.stderr
     assert "--model.lr_schedule_steps 12" in resumed_run.stderr
     assert "step 12/12" in resumed_run.stdout
@@ -326,10 +411,11 @@ def test_quickstart_commands_as_documented(
     (_, resumed_val_loss), = logged(R, "val_loss")  # at step 12
 
     # validate and predict from the resumed run's checkpoint write into its folder, not a new version_N
-    run_cli("validate", "--config", str(R / "config.yaml"), "--ckpt_path", str(checkpoint))
+    assert_no_noise(run_cli("validate", "--config", str(R / "config.yaml"), "--ckpt_path", str(checkpoint)))
     (_, validated), = logged(R / "validate", "val_loss")
     assert validated == pytest.approx(resumed_val_loss, rel=1e-5)  # the step-12 validation, on the same weights
     predicted = run_cli("predict", "--config", str(R / "config.yaml"), "--ckpt_path", str(checkpoint))
+    assert_no_noise(predicted)
     predictions = torch.load(R / "predict" / "predictions.pt")
     assert f"to {R / 'predict' / 'predictions.pt'}" in predicted.stdout
     first = predictions["predictions"][0]
@@ -367,6 +453,19 @@ def test_quickstart_commands_as_documented(
     line = refusal(capsys, monkeypatch, "fit", "--config", str(R / "config.yaml"), "--ckpt_path", str(damaged),
                    "--trainer.max_steps", "14")
     assert f"{shard}: truncated" in line
+
+
+NOISE = (
+    "Setting accelerator to CPU", "💡 Tip", "all_gather_into_tensor", "LeafSpec", "Total Flops", "Total FLOPs",
+    "nn.functional.all_gather", "Skipping setting a default", "Seed set to", "GPU available:", "TPU available:",
+    "initializing deepspeed distributed", "The dirpath has changed", "TokenCrossEntropy",
+)
+"""Lines that a run printed (most of them once per rank) and that say nothing its user needs."""
+
+
+def assert_no_noise(result: subprocess.CompletedProcess) -> None:
+    for noise in NOISE:
+        assert noise not in result.stdout + result.stderr, noise
 
 
 def assert_export_equals_the_run(exported: Path, run: Path, val_loss: float) -> None:
@@ -414,9 +513,14 @@ def assert_generation_stops_at(exported: Path, end_token_id: int) -> None:
 def test_sft_export_holds_what_the_dpo_quickstart_loads(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     """The fine-tuning commands of the README: the SFT quickstart (shrunk to 2 steps), then ``export`` of its run,
     which configs/dpo_quickstart.yaml loads as ``model.model`` (pretrained, every weight) and ``data.tokenizer``."""
-    run_cli("fit", "--config", "configs/sft_quickstart.yaml", "--trainer.max_steps", "2", "--trainer.val_check_interval",
-            "2", "--trainer.limit_val_batches", "1", "--data.seq_len", "256",
-            "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"))
+    trained = run_cli(
+        "fit", "--config", "configs/sft_quickstart.yaml", "--trainer.max_steps", "2", "--trainer.val_check_interval",
+        "2", "--trainer.limit_val_batches", "1", "--data.seq_len", "256", "--trainer.logger.init_args.save_dir",
+        str(tmp_path / "runs"), env={"HF_DATASETS_CACHE": str(tmp_path / "datasets")},  # not cached: bars shown
+    )
+    assert_no_noise(trained)
+    # datasets' progress bars of one rank, not two ranks' interleaved
+    assert (trained.stdout + trained.stderr).count("Tokenizing the training records:   0%") == 1, trained.stderr
     run, exported = tmp_path / "runs" / "sft_quickstart" / "version_0", tmp_path / "sft_model"
     main(["export", str(run), str(exported)])
     assert f"Wrote {exported}: the model of {run / 'checkpoints' / 'last.ckpt'} (global step 2) and its tokenizer" in (

@@ -180,7 +180,7 @@ def test_warns_when_sp_size_leaves_ranks_without_a_token(corpus: Path, tmp_path:
         for seq_len in (4, 7, 8, 1024):
             warn_on_empty_shards(seq_len, 4)
     data = LongTextDataModule(paths=[str(corpus)], pattern="*.txt", seq_len=2, val_fraction=0.25)
-    data.trainer = SimpleNamespace(strategy=SimpleNamespace(sp_size=4))  # what setup reads of the Trainer
+    data.trainer = SimpleNamespace(strategy=SimpleNamespace(sp_size=4), global_rank=0)  # what setup reads of it
     with pytest.warns(UserWarning, match="data.seq_len=2 split over sp_size=4"):
         data.setup("fit")
     chat = {"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]}

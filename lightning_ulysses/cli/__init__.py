@@ -25,14 +25,16 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelSummary, ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
 
+from lightning_ulysses import quiet
 from lightning_ulysses.cli.checks import ConfigError, check_checkpoint_file, check_config, run_folder_of
 from lightning_ulysses.cli.commands import COMMANDS, command_parser, run_command
+from lightning_ulysses.cli.parser import (
+    COMMAND_HELP, DESCRIPTION, PROG, HelpFormatter, UlyssesArgumentParser, subcommand_kwargs,
+)
 from lightning_ulysses.cli.run_folder import RunFolderReport
 from lightning_ulysses.cli.summary import ModelSummaryWithoutFlops
 from lightning_ulysses.prediction import PredictionWriter
 from lightning_ulysses.progress import progress_bar
-
-PROG = "lightning-ulysses"
 
 DEFAULT_MODEL = {
     "model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
@@ -73,6 +75,8 @@ class UlyssesCLI(LightningCLI):
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         super()._add_subcommands(parser, **kwargs)
+        for choice in parser._subcommands_action._choices_actions:  # Lightning's are cut mid-sentence
+            choice.help = COMMAND_HELP.get(choice.dest, choice.help)
         for name, function in COMMANDS.items():  # listed in --help; main() runs them without LightningCLI
             parser._subcommands_action.add_subcommand(name, command_parser(name, function), help=function.__doc__.splitlines()[0])
 
@@ -131,6 +135,7 @@ def _log_into_the_run(config: Any, command: str) -> None:
 def main(args: ArgsType = None) -> None:
     """Entry point of the ``lightning-ulysses`` console script and of ``python -m lightning_ulysses``."""
     argv = sys.argv[1:] if args is None else args
+    quiet.install_cli()
     if isinstance(argv, list) and argv[:1] and argv[0] in COMMANDS:
         run_command(argv[0], argv[1:], prog=f"{PROG} {argv[0]}")
         return
@@ -138,7 +143,10 @@ def main(args: ArgsType = None) -> None:
         UlyssesCLI(
             L.LightningModule, L.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, args=args,
             auto_configure_optimizers=False, save_config_callback=SaveRunConfig, save_config_kwargs={"overwrite": True},
-            parser_kwargs={"prog": PROG},
+            parser_class=UlyssesArgumentParser,
+            parser_kwargs={
+                "prog": PROG, "description": DESCRIPTION, "formatter_class": HelpFormatter, **subcommand_kwargs(),
+            },
         )
     except ConfigError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)

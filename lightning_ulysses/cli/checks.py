@@ -55,6 +55,7 @@ def check_config(subcommand: str | None, config: Any) -> None:
             f"data.batch_size={batch_size}: it is the number of sequences per micro-batch of each data-parallel group "
             "and must be at least 1 (--data.batch_size 1)."
         )
+    _check_data_arguments(config.get("data"))
     ckpt_path = config.get("ckpt_path")
     if ckpt_path is not None and ckpt_path not in LIGHTNING_CKPT_NAMES:
         _check_checkpoint(subcommand, Path(ckpt_path), trainer.get("max_steps"))
@@ -83,6 +84,21 @@ def _check_split(subcommand: str | None, data: Any) -> None:
             f"data: {cls.__name__} has no {method}(), so it has no split for {subcommand}. Use a data module that "
             f"defines one, or another command."
         )
+
+
+def _check_data_arguments(data: Any) -> None:
+    """The data module's own check of its values (``check_arguments``, as
+    :meth:`~lightning_ulysses.LongTextDataModule.check_arguments` has): a data path or tokenizer folder that does not
+    exist, rows too short, found here rather than once per rank after start-up."""
+    check = getattr(_class_of(getattr(data, "class_path", None)), "check_arguments", None)
+    if check is None:
+        return
+    try:
+        check(data.init_args.as_dict())
+    except (ValueError, OSError) as error:
+        raise ConfigError(str(error)) from None
+    except KeyError:
+        return  # a subclass without one of its base's arguments: its own __init__ checks what it has
 
 
 def _class_of(class_path: Any) -> type | None:

@@ -1,4 +1,6 @@
-"""The model summary a ``lightning-ulysses`` run prints at the start of fit: Lightning's, without its FLOPs.
+"""The model summary a ``lightning-ulysses`` run prints at the start of fit: Lightning's, without its FLOPs and
+without the rows of the LightningModule's metrics (``eval_loss | TokenCrossEntropy | 0``: no parameters, not layers
+of the model).
 
 Lightning counts FLOPs only by running the module's ``example_input_array``, which the models here do not have, so
 its summary always read ``Total FLOPs: 0`` next to a column of zeros.
@@ -9,14 +11,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning as L
 from lightning.pytorch.callbacks import ModelSummary
+from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torchmetrics import Metric
 
 
 class ModelSummaryWithoutFlops(ModelSummary):
     """Lightning's :class:`~lightning.pytorch.callbacks.ModelSummary` with the FLOPs column and total left out where
-    nothing counted them (``total_flops == 0``)."""
+    nothing counted them (``total_flops == 0``), and no row for a metric."""
+
+    def _summary(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Summary:
+        summary = super()._summary(trainer, pl_module)
+        for name in [name for name, layer in summary._layer_summary.items() if isinstance(layer._module, Metric)]:
+            del summary._layer_summary[name]
+        return summary
 
     @staticmethod
     def summarize(

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_ulysses.data import check_sample_shape, collate_right_padded, warn_on_empty_shards
+from lightning_ulysses.data import (
+    check_data_arguments, check_paths_exist, check_sample_shape, collate_right_padded, warn_on_empty_shards,
+)
 from lightning_ulysses.finetune.packing import Truncation
 from lightning_ulysses.finetune.records import load_records
 from lightning_ulysses.finetune.tokenizer import load_tokenizer
@@ -18,6 +21,22 @@ if TYPE_CHECKING:
     import datasets
 
     from lightning_ulysses.finetune.packing import DataReport
+
+
+@contextlib.contextmanager
+def _progress_bars_of_rank_zero(trainer: L.Trainer | None) -> Iterator[None]:
+    """``datasets``' progress bars (reading, tokenizing) on global rank 0 only: every rank reads and tokenizes the same
+    records, and the bars of several ranks on one terminal garble each other's lines."""
+    import datasets
+
+    hide = trainer is not None and trainer.global_rank > 0 and not datasets.are_progress_bars_disabled()
+    if hide:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if hide:
+            datasets.enable_progress_bars()
 
 
 class RecordsDataModule(L.LightningDataModule):
@@ -44,6 +63,13 @@ class RecordsDataModule(L.LightningDataModule):
         self.reports: dict[str, DataReport] = {}
         """``"training"`` / ``"validation"`` -> what became of that split's records (logged at set-up)."""
 
+    @classmethod
+    def check_arguments(cls, args: Mapping[str, Any]) -> None:
+        """:func:`~lightning_ulysses.data.check_data_arguments` of the init arguments ``args``, and ``val_paths`` (the
+        CLI calls it before any process starts)."""
+        check_data_arguments(args, args["paths"], globs=True)
+        check_paths_exist(args.get("val_paths") or [], "data.val_paths", globs=True)
+
     @property
     def vocab_size(self) -> int:
         """Token ids run from 0 to ``vocab_size - 1``; the model's embedding must be at least this large."""
@@ -58,13 +84,15 @@ class RecordsDataModule(L.LightningDataModule):
             warn_on_empty_shards(self.seq_len, getattr(self.trainer.strategy, "sp_size", 1))
         if self.train_dataset is not None:
             return
-        records = load_records(self.paths)
-        if self.val_paths:
-            train, val = records, load_records(self.val_paths)
-        else:
-            split = records.train_test_split(test_size=max(1, round(len(records) * self.val_fraction)), seed=self.seed)
-            train, val = split["train"], split["test"]
-        self.train_dataset, self.val_dataset = self.build(train, "training"), self.build(val, "validation")
+        with _progress_bars_of_rank_zero(self.trainer):
+            records = load_records(self.paths)
+            if self.val_paths:
+                train, val = records, load_records(self.val_paths, "data.val_paths")
+            else:
+                test_size = max(1, round(len(records) * self.val_fraction))
+                split = records.train_test_split(test_size=test_size, seed=self.seed)
+                train, val = split["train"], split["test"]
+            self.train_dataset, self.val_dataset = self.build(train, "training"), self.build(val, "validation")
 
     def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
         if dataset is None:

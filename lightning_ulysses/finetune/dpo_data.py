@@ -9,7 +9,7 @@ log-probability joins. ``sequence_ids`` is a per-token tensor: the strategy shar
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -82,6 +82,15 @@ def tokenize_pair(
     return out
 
 
+def check_pair_length(seq_len: int) -> None:
+    """Refuse rows too short for a pair: each of its two sequences needs a prompt token and a completion token."""
+    if seq_len < 4:
+        raise ValueError(
+            f"data.seq_len={seq_len}: a row holds a pair, each sequence at most seq_len // 2 tokens, and needs at "
+            "least 4 (2 per sequence of a pair); set data.seq_len to 4 or more, e.g. --data.seq_len 512."
+        )
+
+
 class PreferenceDataModule(RecordsDataModule):
     """Preference pairs from local files for :class:`~lightning_ulysses.finetune.DPO`.
 
@@ -114,9 +123,13 @@ class PreferenceDataModule(RecordsDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
-        if seq_len < 4:
-            raise ValueError(f"data.seq_len must be at least 4 tokens (2 per sequence of a pair), got {seq_len}.")
+        check_pair_length(seq_len)
         super().__init__(paths, tokenizer, seq_len, truncation, batch_size, val_paths, val_fraction, num_proc, num_workers, seed)
+
+    @classmethod
+    def check_arguments(cls, args: Mapping[str, Any]) -> None:
+        check_pair_length(args["seq_len"])
+        super().check_arguments(args)
 
     def build(self, records: datasets.Dataset, name: str) -> PreferenceDataset:
         missing = {"prompt", "chosen", "rejected"} - set(records.column_names)

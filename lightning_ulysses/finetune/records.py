@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lightning_ulysses.data import check_paths_exist
+
 if TYPE_CHECKING:
     import datasets
 
@@ -14,9 +16,9 @@ BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": 
 """File suffix -> the ``datasets`` builder that reads it."""
 
 
-def find_record_files(paths: Sequence[str]) -> list[Path]:
+def find_record_files(paths: Sequence[str], key: str = "data.paths") -> list[Path]:
     """Every file named by ``paths`` (files, folders searched recursively for the suffixes of :data:`BUILDERS`,
-    or glob patterns), sorted."""
+    or glob patterns; the value of the config key ``key``), sorted."""
     files: set[Path] = set()
     for entry in paths:
         path = Path(entry).expanduser()
@@ -27,17 +29,18 @@ def find_record_files(paths: Sequence[str]) -> list[Path]:
         elif matches := glob.glob(str(path), recursive=True):
             files.update(Path(p) for p in matches if Path(p).is_file())
         else:
-            raise FileNotFoundError(f"Data path {str(path)!r} does not exist. Give existing files, folders or globs.")
+            check_paths_exist([entry], key, globs=True)
     if not files:
-        raise FileNotFoundError(f"No {'/'.join(BUILDERS)} file in {list(paths)}.")
+        raise FileNotFoundError(f"{key}: no {'/'.join(BUILDERS)} file in {list(paths)}.")
     return sorted(files)
 
 
-def load_records(paths: Sequence[str]) -> datasets.Dataset:
-    """The records of every file in ``paths`` (all of one format), in file order."""
+def load_records(paths: Sequence[str], key: str = "data.paths") -> datasets.Dataset:
+    """The records of every file in ``paths`` (all of one format; the value of the config key ``key``), in file
+    order."""
     import datasets
 
-    files = find_record_files(paths)
+    files = find_record_files(paths, key)
     builders = {BUILDERS.get(path.suffix) for path in files}
     if None in builders or len(builders) > 1:
         raise ValueError(
