@@ -28,13 +28,17 @@ which is DDP's average over DP groups of the exact token mean of each group's wh
 all-to-all backward routes each rank's loss gradient to the ranks whose activations it used, so the
 sum over ``r`` covers every term. ``sp`` is :attr:`UlyssesStrategy.loss_gradient_scale`, applied by
 :class:`~lightning_ulysses.UlyssesLossMixin`. Gradient accumulation: Lightning already divides each
-micro-batch loss by ``accumulate_grad_batches``, so the engine's second division is switched off.
+micro-batch loss by ``accumulate_grad_batches``, so the engine's second division is switched off. Lightning, not
+DeepSpeed's micro-batch counter, decides which micro-batch ends an optimizer step, as without a strategy: every
+``accumulate_grad_batches``-th batch of an epoch and the epoch's last one (a shorter last window is applied, not
+carried into the next epoch); the engine is told so before each micro-batch (``set_gradient_accumulation_boundary``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -66,9 +70,7 @@ from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_op
 from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.hf.mixers import register_mixer_weights_for_zero3
 from lightning_ulysses.preemption import PreemptionSignals
-from lightning_ulysses.resume import (
-    ResumableLoader, check_accumulation_windows, is_resumable, rewind_to_step_boundary,
-)
+from lightning_ulysses.resume import ResumableLoader, is_resumable, rewind_to_step_boundary
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
 from lightning_ulysses.topology import SequenceParallelTopology, auto_ring_size, divisors
 
@@ -303,9 +305,20 @@ class UlyssesStrategy(DeepSpeedStrategy):
         if not isinstance(trainer._signal_connector, PreemptionSignals):  # registers its handlers after set-up
             trainer._signal_connector = PreemptionSignals(trainer)
 
+    @property
     @override
-    def on_train_start(self) -> None:
-        check_accumulation_windows(self.lightning_module.trainer)
+    def handles_gradient_accumulation(self) -> bool:
+        """False: Lightning's loop decides which micro-batch ends an optimizer step, as it does without a strategy
+        (also the epoch's last batch, which closes a shorter window), and calls ``optimizer_step`` only there;
+        :meth:`on_train_batch_start` hands that decision to DeepSpeed's engine."""
+        return False
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning's loop enters this around the backward of a micro-batch that does not end a step; DeepSpeed's
+        ``no_sync`` refuses ZeRO 2 and 3, and the engine already knows not to reduce there (its boundary flag)."""
+        yield None
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -313,6 +326,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
         batches_before = trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1  # this batch is counted
         if batches_before % trainer.accumulate_grad_batches == 0:  # an optimizer step begins: a safe point
             trainer._signal_connector.at_step_boundary(trainer)
+        # before the forward: ZeRO reduces (and ZeRO-3 partitions) the gradients in the backward of a step's last batch
+        self.model.set_gradient_accumulation_boundary(not trainer.fit_loop._should_accumulate())
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -357,14 +372,11 @@ class UlyssesStrategy(DeepSpeedStrategy):
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
-        engine = self.model
-        # Lightning calls this for every micro-batch; DeepSpeed updates the weights at the last one of a step
-        last_micro_batch = engine.is_gradient_accumulation_boundary()
+        # Lightning calls this at the last micro-batch of each step only (handles_gradient_accumulation is False)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if last_micro_batch:
-            global_step = self.lightning_module.trainer.global_step  # counted once the LightningModule hook returns
-            self._applied_steps = global_step + 1
-            self.nonfinite_loss.check_step(engine.was_step_applied(), global_step)
+        global_step = self.lightning_module.trainer.global_step  # counted once the LightningModule hook returns
+        self._applied_steps = global_step + 1
+        self.nonfinite_loss.check_step(self.model.was_step_applied(), global_step)
         return output
 
     @property
