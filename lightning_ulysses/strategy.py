@@ -157,7 +157,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         self._dp_group: dist.ProcessGroup | None = None
         self._heartbeat: Heartbeat | None = None
         self._applied_steps = 0  # Lightning's global step once it has counted the last step DeepSpeed applied
-        self._duplicate_rows: Tensor | None = None  # evaluation / prediction: [B] bool, the current batch's repeats
+        self._repeated_rows: Tensor | None = None  # evaluation / prediction: [B] bool, the current batch's repeats
 
     # ------------------------------------------------------------------------------------------
     # topology
@@ -346,17 +346,17 @@ class UlyssesStrategy(DeepSpeedStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        self._duplicate_rows = None
+        self._repeated_rows = None
         if isinstance(batch, Mapping) and (STEP_TOKENS_KEY in batch or DUPLICATES_KEY in batch):
             batch = dict(batch)
             if STEP_TOKENS_KEY in batch:
                 self.step_valid_tokens = int(batch.pop(STEP_TOKENS_KEY))
             if DUPLICATES_KEY in batch:
-                self._duplicate_rows = batch.pop(DUPLICATES_KEY)
+                self._repeated_rows = batch.pop(DUPLICATES_KEY)
         batch = super().batch_to_device(batch, device, dataloader_idx)
         batch = shard_batch(prepare_batch(batch, self.sp_size, self.ring_size), self.sp_rank, self.sp_size, self.ring_size)
-        if self._duplicate_rows is not None:  # repeated to even out the DP ranks: no token of theirs counts
-            batch["shift_labels"][self._duplicate_rows.to(batch["shift_labels"].device)] = IGNORE_INDEX
+        if self._repeated_rows is not None:  # repeated to even out the DP ranks: no token of theirs counts
+            batch["shift_labels"][self._repeated_rows.to(batch["shift_labels"].device)] = IGNORE_INDEX
         return batch
 
     @override
@@ -380,6 +380,30 @@ class UlyssesStrategy(DeepSpeedStrategy):
         return output
 
     @property
+    def repeated_rows(self) -> Tensor | None:
+        """``[B]`` bool on the current evaluation or prediction batch: True for the rows that the distributed sampler
+        repeated to even out the DP ranks (their ``shift_labels`` are all ``-100``); ``None`` when it has none."""
+        return self._repeated_rows
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        self._weigh_out_repeated_rows()
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        self._weigh_out_repeated_rows()
+        return super().test_step(*args, **kwargs)
+
+    def _weigh_out_repeated_rows(self) -> None:
+        """Lightning averages a value logged in an evaluation step over the batches of all ranks, each weighted by its
+        batch size (the batch's length unless ``self.log`` is given ``batch_size``): count a batch's real rows only,
+        so that its repeats weigh 0 (a batch of repeats, whose labels are all masked, weighs nothing)."""
+        results = self.lightning_module.trainer._results
+        if self._repeated_rows is not None and results is not None:
+            results.batch_size = int((~self._repeated_rows).sum())
+
+    @property
     def optimizer_step_in_flight(self) -> bool:
         """Whether DeepSpeed has run an optimizer step that Lightning has not counted yet (inside ``optimizer_step``)."""
         return self._applied_steps > self.lightning_module.trainer.global_step
@@ -387,11 +411,20 @@ class UlyssesStrategy(DeepSpeedStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         output = super().predict_step(*args, **kwargs)
-        if self._duplicate_rows is None:
+        if self._repeated_rows is None:
             return output
-        keep = ~self._duplicate_rows
+        keep = ~self._repeated_rows
         drop_rows(args[0] if args else kwargs["batch"], keep)  # the batch that on_predict_batch_end and writers see
         return drop_rows(output, keep)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """As DDP's, but the mean of an integer tensor in float64: Lightning averages its integer batch-size sums of
+        ``self.log(..., sync_dist=True)`` that way, and DDP's mean would truncate them where the ranks' sums differ
+        (an evaluation whose repeated rows weigh 0, see :meth:`repeated_rows`)."""
+        if isinstance(tensor, Tensor) and not tensor.is_floating_point() and str(reduce_op).lower() in ("mean", "avg"):
+            tensor = tensor.double()
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
