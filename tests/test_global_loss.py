@@ -10,7 +10,8 @@ resumed from that checkpoint: the step's token count must cover the resumed step
 With ``limit_train_batches=3`` and 2 micro-batches a step, the token counts must not read the batch past the limit
 (which never trains): the loader serves exactly the 3 batches an epoch, and the epoch's 2 steps equal the reference,
 the second one the token mean of the third batch alone (Lightning steps on an epoch's last batch); over two epochs,
-4 steps, the second epoch's first step on its own batches.
+4 steps, the second epoch's first step on its own batches; also interrupted after step 1 (inside epoch 0) or step 2
+(after its short step) and resumed.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from tests.tiny import (
 DATA = dict(num=10, seq_len=16, seed=4, padding=9)  # odd samples have 7 real tokens, even ones 16
 BATCH, ACCUMULATE, STEPS, LR = 1, 2, 2, 0.5
 LIMITED_BATCHES, LIMITED_EPOCHS = 3, (1, 2)  # limit_train_batches: 2 steps an epoch, the second on 1 batch
+LIMITED_RESUMES = (1, 2)  # checkpoints inside epoch 0 (before its short step) and at its end (after it)
 CASES = {
     "sp2_zero2": dict(sp=2, stage=2),
     "dp2_zero3": dict(sp=1, stage=3),
@@ -67,16 +69,17 @@ class RecordingSamples(list):
         return super().__getitem__(index)
 
 
-def _fit_limited(world_size: int, max_epochs: int) -> tuple[TinyCausalLM, RecordingSamples]:
+def _fit_limited(world_size: int, max_epochs: int, callbacks: list[L.Callback] = (), ckpt_path: str | None = None
+                 ) -> tuple[TinyCausalLM, RecordingSamples]:
     """sp=2, ZeRO-2, 3 batches an epoch (limit_train_batches) of 2 micro-batches a step."""
     module, samples = TinyCausalLM(lr=LR), RecordingSamples(make_samples(**DATA))
     strategy = UlyssesStrategy(sp_size=2, stage=2, attn_implementation="sdpa", loss_normalization="global")
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=max_epochs,
-        limit_train_batches=LIMITED_BATCHES, accumulate_grad_batches=ACCUMULATE, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_train_batches=LIMITED_BATCHES, accumulate_grad_batches=ACCUMULATE, callbacks=list(callbacks),
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    trainer.fit(module, DataLoader(samples, batch_size=BATCH, collate_fn=collate))
+    trainer.fit(module, DataLoader(samples, batch_size=BATCH, collate_fn=collate), ckpt_path=ckpt_path)
     return module, samples
 
 
@@ -87,6 +90,12 @@ def global_worker(args: dict[str, Any]) -> dict[str, Any]:
         module, samples = _fit_limited(world_size, max_epochs=epochs)
         results[f"limited_{epochs}_epochs"] = {"read": samples.read, "losses": module.losses,
                                                "params": gathered_parameters(module.model, False)}
+    for step in LIMITED_RESUMES:  # two epochs, interrupted after an optimizer step and resumed from its checkpoint
+        ckpt_path = str(Path(args["dir"]) / f"limited_after_step_{step}")
+        interrupted, _ = _fit_limited(world_size, 2, [SaveAndStop(step, ckpt_path, False)])
+        module, _ = _fit_limited(world_size, 2, ckpt_path=ckpt_path)
+        results[f"limited_resumed_after_step_{step}"] = {"losses": interrupted.losses + module.losses,
+                                                         "params": gathered_parameters(module.model, False)}
     for name, case in args["cases"].items():
         losses, ckpt_path = [], None
         if "resume_after" in case:
@@ -158,3 +167,15 @@ def test_global_counts_never_read_past_the_batches_that_train(results: list[dict
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected_losses), rtol=1e-5, atol=0)
         error = relative_update_error(initial, expected, got["params"])
         assert error < 1e-4, f"rank {rank}: the optimizer steps vs one process, relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("step", LIMITED_RESUMES)
+def test_a_run_resumed_around_a_short_step_equals_the_uninterrupted_one(results: list[dict[str, Any]],
+                                                                      step: int) -> None:
+    expected_losses, expected = reference_global_training(dp_size=1, batches=LIMITED_BATCHES, epochs=2)
+    initial = {n: p.detach() for n, p in tiny_llama().named_parameters()}
+    for rank, result in enumerate(results):
+        got = result[f"limited_resumed_after_step_{step}"]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected_losses), rtol=1e-5, atol=0)
+        error = relative_update_error(initial, expected, got["params"])
+        assert error < 1e-4, f"rank {rank}, resumed after step {step}: relative weight-update error {error:.2e}"
