@@ -422,7 +422,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
         """As DDP's, but the mean of an integer tensor in float64: Lightning averages its integer batch-size sums of
         ``self.log(..., sync_dist=True)`` that way, and DDP's mean would truncate them where the ranks' sums differ
         (an evaluation whose repeated rows weigh 0, see :meth:`repeated_rows`)."""
-        if isinstance(tensor, Tensor) and not tensor.is_floating_point() and str(reduce_op).lower() in ("mean", "avg"):
+        mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+        if mean and isinstance(tensor, Tensor) and not tensor.is_floating_point():
             tensor = tensor.double()
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
