@@ -24,6 +24,7 @@ from lightning_ulysses.memory import (
 )
 from lightning_ulysses.metrics import Perplexity, TokenAccuracy, TokenCrossEntropy
 from lightning_ulysses.model import CausalLM, WarmupCosine
+from lightning_ulysses.model_checkpoint import ModelCheckpoint
 from lightning_ulysses.offload import ActivationOffload
 from lightning_ulysses.hf import (
     UnsupportedModelError,
@@ -46,6 +47,7 @@ __all__ = [
     "HeadLayout",
     "LongTextDataModule",
     "MemoryOptions",
+    "ModelCheckpoint",
     "Perplexity",
     "PredictionWriter",
     "PreferenceDataModule",

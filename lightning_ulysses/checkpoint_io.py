@@ -229,6 +229,15 @@ def _file_problem(file: Path) -> str | None:
     return f"its entry {damaged} fails its CRC-32 check (corrupted)" if damaged else None
 
 
+def checkpoint_file_problem(file: Path) -> str | None:
+    """What stops a single-file checkpoint (``torch.save``'s zip archive, as Lightning writes one without DeepSpeed)
+    from loading, read from its zip structure alone (nothing is unpickled), or ``None``."""
+    with open(file, "rb") as handle:
+        if handle.read(len(_ZIP_MAGIC)) != _ZIP_MAGIC:
+            return "not a checkpoint (a checkpoint file is the zip archive torch.save writes)"
+    return _file_problem(file)
+
+
 def check_integrity(checkpoint_dir: str | Path, pointer: str = POINTER) -> None:
     """Raise :class:`CorruptCheckpointError` naming every damaged file of ``checkpoint_dir``, before anything is
     loaded. Inside a distributed job it is a collective (the ranks split the files and agree); otherwise the

@@ -46,7 +46,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 STDLIB = "stdlib"
-"""The ``paths`` value that stands for the Python standard library's ``*.py`` files."""
+"""The ``paths`` value that stands for the Python standard library's own files (:func:`standard_library_files`)."""
+
+THIRD_PARTY_FOLDERS = frozenset({"site-packages", "dist-packages"})
+"""Where packages are installed inside the interpreter's library folder: not the standard library."""
 
 BYTE = "byte"
 """The ``tokenizer`` value that stands for :func:`byte_tokenizer`."""
@@ -66,12 +69,14 @@ def byte_tokenizer() -> PreTrainedTokenizerBase:
 def find_text_files(paths: Sequence[str], pattern: str) -> list[Path]:
     """Every file matched by ``paths`` (files, or folders searched recursively for ``pattern``), sorted.
 
-    ``"stdlib"`` stands for the standard library folder of the running Python.
+    ``"stdlib"`` stands for the standard library's files (:func:`standard_library_files`).
     """
     files: set[Path] = set()
     for entry in paths:
-        path = Path(sysconfig.get_paths()["stdlib"] if entry == STDLIB else entry).expanduser()
-        if path.is_file():
+        path = Path(entry).expanduser()
+        if entry == STDLIB:
+            files.update(standard_library_files(pattern))
+        elif path.is_file():
             files.add(path)
         elif path.is_dir():
             files.update(p for p in path.rglob(pattern) if p.is_file())
@@ -80,6 +85,15 @@ def find_text_files(paths: Sequence[str], pattern: str) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"No file in {list(paths)} matches {pattern!r}. Change data.paths or data.pattern.")
     return sorted(files)
+
+
+def standard_library_files(pattern: str) -> list[Path]:
+    """The files of the standard library that match ``pattern``, sorted: the base interpreter's library folder
+    (``sysconfig``'s ``stdlib``, also from inside a virtual environment) without its ``site-packages`` /
+    ``dist-packages``, whose third-party packages differ from machine to machine."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(path for path in root.rglob(pattern)
+                  if path.is_file() and not THIRD_PARTY_FOLDERS.intersection(path.relative_to(root).parts))
 
 
 def read_text_files(files: Sequence[Path]) -> tuple[dict[Path, str], list[Path]]:
@@ -175,7 +189,7 @@ class LongTextDataModule(L.LightningDataModule):
 
     Args:
         paths: files or folders (searched recursively for ``pattern``); ``"stdlib"`` is the Python
-            standard library's source folder (the default corpus: present on every machine).
+            standard library's own files (the default corpus: the same on every machine with this Python version).
         pattern: glob for files inside folders. Files that are not UTF-8 text are skipped with a warning.
         tokenizer: ``"byte"`` (:func:`byte_tokenizer`, 259 ids) or the path of a local Hugging Face tokenizer.
         seq_len: tokens per sample (before the strategy pads it to a multiple of ``sp_size`` and

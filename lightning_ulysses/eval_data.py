@@ -28,6 +28,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.utils.data import DistributedSampler
 
+from lightning_ulysses.sp_loaders import index_batch_sampler
+
 DUPLICATES_KEY = "_ulysses_duplicate_rows"
 """Batch entry (added by :class:`MarkDuplicates`, removed by the strategy): ``[B]`` bool, True for a repeated sample."""
 
@@ -38,8 +40,7 @@ def pad_over_dp_ranks(loader: Any) -> Any:
     Lightning's predict sampler (no repeats) is replaced in place by its padded counterpart, in the batch sampler
     that the loader iterates.
     """
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    inner = batch_sampler._batch_sampler if isinstance(batch_sampler, _IndexBatchSamplerWrapper) else batch_sampler
+    inner = index_batch_sampler(loader)
     sampler = getattr(inner, "sampler", None)
     if isinstance(sampler, UnrepeatedDistributedSamplerWrapper):
         sampler = DistributedSamplerWrapper(

@@ -4,7 +4,9 @@ What it adds to :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`:
 
 * the ``[dp, sp]`` process grid (:mod:`lightning_ulysses.topology`) with an SP and a DP group per rank;
 * data: the distributed sampler runs over ``dp_rank / dp_size``, so the ``sp_size`` ranks of an SP
-  group see the same samples and one epoch has the step count of DDP on ``dp_size`` ranks; the training
+  group see the same samples and one epoch has the step count of DDP on ``dp_size`` ranks; a loader's own
+  ``DistributedSampler`` over the world is moved onto the DP ranks, workers are seeded by DP rank, and every
+  batch is checked to be the same across the SP group (:mod:`lightning_ulysses.sp_loaders`); the training
   loader resumes inside an epoch (:mod:`lightning_ulysses.resume`);
 * every batch is padded, positioned, labelled and cut to this rank's ``[B, N / sp]`` shard
   (:mod:`lightning_ulysses.sharding`) on its way to the device; evaluation and prediction run the same
@@ -45,6 +47,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
+from lightning.fabric.utilities.data import _auto_add_worker_init_fn
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.fabric.strategies import _StrategyRegistry
@@ -72,6 +75,7 @@ from lightning_ulysses.hf.mixers import register_mixer_weights_for_zero3
 from lightning_ulysses.preemption import PreemptionSignals
 from lightning_ulysses.resume import ResumableLoader, is_resumable, rewind_to_step_boundary
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
+from lightning_ulysses.sp_loaders import check_sp_group_agreement, sampler_over_dp_ranks
 from lightning_ulysses.topology import SequenceParallelTopology, auto_ring_size, divisors
 
 log = logging.getLogger(__name__)
@@ -332,6 +336,10 @@ class UlyssesStrategy(DeepSpeedStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer
+        sampler_over_dp_ranks(dataloader, self.topology, _loader_name(trainer))
+        # seed_everything(workers=True): seeded by DP rank, on the loader itself (Lightning seeds what this returns, by
+        # global rank, and would give the SP ranks of a group different augmentations; see lightning_ulysses.sp_loaders)
+        _auto_add_worker_init_fn(dataloader, self.dp_rank)
         if not trainer.training:
             return pad_over_dp_ranks(dataloader)
         if is_resumable(dataloader):
@@ -354,6 +362,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
             if DUPLICATES_KEY in batch:
                 self._repeated_rows = batch.pop(DUPLICATES_KEY)
         batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self.sp_size > 1:
+            loader_name = _loader_name(self.lightning_module.trainer, dataloader_idx)
+            check_sp_group_agreement(batch, self.sp_group, device or self.root_device, loader_name)
         batch = shard_batch(prepare_batch(batch, self.sp_size, self.ring_size), self.sp_rank, self.sp_size, self.ring_size)
         if self._repeated_rows is not None:  # repeated to even out the DP ranks: no token of theirs counts
             batch["shift_labels"][self._repeated_rows.to(batch["shift_labels"].device)] = IGNORE_INDEX
@@ -570,6 +581,13 @@ def _resume_hint(trainer: Any) -> str:
     if not last or trainer.state.fn != TrainerFn.FITTING:
         return "Resume from the last checkpoint the run saved (ckpt_path)."
     return f"Resume from the last checkpoint with --ckpt_path {last} (ckpt_path={last!r})."
+
+
+def _loader_name(trainer: Any, dataloader_idx: int = 0) -> str:
+    """The hook that made the loader of the running stage, e.g. ``"train_dataloader"``, for messages."""
+    stage = trainer.state.stage
+    name = f"{stage.dataloader_prefix}_dataloader" if stage is not None else "dataloader"
+    return f"{name} (dataloader_idx={dataloader_idx})" if dataloader_idx else name
 
 
 def compute_dtype(precision: str) -> torch.dtype:

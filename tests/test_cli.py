@@ -3,9 +3,10 @@ docs/ run as written.
 
 The quickstart test runs the README's commands in order, exactly as a user does (Lightning starts the second
 process itself by re-running the command), shrunk on the command line: ``--print_config > my.yaml`` and ``fit
---config my.yaml``; the resume with a larger ``max_steps`` (the learning rate continues the saved schedule); the
-conversion and the one-process resume; ``validate`` and ``predict`` from the checkpoint (into the run's folder);
-``export`` (loaded with ``from_pretrained``, its validation loss equals the run's). Bad configs are refused before
+--config my.yaml``; the resume with a larger ``max_steps`` (the learning rate continues the saved schedule), into
+the new run folder it prints, which the rest acts on: ``validate`` and ``predict`` from its checkpoint (into its
+folder); ``export`` (loaded with ``from_pretrained``, its validation loss equals the run's, ``generate`` stops at the
+end token); the conversion and the one-process resume. Bad configs are refused before
 any process starts, in one line naming the key; Ctrl-C saves a checkpoint that the printed command resumes.
 """
 
@@ -227,6 +228,8 @@ def test_bad_configs_are_refused_before_any_process_starts(
     assert "data.batch_size=0" in line and "--data.batch_size 1" in line
     line = refusal(capsys, monkeypatch, *quickstart, "--ckpt_path", "no/such/checkpoint")
     assert "ckpt_path='no/such/checkpoint' does not exist" in line
+    line = refusal(capsys, monkeypatch, *quickstart, "--ckpt_path", "configs/quickstart.yaml")  # not a checkpoint
+    assert "ckpt_path='configs/quickstart.yaml': not a checkpoint" in line and "weights_only" not in line
     line = refusal(capsys, monkeypatch, "test", "--config", str(REPO_ROOT / "configs/quickstart.yaml"),
                    "--data", "tests.test_cli.TrainOnlyData")
     assert "TrainOnlyData has no test_dataloader(), so it has no split for test" in line
@@ -259,9 +262,24 @@ def test_no_logger_writes_no_config_into_the_working_directory(
     assert not (tmp_path / "config.yaml").exists(), "a run without a logger wrote config.yaml into the working directory"
 
 
+def readme_follow_up_block() -> list[str]:
+    """The README's block after the quickstart (the one that sets ``R``), one entry per command or assignment."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(R=runs/quickstart/.*?)```", readme, re.DOTALL)[1]
+    return [line.split("#")[0].strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
 def test_quickstart_commands_as_documented(
     capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    # the README's follow-up block, in the order this test runs it: resume, then R is the resumed run for the rest
+    block = readme_follow_up_block()
+    assert [line.split()[:2] for line in block] == [
+        ["R=runs/quickstart/version_0"], ["lightning-ulysses", "fit"], ["R=runs/quickstart/version_1"],
+        ["lightning-ulysses", "validate"], ["lightning-ulysses", "predict"], ["lightning-ulysses", "export"],
+        ["lightning-ulysses", "convert-checkpoint"], ["lightning-ulysses", "fit"],
+    ], block
+    assert all("$R/" in line or line.startswith(("R=", "lightning-ulysses export $R ")) for line in block), block
     shrink = [
         "--trainer.max_steps", "8", "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "2",
         "--trainer.log_every_n_steps", "1", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
@@ -288,30 +306,57 @@ def test_quickstart_commands_as_documented(
     check_integrity(checkpoint)  # a committed DeepSpeed checkpoint, every file whole
 
     # the README's resume, with a larger max_steps: the learning rate continues the schedule saved in the checkpoint
-    # (which ended at step 8: its final rate), and the run says so. Rebuilt for 10 steps it would be 4.6e-4 at step 8.
+    # (which ended at step 8: its final rate), and the run says so. Rebuilt for 12 steps it would be 6.6e-4 at step 8.
     resumed_run = run_cli("fit", "--config", str(run / "config.yaml"), "--ckpt_path", str(checkpoint),
-                          "--trainer.max_steps", "10")
+                          "--trainer.max_steps", "12")
+    # it writes a new run folder and says which, at its start and its end; the README sets R to it
+    said = re.findall(r"^.*Run folder (\S+): (.*)$", resumed_run.stdout + resumed_run.stderr, re.MULTILINE)
+    assert len(said) == 2, said
     resumed = tmp_path / "runs" / "quickstart" / "version_1"
-    assert [step for step, _ in logged(resumed, "train_loss")] == [8, 9], "the resumed run did not continue at step 8"
+    assert [Path(folder) for folder, _ in said] == [resumed, resumed]
+    assert said[0][1] == f"config.yaml, metrics.csv; checkpoints in {resumed / 'checkpoints'}"
+    assert said[1][1] == f"ended at global step 12; latest checkpoint {resumed / 'checkpoints' / 'last.ckpt'}"
+    assert [step for step, _ in logged(resumed, "train_loss")] == [8, 9, 10, 11], "not continued at step 8"
     lrs = [lr for _, lr in logged(resumed, "lr-AdamW/pg1")]
-    assert lrs == pytest.approx([0.002 * 0.1] * 2, rel=1e-6), lrs
-    assert "decays over 8 optimizer steps; this run ends at step 10" in resumed_run.stderr
-    assert "--model.lr_schedule_steps 10" in resumed_run.stderr
-    assert "step 10/10" in resumed_run.stdout
+    assert lrs == pytest.approx([0.002 * 0.1] * 4, rel=1e-6), lrs
+    assert "decays over 8 optimizer steps; this run ends at step 12" in resumed_run.stderr
+    assert "--model.lr_schedule_steps 12" in resumed_run.stderr
+    assert "step 12/12" in resumed_run.stdout
+    R, checkpoint = resumed, resumed / "checkpoints" / "last.ckpt"  # R=runs/quickstart/version_1
+    (_, resumed_val_loss), = logged(R, "val_loss")  # at step 12
+
+    # validate and predict from the resumed run's checkpoint write into its folder, not a new version_N
+    run_cli("validate", "--config", str(R / "config.yaml"), "--ckpt_path", str(checkpoint))
+    (_, validated), = logged(R / "validate", "val_loss")
+    assert validated == pytest.approx(resumed_val_loss, rel=1e-5)  # the step-12 validation, on the same weights
+    predicted = run_cli("predict", "--config", str(R / "config.yaml"), "--ckpt_path", str(checkpoint))
+    predictions = torch.load(R / "predict" / "predictions.pt")
+    assert f"to {R / 'predict' / 'predictions.pt'}" in predicted.stdout
+    first = predictions["predictions"][0]
+    assert first["token_log_probs"].shape == first["input_ids"].shape == (4, 256)
+    assert (first["token_log_probs"][:, :-1] < 0).all()  # every next token scored
+
+    # export: a from_pretrained folder of step 12; its validation loss (one process, without this package) is the run's
+    exported = tmp_path / "model"
+    main(["export", str(R), str(exported)])
+    assert f"Wrote {exported}: the model of {checkpoint} (global step 12)" in capsys.readouterr().out
+    assert_export_equals_the_run(exported, R, validated)
 
     # the 2-process checkpoint, converted, resumes on 1 process (tied embeddings, AdamW)
-    universal = run / "checkpoints" / "last-universal"
+    universal = R / "checkpoints" / "last-universal"
     main(["convert-checkpoint", str(checkpoint), str(universal)])
-    assert f"Wrote {universal}: a universal copy of {checkpoint} (global step 8" in capsys.readouterr().out
+    assert f"Wrote {universal}: a universal copy of {checkpoint} (global step 12" in capsys.readouterr().out
     one_process = ["--trainer.devices", "1", "--trainer.strategy.init_args.sp_size", "1"]
-    line = refusal(capsys, monkeypatch, "fit", "--config", str(run / "config.yaml"), "--ckpt_path", str(universal),
+    line = refusal(capsys, monkeypatch, "fit", "--config", str(R / "config.yaml"), "--ckpt_path", str(universal),
                    *one_process)  # the saved config's max_steps is reached: it says so and how to go on
-    assert "saved at global step 8 and trainer.max_steps=8: nothing is left to train" in line
-    assert "--trainer.max_steps 16" in line
-    run_cli("fit", "--config", str(run / "config.yaml"), "--ckpt_path", str(universal), *one_process,
-            "--trainer.max_steps", "10")
+    assert "saved at global step 12 and trainer.max_steps=12: nothing is left to train" in line
+    assert "--trainer.max_steps 24" in line
+    run_cli("fit", "--config", str(R / "config.yaml"), "--ckpt_path", str(universal), *one_process,
+            "--trainer.max_steps", "14")
     steps = [step for step, _ in logged(tmp_path / "runs" / "quickstart" / "version_2", "train_loss")]
-    assert steps == [8, 9], f"the converted checkpoint did not continue at step 8 on one process: {steps}"
+    assert steps == [12, 13], f"the converted checkpoint did not continue at step 12 on one process: {steps}"
+    folders = sorted(path.name for path in (tmp_path / "runs" / "quickstart").iterdir())
+    assert folders == ["version_0", "version_1", "version_2"]
 
     # a damaged shard is refused before any process starts, naming the file
     damaged = tmp_path / "damaged.ckpt"
@@ -319,27 +364,9 @@ def test_quickstart_commands_as_documented(
     shard = next(damaged.glob("*/zero_pp_rank_1_mp_rank_00_optim_states.pt"))
     with open(shard, "r+b") as file:
         file.truncate(shard.stat().st_size // 2)
-    line = refusal(capsys, monkeypatch, "fit", "--config", str(run / "config.yaml"), "--ckpt_path", str(damaged),
-                   "--trainer.max_steps", "10")
+    line = refusal(capsys, monkeypatch, "fit", "--config", str(R / "config.yaml"), "--ckpt_path", str(damaged),
+                   "--trainer.max_steps", "14")
     assert f"{shard}: truncated" in line
-
-    # validate and predict from the checkpoint write into the run's folder, not a new version_N
-    run_cli("validate", "--config", str(run / "config.yaml"), "--ckpt_path", str(checkpoint))
-    (_, validated), = logged(run / "validate", "val_loss")
-    assert validated == pytest.approx(val_losses[-1], rel=1e-5)  # the run's last validation, on the same weights
-    predicted = run_cli("predict", "--config", str(run / "config.yaml"), "--ckpt_path", str(checkpoint))
-    predictions = torch.load(run / "predict" / "predictions.pt")
-    assert f"to {run / 'predict' / 'predictions.pt'}" in predicted.stdout
-    first = predictions["predictions"][0]
-    assert first["token_log_probs"].shape == first["input_ids"].shape == (4, 256)
-    assert (first["token_log_probs"][:, :-1] < 0).all()  # every next token scored
-    assert sorted(path.name for path in (tmp_path / "runs" / "quickstart").iterdir()) == ["version_0", "version_1", "version_2"]
-
-    # export: a from_pretrained folder whose validation loss, on one process without this package, is the run's
-    exported = tmp_path / "model"
-    main(["export", str(run), str(exported)])
-    assert f"Wrote {exported}" in capsys.readouterr().out
-    assert_export_equals_the_run(exported, run, validated)
 
 
 def assert_export_equals_the_run(exported: Path, run: Path, val_loss: float) -> None:
@@ -361,6 +388,27 @@ def assert_export_equals_the_run(exported: Path, run: Path, val_loss: float) -> 
         from transformers import AutoTokenizer
 
         assert AutoTokenizer.from_pretrained(exported)("def f():")["input_ids"] == data.tokenizer("def f():")["input_ids"]
+    assert_generation_stops_at(exported, data.tokenizer.eos_token_id)  # ByT5's </s>, 1
+
+
+def assert_generation_stops_at(exported: Path, end_token_id: int) -> None:
+    """The exported folder as transformers loads it: the special ids of its config are its tokenizer's, and
+    ``generate`` stops at the end token (forced as the third new token, after two others: a model trained for a
+    few steps seldom writes it by itself)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(exported), AutoTokenizer.from_pretrained(exported)
+    special = ("bos_token_id", "eos_token_id", "pad_token_id")
+    assert [getattr(model.config, key) for key in special] == [getattr(tokenizer, key) for key in special]
+    prompt = tokenizer("2+2=", add_special_tokens=False, return_tensors="pt")
+    start = prompt["input_ids"].shape[1]
+    others = [i for i in range(len(tokenizer)) if i != end_token_id]
+
+    def allowed(batch_id: int, ids: torch.Tensor) -> list[int]:
+        return [end_token_id] if len(ids) >= start + 2 else others
+
+    out = model.generate(**prompt, max_new_tokens=10, do_sample=False, prefix_allowed_tokens_fn=allowed)
+    assert out[0, start:].tolist()[-1] == end_token_id and out.shape[1] == start + 3, out[0, start:].tolist()
 
 
 def test_sft_export_holds_what_the_dpo_quickstart_loads(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
@@ -383,6 +431,23 @@ def test_sft_export_holds_what_the_dpo_quickstart_loads(capsys: pytest.CaptureFi
     assert dpo["model"]["init_args"]["model"] == dpo["data"]["init_args"]["tokenizer"] == "runs/sft_model"
     module = CausalLM(model=str(exported), pretrained=True, vocab_size=len(sft.tokenizer))
     module.configure_model()  # refuses a folder that lacks or mismatches any weight
+    assert_generation_stops_at(exported, sft.tokenizer.convert_tokens_to_ids("<|im_end|>"))  # the chat's end, 256
+
+
+def test_export_stops_generation_at_the_end_of_a_turn_that_is_not_eos() -> None:
+    """A chat template that ends the assistant's turn in its own token (as Llama 3's <|eot_id|>, not its eos):
+    the exported generation config ends at both, the config keeps the tokenizer's eos."""
+    from lightning_ulysses.cli.commands import _set_special_token_ids
+    from lightning_ulysses.finetune.tokenizer import byte_chat_tokenizer
+    from tests.tiny import tiny_llama
+
+    tokenizer = byte_chat_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|eot|>"]})
+    tokenizer.chat_template = tokenizer.chat_template.replace("<|im_end|>", "<|eot|>")
+    model = tiny_llama(vocab_size=len(tokenizer))
+    _set_special_token_ids(model, tokenizer)
+    eos, eot = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|eot|>")
+    assert eot != eos and model.generation_config.eos_token_id == [eos, eot] and model.config.eos_token_id == eos
 
 
 def test_ctrl_c_saves_a_checkpoint_that_the_printed_command_resumes(tmp_path: Path) -> None:

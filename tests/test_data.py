@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import sysconfig
 import warnings
 from pathlib import Path
@@ -202,8 +203,23 @@ def test_data_modules_refuse_an_empty_micro_batch_when_built(module: str) -> Non
 
 
 def test_default_corpus_is_the_standard_library() -> None:
+    """The standard library alone, the same list on every machine with this Python: every top-level module of the
+    files is a standard one, every standard module with a source file is there, nothing from site-packages (whose
+    third-party packages made most of the interpreter's library folder), sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
     files = find_text_files(["stdlib"], "*.py")
-    assert len(files) > 100 and any(f.name == "os.py" for f in files)
+    assert files == sorted(files) and any(f.name == "os.py" for f in files)
+    third_party = [f for f in files if {"site-packages", "dist-packages"} & set(f.relative_to(root).parts)]
+    assert not third_party, f"{len(third_party)} of {len(files)} files are installed packages, e.g. {third_party[:3]}"
+    top_level = {f.relative_to(root).parts[0].removesuffix(".py") for f in files}
+    # besides the modules: the test suite, the frozen-module samples, the build's sysconfig data and Makefile folder
+    extras = ("test", "__hello__", "__phello__")
+    not_modules = {name for name in top_level - set(sys.stdlib_module_names)
+                   if name not in extras and not name.startswith(("_sysconfigdata", "config-"))}
+    assert not not_modules, f"not standard-library modules: {sorted(not_modules)}"
+    with_sources = {name for name in sys.stdlib_module_names if (root / f"{name}.py").is_file()
+                    or (root / name / "__init__.py").is_file()}
+    assert with_sources <= top_level, sorted(with_sources - top_level)
 
 
 def test_bad_data_paths_fail_with_what_to_change(tmp_path: Path) -> None:

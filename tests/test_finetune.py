@@ -355,6 +355,7 @@ def dpo_worker(args: dict[str, Any]) -> dict[str, Any]:
         trainer.fit(module, data)
         prefix = "val" if odd_val else "train"  # the validation at the epoch's end sees the final weights
         results[name] = {key: trainer.callback_metrics[f"{prefix}_{key}"].item() for key in DPO_METRICS}
+        results[name]["console"] = sorted(trainer.progress_bar_metrics)  # what the progress lines show
         results[name]["params"] = gathered_parameters(module.model, case["stage"] == 3)
         results[name]["reference"] = gathered_parameters(module.reference, case["stage"] == 3)
     return results
@@ -431,6 +432,7 @@ def test_dpo_under_sp_equals_one_process(dpo_results: list[dict[str, Any]], dpo_
         error = relative_update_error(initial, expected, got["params"])
         assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
         assert all(torch.equal(got["reference"][n], initial[n]) for n in initial), "the reference model changed"
+        assert "train_loss" in got["console"], got["console"]
 
 
 def test_dpo_validation_counts_each_pair_once_over_dp_ranks(dpo_results: list[dict[str, Any]],

@@ -25,8 +25,9 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelSummary, ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
 
-from lightning_ulysses.cli.checks import ConfigError, check_config, run_folder_of
+from lightning_ulysses.cli.checks import ConfigError, check_checkpoint_file, check_config, run_folder_of
 from lightning_ulysses.cli.commands import COMMANDS, command_parser, run_command
+from lightning_ulysses.cli.run_folder import RunFolderReport
 from lightning_ulysses.cli.summary import ModelSummaryWithoutFlops
 from lightning_ulysses.prediction import PredictionWriter
 from lightning_ulysses.progress import progress_bar
@@ -75,15 +76,24 @@ class UlyssesCLI(LightningCLI):
         for name, function in COMMANDS.items():  # listed in --help; main() runs them without LightningCLI
             parser._subcommands_action.add_subcommand(name, command_parser(name, function), help=function.__doc__.splitlines()[0])
 
+    def _parse_ckpt_path(self) -> None:
+        """Lightning unpickles a file ``ckpt_path`` here for its hyperparameters, before any check: a file that is
+        no checkpoint is refused first, in one line."""
+        if self.config.get("subcommand"):
+            check_checkpoint_file(self.config[self.config.subcommand].get("ckpt_path"))
+        super()._parse_ckpt_path()
+
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_config(self.subcommand, config)
+        _keep_last_checkpoint_current(config.trainer)
         if self.subcommand in ("validate", "test", "predict"):
             _log_into_the_run(config, self.subcommand)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
         """The Trainer, with the progress bar of :func:`~lightning_ulysses.progress.progress_bar` and the model summary
-        of :mod:`~lightning_ulysses.cli.summary`, unless the config disables them or names its own."""
+        of :mod:`~lightning_ulysses.cli.summary`, unless the config disables them or names its own, and the lines
+        that say where a fit writes (:class:`~lightning_ulysses.cli.run_folder.RunFolderReport`)."""
         configured = config.get("callbacks") or []
         configured = [*(configured if isinstance(configured, list) else [configured]), *callbacks]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in configured):
@@ -91,11 +101,21 @@ class UlyssesCLI(LightningCLI):
         if config.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in configured):
             callbacks = [*callbacks, ModelSummaryWithoutFlops()]
             config["enable_model_summary"] = False  # else Lightning announces that it skips its own summary
-        return super()._instantiate_trainer(config, callbacks)
+        return super()._instantiate_trainer(config, [*callbacks, RunFolderReport()])
 
     def before_predict(self) -> None:
         if not any(isinstance(callback, PredictionWriter) for callback in self.trainer.callbacks):
             self.trainer.callbacks.append(PredictionWriter())
+
+
+def _keep_last_checkpoint_current(trainer: Any) -> None:
+    """Lightning's ``ModelCheckpoint`` named in a config runs as :class:`lightning_ulysses.ModelCheckpoint` (the same
+    arguments), whose ``last.ckpt`` is always the latest step (Lightning's keeps an older one when a validation is not
+    the best)."""
+    callbacks = trainer.get("callbacks") or []
+    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+        if getattr(callback, "class_path", None) == "lightning.pytorch.callbacks.ModelCheckpoint":
+            callback.class_path = "lightning_ulysses.ModelCheckpoint"
 
 
 def _log_into_the_run(config: Any, command: str) -> None:

@@ -17,7 +17,7 @@ import lightning as L
 
 from lightning_ulysses.attention import resolve_attn_implementation
 from lightning_ulysses.checkpoint import UNIVERSAL_LATEST, is_universal_checkpoint, saved_global_step
-from lightning_ulysses.checkpoint_io import POINTER, check_integrity
+from lightning_ulysses.checkpoint_io import POINTER, check_integrity, checkpoint_file_problem
 from lightning_ulysses.strategy import UlyssesStrategy
 from lightning_ulysses.topology import SequenceParallelTopology
 
@@ -130,11 +130,24 @@ def _check_layout(sp_size: Any, world_size: int | None) -> None:
         raise ConfigError(f"trainer.strategy.init_args.sp_size={sp_size}: {error}") from None
 
 
+def check_checkpoint_file(ckpt_path: str | None) -> None:
+    """Refuse a ``ckpt_path`` file that is not a whole checkpoint (``torch.save``'s archive), read without unpickling
+    anything; folders (UlyssesStrategy's checkpoints) and Lightning's keywords pass."""
+    if ckpt_path is None or ckpt_path in LIGHTNING_CKPT_NAMES or not Path(ckpt_path).is_file():
+        return
+    if problem := checkpoint_file_problem(Path(ckpt_path)):
+        raise ConfigError(
+            f"ckpt_path={ckpt_path!r}: {problem}. Give a checkpoint that a run saved, e.g. "
+            "runs/<name>/version_N/checkpoints/last.ckpt (under UlyssesStrategy a folder)."
+        )
+
+
 def _check_checkpoint(subcommand: str | None, path: Path, max_steps: Any) -> None:
     if not path.exists():
         raise ConfigError(f"ckpt_path={str(path)!r} does not exist.")
     if not path.is_dir():
-        return  # a single file: Lightning loads and explains it
+        check_checkpoint_file(str(path))
+        return
     universal = is_universal_checkpoint(path)
     if universal and subcommand != "fit":
         raise ConfigError(

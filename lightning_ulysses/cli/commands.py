@@ -56,8 +56,10 @@ def export(checkpoint: str, output: str) -> None:
             f"export writes the transformers model that the LightningModule holds as .model; {type(module).__name__} "
             "has none. Call lightning_ulysses.export_hf_model with your model and its prefix."
         )
-    export_hf_model(ckpt, model, output)
     tokenizer = getattr(built.data, "tokenizer", None)
+    if tokenizer is not None:
+        _set_special_token_ids(model, tokenizer)
+    export_hf_model(ckpt, model, output)
     if hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(output)
         tokenizer_note = " and its tokenizer"
@@ -67,6 +69,25 @@ def export(checkpoint: str, output: str) -> None:
         f"Wrote {output}: the model of {ckpt} (global step {saved_global_step(ckpt)}){tokenizer_note}. Load it with "
         f"AutoModelForCausalLM.from_pretrained({str(output)!r})."
     )
+
+
+def _set_special_token_ids(model: Any, tokenizer: Any) -> None:
+    """The beginning, end and padding ids of the tokenizer the run trained with, in the model's config and its
+    generation config (the config of a model built from ``model_type`` has its family's defaults, e.g. Llama's
+    ``bos 1, eos 2``); ``generate`` also stops at the end of an assistant turn, as HF chat models' configs say with
+    a list of end ids."""
+    from lightning_ulysses.finetune.templates import turn_end_token_id
+
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.pad_token_id}
+    generation = getattr(model, "generation_config", None)  # None for a model that cannot generate
+    for key, value in ids.items():
+        for config in (model.config, generation):
+            if config is not None:
+                setattr(config, key, value)
+    if generation is not None:
+        ends = list(dict.fromkeys(i for i in (tokenizer.eos_token_id, turn_end_token_id(tokenizer)) if i is not None))
+        generation.eos_token_id = ends[0] if len(ends) == 1 else ends or None
 
 
 def _run_and_checkpoint(path: Path) -> tuple[Path, Path]:

@@ -128,8 +128,9 @@ class DPO(CausalLM):
         pairs = int(counted.sum())
         # every SP rank holds the same values; Lightning averages the batches of all DP groups weighted by batch_size:
         # the mean over every counted pair (a batch of repeats logs 0 with weight 0)
-        means = {f"{prefix}_{k}": (v * counted.to(v.device)).sum() / max(pairs, 1) for k, v in per_pair.items()}
-        self.log_dict(means, sync_dist=True, batch_size=pairs)
+        for key, value in per_pair.items():  # the loss also on the console's progress lines, as CausalLM's
+            mean = (value * counted.to(value.device)).sum() / max(pairs, 1)
+            self.log(f"{prefix}_{key}", mean, prog_bar=key == "loss", sync_dist=True, batch_size=pairs)
         return losses.mean()
 
     def _counted_pairs(self, batch_size: int) -> Tensor:

@@ -75,6 +75,22 @@ def tokenize_prompt_completion(tokenizer: PreTrainedTokenizerBase, prompt: str, 
     return ids, [IGNORE_INDEX] * first + ids[first:]
 
 
+def turn_end_token_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The special token with which the chat template ends an assistant turn (``<|im_end|>`` in ChatML, Llama 3's
+    ``<|eot_id|>``): the first special token among the labelled tokens of a one-turn chat's answer, where ``generate``
+    must stop. ``None`` for a tokenizer without a chat template, one whose turns end in no special token, or one
+    whose assistant turns cannot be located."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    chat = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]
+    try:
+        ids, labels = tokenize_conversation(tokenizer, chat, first_labelled=1)
+    except TemplateError:
+        return None
+    special = set(tokenizer.all_special_ids)
+    return next((i for i, label in zip(ids, labels) if label != IGNORE_INDEX and i in special), None)
+
+
 def chat_template_of(tokenizer: PreTrainedTokenizerBase) -> str:
     template = tokenizer.chat_template
     if isinstance(template, dict):  # named templates: the default one renders conversations

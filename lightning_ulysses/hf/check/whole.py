@@ -17,6 +17,7 @@ from lightning_ulysses.hf.check.findings import Finding, module_label
 from lightning_ulysses.hf.check.shard import close
 from lightning_ulysses.hf.check.tensors import Call, first_tensor, hooks, named_inputs, tensors_of
 from lightning_ulysses.attention.collectives import ring_layout
+from lightning_ulysses.attention.core import softmax_scale
 from lightning_ulysses.hf.interface import ULYSSES_ATTN_IMPLEMENTATION, LayerPlan, read_layer_call
 from lightning_ulysses.hf.masks import RecordedMasks, recording_mask_interface
 from lightning_ulysses.hf.patching import PatchState, sequence_parallel_disabled, unpatched
@@ -84,7 +85,7 @@ def token_local_attention(query: Tensor, key: Tensor, value: Tensor, scale: floa
     token attends only to itself, weighted by ``sigmoid(scale * q.k)`` so that the queries and keys still count."""
     group = query.shape[1] // key.shape[1]
     key, value = (t.repeat_interleave(group, dim=1) for t in (key, value))
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    scale = softmax_scale(query, scale)
     weight = torch.sigmoid(scale * (query * key).sum(-1, keepdim=True))
     return (value * weight).transpose(1, 2).contiguous()
 

@@ -1,0 +1,146 @@
+"""The ranks of an SP group hold the same rows: their loaders' samplers and workers, and a check of every batch.
+
+The ``sp_size`` ranks of an SP group split each sequence between them, so they must load the same rows in the same
+order; ranks that load different rows would train on a blend of different sequences without an error. Lightning's
+own distributed sampler runs over the DP ranks (``UlyssesStrategy.distributed_sampler_kwargs``), but a loader may
+bring its own:
+
+* a ``DistributedSampler(dataset)`` built in a ``*_dataloader`` hook over the whole world (as code written for DDP
+  does), which Lightning keeps. :func:`sampler_over_dp_ranks` replaces it by the same sampler over the DP ranks
+  (``num_replicas=dp_size, rank=dp_rank``, same dataset, shuffle, seed, ``drop_last`` and epoch) and says so;
+* anything else that depends on the global rank (a sampler of its own, an ``IterableDataset`` sharded or randomly
+  cropped by rank), which nothing can repair. :func:`check_sp_group_agreement` refuses it at its first batch.
+
+Worker seeding. With ``seed_everything(workers=True)`` Lightning seeds every loader worker from the worker's torch
+seed, its id and the global rank (``pl_worker_init_function``), so that DDP ranks draw different random
+augmentations. Under SP the ranks of a group must draw the same ones and DP groups different ones, so the strategy
+gives the loader Lightning's function with the DP rank in place of the global rank (at ``sp_size=1`` exactly
+Lightning's seeding), on the ``DataLoader`` itself, before wrapping it. The workers' torch seed is drawn from each
+process's default generator, which ``seed_everything`` sets alike on every rank; were it to differ within an SP
+group, the check below would stop the run.
+
+The check runs on every batch of every stage (training, validation, test, prediction) with ``sp_size > 1``, in
+``UlyssesStrategy.batch_to_device`` before the batch is cut into shards: one all-gather over the SP group of a
+5-number :func:`batch_fingerprint`, and one read of the gathered fingerprints on the host. On a mismatch every rank
+raises the same error, naming the loader and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.utils.data import DistributedSampler
+
+from lightning_ulysses.attention.collectives import gather_from_ranks
+from lightning_ulysses.sharding import SEQUENCE_KEYS
+from lightning_ulysses.topology import SequenceParallelTopology
+
+FINGERPRINT_SLOTS = ("entries present", *SEQUENCE_KEYS)
+"""What each number of :func:`batch_fingerprint` stands for."""
+
+
+def _int64(constant: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return constant - (1 << 64) if constant >= 1 << 63 else constant
+
+
+_GOLDEN, _MIX1, _MIX2 = (_int64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def index_batch_sampler(loader: Any) -> Any:
+    """The batch sampler that draws ``loader``'s indices (the one inside Lightning's index-recording wrapper when
+    predicting); None for loaders without one."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    return batch_sampler._batch_sampler if isinstance(batch_sampler, _IndexBatchSamplerWrapper) else batch_sampler
+
+
+def sampler_over_dp_ranks(loader: Any, topology: SequenceParallelTopology, loader_name: str) -> None:
+    """Replace, in place, a plain ``DistributedSampler`` over the whole world (``num_replicas == world_size``, this
+    rank's global rank) that ``loader``'s batch sampler draws from by the same sampler over the DP ranks."""
+    batch_sampler = index_batch_sampler(loader)
+    sampler = getattr(batch_sampler, "sampler", None)
+    if (
+        type(sampler) is not DistributedSampler  # a subclass may sample otherwise: the check judges it
+        or topology.sp_size == 1
+        or (sampler.num_replicas, sampler.rank) != (topology.world_size, topology.rank)
+    ):
+        return
+    over_dp = DistributedSampler(
+        sampler.dataset, num_replicas=topology.dp_size, rank=topology.dp_rank, shuffle=sampler.shuffle,
+        seed=sampler.seed, drop_last=sampler.drop_last,
+    )
+    over_dp.set_epoch(sampler.epoch)
+    # the batch sampler's is read at every iteration and by len(); DataLoader.sampler cannot be reassigned and keeps
+    # the old one, whose epoch Lightning sets along with this one's
+    batch_sampler.sampler = over_dp
+    rank_zero_info(
+        f"lightning-ulysses: the {loader_name}'s DistributedSampler runs over all {topology.world_size} ranks, which "
+        f"would give the {topology.sp_size} ranks of each SP group different rows; it now runs over the "
+        f"{topology.dp_size} DP ranks (num_replicas=dp_size, rank=dp_rank; same shuffle, seed and drop_last)."
+    )
+
+
+def _shift_right(x: Tensor, bits: int) -> Tensor:
+    """Logical right shift of int64 values (torch shifts arithmetically)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(x: Tensor) -> Tensor:
+    """splitmix64's finaliser on int64 values (wrapping arithmetic): a bijection that scatters nearby inputs."""
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
+def tensor_fingerprint(tensor: Tensor) -> Tensor:
+    """A 0-d int64 hash of ``tensor``'s values (as integers), their positions and its shape, without a host sync.
+
+    Each element is hashed with its flat position and the hashes are summed (addition modulo 2**64 does not depend
+    on the order of a parallel reduction), so rows that hold the same tokens in another order, or shifted by one
+    column, differ; a plain sum of the values would not tell them apart.
+    """
+    values = tensor.detach().reshape(-1).long()
+    positions = torch.arange(values.numel(), device=values.device)
+    fingerprint = _mix(values * _GOLDEN + positions).sum()
+    for size in tensor.shape:
+        fingerprint = _mix(fingerprint + size)
+    return fingerprint
+
+
+def batch_fingerprint(batch: Any, device: torch.device) -> Tensor:
+    """``[5]`` int64 on ``device``: a bit per present entry of ``SEQUENCE_KEYS``, then each entry's
+    :func:`tensor_fingerprint` (0 where absent); all zeros for a batch that is not a dict."""
+    fingerprint = torch.zeros(len(FINGERPRINT_SLOTS), dtype=torch.long, device=device)
+    if not isinstance(batch, Mapping):
+        return fingerprint  # prepare_batch refuses it on every rank
+    for slot, key in enumerate(SEQUENCE_KEYS, start=1):
+        if isinstance(batch.get(key), Tensor):
+            fingerprint[0] += 1 << slot
+            fingerprint[slot] = tensor_fingerprint(batch[key].to(device))
+    return fingerprint
+
+
+def check_sp_group_agreement(batch: Any, group: dist.ProcessGroup, device: torch.device, loader_name: str) -> None:
+    """Raise on every rank of the SP ``group`` unless all of them hold the same ``batch`` (a collective: every rank
+    of the group calls it for every batch)."""
+    fingerprints = torch.stack(gather_from_ranks(batch_fingerprint(batch, device), group)).tolist()
+    differing = [rank for rank, fingerprint in enumerate(fingerprints) if fingerprint != fingerprints[0]]
+    if not differing:
+        return
+    entries = [name for slot, name in enumerate(FINGERPRINT_SLOTS) if len({f[slot] for f in fingerprints}) > 1]
+    raise ValueError(
+        f"The {loader_name} gave the ranks of an SP group (global ranks {dist.get_process_group_ranks(group)}) "
+        f"different batches: {', '.join(entries)} of SP rank(s) {differing} differ from SP rank 0's. The ranks of an "
+        "SP group split each sequence between them and must load the same rows, but this loader picks its rows by "
+        "the global rank (a sampler of its own, an IterableDataset sharded or randomly cropped by rank, random "
+        "augmentation seeded by rank). Pick them by the data-parallel rank instead: DistributedSampler(dataset, "
+        "num_replicas=trainer.strategy.dp_size, rank=trainer.strategy.dp_rank), or shard an IterableDataset by "
+        "those; or leave the sampler to Lightning: a DataLoader without a distributed sampler of its own and "
+        "Trainer(use_distributed_sampler=True), the default. Every rank stops here, before this batch runs."
+    )
