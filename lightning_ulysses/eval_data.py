@@ -9,7 +9,9 @@ counts twice in the metrics; its predict sampler repeats nothing and leaves the 
 :func:`pad_over_dp_ranks` gives every evaluation and prediction loader that padded sampler and wraps it in
 :class:`MarkDuplicates`, which marks the repeated rows of each batch (always the last ones of a rank's stream).
 The strategy then masks their labels (``shift_labels = IGNORE_INDEX``), so token losses and the metrics of
-:mod:`lightning_ulysses.metrics` count every sample once, and drops their rows from ``predict_step``'s output,
+:mod:`lightning_ulysses.metrics` count every sample once, exposes them as ``UlyssesStrategy.repeated_rows``,
+gives Lightning the batch's real rows as the batch size that weighs values logged per evaluation batch (repeats
+weigh 0), and drops their rows from ``predict_step``'s output,
 from the batch that later hooks see and from the batch indices that prediction writers get
 (:func:`drop_rows`). Loaders whose sampler is not Lightning's distributed one are left as they are.
 """

@@ -182,7 +182,7 @@ class StepTokenCounts:
     Steps are grouped from where the epoch's iteration starts (its first batch, or the step boundary a
     checkpoint resumes at), as Lightning groups micro-batches, and never reach past the batches that the epoch
     trains: ``remaining_batches()``, read when the loop fetches the iteration's first batch, caps them
-    (``limit_train_batches``, a shorter last step at the end of a run)."""
+    (``limit_train_batches``; the epoch's last step is shorter when its length is not a multiple of ``accumulate``)."""
 
     def __init__(self, loader: Any, accumulate: int, remaining_batches: Callable[[], float]) -> None:
         self.loader = loader

@@ -25,8 +25,9 @@ under SP and DP against one process); use them freely there. These stay because 
 :class:`~lightning_ulysses.TiledLogits` (``tiled_loss``), where the ``[tokens, vocab]`` logits that torchmetrics
 needs never exist, and because the mean token loss itself has no torchmetrics counterpart.
 
-Do not pass an SP or DP ``process_group``: the sum must cover both. As with DDP, the distributed
-sampler repeats samples to even out the DP ranks when the dataset size is not a multiple of ``dp_size``.
+Do not pass an SP or DP ``process_group``: the sum must cover both. The samples that the distributed sampler
+repeats to even out the DP ranks (the dataset size not a multiple of ``dp_size``) reach the metrics with masked
+labels (:mod:`lightning_ulysses.eval_data`), so each sample counts once.
 """
 
 from __future__ import annotations

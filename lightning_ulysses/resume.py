@@ -13,8 +13,8 @@ step's first micro-batch. Lightning's own counters say otherwise there (its batc
 batch in flight, and it counts the micro-batches of an unfinished accumulation as done), so
 :func:`rewind_to_step_boundary` rewrites the saved loop progress to the last optimizer step, as if the
 checkpoint had been saved right after it. Steps fall on every ``accumulate_grad_batches``-th batch of an
-epoch (Lightning and DeepSpeed agree on that only when the epoch length is a multiple of it, which
-:func:`check_accumulation_windows` enforces).
+epoch and on its last batch, which ends a shorter window when the epoch length is not a multiple (the strategy
+lets Lightning decide, as without a strategy, and tells DeepSpeed's engine).
 
 The distributed sampler deals one permutation of the epoch round-robin over the DP ranks, so this skips
 exactly the first ``batches x global_batch_size`` samples of the epoch whatever the ``(sp, dp)`` layout: a
@@ -75,7 +75,7 @@ def resume_batch(fit_loop: Any, step_in_flight: bool = False) -> int:
 
 def _batches_in_weights(fit_loop: Any, step_in_flight: bool) -> int:
     steps = fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.current.completed
-    return (steps + step_in_flight) * fit_loop.trainer.accumulate_grad_batches
+    return min((steps + step_in_flight) * fit_loop.trainer.accumulate_grad_batches, fit_loop.max_batches)
 
 
 def rewind_to_step_boundary(loop_state: dict[str, Any], fit_loop: Any, step_in_flight: bool) -> None:
@@ -114,31 +114,6 @@ def rewind_to_step_boundary(loop_state: dict[str, Any], fit_loop: Any, step_in_f
         total[key] += batch - current[key]
         current[key] = batch
     progress["is_last_batch"] = batch >= fit_loop.max_batches
-
-
-def check_accumulation_windows(trainer: Any) -> None:
-    """Refuse, before the first step, an epoch whose length is not a multiple of ``accumulate_grad_batches``
-    when training goes on after it.
-
-    DeepSpeed counts micro-batches across epochs and would apply the last ``n % k`` batches of an epoch
-    together with the first ones of the next, while Lightning counts optimizer steps per epoch: checkpoints
-    (:func:`resume_batch`), ``loss_normalization="global"`` and step-based schedules would be off from there.
-    An epoch that ends the run (``max_epochs`` or ``max_steps``, epochs of equal length) is accepted.
-    """
-    k, batches = trainer.accumulate_grad_batches, trainer.num_training_batches
-    if k == 1 or batches == float("inf") or batches % k == 0:
-        return
-    last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
-    steps_by_epoch_end = (trainer.current_epoch + 1) * (batches // k)
-    if last_epoch or 0 <= trainer.max_steps <= steps_by_epoch_end:
-        return
-    raise ValueError(
-        f"The training epoch has {batches} batches, not a multiple of accumulate_grad_batches={k}, and training goes "
-        f"on after it. DeepSpeed would add the gradients of the epoch's last {batches % k} batch(es) to the first "
-        "optimizer step of the next epoch while Lightning counts steps per epoch, so checkpoints, "
-        "loss_normalization='global' and the learning-rate schedule would be off from there. Make the epoch a multiple "
-        f"of {k} batches, e.g. limit_train_batches={batches - batches % k}."
-    )
 
 
 def is_resumable(loader: object) -> bool:

@@ -30,13 +30,17 @@ which is DDP's average over DP groups of the exact token mean of each group's wh
 all-to-all backward routes each rank's loss gradient to the ranks whose activations it used, so the
 sum over ``r`` covers every term. ``sp`` is :attr:`UlyssesStrategy.loss_gradient_scale`, applied by
 :class:`~lightning_ulysses.UlyssesLossMixin`. Gradient accumulation: Lightning already divides each
-micro-batch loss by ``accumulate_grad_batches``, so the engine's second division is switched off.
+micro-batch loss by ``accumulate_grad_batches``, so the engine's second division is switched off. Lightning, not
+DeepSpeed's micro-batch counter, decides which micro-batch ends an optimizer step, as without a strategy: every
+``accumulate_grad_batches``-th batch of an epoch and the epoch's last one (a shorter last window is applied, not
+carried into the next epoch); the engine is told so before each micro-batch (``set_gradient_accumulation_boundary``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -69,9 +73,7 @@ from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_op
 from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.hf.mixers import register_mixer_weights_for_zero3
 from lightning_ulysses.preemption import PreemptionSignals
-from lightning_ulysses.resume import (
-    ResumableLoader, check_accumulation_windows, is_resumable, rewind_to_step_boundary,
-)
+from lightning_ulysses.resume import ResumableLoader, is_resumable, rewind_to_step_boundary
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
 from lightning_ulysses.sp_loaders import check_sp_group_agreement, sampler_over_dp_ranks
 from lightning_ulysses.topology import SequenceParallelTopology, auto_ring_size, divisors
@@ -159,7 +161,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         self._dp_group: dist.ProcessGroup | None = None
         self._heartbeat: Heartbeat | None = None
         self._applied_steps = 0  # Lightning's global step once it has counted the last step DeepSpeed applied
-        self._duplicate_rows: Tensor | None = None  # evaluation / prediction: [B] bool, the current batch's repeats
+        self._repeated_rows: Tensor | None = None  # evaluation / prediction: [B] bool, the current batch's repeats
 
     # ------------------------------------------------------------------------------------------
     # topology
@@ -307,9 +309,20 @@ class UlyssesStrategy(DeepSpeedStrategy):
         if not isinstance(trainer._signal_connector, PreemptionSignals):  # registers its handlers after set-up
             trainer._signal_connector = PreemptionSignals(trainer)
 
+    @property
     @override
-    def on_train_start(self) -> None:
-        check_accumulation_windows(self.lightning_module.trainer)
+    def handles_gradient_accumulation(self) -> bool:
+        """False: Lightning's loop decides which micro-batch ends an optimizer step, as it does without a strategy
+        (also the epoch's last batch, which closes a shorter window), and calls ``optimizer_step`` only there;
+        :meth:`on_train_batch_start` hands that decision to DeepSpeed's engine."""
+        return False
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning's loop enters this around the backward of a micro-batch that does not end a step; DeepSpeed's
+        ``no_sync`` refuses ZeRO 2 and 3, and the engine already knows not to reduce there (its boundary flag)."""
+        yield None
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -317,6 +330,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
         batches_before = trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1  # this batch is counted
         if batches_before % trainer.accumulate_grad_batches == 0:  # an optimizer step begins: a safe point
             trainer._signal_connector.at_step_boundary(trainer)
+        # before the forward: ZeRO reduces (and ZeRO-3 partitions) the gradients in the backward of a step's last batch
+        self.model.set_gradient_accumulation_boundary(not trainer.fit_loop._should_accumulate())
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -339,20 +354,20 @@ class UlyssesStrategy(DeepSpeedStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        self._duplicate_rows = None
+        self._repeated_rows = None
         if isinstance(batch, Mapping) and (STEP_TOKENS_KEY in batch or DUPLICATES_KEY in batch):
             batch = dict(batch)
             if STEP_TOKENS_KEY in batch:
                 self.step_valid_tokens = int(batch.pop(STEP_TOKENS_KEY))
             if DUPLICATES_KEY in batch:
-                self._duplicate_rows = batch.pop(DUPLICATES_KEY)
+                self._repeated_rows = batch.pop(DUPLICATES_KEY)
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if self.sp_size > 1:
             loader_name = _loader_name(self.lightning_module.trainer, dataloader_idx)
             check_sp_group_agreement(batch, self.sp_group, device or self.root_device, loader_name)
         batch = shard_batch(prepare_batch(batch, self.sp_size, self.ring_size), self.sp_rank, self.sp_size, self.ring_size)
-        if self._duplicate_rows is not None:  # repeated to even out the DP ranks: no token of theirs counts
-            batch["shift_labels"][self._duplicate_rows.to(batch["shift_labels"].device)] = IGNORE_INDEX
+        if self._repeated_rows is not None:  # repeated to even out the DP ranks: no token of theirs counts
+            batch["shift_labels"][self._repeated_rows.to(batch["shift_labels"].device)] = IGNORE_INDEX
         return batch
 
     @override
@@ -368,15 +383,36 @@ class UlyssesStrategy(DeepSpeedStrategy):
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
-        engine = self.model
-        # Lightning calls this for every micro-batch; DeepSpeed updates the weights at the last one of a step
-        last_micro_batch = engine.is_gradient_accumulation_boundary()
+        # Lightning calls this at the last micro-batch of each step only (handles_gradient_accumulation is False)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if last_micro_batch:
-            global_step = self.lightning_module.trainer.global_step  # counted once the LightningModule hook returns
-            self._applied_steps = global_step + 1
-            self.nonfinite_loss.check_step(engine.was_step_applied(), global_step)
+        global_step = self.lightning_module.trainer.global_step  # counted once the LightningModule hook returns
+        self._applied_steps = global_step + 1
+        self.nonfinite_loss.check_step(self.model.was_step_applied(), global_step)
         return output
+
+    @property
+    def repeated_rows(self) -> Tensor | None:
+        """``[B]`` bool on the current evaluation or prediction batch: True for the rows that the distributed sampler
+        repeated to even out the DP ranks (their ``shift_labels`` are all ``-100``); ``None`` when it has none."""
+        return self._repeated_rows
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        self._weigh_out_repeated_rows()
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        self._weigh_out_repeated_rows()
+        return super().test_step(*args, **kwargs)
+
+    def _weigh_out_repeated_rows(self) -> None:
+        """Lightning averages a value logged in an evaluation step over the batches of all ranks, each weighted by its
+        batch size (the batch's length unless ``self.log`` is given ``batch_size``): count a batch's real rows only,
+        so that its repeats weigh 0 (a batch of repeats, whose labels are all masked, weighs nothing)."""
+        results = self.lightning_module.trainer._results
+        if self._repeated_rows is not None and results is not None:
+            results.batch_size = int((~self._repeated_rows).sum())
 
     @property
     def optimizer_step_in_flight(self) -> bool:
@@ -386,11 +422,21 @@ class UlyssesStrategy(DeepSpeedStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         output = super().predict_step(*args, **kwargs)
-        if self._duplicate_rows is None:
+        if self._repeated_rows is None:
             return output
-        keep = ~self._duplicate_rows
+        keep = ~self._repeated_rows
         drop_rows(args[0] if args else kwargs["batch"], keep)  # the batch that on_predict_batch_end and writers see
         return drop_rows(output, keep)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """As DDP's, but the mean of an integer tensor in float64: Lightning averages its integer batch-size sums of
+        ``self.log(..., sync_dist=True)`` that way, and DDP's mean would truncate them where the ranks' sums differ
+        (an evaluation whose repeated rows weigh 0, see :meth:`repeated_rows`)."""
+        mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+        if mean and isinstance(tensor, Tensor) and not tensor.is_floating_point():
+            tensor = tensor.double()
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:

@@ -4,6 +4,10 @@ Every case trains a tiny Llama with SGD through ``L.Trainer`` on CPU processes (
 against a single-process run of plain transformers on the same data, the loss of every micro-batch
 and the final weights: ``|update_sp - update_ref| / |update_ref| < 1e-4``. A factor of 2 anywhere in
 the loss or its gradient gives an error near 1.
+
+The ``*short*`` cases train whole epochs of 5 micro-batches with 2 a step, against the unpatched model under plain
+Lightning on one process: 3 optimizer steps an epoch, the last one on a single micro-batch (its loss divided by 2,
+as Lightning divides every micro-batch), and the next epoch's first step on that epoch's batches only.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesStrategy
 from tests.launch import launch
-from tests.tiny import TinyCausalLM, collate, make_samples, reference_training, relative_update_error, tiny_llama
+from tests.tiny import (
+    TinyCausalLM, collate, make_samples, plain_lightning_training, reference_training, relative_update_error,
+    tiny_llama,
+)
 
 SEQ = 24
 # name -> case. "data" feeds make_samples; "model" overrides the tiny Llama config.
@@ -32,6 +39,10 @@ TWO_RANKS: dict[str, dict[str, Any]] = {
     "sp2_length_not_divisible": dict(sp=2, stage=2, data=dict(seq_len=SEQ - 1)),
     "sp2_rank_without_valid_tokens": dict(sp=2, stage=2, data=dict(masked_spans=[(SEQ // 2 - 1, SEQ)])),
     "sp2_right_padding": dict(sp=2, stage=3, data=dict(padding=SEQ // 2 + 3)),
+    # "epochs": whole epochs of 5 micro-batches (10 samples / batch 2 / dp), 2 a step
+    "sp2_zero1_short_last_window": dict(sp=2, stage=1, accumulate=2, epochs=1, data=dict(num=10)),
+    "sp2_zero2_short_windows_two_epochs": dict(sp=2, stage=2, accumulate=2, epochs=2, data=dict(num=10)),
+    "sp2_zero3_short_last_window": dict(sp=2, stage=3, accumulate=2, epochs=1, data=dict(num=10)),
 }
 FOUR_RANKS: dict[str, dict[str, Any]] = {
     "sp4_zero2": dict(sp=4, stage=2),
@@ -39,6 +50,7 @@ FOUR_RANKS: dict[str, dict[str, Any]] = {
     "dp2_sp2_zero1": dict(sp=2, stage=1),
     "dp2_sp2_zero3_accumulate2": dict(sp=2, stage=3, accumulate=2),
     "sp4_length_not_divisible": dict(sp=4, stage=2, data=dict(seq_len=SEQ - 3)),
+    "dp2_sp2_zero2_short_windows_two_epochs": dict(sp=2, stage=2, accumulate=2, epochs=2, data=dict(num=20)),
 }
 BATCH, STEPS, LR = 2, 2, 0.5
 
@@ -63,7 +75,8 @@ def _fit(
         sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa", **(strategy_kwargs or {})
     )
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, max_steps=STEPS,
+        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy,
+        max_steps=-1 if "epochs" in case else STEPS, max_epochs=case.get("epochs"),
         accumulate_grad_batches=case.get("accumulate", 1), logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )
@@ -79,6 +92,9 @@ def _fit(
 
 
 def _check(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> None:
+    if "epochs" in case:
+        _check_whole_epochs(results, name, case)
+        return
     world_size = len(results)
     dp_size = world_size // case["sp"]
     accumulate = case.get("accumulate", 1)
@@ -93,6 +109,25 @@ def _check(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> No
         assert (got["sp_rank"], got["dp_rank"]) == (rank % case["sp"], rank // case["sp"])
         if got["dp_rank"] == 0:  # every rank of the SP group reports the group's loss
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected_losses), rtol=1e-5, atol=0)
+        error = relative_update_error(initial, expected, got["params"])
+        assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
+
+
+def _check_whole_epochs(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> None:
+    """Against plain Lightning on one process, whose micro-batches hold every DP rank's rows (the rows have equal
+    token counts, so its loss is the mean of the DP ranks' losses)."""
+    dp_size = len(results) // case["sp"]
+    expected_losses, expected, expected_steps = plain_lightning_training(
+        make_samples(**_data(case)), batch_size=BATCH, dp_size=dp_size, accumulate=case["accumulate"],
+        epochs=case["epochs"], lr=LR,
+    )
+    assert expected_steps == 3 * case["epochs"], "plain Lightning steps on each epoch's last, shorter window"
+    initial = {n: p.detach() for n, p in tiny_llama().named_parameters()}
+    dp_losses = torch.tensor([results[d * case["sp"]][name]["losses"] for d in range(dp_size)])
+    torch.testing.assert_close(dp_losses.mean(0), torch.tensor(expected_losses), rtol=1e-5, atol=0)
+    for rank, result in enumerate(results):
+        got = result[name]
+        assert got["steps"] == expected_steps, f"{name} rank {rank}: {got['steps']} optimizer steps"
         error = relative_update_error(initial, expected, got["params"])
         assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
 

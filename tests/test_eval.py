@@ -33,7 +33,8 @@ from lightning_ulysses import (
 )
 from lightning_ulysses.logits import Logits
 from tests.launch import launch
-from tests.tiny import TinyCausalLM, collate, gathered_parameters, make_samples, tiny_llama
+from lightning_ulysses.model import CausalLM
+from tests.tiny import TINY_LLAMA, VOCAB, TinyCausalLM, collate, gathered_parameters, make_samples, tiny_llama
 
 TRAIN = dict(num=8, seq_len=16, seed=1)
 EVAL = dict(num=12, seq_len=31, seed=2, masked_spans=[(0, 9)], padding=13)
@@ -44,6 +45,7 @@ TWO_RANKS = {
     "sp2_zero3_tiled_loss": dict(sp=2, stage=3, strategy=dict(tiled_loss=5)),
 }
 ODD_EVAL = {**EVAL, "num": 13}  # 7 samples on DP rank 0, 6 and a repeat on DP rank 1: 3 batches each
+FIVE_EVAL = {**EVAL, "num": 5}  # one sample a batch: DP rank 1's third batch is a repeat of sample 0 alone
 ODD_DP2 = {
     "dp2_zero1": dict(sp=1, stage=1), "dp2_zero2": dict(sp=1, stage=2),
     # every parameter partitioned (the tiny model's are all below ZeRO-3's default persistence threshold)
@@ -78,6 +80,8 @@ class EvalCausalLM(TinyCausalLM):
         for name, metric in self.metrics[stage].items():
             metric.update(logits, batch["shift_labels"])
             self.log(f"{stage}_{name}", metric)
+        # a per-batch value as users log it: Lightning averages the batches of every rank, weighted by batch size
+        self.log(f"{stage}_batch_loss", self.causal_lm_loss(logits, batch["shift_labels"]), sync_dist=True)
         if isinstance(logits, Tensor):
             self.torchmetrics[stage]["ppl"].update(logits, batch["shift_labels"])
             self.torchmetrics[stage]["acc"].update(logits.flatten(0, 1), batch["shift_labels"].flatten())
@@ -146,6 +150,16 @@ def odd_eval_worker(args: dict[str, Any]) -> dict[str, Any]:
             result.update(in_fit=_metrics(trainer, "val"), fitted=gathered_parameters(module.model, case["stage"] == 3))
             trainer.test(EvalCausalLM(), loader, verbose=False)
             result["test"] = _metrics(trainer, "test")
+            five = DataLoader(make_samples(**FIVE_EVAL), batch_size=1, collate_fn=collate)
+            trainer = _trainer(case, world_size)
+            trainer.validate(EvalCausalLM(), five, verbose=False)
+            result["five_batch_loss"] = trainer.callback_metrics["val_batch_loss"].item()
+            lm = CausalLM(model=TINY_LLAMA, vocab_size=VOCAB)
+            trainer = _trainer(case, world_size)
+            trainer.validate(lm, five, verbose=False)
+            result["five_causal_lm"] = {"loss": trainer.callback_metrics["val_loss"].item(),
+                                        "ppl": trainer.callback_metrics["val_ppl"].item(),
+                                        "params": gathered_parameters(lm.model, case["stage"] == 3)}
         trainer = _trainer(case, world_size)
         trainer.validate(EvalCausalLM(), loader, verbose=False)
         result["validate"] = _metrics(trainer, "val")
@@ -267,6 +281,23 @@ def test_samples_that_do_not_divide_over_dp_ranks_count_once(odd_results: list[d
                     f"{name} rank {rank} {where} {metric}: {got[where][metric]} != single process {value}"
                 )
     _check_predict(odd_results, name, sp=1, data=ODD_EVAL)
+
+
+def test_repeated_samples_weigh_nothing_in_per_batch_logs_and_the_lm_module(odd_results: list[dict[str, Any]]) -> None:
+    """dp=2, 5 samples, one a batch: a value logged per batch (``self.log(causal_lm_loss, sync_dist=True)``) averages
+    the 5 samples' token means, as one process logging per batch does (plain DDP would count sample 0 twice: its
+    sampler repeats it with its labels); CausalLM's val_loss and val_ppl are one process's token means."""
+    logits, labels = _reference_logits(None, FIVE_EVAL)
+    per_sample = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none").sum(1)
+    per_sample = per_sample / (labels != IGNORE_INDEX).sum(1)
+    one_process, plain_ddp = per_sample.mean().item(), torch.cat([per_sample, per_sample[:1]]).mean().item()
+    assert abs(one_process - plain_ddp) > 5e-5 * one_process, "counting the repeat must miss the tolerance below"
+    for rank, result in enumerate(odd_results):
+        got = result[next(iter(ODD_DP2))]
+        assert got["five_batch_loss"] == pytest.approx(one_process, rel=1e-5), f"rank {rank}: per-batch log"
+        expected = reference_metrics(got["five_causal_lm"]["params"], FIVE_EVAL)
+        for metric in ("loss", "ppl"):
+            assert got["five_causal_lm"][metric] == pytest.approx(expected[metric], rel=1e-5), f"rank {rank}: {metric}"
 
 
 

@@ -315,6 +315,9 @@ def test_sft_under_sp_equals_one_process(sp_results: list[dict[str, Any]], data_
 # ---------------------------------------------------------------------------------------------
 BETA = 0.5
 DPO_CASES = {"dpo_sp2_zero2": dict(stage=2), "dpo_sp2_zero3": dict(stage=3)}
+# dp=2, one pair a batch, one epoch, then validation on 5 pairs: DP rank 1's third batch is a repeat of pair 0
+DPO_ODD_VAL_CASES = {"dpo_dp2_zero2_odd_val": dict(stage=2, sp=1)}
+ODD_VAL_PAIRS = 5
 
 
 class SGDDPO(DPO):
@@ -328,22 +331,30 @@ def dpo_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("dpo")
     fresh_model(len(byte_chat_tokenizer())).save_pretrained(root / "model")
     path = str(write_jsonl(root / "pairs.jsonl", preference_records()))
-    return {"model": str(root / "model"), "train": path, "val": path}
+    odd = str(write_jsonl(root / "odd_pairs.jsonl", preference_records()[:ODD_VAL_PAIRS]))
+    return {"model": str(root / "model"), "train": path, "val": path, "odd_val": odd}
 
 
 def dpo_worker(args: dict[str, Any]) -> dict[str, Any]:
+    """DPO_CASES: sp=2, every pair in one batch, STEPS steps, no validation. DPO_ODD_VAL_CASES: dp=2, one pair a
+    batch, one epoch, then the validation of the odd pairs."""
     world_size = int(os.environ["WORLD_SIZE"])
     results = {}
     for name, case in args["cases"].items():
-        data = PreferenceDataModule(paths=[args["train"]], val_paths=[args["val"]], seq_len=SEQ * 4, batch_size=64)
+        odd_val = name in DPO_ODD_VAL_CASES
+        data = PreferenceDataModule(paths=[args["train"]], val_paths=[args["odd_val" if odd_val else "val"]],
+                                    seq_len=SEQ * 4, batch_size=1 if odd_val else 64)
         module = SGDDPO(model=args["model"], pretrained=True, beta=BETA, vocab_size=data.vocab_size)
         trainer = L.Trainer(
-            accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, num_sanity_val_steps=0,
-            strategy=UlyssesStrategy(sp_size=2, stage=case["stage"], attn_implementation="sdpa"), limit_val_batches=0,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            accelerator="cpu", devices=world_size, max_steps=-1 if odd_val else STEPS,
+            max_epochs=1 if odd_val else None, logger=False,
+            strategy=UlyssesStrategy(sp_size=case.get("sp", 2), stage=case["stage"], attn_implementation="sdpa"),
+            limit_val_batches=None if odd_val else 0, num_sanity_val_steps=0, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
         )
         trainer.fit(module, data)
-        results[name] = {key: trainer.callback_metrics[f"train_{key}"].item() for key in DPO_METRICS}
+        prefix = "val" if odd_val else "train"  # the validation at the epoch's end sees the final weights
+        results[name] = {key: trainer.callback_metrics[f"{prefix}_{key}"].item() for key in DPO_METRICS}
         results[name]["console"] = sorted(trainer.progress_bar_metrics)  # what the progress lines show
         results[name]["params"] = gathered_parameters(module.model, case["stage"] == 3)
         results[name]["reference"] = gathered_parameters(module.reference, case["stage"] == 3)
@@ -355,7 +366,7 @@ DPO_METRICS = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margin", "
 
 @pytest.fixture(scope="module")
 def dpo_results(dpo_files: dict[str, str]) -> list[dict[str, Any]]:
-    return launch("tests.test_finetune:dpo_worker", 2, {**dpo_files, "cases": DPO_CASES})
+    return launch("tests.test_finetune:dpo_worker", 2, {**dpo_files, "cases": {**DPO_CASES, **DPO_ODD_VAL_CASES}})
 
 
 def completion_log_prob(model: torch.nn.Module, ids: Tensor, labels: Tensor) -> Tensor:
@@ -369,25 +380,33 @@ def reference_dpo(folder: str, records: list[dict[str, Any]]) -> tuple[dict[str,
     the last step, the initial and the final weights."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = byte_chat_tokenizer()
-    sequences = [[tuple(map(torch.tensor, tokenize_record(tokenizer, {"prompt": r["prompt"], "completion": r[side]})))
-                  for side in ("chosen", "rejected")] for r in records]
     policy, reference = (AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa") for _ in range(2))
     initial = {n: p.detach().clone() for n, p in policy.named_parameters()}
     optimizer = torch.optim.SGD(policy.parameters(), lr=LR)
     for _ in range(STEPS):
-        rewards = torch.stack([
-            torch.stack([BETA * (completion_log_prob(policy, ids, labels) - completion_log_prob(reference, ids, labels).detach())
-                         for ids, labels in pair]) for pair in sequences
-        ])
-        loss = -F.logsigmoid(rewards[:, 0] - rewards[:, 1]).mean()
+        loss, metrics = dpo_metrics(policy, reference, records)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    chosen, rejected = rewards.detach()[:, 0], rewards.detach()[:, 1]
-    metrics = {"loss": loss.item(), "rewards_chosen": chosen.mean().item(), "rewards_rejected": rejected.mean().item(),
-               "rewards_margin": (chosen - rejected).mean().item(), "rewards_accuracy": (chosen > rejected).float().mean().item()}
     return metrics, initial, {n: p.detach() for n, p in policy.named_parameters()}
+
+
+def dpo_metrics(policy: torch.nn.Module, reference: torch.nn.Module, records: list[dict[str, Any]]
+                ) -> tuple[Tensor, dict[str, float]]:
+    """One process, each sequence alone: the mean DPO loss over every pair (differentiable) and the metrics."""
+    tokenizer = byte_chat_tokenizer()
+    sequences = [[tuple(map(torch.tensor, tokenize_record(tokenizer, {"prompt": r["prompt"], "completion": r[side]})))
+                  for side in ("chosen", "rejected")] for r in records]
+    rewards = torch.stack([
+        torch.stack([BETA * (completion_log_prob(policy, ids, labels)
+                             - completion_log_prob(reference, ids, labels).detach()) for ids, labels in pair])
+        for pair in sequences
+    ])
+    loss = -F.logsigmoid(rewards[:, 0] - rewards[:, 1]).mean()
+    chosen, rejected = rewards.detach()[:, 0], rewards.detach()[:, 1]
+    return loss, {"loss": loss.item(), "rewards_chosen": chosen.mean().item(),
+                  "rewards_rejected": rejected.mean().item(), "rewards_margin": (chosen - rejected).mean().item(),
+                  "rewards_accuracy": (chosen > rejected).float().mean().item()}
 
 
 def test_dpo_pairs_cross_the_shard_border(dpo_files: dict[str, str]) -> None:
@@ -414,6 +433,24 @@ def test_dpo_under_sp_equals_one_process(dpo_results: list[dict[str, Any]], dpo_
         assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
         assert all(torch.equal(got["reference"][n], initial[n]) for n in initial), "the reference model changed"
         assert "train_loss" in got["console"], got["console"]
+
+
+def test_dpo_validation_counts_each_pair_once_over_dp_ranks(dpo_results: list[dict[str, Any]],
+                                                            dpo_files: dict[str, str]) -> None:
+    """dp=2, 5 validation pairs of one a batch: the repeat of pair 0 that evens out the DP ranks must not count (it
+    would log a loss of log 2, zero rewards and a wrong preference)."""
+    from transformers import AutoModelForCausalLM
+
+    policy, reference = (AutoModelForCausalLM.from_pretrained(dpo_files["model"], attn_implementation="sdpa")
+                         for _ in range(2))
+    for name in DPO_ODD_VAL_CASES:
+        policy.load_state_dict(dpo_results[0][name]["params"])
+        with torch.no_grad():
+            _, expected = dpo_metrics(policy, reference, preference_records()[:ODD_VAL_PAIRS])
+        assert 0 < expected["rewards_accuracy"] < 1 and expected["rewards_margin"] != 0, "the pairs must tell apart"
+        for rank, result in enumerate(dpo_results):
+            for key in DPO_METRICS:
+                assert result[name][key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), f"{name} {rank}: {key}"
 
 
 @pytest.mark.parametrize("name", DP_SP_CASES)

@@ -12,9 +12,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
-from lightning_ulysses.resume import (
-    ResumableLoader, check_accumulation_windows, is_resumable, resume_batch, rewind_to_step_boundary,
-)
+from lightning_ulysses.resume import ResumableLoader, is_resumable, resume_batch, rewind_to_step_boundary
 
 DATASET = list(range(24))
 
@@ -150,17 +148,13 @@ def test_a_checkpoint_inside_optimizer_step_counts_the_applied_step() -> None:
                                 step_in_flight=True)
 
 
-def trainer_for_windows(batches: int, max_epochs: int, max_steps: int, epoch: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(accumulate_grad_batches=2, num_training_batches=batches, max_epochs=max_epochs,
-                           max_steps=max_steps, current_epoch=epoch)
-
-
-def test_an_epoch_that_is_not_a_multiple_of_the_accumulation_is_refused_when_training_goes_on() -> None:
-    with pytest.raises(ValueError, match=r"5 batches, not a multiple of accumulate_grad_batches=2.*limit_train_batches=4"):
-        check_accumulation_windows(trainer_for_windows(5, max_epochs=2, max_steps=-1))
-    with pytest.raises(ValueError, match="not a multiple"):
-        check_accumulation_windows(trainer_for_windows(5, max_epochs=-1, max_steps=3))  # step 3 is in epoch 1
-    check_accumulation_windows(trainer_for_windows(5, max_epochs=1, max_steps=-1))  # the run ends with the epoch
-    check_accumulation_windows(trainer_for_windows(5, max_epochs=-1, max_steps=2))  # ... or at its last full step
-    check_accumulation_windows(trainer_for_windows(5, max_epochs=3, max_steps=-1, epoch=2))  # resumed in the last
-    check_accumulation_windows(trainer_for_windows(6, max_epochs=2, max_steps=-1))
+def test_the_shorter_last_window_of_an_epoch_is_a_step_that_ends_the_epoch() -> None:
+    # 5 batches, 2 micro-batches a step: steps at batches 2, 4 and 5 (the last one a window of one batch)
+    loop, state = fit_loop(0, steps=2, epoch_batches=5, accumulate=2), saved_loop_state(5, 5, 4, 4, steps=2)
+    assert resume_batch(loop) == 4  # saved in batch 5's training step: its window is redone
+    assert resume_batch(loop, step_in_flight=True) == 0  # saved inside its optimizer step: the epoch is over
+    rewind_to_step_boundary(state, loop, step_in_flight=True)
+    assert state["epoch_loop.batch_progress"]["current"] == dict(ready=5, started=5, processed=5, completed=5)
+    assert state["epoch_loop.batch_progress"]["is_last_batch"] is True
+    assert state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["current"] == dict(
+        ready=3, completed=3)

@@ -9,7 +9,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from transformers import CONFIG_MAPPING, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -237,3 +237,65 @@ def gathered_parameters(model: torch.nn.Module, zero_stage_3: bool) -> dict[str,
 
     with deepspeed.zero.GatheredParameters(list(model.parameters()), enabled=zero_stage_3):
         return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+class PlainCausalLM(L.LightningModule):
+    """The unpatched model under plain Lightning (no strategy): :func:`reference_loss` on whole sequences, SGD."""
+
+    def __init__(self, lr: float) -> None:
+        super().__init__()
+        self.model = tiny_llama()
+        self.lr = lr
+        self.losses: list[float] = []
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = reference_loss(self.model, batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class DPStepSampler(Sampler[int]):
+    """The indices that ``dp_size`` DP ranks' shuffled DistributedSamplers deal in an epoch, micro-batch by
+    micro-batch: ``batch_size`` of rank 0, then of rank 1, ..., so that one loader of ``batch_size * dp_size`` holds
+    each DP micro-batch's rows together."""
+
+    def __init__(self, num: int, dp_size: int, batch_size: int) -> None:
+        self.num, self.dp_size, self.batch_size, self.epoch = num, dp_size, batch_size, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        per_rank = []
+        for rank in range(self.dp_size):
+            sampler = DistributedSampler(range(self.num), self.dp_size, rank, shuffle=True)
+            sampler.set_epoch(self.epoch)
+            per_rank.append(list(sampler))
+        for start in range(0, len(per_rank[0]), self.batch_size):
+            for rank in per_rank:
+                yield from rank[start:start + self.batch_size]
+
+    def __len__(self) -> int:
+        return -(-self.num // self.dp_size) * self.dp_size
+
+
+def plain_lightning_training(
+    samples: list[dict[str, Tensor]], *, batch_size: int, dp_size: int, accumulate: int, epochs: int, lr: float,
+) -> tuple[list[float], dict[str, Tensor], int]:
+    """One process, plain Lightning (no strategy, no DistributedSampler): each micro-batch holds the rows that the
+    ``dp_size`` DP ranks train on together, every epoch to its end (the last accumulation window may be shorter).
+    With rows of equal valid-token counts its loss equals DDP's average over the ranks.
+
+    Returns the micro-batch losses, the final parameters and Lightning's ``global_step``.
+    """
+    module = PlainCausalLM(lr)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=epochs, accumulate_grad_batches=accumulate, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    sampler = DPStepSampler(len(samples), dp_size, batch_size)
+    trainer.fit(module, DataLoader(samples, batch_size=batch_size * dp_size, sampler=sampler, collate_fn=collate))
+    return module.losses, {name: p.detach().clone() for name, p in module.model.named_parameters()}, trainer.global_step

@@ -49,7 +49,8 @@ class DPO(CausalLM):
 
     Logs per step (``train_``) and per validation (``val_``): ``loss``, ``rewards_chosen`` and ``rewards_rejected``
     (means of ``beta * (log pi - log ref)`` of the sequences), ``rewards_margin`` (their difference) and
-    ``rewards_accuracy`` (share of pairs whose chosen reward is the larger), over the pairs of every DP group.
+    ``rewards_accuracy`` (share of pairs whose chosen reward is the larger), over the pairs of every DP group: in
+    evaluation each pair once, as one process counts them (the pairs repeated to even out the DP ranks weigh 0).
     """
 
     def __init__(
@@ -118,16 +119,26 @@ class DPO(CausalLM):
         with torch.no_grad():
             reference = self.sequence_log_probs(self.reference, batch)
         losses, rewards = dpo_loss(policy, reference, self.hparams.beta)
-        loss = losses.mean()
         chosen, rejected = rewards[:, CHOSEN], rewards[:, REJECTED]
-        metrics = {
-            "loss": loss, "rewards_chosen": chosen.mean(), "rewards_rejected": rejected.mean(),
-            "rewards_margin": (chosen - rejected).mean(), "rewards_accuracy": (chosen > rejected).float().mean(),
+        per_pair = {
+            "loss": losses.detach(), "rewards_chosen": chosen, "rewards_rejected": rejected,
+            "rewards_margin": chosen - rejected, "rewards_accuracy": (chosen > rejected).float(),
         }
-        # every SP rank holds the same values; sync_dist averages the DP groups, as their gradients are
-        for key, value in metrics.items():  # the loss also on the console's progress lines, as CausalLM's
-            self.log(f"{prefix}_{key}", value.detach(), prog_bar=key == "loss", sync_dist=True, batch_size=len(losses))
-        return loss
+        counted = self._counted_pairs(len(losses))
+        pairs = int(counted.sum())
+        # every SP rank holds the same values; Lightning averages the batches of all DP groups weighted by batch_size:
+        # the mean over every counted pair (a batch of repeats logs 0 with weight 0)
+        for key, value in per_pair.items():  # the loss also on the console's progress lines, as CausalLM's
+            mean = (value * counted.to(value.device)).sum() / max(pairs, 1)
+            self.log(f"{prefix}_{key}", mean, prog_bar=key == "loss", sync_dist=True, batch_size=pairs)
+        return losses.mean()
+
+    def _counted_pairs(self, batch_size: int) -> Tensor:
+        """``[B]`` bool: the pairs of the batch that count in the metrics, all but the repeats that the distributed
+        sampler adds to even out the DP ranks in evaluation (``UlyssesStrategy.repeated_rows``)."""
+        strategy = self._ulysses_strategy()
+        repeated = strategy.repeated_rows if strategy is not None else None
+        return torch.ones(batch_size, dtype=torch.bool) if repeated is None else ~repeated
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         return self._step(batch, "train")
