@@ -3,9 +3,9 @@
 A training step costs three forward passes (forward, then backward for activations and weights):
 
 * every ``nn.Linear`` weight multiplies every token once: ``6 * matmul_params`` FLOPs per token;
-* causal attention: each (query, key) pair inside a document costs ``2 * head_dim`` FLOPs per head
-  for ``q . k`` and as much for ``p @ v``; forward + backward, over all query heads and layers,
-  ``12 * num_layers * num_heads * head_dim`` FLOPs per pair. A document of ``L`` tokens has
+* causal attention: each (query, key) pair inside a document costs ``2 * D`` FLOPs per head for ``q . k`` and
+  ``2 * D_v`` for ``p @ v`` (``D_v = D`` but in multi-head latent attention: DeepSeek V3's 192 and 128); forward +
+  backward, over all query heads and layers, ``12 * num_layers * num_heads * (D + D_v) / 2`` FLOPs per pair. A document of ``L`` tokens has
   ``L (L + 1) / 2`` pairs, so the term grows with the square of the sequence length.
 
 Under Ulysses an SP group computes each sequence's attention exactly once: after the all-to-all every
@@ -64,7 +64,8 @@ class TransformerFlops:
     num_layers: int
     """Softmax-attention layers (all decoder layers of a pure transformer)."""
     attention_dim: int
-    """``num_attention_heads * head_dim``: the width of ``q . k`` and ``p @ v`` over all query heads."""
+    """``num_attention_heads * (D + D_v) / 2`` (rounded down): the mean width of ``q . k`` and ``p @ v`` over all
+    query heads."""
 
     @classmethod
     def from_model(cls, model: PreTrainedModel) -> TransformerFlops:
@@ -84,7 +85,9 @@ class TransformerFlops:
         if num_layers == 0:  # a state-space model: no attention heads to read
             return cls(matmul_params, 0, 0)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(matmul_params, num_layers, config.num_attention_heads * head_dim)
+        qk_dim = getattr(config, "qk_head_dim", None) or head_dim  # MLA configs: their head_dim is the rotary part
+        value_dim = getattr(config, "v_head_dim", None) or qk_dim
+        return cls(matmul_params, num_layers, config.num_attention_heads * (qk_dim + value_dim) // 2)
 
     def batch_flops(self, position_ids: Tensor) -> int:
         """Training FLOPs of one batch of whole sequences, ``position_ids [B, N]`` (padding included:

@@ -10,15 +10,18 @@ from __future__ import annotations
 import functools
 import importlib.util
 import itertools
+import sys
+import types
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from lightning_ulysses.attention import (
     CORE_ATTENTION, Documents, documents_of, length_class, plan_packed, resolve_attn_implementation,
-    sdpa_attention, sink_attention, ulysses_attention,
+    ring_attention, sdpa_attention, sink_attention, ulysses_attention,
 )
 from lightning_ulysses.attention.backends import _REQUIRED_MODULE
 from lightning_ulysses.strategy import compute_dtype
@@ -31,7 +34,8 @@ PACKED = [
 ]
 ARANGE = [list(range(16))] * 2
 # name -> batch, seq, heads, kv_heads, position_ids rows (None: one document per row), sliding window, chunk size
-# (chunked attention), sinks (one attention sink logit per head)
+# (chunked attention), sinks (one attention sink logit per head), the head size of queries and keys and that of the
+# values (8 and 8 unless given; multi-head latent attention's differ, DeepSeek V3's 192 and 128)
 CASES: dict[str, dict[str, Any]] = {
     "mha": dict(batch=2, seq=16, heads=4, kv_heads=4),
     "gqa_kv_divisible": dict(batch=2, seq=16, heads=8, kv_heads=4),
@@ -54,7 +58,19 @@ CASES: dict[str, dict[str, Any]] = {
         batch=2, seq=16, heads=6, kv_heads=2, positions=PACKED, window=3, sinks=True
     ),
     "sinks_heads5_chunked_packed": dict(batch=2, seq=16, heads=5, kv_heads=5, positions=PACKED, chunk=3, sinks=True),
+    "mla_packed": dict(batch=2, seq=16, heads=4, kv_heads=4, positions=PACKED, head_dim=24, value_dim=16),
+    "mla_heads5_packed_window": dict(
+        batch=2, seq=16, heads=5, kv_heads=5, positions=PACKED, window=3, head_dim=24, value_dim=16
+    ),
+    "mla_larger_values_gqa_window": dict(batch=2, seq=16, heads=6, kv_heads=2, window=5, head_dim=8, value_dim=16),
+    "mla_sinks_heads6_kv3_chunked_packed": dict(
+        batch=2, seq=16, heads=6, kv_heads=3, positions=PACKED, chunk=4, sinks=True, head_dim=24, value_dim=16
+    ),
+    "mla_larger_values_sinks_window": dict(
+        batch=2, seq=16, heads=4, kv_heads=2, window=5, sinks=True, head_dim=8, value_dim=16
+    ),
 }
+MLA_CASES = [name for name, case in CASES.items() if name.startswith("mla") and not case.get("sinks")]  # + SINK_CASES
 SINK_CASES = [name for name, case in CASES.items() if case.get("sinks")]
 SP_SIZES = (4, 2)
 
@@ -94,12 +110,15 @@ def reference(
 
 
 def _tensors(case: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """``q [B, N, H, D]``, ``k [B, N, H_kv, D]``, ``v [B, N, H_kv, D_v]``, the output gradient ``[B, N, H, D_v]``
+    and the position ids of ``case``."""
     g = torch.Generator().manual_seed(0)
-    batch, seq = case["batch"], case["seq"]
-    q = torch.randn(batch, seq, case["heads"], 8, generator=g)
-    k = torch.randn(batch, seq, case["kv_heads"], 8, generator=g)
-    v = torch.randn(batch, seq, case["kv_heads"], 8, generator=g)
-    grad = torch.randn(batch, seq, case["heads"], 8, generator=g)
+    batch, seq, head_dim = case["batch"], case["seq"], case.get("head_dim", 8)
+    value_dim = case.get("value_dim", head_dim)
+    q = torch.randn(batch, seq, case["heads"], head_dim, generator=g)
+    k = torch.randn(batch, seq, case["kv_heads"], head_dim, generator=g)
+    v = torch.randn(batch, seq, case["kv_heads"], value_dim, generator=g)
+    grad = torch.randn(batch, seq, case["heads"], value_dim, generator=g)
     pos = torch.tensor(case["positions"]) if "positions" in case else None
     return q, k, v, grad, pos
 
@@ -303,7 +322,8 @@ def _attend(backend: str, case: dict[str, Any], pos: torch.Tensor | None) -> Any
 
 
 @pytest.mark.parametrize(
-    "name", ["packed_documents", "packed_sliding_window", "heads6_mqa", "sliding_window", "chunked_packed", *SINK_CASES]
+    "name", ["packed_documents", "packed_sliding_window", "heads6_mqa", "sliding_window", "chunked_packed",
+             *SINK_CASES, *MLA_CASES]
 )
 def test_flex_backend_forward_on_cpu(name: str) -> None:
     """torch's flex attention has no CPU backward (torch 2.13 still refuses it); its forward (eager), log-sum-exp
@@ -320,6 +340,74 @@ def test_flex_backend_forward_on_cpu(name: str) -> None:
     torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
 
 
+def _flash_stand_in(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float, causal: bool,
+    window_size: tuple[int, int], dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """flash-attn's ``flash_attn_func`` (``[B, N, h, D]``, causal, ``window_size`` ``(left, 0)`` or ``(-1, -1)``) in
+    plain torch, with its limit: one head size for the query, key and value."""
+    assert q.shape[-1] == k.shape[-1] == v.shape[-1], "flash-attn 2 runs one head size"
+    assert causal and window_size[1] in (0, -1) and not dropout_p
+    index = torch.arange(q.shape[1])
+    distance = index[:, None] - index[None, :]
+    allowed = (distance >= 0) & ((window_size[0] < 0) | (distance <= window_size[0]))
+    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=allowed,
+                                         scale=softmax_scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("backend", ["flash_attention_2", "flash_attention_3"])
+@pytest.mark.parametrize("name", MLA_CASES)
+def test_flash_backends_run_value_heads_of_another_size(
+    monkeypatch: pytest.MonkeyPatch, backend: str, name: str
+) -> None:
+    """The flash backends on a stand-in kernel (:func:`_flash_stand_in`, CPU, bf16) that takes one head size only:
+    a value head size other than the query's runs padded to one, at the query's softmax scale, and the output and the
+    q, k, v gradients equal the dense reference (one document per row; the varlen kernel is the same call)."""
+    module = types.SimpleNamespace(flash_attn_func=_flash_stand_in, flash_attn_varlen_func=None)
+    monkeypatch.setitem(sys.modules, _REQUIRED_MODULE[backend], module)
+    case = CASES[name]
+    q, k, v, grad, _ = _tensors(case)
+    full = [t.requires_grad_() for t in (q, k, v)]
+    expected = reference(*full, None, window=case.get("window"))
+    low = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    got = CORE_ATTENTION[backend](*low, None, window=case.get("window"))
+    assert got.shape == expected.shape
+    errors = _relative_errors([got.float(), *(g.float() for g in torch.autograd.grad(got, low, grad.bfloat16()))],
+                              [expected, *torch.autograd.grad(expected, full, grad)])
+    assert max(errors) < 2e-2, errors
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_sdpa_cuda_path_returns_the_value_head_size(return_lse: bool) -> None:
+    """SDPA's device path (``F.scaled_dot_product_attention``; with the log-sum-exp, the memory-efficient kernel) on
+    meta tensors, as on a GPU: queries and keys of 24, values of 16, GQA, a window -> ``[B, N, h, 16]``."""
+    meta = torch.device("meta")
+    q, k, v = (torch.empty(2, 40, heads, dim, device=meta) for heads, dim in ((6, 24), (2, 24), (2, 16)))
+    result = sdpa_attention(q, k, v, None, window=16, return_lse=return_lse)
+    out, lse = result if return_lse else (result, None)
+    assert out.shape == (2, 40, 6, 16)
+    assert lse is None or lse.shape == (2, 40, 6)
+
+
+def test_a_window_of_zero_is_no_window() -> None:
+    """``window=0`` (a window switched off, as Qwen2-MoE's config writes it) attends as no window, in every backend
+    that runs here (flex forward only) and in the ring."""
+    case = CASES["packed_documents"]
+    q, k, v, _, pos = _tensors(case)
+    documents = _documents(case, pos)
+    expected = reference(q, k, v, pos)
+    with torch.no_grad():
+        outputs = {
+            "sdpa": sdpa_attention(q, k, v, documents, window=0),
+            "flex_attention": CORE_ATTENTION["flex_attention"](q, k, v, documents, window=0),
+            "ulysses": ulysses_attention(q, k, v, group=None, position_ids=pos, window=0),
+            "ring": ring_attention(q, k, v, documents, None, 1, 0, window=0),
+        }
+    for name, got in outputs.items():
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def _cuda_backend(name: str) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -329,7 +417,7 @@ def _cuda_backend(name: str) -> None:
 
 @pytest.mark.parametrize("backend", ["sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"])
 @pytest.mark.parametrize(
-    "name", ["packed_documents", "packed_sliding_window", "heads6_mqa", "chunked_packed", *SINK_CASES]
+    "name", ["packed_documents", "packed_sliding_window", "heads6_mqa", "chunked_packed", *SINK_CASES, *MLA_CASES]
 )
 def test_cuda_backends_match_dense_reference(backend: str, name: str) -> None:
     """Forward and q/k/v (and sink) gradients of the backends on a GPU in bf16, against the fp32 dense reference."""

@@ -1,10 +1,12 @@
 """Training through ``L.Trainer`` with the attention features equals one process.
 
 Head counts that do not divide by ``sp_size``, packed documents whose borders fall inside and exactly on
-shard borders, and batches whose size and length change from step to step (with a validation loader of
-another batch size). Each case compares, against plain transformers in one process (packed documents run
-one by one through the model), the loss of every micro-batch (relative 1e-5) and the final weights
-(``|update_sp - update_ref| / |update_ref| < 1e-4``), as ``tests/test_equivalence.py`` does.
+shard borders, batches whose size and length change from step to step (with a validation loader of
+another batch size), multi-head latent attention (value heads smaller than the query's: DeepSeek V3, MiniCPM3)
+and a window switched off (Qwen2-MoE writes ``sliding_window=0``). Each case compares, against plain
+transformers in one process (packed documents run one by one through the model), the loss of every
+micro-batch (relative 1e-5) and the final weights (``|update_sp - update_ref| / |update_ref| < 1e-4``), as
+``tests/test_equivalence.py`` does.
 """
 
 from __future__ import annotations
@@ -28,6 +30,27 @@ from tests.tiny import (
 
 SEQ, LR = 24, 0.5
 SIX_HEADS = dict(hidden_size=48, num_attention_heads=6, head_dim=8)
+# DeepSeek V3's proportions shrunk by 8: qk_nope 128 : qk_rope 64 : v 128 (query and key heads of 24, values of 16),
+# kv_lora_rank 4x and q_lora_rank 12x the nope dims, hidden 14x the kv rank, its yarn RoPE (whose mscale changes the
+# softmax scale), a dense layer and a routed-MoE one
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+            beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3", hidden_size=896, intermediate_size=2304, moe_intermediate_size=256, num_attention_heads=4,
+    num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=64, q_lora_rank=192,
+    n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+    max_position_embeddings=163840, rope_parameters=YARN,
+)
+# MiniCPM3-4B's proportions (qk_nope 64 : qk_rope 32 : v 64, kv_lora_rank 256, q_lora_rank 768, hidden 2560) shrunk by 4
+MINICPM3 = dict(
+    model_type="minicpm3", hidden_size=640, intermediate_size=1600, num_attention_heads=4, num_key_value_heads=4,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=64, q_lora_rank=192, tie_word_embeddings=True,
+)
+# use_sliding_window=False: transformers sets sliding_window=0 and still builds a sliding mask of that window
+QWEN2_MOE_NO_WINDOW = dict(
+    model_type="qwen2_moe", use_sliding_window=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+    shared_expert_intermediate_size=16,
+)
 # name -> case: sp, ZeRO stage, model overrides, data ("uniform", "packed" with forced borders, "variable")
 FOUR_RANKS: dict[str, dict[str, Any]] = {
     "sp4_heads6": dict(sp=4, stage=2, model=dict(SIX_HEADS, num_key_value_heads=6)),
@@ -38,6 +61,13 @@ TWO_RANKS: dict[str, dict[str, Any]] = {
     "sp2_heads6_kv3": dict(sp=2, stage=1, model=dict(SIX_HEADS, num_key_value_heads=3)),
     "sp2_packed": dict(sp=2, stage=3, data="packed", borders=(SEQ // 2,)),
     "sp2_variable_batches": dict(sp=2, stage=2, data="variable"),
+    "sp2_deepseek_v3_mla": dict(sp=2, stage=2, model=DEEPSEEK_V3),
+    "sp2_deepseek_v3_mla_heads3_packed": dict(
+        sp=2, stage=3, model=dict(DEEPSEEK_V3, num_attention_heads=3, num_key_value_heads=3), data="packed",
+        borders=(SEQ // 2,),
+    ),
+    "sp2_minicpm3_mla": dict(sp=2, stage=1, model=MINICPM3),
+    "sp2_qwen2_moe_window_off": dict(sp=2, stage=2, model=QWEN2_MOE_NO_WINDOW),
 }
 # CUDA, 2+ GPUs: the packed sp=2 case with the GPU backends; flash-attn needs bf16 (looser tolerances)
 GPU_TWO_RANKS: dict[str, dict[str, Any]] = {
@@ -149,6 +179,16 @@ def test_packed_data_has_borders_inside_and_on_shard_borders() -> None:
         assert all(3 <= len(row) <= 5 for row in starts)
         borders = [b for row in starts for b in row[1:]]
         assert any(b % shard == 0 for b in borders) and any(b % shard for b in borders)
+
+
+def test_the_latent_attention_and_window_cases_hold_what_they_claim() -> None:
+    """The MLA models' value heads are smaller than their query heads (and DeepSeek's yarn changes the softmax scale);
+    Qwen2-MoE's switched-off window is a window of 0, not None."""
+    for config in (DEEPSEEK_V3, MINICPM3):
+        attention = tiny_llama(**config).model.layers[0].self_attn
+        assert (attention.qk_head_dim, attention.v_head_dim) == (24, 16), config["model_type"]
+    assert tiny_llama(**DEEPSEEK_V3).model.layers[0].self_attn.scaling > 1.5 * 24**-0.5
+    assert tiny_llama(**QWEN2_MOE_NO_WINDOW).config.sliding_window == 0
 
 
 @pytest.fixture(scope="module")

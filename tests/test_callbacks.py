@@ -59,6 +59,15 @@ def test_flop_count_matches_hand_computation() -> None:
     assert flops.batch_flops(position_ids) == 6 * 17312 * 10 + ATTENTION_FLOPS_PER_PAIR * (9 + 15)
 
 
+def test_flop_count_reads_latent_attention_head_sizes() -> None:
+    """MLA (MiniCPM3): ``q . k`` is 24 wide per head (nope 16 + rope 8; the config's head_dim is the rope part), ``p @ v``
+    16: the attention term counts their mean, 20, per head."""
+    model = tiny_llama(model_type="minicpm3", num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                       v_head_dim=16, kv_lora_rank=32, q_lora_rank=48)
+    assert model.config.head_dim == 8
+    assert TransformerFlops.from_model(model).attention_dim == 4 * (24 + 16) // 2
+
+
 # device names as torch.cuda.get_device_name reports them; dense figures, half of the datasheets' sparse ones
 DEVICE_PEAKS_TF = {
     "NVIDIA H200": {torch.bfloat16: 989.5, torch.float16: 989.5, "tf32": 494.5, torch.float32: 67},

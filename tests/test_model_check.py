@@ -22,6 +22,7 @@ from transformers.masking_utils import chunked_causal_mask_function, sliding_win
 from lightning_ulysses import UnsupportedModelError, apply_ulysses_attention, prepare_batch, shard_batch
 from lightning_ulysses.attention import RingLayout, gather_sequence, set_ring_layout
 from lightning_ulysses.hf import ULYSSES_ATTN_IMPLEMENTATION, remove_ulysses_attention, unpatched
+from lightning_ulysses.hf.interface import LayerPlan, read_layer_call
 from lightning_ulysses.hf.masks import MaskPattern, identify_pattern
 from tests.launch import launch
 from tests.zoo_configs import tiny_recipe
@@ -73,6 +74,7 @@ def relative_error(got: Tensor, expected: Tensor) -> float:
         (chunked_causal_mask_function(8192, torch.zeros(1, dtype=torch.long)), 8192, MaskPattern(chunk=8192)),
         (lambda b, h, q, kv: (kv <= q) & (kv % 2 == 0), None, None),  # a pattern no kernel here runs
         (lambda b, h, q, kv: (kv <= q) & (q - kv < 7), 5, None),  # a window other than the one announced
+        (lambda b, h, q, kv: kv <= q, 0, MaskPattern()),  # a window of 0 announced: switched off, no window
     ],
 )
 def test_identify_pattern_reads_windows_and_chunks_far_beyond_the_probe(function, local_size, expected) -> None:
@@ -104,6 +106,20 @@ def test_a_window_applied_only_through_the_mask_is_kept() -> None:
     remove_ulysses_attention(model)
     no_window = [m._ulysses_plan for m in model.modules() if "_ulysses_plan" in m.__dict__]
     assert no_window == []
+
+
+def test_a_window_switched_off_is_no_window() -> None:
+    # Qwen2-MoE with use_sliding_window=False holds sliding_window=0 and still builds a sliding mask of that window
+    model = tiny_model("qwen2_moe", use_sliding_window=False, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    assert model.config.sliding_window == 0
+    ids, positions = packed_ids_and_positions()
+    expected = plain_logits(model, ids, positions)
+    got = _patched_logits(model, ids, positions)
+    assert [layer.self_attn._ulysses_plan.pattern for layer in model.model.layers] == [MaskPattern(), MaskPattern()]
+    assert relative_error(got, expected) < 1e-5
+    plan, problems = read_layer_call(model.model.layers[0].self_attn, MaskPattern(), "", {"sliding_window": 0})
+    assert (plan, problems) == (LayerPlan(MaskPattern()), [])  # as passed to attention by Mistral-style layers
 
 
 def test_a_bias_added_through_the_mask_is_refused_and_the_model_left_plain() -> None:

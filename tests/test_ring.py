@@ -49,16 +49,24 @@ CASES: dict[str, dict[str, Any]] = {
     # attention sinks (gpt-oss): 6 heads over 2 Ulysses ranks with 3 K/V heads; packed with a window
     "sinks_heads6_kv3": dict(heads=6, kv_heads=3, sinks=True),
     "sinks_packed_window": dict(heads=4, kv_heads=2, positions=PACKED, window=5, sinks=True),
+    # multi-head latent attention: value heads of another size than the query's (DeepSeek V3: 128 and 192)
+    "mla_packed_window": dict(heads=6, kv_heads=2, positions=PACKED, window=5, head_dim=24, value_dim=16),
+    "mla_heads3_packed": dict(heads=3, kv_heads=3, positions=PACKED, head_dim=24, value_dim=16),
+    "mla_larger_values_sinks": dict(heads=4, kv_heads=2, sinks=True, head_dim=8, value_dim=16),
 }
 LAYOUTS = [(2, 1), (2, 2), (4, 1)]  # (ring_size, ulysses_size)
 
 
 def _tensors(case: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """``q``, ``k``, ``v``, the output gradient (head sizes 8, or the case's ``head_dim`` and ``value_dim``) and the
+    position ids of ``case``."""
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, SEQ, case["heads"], 8, generator=g)
-    k = torch.randn(2, SEQ, case["kv_heads"], 8, generator=g)
-    v = torch.randn(2, SEQ, case["kv_heads"], 8, generator=g)
-    grad = torch.randn(2, SEQ, case["heads"], 8, generator=g)
+    head_dim = case.get("head_dim", 8)
+    value_dim = case.get("value_dim", head_dim)
+    q = torch.randn(2, SEQ, case["heads"], head_dim, generator=g)
+    k = torch.randn(2, SEQ, case["kv_heads"], head_dim, generator=g)
+    v = torch.randn(2, SEQ, case["kv_heads"], value_dim, generator=g)
+    grad = torch.randn(2, SEQ, case["heads"], value_dim, generator=g)
     return q, k, v, grad, torch.tensor(case["positions"]) if "positions" in case else None
 
 
@@ -310,19 +318,21 @@ DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["gqa", "packed_window"])
+@pytest.mark.parametrize("name", ["gqa", "packed_window", "mla_packed_window", "mla_larger_values_sinks"])
 def test_a_ring_of_one_matches_dense_attention(name: str, dtype: torch.dtype, device: str) -> None:
     """One process, ring size 1 (its two chunks, three pairs: causal, causal, full or masked), fp32 and bf16: the
     block kernels of the device (CPU: the flash kernel for CPU; CUDA: the memory-efficient kernel), the merge and the
-    backward against the dense reference."""
+    backward against the dense reference; value heads of another size than the query's (MLA) and sinks included."""
     case = CASES[name]
     q, k, v, grad, pos = _tensors(case)
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = reference(*full, pos, window=case.get("window"))
+    sinks = [] if sink_logits(case) is None else [sink_logits(case)]
+    full = [t.clone().requires_grad_() for t in (q, k, v, *sinks)]
+    expected = reference(*full[:3], pos, window=case.get("window"), sinks=full[3] if sinks else None)
     expected.backward(grad)
-    low = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+    low = [t.to(device, dtype).requires_grad_() for t in (q, k, v, *sinks)]
     documents = None if pos is None else Documents.from_position_ids(pos.to(device))
-    out = ring.ring_attention(*low, documents, None, 1, 0, window=case.get("window"))
+    out = ring.ring_attention(*low[:3], documents, None, 1, 0, window=case.get("window"),
+                              sinks=low[3] if sinks else None)
     out.backward(grad.to(device, dtype))
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for got, want in [(out, expected)] + [(t.grad, f.grad) for t, f in zip(low, full)]:
@@ -354,6 +364,34 @@ def test_cuda_block_kernel_calls_are_well_formed() -> None:
         assert out.shape == (2, 6, 40, 64) and lse.shape == (2, 6, 40), kind
         dq, dk, dv = ring_blocks._cuda_backward(grad, q, k, v, out, lse, kind, mask, 0.125)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape, kind
+
+
+@pytest.mark.parametrize("value_dim", [48, 80])
+def test_cuda_block_kernels_run_value_heads_of_another_size(monkeypatch: pytest.MonkeyPatch, value_dim: int) -> None:
+    """:func:`block_forward` and :func:`block_backward` on meta tensors through the CUDA path: queries and keys of 64,
+    values of 48 or 80 (MLA) reach the memory-efficient kernels padded to one head size, and come back as the block
+    layouts (output and dV of the value's size, dQ and dK of the query's) for every kind, GQA included."""
+    head_sizes = []
+
+    def one_head_size(kernel: Any) -> Any:
+        def call(*args: Any) -> Any:
+            head_sizes.append({t.shape[-1] for t in args if isinstance(t, torch.Tensor) and t.dim() == 4})
+            return kernel(*args)
+
+        return call
+
+    forward, backward = (one_head_size(kernel) for kernel in ring_blocks._KERNELS["cuda"])
+    monkeypatch.setitem(ring_blocks._KERNELS, "meta", (forward, backward))
+    meta = torch.device("meta")
+    for kind, keys in (("full", 24), ("causal", 40), ("masked", 24)):
+        q, grad = torch.empty(2, 40, 6, 64, device=meta), torch.empty(2, 40, 6, value_dim, device=meta)
+        k, v = torch.empty(2, keys, 3, 64, device=meta), torch.empty(2, keys, 3, value_dim, device=meta)
+        mask = torch.ones(1, 40, keys, dtype=torch.bool, device=meta) if kind == "masked" else None
+        out, lse = ring_blocks.block_forward(q, k, v, kind, mask, 0.125)
+        assert out.shape == (2, 40, 6, value_dim) and lse.shape == (2, 40, 6), kind
+        dq, dk, dv = ring_blocks.block_backward(grad, q, k, v, out, lse, kind, mask, 0.125)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape, kind
+    assert head_sizes == [{max(64, value_dim)}] * 6
 
 
 def test_inexact_block_kernels_are_refused_at_set_up(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DistributedSampler
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import CONFIG_MAPPING, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from lightning_ulysses import IGNORE_INDEX, UlyssesLossMixin
 from lightning_ulysses.sharding import positions_within_runs
@@ -23,14 +24,17 @@ TINY_LLAMA = dict(  # CausalLM(model=...): tiny_llama's shape as a config dict (
 )
 
 
-def tiny_llama(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
+def tiny_llama(seed: int = 0, model_type: str = "llama", **overrides: Any) -> PreTrainedModel:
+    """A seeded fp32 tiny Llama, or a causal LM of another ``model_type`` with the same sizes (``overrides`` on top:
+    a family's own fields, such as DeepSeek's MLA head sizes)."""
     config = dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, attn_implementation="sdpa",
     )
     config.update(overrides)
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**config))
+    config_class = CONFIG_MAPPING[model_type]
+    return MODEL_FOR_CAUSAL_LM_MAPPING[config_class](config_class(**config))
 
 
 def make_optimizer(
@@ -129,7 +133,7 @@ def make_packed_samples(
     return samples
 
 
-def reference_loss(model: LlamaForCausalLM, batch: dict[str, Tensor]) -> Tensor:
+def reference_loss(model: PreTrainedModel, batch: dict[str, Tensor]) -> Tensor:
     """The standard single-process loss on whole sequences: transformers' forward, shift, token mean.
 
     Packed rows (``position_ids`` restarting at 0) run every document through the model on its own, so no
@@ -145,7 +149,7 @@ def reference_loss(model: LlamaForCausalLM, batch: dict[str, Tensor]) -> Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
 
 
-def _packed_reference_loss(model: LlamaForCausalLM, batch: dict[str, Tensor]) -> Tensor:
+def _packed_reference_loss(model: PreTrainedModel, batch: dict[str, Tensor]) -> Tensor:
     loss_sum, num_tokens = 0.0, 0
     for ids, positions in zip(batch["input_ids"], batch["position_ids"]):
         bounds = [*(positions == 0).nonzero().flatten().tolist(), len(ids)]

@@ -4,7 +4,7 @@ Per attention layer, with ``P`` ranks in the SP group::
 
     q, k, v  [B, N/P, H, D]  --all-to-all #1-->  [B, N, h, D]   (all tokens, h = ceil(H/P) head slots)
                                                    |  core attention (SDPA, flash-attn, flex)
-    out      [B, N/P, H, D]  <--all-to-all #2--  [B, N, h, D]
+    out      [B, N/P, H, D]  <--all-to-all #2--  [B, N, h, D]   (D: the value's head size, MLA's differs from q, k)
 
 Heads are independent, so this is exact. Documents (packed samples, padding runs) are read from the global
 ``position_ids`` (:mod:`.documents`); attention never crosses a document start. Chunked attention (Llama 4) is

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_ulysses.attention.core import refuse_dropout_with_lse
+from lightning_ulysses.attention.core import equal_head_dims, no_window_if_off, refuse_dropout_with_lse, softmax_scale
 from lightning_ulysses.attention.documents import Documents
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -25,16 +25,21 @@ def refuse_unsupported_dtype(name: str, dtype: torch.dtype) -> None:
 
 
 def _flash_window(window: int | None) -> tuple[int, int]:
+    window = no_window_if_off(window)
     return (-1, -1) if window is None else (window - 1, 0)
 
 
 def _flash(
     functions: tuple[Any, Any], query: Tensor, key: Tensor, value: Tensor, documents: Documents | None,
-    return_lse: bool, **options: Any,
+    return_lse: bool, scale: float | None, **options: Any,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """flash-attn 2 or 3 (``functions``: its ``flash_attn_func`` and ``flash_attn_varlen_func``): one batched call,
-    or the varlen kernel over the flattened tokens of packed rows with ``cu_seqlens``."""
+    or the varlen kernel over the flattened tokens of packed rows with ``cu_seqlens``. A value head size other than
+    the query's (MLA) runs zero-padded to one (:func:`~lightning_ulysses.attention.core.equal_head_dims`), as
+    transformers does for flash-attn: flash-attn 2 has one head size, flash-attn 3 only some pairs."""
     func, varlen_func = functions
+    options["softmax_scale"], value_dim = softmax_scale(query, scale), value.shape[-1]
+    query, key, value = equal_head_dims(query, key, value)
     if return_lse:
         options["return_attn_probs"] = True  # (out, softmax_lse, ...): flash-attn >= 2.6, FA3 since 2025-08
     if documents is None or documents.one_per_row:
@@ -46,7 +51,7 @@ def _flash(
             max_seqlen_q=documents.max_seqlen, max_seqlen_k=documents.max_seqlen, **options,
         )
     out, lse = result[:2] if isinstance(result, tuple) else (result, None)  # early FA3 releases always return lse
-    out = out.view_as(query)
+    out = out.view_as(query)[..., :value_dim]  # [B, N, h, D_v]
     if not return_lse:
         return out
     lse = lse.transpose(1, 2) if lse.dim() == 3 else lse.t().view(query.shape[:3])  # [B, h, N] or varlen [h, B * N]
@@ -65,7 +70,7 @@ def flash_attention_2(
     refuse_dropout_with_lse(return_lse, dropout_p)
     return _flash(
         (flash_attn.flash_attn_func, flash_attn.flash_attn_varlen_func), query, key, value,
-        documents, return_lse, dropout_p=dropout_p, softmax_scale=scale, causal=True, window_size=_flash_window(window),
+        documents, return_lse, scale, dropout_p=dropout_p, causal=True, window_size=_flash_window(window),
     )
 
 
@@ -81,5 +86,5 @@ def flash_attention_3(
         raise ValueError("flash_attention_3 has no attention dropout; set the model's attention_dropout to 0.")
     return _flash(
         (flash_attn_interface.flash_attn_func, flash_attn_interface.flash_attn_varlen_func),
-        query, key, value, documents, return_lse, softmax_scale=scale, causal=True, window_size=_flash_window(window),
+        query, key, value, documents, return_lse, scale, causal=True, window_size=_flash_window(window),
     )

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_ulysses.attention.core import no_window_if_off
 from lightning_ulysses.attention.documents import Documents
 
 
@@ -62,9 +63,11 @@ def flex_attention(
 
     The block mask is built once per batch (kept with ``documents``; without documents, once per length and
     window). torch has no flex backward on CPU, and its compiled CPU kernel no log-sum-exp: with ``return_lse`` on
-    CPU the kernel runs eagerly (quadratic memory; CPU flex is for tests)."""
+    CPU the kernel runs eagerly (quadratic memory; CPU flex is for tests). flex takes a value head size other than
+    the query's (MLA) as it is."""
     if dropout_p:
         raise ValueError("flex_attention has no attention dropout; set the model's attention_dropout to 0.")
+    window = no_window_if_off(window)
     if documents is None:
         mask = _rows_block_mask(query.shape[1], window, query.device)
     else:

@@ -3,7 +3,8 @@
 Ring rank ``r`` of ``R`` holds the queries, keys and values of two chunks of the sequence, chunks ``r`` and
 ``2R - 1 - r`` of ``2R`` (zigzag, :func:`~lightning_ulysses.sharding.zigzag_order`), each ``c = N / 2R`` tokens::
 
-    query, key, value  [B, 2c, h, D]   (this rank's two chunks, concatenated; h = the Ulysses group's head slots)
+    query, key, value  [B, 2c, h, D]   (this rank's two chunks, concatenated; h = the Ulysses group's head slots;
+                                        the value's head size may differ from the query's, D_v, as the output's)
 
 At step ``s`` it holds the K/V block of ring rank ``j = r - s`` (mod ``R``), attends its queries to it and passes
 it on to rank ``r + 1`` while the next block arrives (point to point, overlapped with the compute). The partial
@@ -36,6 +37,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_ulysses.attention.collectives import ring_exchange
+from lightning_ulysses.attention.core import no_window_if_off, softmax_scale
 from lightning_ulysses.attention.documents import Documents
 from lightning_ulysses.attention.ring_blocks import BlockKind, block_backward, block_forward, merge_blocks
 
@@ -215,11 +217,11 @@ def ring_plan(
 def _pair_forward(
     query: Tensor, key: Tensor, value: Tensor, pair: BlockPair, plan: RingPlan, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """One chunk pair: ``[B, c, h, D]`` output and ``[B, c, h]`` log-sum-exp (``-inf`` where a query reads nothing);
+    """One chunk pair: ``[B, c, h, D_v]`` output and ``[B, c, h]`` log-sum-exp (``-inf`` where a query reads nothing);
     a masked pair tile by tile (a query tile's parts merged: its own token's part always reads a key)."""
     if pair.kind != "masked":
         return block_forward(query, key, value, pair.kind, None, scale)
-    out = query.new_zeros(query.shape, dtype=torch.float32)
+    out = query.new_zeros((*query.shape[:3], value.shape[-1]), dtype=torch.float32)
     lse = query.new_full(query.shape[:3], float("-inf"), dtype=torch.float32)
     for (lo, hi), parts in itertools.groupby(pair.tiles, key=lambda t: (t.q_lo, t.q_hi)):
         acc = None
@@ -296,7 +298,8 @@ def _add_into(targets: list[Tensor], sources: list[Tensor]) -> None:
 
 
 class _RingAttention(torch.autograd.Function):
-    """``query [B, 2c, h, D]``, ``key``/``value [B, 2c, kv_h, D]`` of this ring rank -> ``[B, 2c, h, D]``.
+    """``query [B, 2c, h, D]``, ``key [B, 2c, kv_h, D]``, ``value [B, 2c, kv_h, D_v]`` of this ring rank ->
+    ``[B, 2c, h, D_v]``.
 
     At most two K/V blocks (the one attended, the one arriving) are alive in the forward; in the backward also
     this step's dK/dV share, the accumulator arriving and the one leaving.
@@ -367,16 +370,17 @@ def ring_attention(
 
     Args:
         query: ``[B, 2c, h, D]``, this ring rank's chunks ``ring_rank`` and ``2 * ring_size - 1 - ring_rank``.
-        key, value: ``[B, 2c, kv_h, D]``, ``h`` a multiple of ``kv_h``.
+        key, value: ``[B, 2c, kv_h, D]`` and ``[B, 2c, kv_h, D_v]``, ``h`` a multiple of ``kv_h``.
         documents: the documents of the whole rows, in sequence order (``None``: one per row).
         group: the ring group (``ring_size`` ranks, this one at ``ring_rank``).
-        scale: softmax scale (``None``: ``D ** -0.5``); window: sliding window as in :func:`ulysses_attention`.
+        scale: softmax scale (``None``: ``D ** -0.5``); window: sliding window as in :func:`ulysses_attention`
+            (``None`` or ``0``: none).
         sinks: ``[h]`` attention sink logits of the query heads (gpt-oss): merged after the blocks as one more
             logit per head whose value is zero; its gradient is this ring rank's queries' share.
 
-    Returns ``[B, 2c, h, D]``; gradients flow to ``query``, ``key`` and ``value`` of every ring rank.
+    Returns ``[B, 2c, h, D_v]``; gradients flow to ``query``, ``key`` and ``value`` of every ring rank.
     """
     batch, local = query.shape[:2]
-    plan = ring_plan(documents, batch, local * ring_size, ring_size, ring_rank, window)
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    plan = ring_plan(documents, batch, local * ring_size, ring_size, ring_rank, no_window_if_off(window))
+    scale = softmax_scale(query, scale)
     return _RingAttention.apply(query, key, value, sinks, plan, group, scale)

@@ -1,10 +1,10 @@
 """The block kernels of ring attention: one ``(query chunk, key chunk)`` pair, forward with its log-sum-exp, and the
 backward that takes the *merged* output and log-sum-exp of all blocks back.
 
-Layouts: ``query [b, n, h, D]``, ``key``/``value [b, m, kv_h, D]`` (``h`` a multiple of ``kv_h``), output
-``[b, n, h, D]``, log-sum-exp ``[b, n, h]`` fp32 (``-inf`` for a query that reads no key of the block); ``kind`` is
-``"full"`` (every query reads every key), ``"causal"`` (a diagonal block, ``n == m``) or ``"masked"`` (``mask``
-``[b or 1, n, m]`` bool, ``True`` where a query reads a key).
+Layouts: ``query [b, n, h, D]``, ``key [b, m, kv_h, D]``, ``value [b, m, kv_h, D_v]`` (``h`` a multiple of ``kv_h``),
+output ``[b, n, h, D_v]``, log-sum-exp ``[b, n, h]`` fp32 (``-inf`` for a query that reads no key of the block);
+``kind`` is ``"full"`` (every query reads every key), ``"causal"`` (a diagonal block, ``n == m``) or ``"masked"``
+(``mask [b or 1, n, m]`` bool, ``True`` where a query reads a key).
 
 * CPU: torch's flash kernel for CPU (``_scaled_dot_product_flash_attention_for_cpu`` and its backward), GQA fused,
   the mask as an additive bias.
@@ -13,6 +13,10 @@ Layouts: ``query [b, n, h, D]``, ``key``/``value [b, m, kv_h, D]`` (``h`` a mult
   It wants as many K/V heads as query heads (GQA blocks are expanded, their gradients summed back per group), a bias
   whose rows are 16-element aligned, and hands its log-sum-exp out padded to a multiple of 32 queries (it is taken
   back in that layout).
+
+Both kernels run one head size: a value head size other than the query's (MLA) is zero-padded to one block by block
+(:func:`~lightning_ulysses.attention.core.equal_head_dims`), so the K/V blocks travel the ring unpadded and the set-up
+check of equal head sizes covers the kernels that run.
 
 :func:`check_block_kernels` runs the kernels of one device and dtype on a small problem (every kind, GQA, a query
 that reads nothing in a block, a chunk length that is no multiple of 32) against attention in float64: the strategy
@@ -27,6 +31,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lightning_ulysses.attention.core import equal_head_dims
+
 BlockKind = Literal["causal", "full", "masked"]
 
 _LSE_ALIGNMENT = 32  # the memory-efficient kernel pads its log-sum-exp to a multiple of this many queries
@@ -36,43 +42,32 @@ _BIAS_ALIGNMENT = 16  # ... and reads a bias whose rows start 16-element aligned
 def block_forward(
     query: Tensor, key: Tensor, value: Tensor, kind: BlockKind, mask: Tensor | None, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """Attention of one block (see the module docstring): ``[b, n, h, D]`` output, ``[b, n, h]`` fp32 log-sum-exp."""
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, heads, tokens, D]
-    if query.device.type == "cuda":
-        out, lse = _cuda_forward(q, k, v, kind, mask, scale)
-    else:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, kind == "causal", attn_mask=None if mask is None else _bias(mask, q.dtype), scale=scale
-        )
+    """Attention of one block (see the module docstring): ``[b, n, h, D_v]`` output, ``[b, n, h]`` fp32 log-sum-exp."""
+    q, k, v = (t.transpose(1, 2) for t in equal_head_dims(query, key, value))  # [b, heads, tokens, max(D, D_v)]
+    out, lse = _kernels(query.device)[0](q, k, v, kind, mask, scale)
     lse = lse.float()
     if mask is not None:  # a query that reads nothing: the kernels give it a log-sum-exp of 0 (CPU) or NaN outputs
         reads_nothing = ~mask.any(-1)[:, None]  # [b or 1, 1, n]
         lse = lse.masked_fill(reads_nothing, float("-inf"))
         out = out.masked_fill(reads_nothing[..., None], 0.0)
-    return out.transpose(1, 2), lse.transpose(1, 2)
+    return out[..., : value.shape[-1]].transpose(1, 2), lse.transpose(1, 2)
 
 
 def block_backward(
     grad: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, kind: BlockKind,
     mask: Tensor | None, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The gradients of one block's ``query``, ``key`` and ``value`` (``[b, n, h, D]`` layouts) for the output
-    gradient ``grad``, given the merged ``out [b, n, h, D]`` and ``lse [b, n, h]`` of the queries over all blocks (then
-    each block's share of the softmax, and so its gradient, is exact)."""
-    g, q, k, v, o = (t.transpose(1, 2) for t in (grad, query, key, value, out))
+    """The gradients of one block's ``query``, ``key`` and ``value`` (their layouts) for the output gradient ``grad``,
+    given the merged ``out [b, n, h, D_v]`` and ``lse [b, n, h]`` of the queries over all blocks (then each block's
+    share of the softmax, and so its gradient, is exact)."""
+    q, k, v, g, o = (t.transpose(1, 2) for t in equal_head_dims(query, key, value, grad, out))
     lse = lse.transpose(1, 2).contiguous()
-    if query.device.type == "cuda":
-        grads = _cuda_backward(g, q, k, v, o, lse, kind, mask, scale)
-    else:
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            g, q, k, v, o, lse, 0.0, kind == "causal", attn_mask=None if mask is None else _bias(mask, q.dtype),
-            scale=scale,
-        )
-    return tuple(t.transpose(1, 2) for t in grads)
+    grads = _kernels(query.device)[1](g, q, k, v, o, lse, kind, mask, scale)
+    return tuple(d[..., : t.shape[-1]].transpose(1, 2) for d, t in zip(grads, (query, key, value)))
 
 
 def merge_blocks(acc: tuple[Tensor, Tensor] | None, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
-    """Merge one block's ``out [b, n, h, D]`` and ``lse [b, n, h]`` into the running ones (fp32; online softmax)."""
+    """Merge one block's ``out [b, n, h, D_v]`` and ``lse [b, n, h]`` into the running ones (fp32; online softmax)."""
     if acc is None:
         return out.float(), lse
     acc_out, acc_lse = acc
@@ -83,9 +78,30 @@ def merge_blocks(acc: tuple[Tensor, Tensor] | None, out: Tensor, lse: Tensor) ->
     )
 
 
+# ----------------------------------------------------------------------------------------------
+# CPU: torch's flash kernel for CPU
+# ----------------------------------------------------------------------------------------------
 def _bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """``[b, n, m]`` bool -> ``[b, 1, n, m]`` additive mask (0 / -inf) for the kernels' ``[b, h, n, m]`` scores."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))[:, None]
+
+
+def _cpu_forward(
+    q: Tensor, k: Tensor, v: Tensor, kind: BlockKind, mask: Tensor | None, scale: float
+) -> tuple[Tensor, Tensor]:
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, kind == "causal", attn_mask=None if mask is None else _bias(mask, q.dtype), scale=scale
+    )
+
+
+def _cpu_backward(
+    g: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, kind: BlockKind, mask: Tensor | None,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g, q, k, v, o, lse, 0.0, kind == "causal", attn_mask=None if mask is None else _bias(mask, q.dtype),
+        scale=scale,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,6 +151,15 @@ def _cuda_backward(
     if kv_heads != heads:  # each K/V head's gradient is the sum over the query heads of its group
         dk, dv = (t.unflatten(1, (kv_heads, heads // kv_heads)).sum(2) for t in (dk, dv))
     return dq, dk, dv
+
+
+_KERNELS = {"cuda": (_cuda_forward, _cuda_backward)}
+"""The (forward, backward) block kernels by device type; any other device runs the CPU ones."""
+
+
+def _kernels(device: torch.device) -> tuple:
+    """The (forward, backward) block kernels of ``device``, on ``[b, heads, tokens, D]`` layouts of one head size."""
+    return _KERNELS.get(device.type, (_cpu_forward, _cpu_backward))
 
 
 # ----------------------------------------------------------------------------------------------

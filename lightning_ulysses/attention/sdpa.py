@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_ulysses.attention.core import refuse_dropout_with_lse
+from lightning_ulysses.attention.core import equal_head_dims, no_window_if_off, refuse_dropout_with_lse, softmax_scale
 from lightning_ulysses.attention.documents import Documents
 
 SIGNIFICANT_BITS = 3
@@ -98,10 +98,12 @@ def sdpa_with_lse(
 ) -> tuple[Tensor, Tensor]:
     """Scaled dot-product attention without dropout that also returns the log-sum-exp.
 
-    ``[b, h, n, d]`` layout, GQA allowed; ``mask``: bool ``[n_q, n_k]``, ``None`` for causal. Returns the output
-    and ``[b, h, n_q]`` fp32; only the output is differentiable. On CPU this is the flash kernel that
-    ``F.scaled_dot_product_attention`` runs; on CUDA the memory-efficient one, which has no GQA (the K/V heads
-    are repeated) and wants its additive mask 8-aligned and 4-D, as ``F.scaled_dot_product_attention`` makes it.
+    ``[b, h, n, d]`` layout, one head size for the query, key and value (see
+    :func:`~lightning_ulysses.attention.core.equal_head_dims`), GQA allowed; ``mask``: bool ``[n_q, n_k]``, ``None``
+    for causal. Returns the output and ``[b, h, n_q]`` fp32; only the output is differentiable. On CPU this is the
+    flash kernel that ``F.scaled_dot_product_attention`` runs; on CUDA the memory-efficient one, which has no GQA
+    (the K/V heads are repeated) and wants its additive mask 8-aligned and 4-D, as ``F.scaled_dot_product_attention``
+    makes it.
     """
     bias = None
     if mask is not None:
@@ -150,9 +152,15 @@ def sdpa_attention(
     (:func:`plan_packed`, built once per batch and ``significant_bits``). A document longer than a sliding
     ``window`` runs in query blocks of ``window`` tokens with ``[window, 2 * window]`` band masks: exact, no
     ``[N, N]`` mask. Every call holds all the keys of its queries, so with ``return_lse`` each returns its
-    queries' log-sum-exp too (:func:`sdpa_with_lse`). No host sync once the plan exists.
+    queries' log-sum-exp too (:func:`sdpa_with_lse`). No host sync once the plan exists. A value head size other
+    than the query's (MLA) runs zero-padded to one head size
+    (:func:`~lightning_ulysses.attention.core.equal_head_dims`): torch's flash kernels (CPU and CUDA) want one; on
+    CPU SDPA would otherwise run its ``[N, N]`` math kernel, and on CUDA GQA would lose its fused kernel
+    (:func:`needs_repeated_kv`).
     """
     refuse_dropout_with_lse(return_lse, dropout_p)
+    window, scale, value_dim = no_window_if_off(window), softmax_scale(query, scale), value.shape[-1]
+    query, key, value = equal_head_dims(query, key, value)
 
     def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, ...]:  # [b, n, h, d]; None: causal
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -184,5 +192,5 @@ def sdpa_attention(
         results = causal(query, key, value)
     else:
         results = run_packed(packed_plan(documents, significant_bits), (query, key, value), causal)
-    out = results[0].view_as(query)
+    out = results[0].view_as(query)[..., :value_dim]  # [B, N, h, D_v]
     return (out, results[1].view(query.shape[:3])) if return_lse else out

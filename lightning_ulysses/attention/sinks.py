@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_ulysses.attention.core import CoreAttention
+from lightning_ulysses.attention.core import CoreAttention, softmax_scale
 from lightning_ulysses.attention.documents import Documents
 
 
@@ -51,13 +51,14 @@ def sink_attention(
     """Attention with sinks (gpt-oss, transformers' ``s_aux``): each query's softmax also runs over one logit
     ``sinks[h]`` whose value is zero, so ``out' = out * sigmoid(lse - sinks[h])``.
 
-    Shapes as the core backends (``query [B, N, h, D]``, ``key``/``value [B, N, kv_h, D]``), ``sinks [h]``; no dropout.
+    Shapes as the core backends (``query``/``key [B, N, h or kv_h, D]``, ``value [B, N, kv_h, D_v]``), ``sinks [h]``;
+    no dropout.
     Exact in the output and in every gradient (``query``, ``key``, ``value``, ``sinks``) with every backend: the
     log-sum-exp gets its gradient from the kernel (flex) or from :class:`_ExactLogSumExp`.
     """
     out, lse = core(query, key, value, documents, scale=scale, dropout_p=0.0, window=window, return_lse=True)
     if not lse.requires_grad:
         attend = functools.partial(core, documents=documents, scale=scale, dropout_p=0.0, window=window)
-        lse = _ExactLogSumExp.apply(lse, query, key, attend, query.shape[-1] ** -0.5 if scale is None else scale)
+        lse = _ExactLogSumExp.apply(lse, query, key, attend, softmax_scale(query, scale))
     kept = torch.sigmoid(lse - sinks)  # [B, N, h] (fp32 or wider): the share of the softmax left to the real keys
     return out * kept[..., None].to(out.dtype)

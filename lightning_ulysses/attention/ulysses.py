@@ -11,7 +11,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_ulysses.attention.backends import CORE_ATTENTION, prepare_plans
 from lightning_ulysses.attention.collectives import RingLayout, heads_to_sequence, ring_layout, sequence_to_heads
-from lightning_ulysses.attention.core import CoreAttention
+from lightning_ulysses.attention.core import CoreAttention, no_window_if_off
 from lightning_ulysses.attention.documents import Documents, documents_of
 from lightning_ulysses.attention.ring import ring_attention, ring_plan
 from lightning_ulysses.attention.sinks import sink_attention
@@ -30,6 +30,7 @@ def plan_batch(
     """
     ring = ring_layout(group)
     for chunk, window in patterns:
+        window = no_window_if_off(window)
         documents = documents_of(position_ids, group, chunk)
         if ring is None:
             prepare_plans(attn_fn, documents, window)
@@ -56,7 +57,8 @@ def ulysses_attention(
 
     Args:
         query: ``[B, N/P, H, D]``, this rank's tokens, all heads.
-        key, value: ``[B, N/P, H_kv, D]``, ``H`` a multiple of ``H_kv``.
+        key: ``[B, N/P, H_kv, D]``, ``H`` a multiple of ``H_kv``.
+        value: ``[B, N/P, H_kv, D_v]``: any value head size (MLA: DeepSeek V3's is 128, its ``D`` 192).
         group: the sequence-parallel process group (``strategy.sp_group``); ``None`` runs locally. When a
             :class:`~lightning_ulysses.attention.collectives.RingLayout` is declared for it (``UlyssesStrategy(ring_size
             > 1)`` does), Ulysses runs inside its Ulysses group and ring attention across its ring
@@ -69,14 +71,14 @@ def ulysses_attention(
         scale: softmax scale (``None``: ``D ** -0.5``).
         dropout_p: attention dropout probability.
         window: sliding window; a token attends to itself and the ``window - 1`` tokens before it
-            (``None``: unbounded).
+            (``None`` or ``0``: unbounded).
         chunk: chunked attention (Llama 4's ``attention_chunk_size``): a token attends only to the tokens of
             its document whose position ids fall in its chunk (``position_id // chunk``); needs ``position_ids``.
         sinks: ``[H]`` attention sink logits, one per query head (gpt-oss's ``s_aux``; see
             :func:`sink_attention`); no dropout with them.
 
     Returns:
-        ``[B, N/P, H, D]``: the attention output of this rank's tokens. Gradients flow back to
+        ``[B, N/P, H, D_v]``: the attention output of this rank's tokens. Gradients flow back to
         ``query``, ``key`` and ``value`` on every rank through the inverse all-to-alls. ``sinks`` receives on
         each rank the gradient of the heads that rank attended (for the tokens of every rank): summed over the
         group, as replicated weights are, it is whole.
@@ -89,6 +91,7 @@ def ulysses_attention(
             f"Attention sinks are one logit per query head, shape ({query.shape[2]},), and run without attention "
             f"dropout; got shape {tuple(sinks.shape)} and dropout_p={dropout_p}."
         )
+    window = no_window_if_off(window)
     documents = None if position_ids is None else documents_of(position_ids, group, chunk)
     ring = ring_layout(group)
     if ring is not None:
@@ -107,8 +110,8 @@ def ulysses_attention(
     sinks = _sinks_of_rank(sinks, layout, group)
     query = sequence_to_heads(select_heads(query, layout.query_slots), group)  # [B, N, h, D]
     key, value = (sequence_to_heads(select_heads(t, layout.kv_slots), group) for t in (key, value))
-    out = attend(query, key, value, sinks)
-    return select_heads(heads_to_sequence(out, group), layout.output_slots)  # [B, N/P, H, D]
+    out = attend(query, key, value, sinks)  # [B, N, h, D_v]
+    return select_heads(heads_to_sequence(out, group), layout.output_slots)  # [B, N/P, H, D_v]
 
 
 def check_ring_supported(attn_fn: str | CoreAttention, dropout_p: float) -> None:
@@ -141,7 +144,8 @@ def _ulysses_x_ring(
     window: int | None, sinks: Tensor | None,
 ) -> Tensor:
     """Ulysses inside ``ring.ulysses_group`` (all-to-alls to the ring rank's two zigzag chunks, its share of the
-    heads), ring attention across ``ring.ring_group``, and back: ``[B, N/P, H, D] -> [B, N/P, H, D]``."""
+    heads), ring attention across ``ring.ring_group``, and back: ``[B, N/P, H, D]`` queries and keys, ``[B, N/P, H,
+    D_v]`` values -> ``[B, N/P, H, D_v]``."""
     layout = plan_heads(query.shape[2], key.shape[2], dist.get_world_size(ring.ulysses_group))
     sinks = _sinks_of_rank(sinks, layout, ring.ulysses_group)
     query = sequence_to_heads(select_heads(query, layout.query_slots), ring.ulysses_group)  # [B, N/R, h, D]
@@ -150,4 +154,4 @@ def _ulysses_x_ring(
         query, key, value, documents, ring.ring_group, ring.ring_size, dist.get_rank(ring.ring_group),
         scale=scale, window=window, sinks=sinks,
     )
-    return select_heads(heads_to_sequence(out, ring.ulysses_group), layout.output_slots)  # [B, N/P, H, D]
+    return select_heads(heads_to_sequence(out, ring.ulysses_group), layout.output_slots)  # [B, N/P, H, D_v]

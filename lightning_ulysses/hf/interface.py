@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 
 from lightning_ulysses.attention import ulysses_attention
+from lightning_ulysses.attention.core import no_window_if_off
 from lightning_ulysses.hf.masks import MaskPattern
 
 ULYSSES_ATTN_IMPLEMENTATION = "ulysses"
@@ -62,7 +63,7 @@ def read_layer_call(
     if ring and getattr(module, "attention_dropout", 0.0):
         problems.append("uses attention dropout, which Ulysses x Ring (ring_size > 1) does not implement yet "
                         "(ring_size=1 does)")
-    window = kwargs.get("sliding_window")
+    window = no_window_if_off(kwargs.get("sliding_window"))
     if pattern is not None and window is not None and pattern.window != window:
         problems.append(
             f"passes sliding_window={window} to attention but its mask is {pattern.describe()}, so its result depends "
@@ -101,7 +102,8 @@ def _hf_ulysses_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """Transformers attention-interface entry: ``[B, H, N/sp, D]`` in, ``[B, N/sp, H, D]`` out."""
+    """Transformers attention-interface entry: ``[B, H, N/sp, D]`` queries and keys, ``[B, H_kv, N/sp, D_v]`` values
+    in, ``[B, N/sp, H, D_v]`` out."""
     state = module.__dict__.get("_ulysses_state")
     if state is None:
         raise RuntimeError(

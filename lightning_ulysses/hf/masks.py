@@ -29,6 +29,8 @@ import torch
 from torch import Tensor
 from transformers.masking_utils import sdpa_mask
 
+from lightning_ulysses.attention.core import no_window_if_off
+
 MaskFunction = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
@@ -63,10 +65,12 @@ def identify_pattern(
     """The :class:`MaskPattern` that transformers' materialised ``mask`` ``[B, 1, q, kv]`` and its
     ``mask_function`` express, or ``None`` when it is none of them.
 
-    ``local_size`` is the window or chunk size transformers passes with sliding and chunked masks. When
+    ``local_size`` is the window or chunk size transformers passes with sliding and chunked masks (``None`` or ``0``:
+    none; Qwen2-MoE builds its sliding mask with a window of 0 when ``use_sliding_window=False``). When
     ``index_based`` (no model-specific mask functions, so ``mask_function`` reads nothing but the indices) the
     candidates are also checked at index pairs around ``local_size``, which the short probe cannot reach.
     """
+    local_size = no_window_if_off(local_size)
     candidates = [MaskPattern()]
     if local_size is not None:
         candidates += [MaskPattern(window=local_size), MaskPattern(chunk=local_size)]
