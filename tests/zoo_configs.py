@@ -7,14 +7,15 @@ and the tiny one keeps its proportions (:mod:`tests.zoo_proportions`): head coun
 shrink by one factor of their kind read from the default, so that distinct dims stay distinct and equal ones equal
 (``head_dim != hidden / heads``, ``v_head_dim != qk_head_dim``, the ``qk_nope`` / ``qk_rope`` split, the rotary part
 of a partial rotary head), the key-value groups stay (MHA, MQA, ``heads / kv_heads``), and the RoPE type and its
-scaling parameters stay as they are: heads 4 to 16, head dims up to 32, hidden sizes up to 128 (160 where a rotary
-dim would turn odd). Only widths, depth, experts (4, top-2), vocabulary (256) and SSM states shrink; dropout and the
-KV cache go off, and the features a family has go on (sliding windows of 5 tokens and chunked attention of 8, both
-shorter than a shard; sliding layers where the family has a switch for them). The decoder keeps the shortest prefix
-of its default layer stack that holds every kind of layer the full stack has: layers are told apart by their module
-structure (module classes, parameter shapes and plain attributes such as ``sliding_window``), read from the
-full-depth model built without weight initialisation. ``tests/test_zoo_configs.py`` checks the proportions of every
-family's tiny decoder config against its default.
+scaling parameters stay as they are: 4 to 16 query heads, attention head dims of 8 to 32 (Zamba's 464 to 58), hidden
+sizes of 16 to 128 (StableLM's 160, where a smaller one would make its rotary dim odd). Only head counts, widths,
+depth, experts (4, top-2), vocabulary (256) and SSM states shrink; dropout and the KV cache go off, and the features
+a family has go on (sliding windows of 5 tokens and chunked attention of 8, both shorter than a shard; sliding
+layers where the family has a switch for them). The decoder keeps the shortest prefix of its default layer stack
+that holds every kind of layer the full stack has: layers are told apart by their module structure (module classes,
+parameter shapes and plain attributes such as ``sliding_window``), read from the full-depth model built without
+weight initialisation. ``tests/test_zoo_configs.py`` checks the proportions of every family's tiny decoder config
+against its default.
 """
 
 from __future__ import annotations
