@@ -69,6 +69,9 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}},
     },
     "xmod": {"default_language": "en_XX"},  # the forward needs a language adapter
+    # the global transformer is a part of the decoder whose width the local encoder and decoder read
+    # (hidden_size_global): shrunk by their factor (8), not by its own (16)
+    "blt": {"global_config.hidden_size": 256, "global_config.head_dim": 64, "global_config.intermediate_size": 704},
     # the QSA indexer of the indexed-attention layers has no default; budget 8 tokens, shorter than a shard
     "qwen4_exp": _QSA_INDEXER,
     "qwen4_exp_text": _QSA_INDEXER,
