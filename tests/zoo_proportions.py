@@ -6,11 +6,13 @@ Three kinds of dimension, and the one factor each is divided by:
 * head counts (query heads, key-value heads, linear-attention and SSM heads, ...): ``head_factor``, so that the
   query heads become :attr:`Proportions.tiny_heads` and every other count keeps its ratio to them (at least 1).
   The tiny head count keeps the key-value groups: MHA stays MHA (4 / 4), MQA stays MQA (4 / 1), ``heads / kv = r``
-  becomes ``2r / 2`` (key-value heads still shardable over 2 ranks) while that is at most 16 heads, else ``r / 1``;
+  becomes ``2r / 2`` (key-value heads still shardable over 2 ranks) while that is at most 16 heads, else ``r / 1``
+  (``16 / 1`` past 16);
 * per-head dims (``head_dim``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``rotary_dim``, the
   latent ``kv_lora_rank``, linear-attention and SSM head dims, ...): ``head_dim_factor``, a power of two that
-  divides every per-head dim of the config (the rotary part ``head_dim * partial_rotary_factor`` included) into an
-  even number, the smallest that brings them to at most 32 and the hidden size to at most 128 (else the largest);
+  divides every per-head dim of the config into a whole number and every rotated one (the head dim, the RoPE part
+  ``head_dim * partial_rotary_factor``, ``qk_rope_head_dim``, ``rotary_dim``) into an even one: the smallest that
+  brings them (but the latent) to at most 32 and the hidden size to at most 128, else the largest;
 * widths (hidden size, FFN and expert sizes, low-rank projections, embedding and channel widths): ``width_factor
   = head_factor * head_dim_factor``, so that ``heads * head_dim / hidden`` is the default's; rounded to a multiple
   of 4, as real widths are multiples of 16 bytes (the grouped GEMM of MoE experts requires it).
