@@ -68,7 +68,7 @@ TWO_RANKS: dict[str, dict[str, Any]] = {
     # RWKV's token shifts take the token before each shard from the previous rank; a document of one token at the
     # shard border
     "rwkv_zero3_packed": dict(family="rwkv", sp=2, stage=3, borders=(SEQ_LEN // 2, SEQ_LEN // 2 + 1)),
-    # ZAYA's CCA convolutions (6 heads) and its delayed values, next to its attention layers; with biases, the
+    # ZAYA's CCA convolutions (10 heads) and its delayed values, next to its attention layers; with biases, the
     # delayed values of each document's first token are the bias; key scales of about 1 (0.02 at initialisation:
     # the queries and keys, which the convolutions compute, would barely matter)
     "zaya_zero3_packed_bias": dict(family="zaya", sp=2, stage=3, borders=(SEQ_LEN // 2 - 1, SEQ_LEN // 2),
@@ -104,7 +104,7 @@ FOUR_RANKS: dict[str, dict[str, Any]] = {
     # the token before each zigzag shard lies on another ring rank (shards hold columns 0-7, 24-31, 8-15, 16-23)
     "rwkv_ring2_ulysses2_zero2_packed": dict(family="rwkv", sp=4, ring=2, stage=2,
                                              borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8 + 1)),
-    # 6 convolution heads over 4 ranks (2 slots each, 2 inert), attention over ring 2 x Ulysses 2
+    # 10 convolution heads over 4 ranks (3 slots each, 2 inert), attention over ring 2 x Ulysses 2
     "zaya_ring2_ulysses2_zero2_packed": dict(family="zaya", sp=4, ring=2, stage=2, borders=(SEQ_LEN // 2, 7),
                                              scaled={"qk_norm.temp": 50.0}, attention_layers=2),
 }

@@ -25,6 +25,7 @@ from lightning_ulysses.hf import ULYSSES_ATTN_IMPLEMENTATION, remove_ulysses_att
 from lightning_ulysses.hf.interface import LayerPlan, read_layer_call
 from lightning_ulysses.hf.masks import MaskPattern, identify_pattern
 from tests.launch import launch
+from tests.zoo_configs import tiny_recipe
 
 VOCAB = 97
 SEQ = 40
@@ -172,6 +173,16 @@ def test_a_bidirectional_attention_layer_is_refused() -> None:
     model = tiny_model("llama")
     model.model.layers[1].self_attn.is_causal = False
     with pytest.raises(UnsupportedModelError, match=r"layers\.1\.self_attn \(LlamaAttention\): attends bidirectionally"):
+        apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+
+
+def test_head_counts_that_vary_per_layer_are_checked_not_crashed_on() -> None:
+    # DOTS3's indexed-attention layers have half the heads of the others (a heterogeneous config, whose global head
+    # count transformers refuses to read): the set-up check runs and refuses the indexed attention
+    model = tiny_recipe("dots3_note").build("sdpa")
+    heads = {layer.self_attn.num_heads for layer in model.model.layers}
+    assert len(heads) == 2, heads
+    with pytest.raises(UnsupportedModelError, match=r"Dots3NoteTextAttention\): passes indices"):
         apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
 
 

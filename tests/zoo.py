@@ -4,7 +4,8 @@ parallelism and compared with one process of the plain model on the whole sequen
 The project's promise, checked family by family: a model that ``UlyssesStrategy`` accepts trains exactly like one
 process on the whole sequence; any other is refused at set-up with :class:`~lightning_ulysses.UnsupportedModelError`.
 Each entry (one per ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, plus :data:`VARIANT_ENTRIES` and the
-:data:`CONTROL_ENTRIES`) gets a tiny seeded config with its features on (:mod:`tests.zoo_configs`) and:
+:data:`CONTROL_ENTRIES`) gets a tiny seeded config with the proportions of its default (flagship) config and its
+features on (:mod:`tests.zoo_configs`) and:
 
 * reference: the plain, unpatched model (eager attention where it has it, else SDPA) on one process on the whole
   batch, token-mean next-token cross entropy, one SGD step;
@@ -440,7 +441,9 @@ def markdown_page(results: dict[str, Outcome]) -> str:
         f"```bash\n{REGENERATE}\n```",
         "",
         f"Every causal-LM family that transformers {transformers.__version__} registers, as a tiny seeded model with "
-        "its features on (sliding windows, MoE, MLA, ...; `tests/zoo_configs.py`), trained one step with "
+        "the proportions of its default config (usually the flagship checkpoint's: head counts, per-head dims and "
+        "widths each shrunk by one factor, so distinct dims stay distinct) and its features on (sliding windows, MoE, "
+        "MLA, ...; `tests/zoo_configs.py`), trained one step with "
         "`UlyssesStrategy(sp_size=2)` and compared with one process of the plain model on the whole sequence. "
         "**PASS**: same loss (rtol 1e-5) and same weight update (relative error < 1e-4, or 10x the plain model's own "
         "eager-vs-SDPA difference where that is larger: deep Gemma 4 stacks amplify float rounding to 9e-5); the "

@@ -2,13 +2,20 @@
 
 Nothing here names a family except :data:`FAMILY_FIXES` (config fixes for the odd ones) and :data:`VARIANTS` (extra
 entries for features no default switches on). Every field of a config and of its sub-configs (vision, audio, ...)
-goes through :data:`_RULES`, keyed by field name: sizes shrink (hidden 64, 4 query / 2 key-value heads, head_dim
-16, FFN 64, vocab 256, 4 experts with top-2, small MLA ranks and SSM states, 2 layers in sub-configs), dropout and
-the KV cache go off, and the features a family has go on (sliding windows of 5 tokens and chunked attention of 8,
-both shorter than a shard; sliding layers where the family has a switch for them). The decoder keeps the
-shortest prefix of its default layer stack that holds every kind of layer the full stack has: layers are told
-apart by their module structure (module classes, parameter shapes and plain attributes such as
-``sliding_window``), read from the full-depth model built without weight initialisation.
+goes through :data:`_RULES`, keyed by field name. A family's default config is usually its flagship checkpoint's,
+and the tiny one keeps its proportions (:mod:`tests.zoo_proportions`): head counts, per-head dims and widths each
+shrink by one factor of their kind read from the default, so that distinct dims stay distinct and equal ones equal
+(``head_dim != hidden / heads``, ``v_head_dim != qk_head_dim``, the ``qk_nope`` / ``qk_rope`` split, the rotary part
+of a partial rotary head), the key-value groups stay (MHA, MQA, ``heads / kv_heads``), and the RoPE type and its
+scaling parameters stay as they are: 4 to 16 query heads, attention head dims of 8 to 32 (Zamba's 464 to 58), hidden
+sizes of 16 to 128 (StableLM's 160, where a smaller one would make its rotary dim odd). Only head counts, widths,
+depth, experts (4, top-2), vocabulary (256) and SSM states shrink; dropout and the KV cache go off, and the features
+a family has go on (sliding windows of 5 tokens and chunked attention of 8, both shorter than a shard; sliding
+layers where the family has a switch for them). The decoder keeps the shortest prefix of its default layer stack
+that holds every kind of layer the full stack has: layers are told apart by their module structure (module classes,
+parameter shapes and plain attributes such as ``sliding_window``), read from the full-depth model built without
+weight initialisation. ``tests/test_zoo_configs.py`` checks the proportions of every family's tiny decoder config
+against its default.
 """
 
 from __future__ import annotations
@@ -26,14 +33,13 @@ from transformers import CONFIG_MAPPING, PreTrainedConfig, PreTrainedModel
 from transformers.initialization import no_init_weights
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from tests.zoo_proportions import (
+    HEAD_COUNTS, INPUT_CHANNELS, KV_HEAD_FIELDS, PER_HEAD_DIMS, WIDTHS, Proportions, proportions,
+)
+
 SEQ_LEN = 32
 SP_SIZE = 2
 SHARD_LEN = SEQ_LEN // SP_SIZE
-HIDDEN = 64
-FFN = 64
-HEADS = 4
-KV_HEADS = 2
-HEAD_DIM = 16
 VOCAB = 256
 EXPERTS = 4
 TOP_K = 2
@@ -43,7 +49,7 @@ MIN_LAYERS = 2
 MAX_LAYERS = 24  # a layer pattern that needs more is cut here (and its missing layer kinds are reported)
 
 _QSA_INDEXER = {f"indexer_{k}": v for k, v in
-                dict(n_heads=HEADS, kv_heads=1, head_dim=HEAD_DIM, budget=8, compress_ratio=2).items()}
+                dict(n_heads=4, kv_heads=1, head_dim=16, budget=8, compress_ratio=2).items()}
 
 _DRAFTER = {"text_config.hidden_size_per_layer_input": 0, "text_config.vocab_size_per_layer_input": 0,
             "text_config.num_hidden_layers": 2, "text_config.num_kv_shared_layers": 2}
@@ -63,8 +69,9 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}},
     },
     "xmod": {"default_language": "en_XX"},  # the forward needs a language adapter
-    "longcat_flash": {"head_dim": 8},  # its rotary embedding reads head_dim, which checkpoints set to qk_rope_head_dim
-    "mamba2": {"head_dim": 32},  # num_heads * head_dim must equal expand * hidden_size (2 * 64)
+    # the global transformer is a part of the decoder whose width the local encoder and decoder read
+    # (hidden_size_global): shrunk by their factor (8), not by its own (16)
+    "blt": {"global_config.hidden_size": 256, "global_config.head_dim": 64, "global_config.intermediate_size": 704},
     # the QSA indexer of the indexed-attention layers has no default; budget 8 tokens, shorter than a shard
     "qwen4_exp": _QSA_INDEXER,
     "qwen4_exp_text": _QSA_INDEXER,
@@ -86,72 +93,68 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
     # --- inputs ---
     "musicgen": {"num_codebooks": 2},  # input rows are (sample, codebook) pairs: the 2 data rows are one sample
     "musicgen_melody": {"num_codebooks": 2},
-    "reformer": {  # axial position embeddings must factor the sequence (4 x 8 = 32) and split the hidden size
-        "attn_layers": ["local", "lsh"], "axial_pos_shape": [4, 8], "axial_pos_embds_dim": [32, 32],
+    "reformer": {  # axial position embeddings must factor the sequence (4 x 8 = 32) and add up to the hidden size,
+        # which the shrink factor leaves no whole parts of (256 = 64 + 192 to 43)
+        "attn_layers": ["local", "lsh"], "axial_pos_shape": [4, 8], "axial_pos_embds_dim": [32, 32], "hidden_size": 64,
     },
 }
+
+
+Rule = Callable[[Any, Proportions], Any]
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _at_most(limit: int) -> Callable[[Any, PreTrainedConfig], Any]:
+def _at_most(limit: int) -> Rule:
     """At most ``limit`` (also for each entry of a per-layer list); None and 0 (feature off) stay."""
-    def rule(value: Any, default: PreTrainedConfig) -> Any:
+    def rule(value: Any, scale: Proportions) -> Any:
         if isinstance(value, list):
-            return [rule(v, default) for v in value]
+            return [rule(v, scale) for v in value]
         return min(value, limit) if _is_int(value) and value > 0 else value
 
     return rule
 
 
-def _at_most_or(limit: int) -> Callable[[Any, PreTrainedConfig], Any]:
+def _at_most_or(limit: int) -> Rule:
     """Like :func:`_at_most`, and ``limit`` where the default is None."""
-    return lambda value, default: limit if value is None else _at_most(limit)(value, default)
+    return lambda value, scale: limit if value is None else _at_most(limit)(value, scale)
 
 
-def _always(new: Any) -> Callable[[Any, PreTrainedConfig], Any]:
-    return lambda value, default: new
-
-
-def _zero_float(value: Any, default: PreTrainedConfig) -> Any:
-    return 0.0 if isinstance(value, float) else value
-
-
-def _window(value: Any, default: PreTrainedConfig) -> Any:
-    return WINDOW if value is None or _is_int(value) else value
-
-
-_WINDOW_FIELDS = r"(sliding_window|sliding_window_size|attention_window_size|local_attention_window_len)"
-_FEATURE_FIELD = re.compile(rf"({_WINDOW_FIELDS}|attention_chunk_size)")  # set also where the config derives them
-
-_HEAD_FIELDS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads", "decoder_attention_heads")
-
-
-def _kv_heads(value: Any, default: PreTrainedConfig) -> Any:
-    """Keep the family's head sharing: MHA stays MHA (4 / 4), MQA stays MQA (4 / 1), GQA becomes 4 / 2."""
-    heads = next((h for h in (_field_value(default, name) for name in _HEAD_FIELDS) if _is_int(h)), None)
-    if value is None:
-        return HEADS  # what transformers derives from None: one key-value head per query head
-    if not _is_int(value) or heads is None:
-        return value
-    if value == heads:
-        return HEADS
-    return 1 if value == 1 else KV_HEADS
-
-
-def _mamba_width(parts: int) -> Callable[[Any, PreTrainedConfig], Any]:
-    """Mamba's inner width is expand * hidden_size, its heads (``parts`` of them) tile it."""
-    def rule(value: Any, default: PreTrainedConfig) -> Any:
-        expand = _field_value(default, "mamba_expand")
-        return expand * HIDDEN // parts if _is_int(value) and _is_int(expand) else value
+def _scaled(divide: Callable[[Proportions, int], int], where_none: Callable[[Proportions], Any] | None = None) -> Rule:
+    """``divide(scale, value)`` for a positive int (also each entry of a per-layer list); 0 (feature off) stays; None
+    stays, or becomes ``where_none(scale)``."""
+    def rule(value: Any, scale: Proportions) -> Any:
+        if isinstance(value, list):
+            return [rule(v, scale) for v in value]
+        if value is None and where_none is not None:
+            return where_none(scale)
+        return divide(scale, value) if _is_int(value) and value > 0 else value
 
     return rule
 
 
-# (field-name pattern, rule(old value, default config) -> new value); the first full match wins.
-_RULES: list[tuple[str, Callable[[Any, PreTrainedConfig], Any]]] = [
+def _always(new: Any) -> Rule:
+    return lambda value, scale: new
+
+
+def _zero_float(value: Any, scale: Proportions) -> Any:
+    return 0.0 if isinstance(value, float) else value
+
+
+def _window(value: Any, scale: Proportions) -> Any:
+    return WINDOW if value is None or _is_int(value) else value
+
+
+_WINDOW_FIELDS = r"(sliding_window|sliding_window_size|attention_window_size|local_attention_window_len)"
+# set also where the config derives them: the features, and the RoPE parameters (a composite config gives its decoder
+# the checkpoint's, which the decoder's own derivation would not: GOT-OCR2's rope_theta 1e6)
+_KEPT_FIELD = re.compile(rf"({_WINDOW_FIELDS}|attention_chunk_size|rope_parameters)")
+_KV_HEADS = re.compile(rf"({'|'.join(KV_HEAD_FIELDS)})")
+
+# (field-name pattern, rule(old value, the config's proportions) -> new value); the first full match wins.
+_RULES: list[tuple[str | re.Pattern, Rule]] = [
     # regularisation and generation state off, fp32
     (r".*(drop|jitter).*", _zero_float),  # dropout, attention_probs_dropout_prob, layerdrop, router jitter, ...
     (r"(use_cache|output_router_logits|add_cross_attention)", _always(False)),
@@ -165,23 +168,12 @@ _RULES: list[tuple[str, Callable[[Any, PreTrainedConfig], Any]]] = [
     (r"local_attention", _always(2 * WINDOW)),  # ModernBERT's window is local_attention // 2
     (r"max_window_layers", _always(1)),
     (r"attention_chunk_size", _always(CHUNK)),
-    # attention heads
-    (r"(num_key_value_heads|num_kv_heads|kv_n_heads|swa_num_key_value_heads|num_query_groups|multi_query_group_num)",
-     _kv_heads),
-    (r"(num_attention_heads|n_head|num_heads|n_heads|attention_heads|.*_attention_heads|index_n_heads"
-     r"|linear_num_key_heads|linear_num_value_heads|linear_num_heads|mamba_n_heads|mamba_num_heads|n_mamba_heads)",
-     _at_most(HEADS)),
-    # multi-head latent attention
-    (r"kv_lora_rank", _at_most(16)),
-    (r".*_lora_rank", _at_most(32)),
-    (r"(qk_rope_head_dim|qk_nope_head_dim)", _at_most(HEAD_DIM // 2)),  # query/key head: 8 + 8 = HEAD_DIM
-    (r"(qk_head_dim|v_head_dim)", _at_most(HEAD_DIM)),
-    (r"(rotary_dim|rotary_emb_dim)", _at_most(HEAD_DIM // 2)),
-    (r"head_dim", _at_most_or(HEAD_DIM)),  # also where the default leaves it None and the model reads it
-    (r"(mamba_d_head|mamba_head_dim)", _mamba_width(HEADS)),
-    (r"mamba_d_ssm", _mamba_width(1)),
-    (r"(.*_head_dim|d_head|d_kv|dim_head|kv_channels|attention_head_dim|attention_head_size|mamba_headdim)",
-     _at_most(HEAD_DIM)),
+    # head counts, per-head dims and widths, each by its kind's factor (tests.zoo_proportions); a key-value head
+    # count left None is the query heads' (what transformers derives from None)
+    (_KV_HEADS, _scaled(Proportions.heads, lambda scale: scale.tiny_heads)),
+    (HEAD_COUNTS, _scaled(Proportions.heads)),
+    (r"head_dim", _scaled(Proportions.head_dim, lambda scale: scale.tiny_head_dim)),  # None where the model reads it
+    (PER_HEAD_DIMS, _scaled(Proportions.head_dim)),
     # experts: on also where the default leaves their number or top-k unset
     (r"(num_experts|num_local_experts|n_routed_experts|moe_num_experts)", _at_most_or(EXPERTS)),
     (r"(num_experts_per_tok|num_experts_per_token|moe_topk|moe_top_k|moe_k|top_k_experts)", _at_most_or(TOP_K)),
@@ -195,12 +187,9 @@ _RULES: list[tuple[str, Callable[[Any, PreTrainedConfig], Any]]] = [
     (r"(state_size|mamba_d_state|ssm_state_size|d_state)", _at_most(8)),
     (r"(time_step_rank|mamba_dt_rank|dt_rank)", _at_most(8)),
     (r"(chunk_size|mamba_chunk_size)", _at_most(8)),
-    # widths
-    (r"(.*intermediate_size.*|.*ffn_dim|ffn_hidden_size|n_inner|d_ff|dff|d_inner|dim_ff|mlp_dim|feed_forward_size"
-     r"|expert_ffn_hidden_size)", _at_most(FFN)),
-    (r"(hidden_size|d_model|n_embd|emb_dim|embedding_dim|embed_dim|embedding_size|word_embed_proj_dim|.*_hidden_size"
-     r"|hidden_size_.*|lru_width|.*_embedding_size|.*_embed_dim|projector_.*_dim|.*_output_dim|out_hidden_size"
-     r"|.*_channels?)", _at_most(HIDDEN)),  # convolution channels of vision and audio towers too
+    # widths (convolution channels of vision and audio towers too, not the channels of their input)
+    (INPUT_CHANNELS, lambda value, scale: value),
+    (WIDTHS, _scaled(Proportions.width)),
     # depth (of sub-configs: the decoder's depth follows its layer pattern, see tiny_recipe)
     (r"(num_hidden_layers|n_layer|num_layers|n_layers|encoder_layers|decoder_layers|depth|num_decoder_layers"
      r"|num_encoder_layers|.*_num_hidden_layers)", _at_most(MIN_LAYERS)),
@@ -258,44 +247,51 @@ class _TokenIds:
         return self.moved.setdefault(value, VOCAB - 1 - len(self.moved))
 
 
-def _shrunk_spec(default: PreTrainedConfig, token_ids: _TokenIds) -> ConfigSpec:
+def _shrunk_spec(default: PreTrainedConfig, token_ids: _TokenIds, parent: Proportions | None = None) -> ConfigSpec:
     """The spec of a tiny version of ``default``: its customised fields (those that differ from its class defaults)
-    changed by the rules, sub-configs shrunk recursively. A field whose class default is None and whose value is
-    not was derived by the config (``head_dim``, ``layer_types`` from a window switch, ...) and is left to derive
-    again. The per-layer overrides of a heterogeneous config go through the same rules."""
+    changed by the rules, sub-configs shrunk recursively (a sub-config with heads of its own by its own proportions,
+    any other by its parent's). A field whose class default is None and whose value is not was derived by the
+    config (``head_dim``, ``layer_types`` from a window switch, ...) and is left to derive again. The per-layer
+    overrides of a heterogeneous config go through the same rules."""
+    scale = config_proportions(default, parent)
     spec = ConfigSpec(type(default))
     for name, f in _init_fields(type(default)).items():
         value = _field_value(default, name)
         if value is _MISSING:
             continue
         if isinstance(value, PreTrainedConfig):
-            spec.kwargs[name] = _shrunk_spec(value, token_ids)
+            spec.kwargs[name] = _shrunk_spec(value, token_ids, scale)
             continue
         class_default = _class_default(f)
-        if class_default is None and value is not None and not _FEATURE_FIELD.fullmatch(name):
+        if class_default is None and value is not None and not _KEPT_FIELD.fullmatch(name):
             continue  # derived in __post_init__ (head_dim, layer_types, ...): derived again from the tiny fields
-        new = _shrink(name, value, default, token_ids)
+        new = _shrink(name, value, scale, token_ids)
         if not _same(new, class_default):
             spec.kwargs[name] = new
     if default.is_heterogeneous:
         spec.kwargs["per_layer_config"] = {
-            index: {name: _shrink(name, value, _LayerView(default, overrides), token_ids)
-                    for name, value in overrides.items()}
+            index: {name: _shrink(name, value, scale, token_ids) for name, value in overrides.items()}
             for index, overrides in default._heterogeneity_spec.per_layer_overrides.items()
         }
     return spec
 
 
-class _LayerView:
-    """One layer of a heterogeneous config, as the rules read it: the layer's overrides over the global fields."""
+def config_proportions(config: PreTrainedConfig, parent: Proportions | None = None) -> Proportions:
+    """The factors that ``config``'s dimensions are divided by (:func:`tests.zoo_proportions.proportions`): its
+    own where it has attention heads or no parent, else its parent's (a part of the parent: DBRX's FFN config);
+    a composite config without a hidden size of its own takes its decoder's."""
+    own = proportions(config, list(_init_fields(type(config))), _read)
+    if own is not None and (own.tiny_heads is not None or parent is None):
+        return own
+    if parent is not None:
+        return parent
+    text = config.get_text_config(decoder=True)
+    return config_proportions(text) if text is not config else Proportions(1.0, 1, None, None)
 
-    def __init__(self, config: PreTrainedConfig, overrides: dict[str, Any]) -> None:
-        self.config, self.overrides = config, overrides
 
-    def _getattr_without_heterogeneous_validation(self, name: str, default: Any) -> Any:
-        if name in self.overrides:
-            return self.overrides[name]
-        return self.config._getattr_without_heterogeneous_validation(name, default)
+def _read(config: PreTrainedConfig, name: str) -> Any:
+    value = _field_value(config, name)
+    return None if value is _MISSING else value
 
 
 _MISSING = object()
@@ -306,12 +302,12 @@ def _field_value(config: PreTrainedConfig, name: str) -> Any:
     return config._getattr_without_heterogeneous_validation(name, _MISSING)
 
 
-def _shrink(name: str, value: Any, default: PreTrainedConfig, token_ids: _TokenIds) -> Any:
+def _shrink(name: str, value: Any, scale: Proportions, token_ids: _TokenIds) -> Any:
     if _TOKEN_ID.fullmatch(name):
         return token_ids(value)
     for pattern, rule in _COMPILED_RULES:
         if pattern.fullmatch(name):
-            return rule(value, default)
+            return rule(value, scale)
     return value
 
 
@@ -440,6 +436,18 @@ class TinyRecipe:
         return self.model_class._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
 
 
+def default_text_config(model_type: str) -> PreTrainedConfig:
+    """The decoder config of ``model_type``'s default config: what the tiny decoder config is shrunk from."""
+    config_class = CONFIG_MAPPING[model_type]
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[config_class]
+    return decoder_config(_model_config(_default_config(config_class, FAMILY_FIXES.get(model_type, {})), model_class))
+
+
+def decoder_config(config: PreTrainedConfig) -> PreTrainedConfig:
+    """The sub-config that holds the decoder, or the config itself (see :func:`_text_config_path`)."""
+    return _resolve(config, _text_config_path(config))
+
+
 def tiny_recipe(model_type: str, variant: str | None = None) -> TinyRecipe:
     """The tiny version of ``model_type``'s default config, with its features on (see the module docstring)."""
     config_class = CONFIG_MAPPING[model_type]
@@ -507,11 +515,16 @@ class _Decoder:
         return config
 
     def _cut_per_layer(self, text_full: PreTrainedConfig, depth: int) -> None:
+        """The first ``depth`` entries of ``text_full``'s per-layer lists: those of a tiny config as they are, those
+        of the default (a depth pinned by a family fix) shrunk."""
         full_depth = _depth(text_full)
+        text_default = _resolve(self.default, self.path)
+        scale = config_proportions(text_default) if text_full is text_default else None
         for name in _init_fields(type(text_full)):
             value = _field_value(text_full, name)
             if _is_per_layer(value, full_depth):
-                self.text_spec.kwargs[name] = _shrink(name, value[:depth], text_full, _TokenIds())
+                cut = value[:depth]
+                self.text_spec.kwargs[name] = cut if scale is None else _shrink(name, cut, scale, _TokenIds())
         if text_full.is_heterogeneous:
             overrides = text_full._heterogeneity_spec.per_layer_overrides
             self.text_spec.kwargs["per_layer_config"] = {i: o for i, o in overrides.items() if i < depth}

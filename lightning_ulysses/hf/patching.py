@@ -126,10 +126,13 @@ def apply_ulysses_attention(
 def _log_head_layout(model: PreTrainedModel, sp_size: int) -> None:
     """Log the head layout over the ``sp_size`` ranks of an all-to-all (the Ulysses degree under Ulysses x Ring)."""
     text_config = model.config.get_text_config()
-    num_heads = getattr(text_config, "num_attention_heads", None)
+    try:
+        num_heads = getattr(text_config, "num_attention_heads", None)
+        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError: head counts that vary per layer
+        return  # no one layout to log; the attention layers' own head counts are checked when they run
     if not isinstance(num_heads, int):
         return
-    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
     if num_heads % num_kv_heads:
         return  # not a grouped-query layout; the attention layers' own head counts are checked when they run
     layout = plan_heads(num_heads, num_kv_heads, sp_size)
