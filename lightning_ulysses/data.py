@@ -82,7 +82,7 @@ def find_text_files(paths: Sequence[str], pattern: str) -> list[Path]:
         elif path.is_dir():
             files.update(p for p in path.rglob(pattern) if p.is_file())
         else:
-            raise FileNotFoundError(f"Data path {str(path)!r} does not exist. Give existing files or folders in data.paths.")
+            check_paths_exist([entry], "data.paths")
     if not files:
         raise FileNotFoundError(f"No file in {list(paths)} matches {pattern!r}. Change data.paths or data.pattern.")
     return sorted(files)
