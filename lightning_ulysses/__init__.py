@@ -7,8 +7,6 @@ quiet.install()  # first: DeepSpeed logs as it is imported
 
 from lightning_ulysses.attention import ulysses_attention
 from lightning_ulysses.callbacks import SequenceParallelMonitor, SequenceParallelParityCheck
-from lightning_ulysses.checkpoint import check_resumable, convert_checkpoint, export_hf_model, is_universal_checkpoint
-from lightning_ulysses.checkpoint_io import CheckpointSaveError, CorruptCheckpointError, check_integrity
 from lightning_ulysses.data import LongTextDataModule, byte_tokenizer
 from lightning_ulysses.finetune import DPO, PreferenceDataModule, SFTDataModule
 from lightning_ulysses.flops import TransformerFlops, dense_peak_flops
@@ -33,6 +31,15 @@ from lightning_ulysses.hf import (
     sequence_parallel_disabled,
 )
 from lightning_ulysses.prediction import PredictionWriter, gather_sequence, token_log_probs
+from lightning_ulysses.runtime import (
+    CheckpointSaveError,
+    CorruptCheckpointError,
+    check_integrity,
+    check_resumable,
+    convert_checkpoint,
+    export_hf_model,
+    is_universal_checkpoint,
+)
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
 from lightning_ulysses.strategy import UlyssesStrategy
 from lightning_ulysses.topology import SequenceParallelTopology

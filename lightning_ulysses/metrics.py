@@ -27,7 +27,7 @@ needs never exist, and because the mean token loss itself has no torchmetrics co
 
 Do not pass an SP or DP ``process_group``: the sum must cover both. The samples that the distributed sampler
 repeats to even out the DP ranks (the dataset size not a multiple of ``dp_size``) reach the metrics with masked
-labels (:mod:`lightning_ulysses.eval_data`), so each sample counts once.
+labels (:mod:`lightning_ulysses.runtime.eval_data`), so each sample counts once.
 """
 
 from __future__ import annotations

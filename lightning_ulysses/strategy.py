@@ -7,14 +7,15 @@ What it adds to :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`:
   group see the same samples and one epoch has the step count of DDP on ``dp_size`` ranks; a loader's own
   ``DistributedSampler`` over the world is moved onto the DP ranks, workers are seeded by DP rank, and every
   batch is checked to be the same across the SP group (:mod:`lightning_ulysses.sp_loaders`); the training
-  loader resumes inside an epoch (:mod:`lightning_ulysses.resume`);
+  loader resumes inside an epoch (:mod:`lightning_ulysses.runtime.resume`);
 * every batch is padded, positioned, labelled and cut to this rank's ``[B, N / sp]`` shard
   (:mod:`lightning_ulysses.sharding`) on its way to the device; evaluation and prediction run the same
-  batches on every DP rank (:mod:`lightning_ulysses.eval_data`);
-* checkpoints are saved atomically and checked before loading (:mod:`lightning_ulysses.checkpoint_io`),
-  resume at the first untrained batch wherever they were taken (:mod:`lightning_ulysses.resume`), and
-  SIGTERM / SLURM's requeue signal save one at a point that all ranks agree on (:mod:`lightning_ulysses.preemption`);
-* a rank that dies is named by the survivors (:class:`~lightning_ulysses.failures.Heartbeat`);
+  batches on every DP rank (:mod:`lightning_ulysses.runtime.eval_data`);
+* checkpoints are saved atomically and checked before loading (:mod:`lightning_ulysses.runtime`: one entry point
+  each way), resume at the first untrained batch wherever they were taken (:mod:`lightning_ulysses.runtime.resume`),
+  and SIGTERM / SLURM's requeue signal save one at a point that all ranks agree on
+  (:mod:`lightning_ulysses.runtime.preemption`);
+* a rank that dies is named by the survivors (:class:`~lightning_ulysses.runtime.failures.Heartbeat`);
 * every transformers model inside the LightningModule runs all-to-all attention
   (:mod:`lightning_ulysses.hf`), checked at set-up to run exactly or be refused, optionally with tiled MLPs and checkpointed, offloaded layers
   (:mod:`lightning_ulysses.memory`);
@@ -62,18 +63,16 @@ from typing_extensions import override
 from lightning_ulysses.attention import gather_sequence, resolve_attn_implementation
 from lightning_ulysses.attention.collectives import RingLayout, gather_from_ranks, set_ring_layout
 from lightning_ulysses.attention.ring_blocks import check_block_kernels
-from lightning_ulysses.checkpoint import (
-    UNIVERSAL_LATEST, check_resumable, is_universal_checkpoint, load_untrained_state, repair_zero3_universal_load,
-)
-from lightning_ulysses.checkpoint_io import POINTER, check_integrity, save_atomically
-from lightning_ulysses.eval_data import DUPLICATES_KEY, drop_rows, pad_over_dp_ranks
-from lightning_ulysses.failures import Heartbeat, NonFiniteLoss, NonFiniteLossGuard
 from lightning_ulysses.loss import STEP_TOKENS_KEY, StepTokenCounts
 from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
 from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.hf.mixers import register_mixer_weights_for_zero3
-from lightning_ulysses.preemption import PreemptionSignals
-from lightning_ulysses.resume import ResumableLoader, is_resumable, rewind_to_step_boundary
+from lightning_ulysses.runtime.eval_data import DUPLICATES_KEY, drop_rows, pad_over_dp_ranks
+from lightning_ulysses.runtime.failures import Heartbeat, NonFiniteLoss, NonFiniteLossGuard
+from lightning_ulysses.runtime.load import load_checkpoint
+from lightning_ulysses.runtime.preemption import PreemptionSignals
+from lightning_ulysses.runtime.resume import ResumableLoader, is_resumable
+from lightning_ulysses.runtime.save import save_checkpoint
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
 from lightning_ulysses.sp_loaders import check_sp_group_agreement, sampler_over_dp_ranks
 from lightning_ulysses.topology import SequenceParallelTopology, auto_ring_size, divisors
@@ -105,7 +104,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         nonfinite_loss: what a NaN or inf training loss on any rank does (checked on every rank with one
             all-reduce of ``world_size`` flags per micro-batch): ``"raise"`` the same error on all ranks, naming
             the step and the ranks; ``"skip"`` warn likewise and skip the optimizer step (no weight or optimizer
-            state update; ZeRO stage 1-3, see :mod:`lightning_ulysses.failures`); ``"off"``: no check.
+            state update; ZeRO stage 1-3, see :mod:`lightning_ulysses.runtime.failures`); ``"off"``: no check.
         tiled_mlp: run each decoder layer's MLP in token tiles, recomputed in the backward: ``True`` (tiles of
             ``hidden_size`` tokens) or a number of tiles.
         tiled_loss: number of token tiles (or ``True``: auto) for the logits + loss of
@@ -458,46 +457,26 @@ class UlyssesStrategy(DeepSpeedStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """DeepSpeed's checkpoint directory, committed atomically (:func:`~lightning_ulysses.checkpoint_io.save_atomically`),
-        with the loop state of the last optimizer step when saved inside one (:mod:`lightning_ulysses.resume`)."""
+        """DeepSpeed's checkpoint directory, committed atomically, with the loop state of the last optimizer step when
+        saved inside one (:func:`~lightning_ulysses.runtime.save.save_checkpoint`)."""
         if storage_options is not None:
             raise TypeError("UlyssesStrategy saves DeepSpeed checkpoint directories, without storage_options.")
         trainer = self.lightning_module.trainer
-        if "loops" in checkpoint and trainer.state.fn == TrainerFn.FITTING:
-            rewind_to_step_boundary(checkpoint["loops"]["fit_loop"], trainer.fit_loop, self.optimizer_step_in_flight)
-        client_state = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
-        save_atomically(self.deepspeed_engine, filepath, client_state,
+        fit_loop = trainer.fit_loop if trainer.state.fn == TrainerFn.FITTING else None
+        save_checkpoint(self.deepspeed_engine, checkpoint, filepath, fit_loop, self.optimizer_step_in_flight,
                         exclude_frozen_parameters=self.exclude_frozen_parameters)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A DeepSpeed checkpoint directory, checked whole and resumable on this layout before anything is loaded
+        (:func:`~lightning_ulysses.runtime.load.load_checkpoint`); a single file as ``DeepSpeedStrategy`` loads it."""
         if not Path(checkpoint_path).is_dir():  # a single file (load_full_weights), or a path Lightning explains
             return super().load_checkpoint(checkpoint_path, weights_only)
-        # a DeepSpeed directory: refuse a damaged one, or a layout it cannot restore, before loading anything
-        universal = is_universal_checkpoint(checkpoint_path)
-        check_integrity(checkpoint_path, UNIVERSAL_LATEST if universal else POINTER)
         assert isinstance(self.config, dict)
         zero_stage = self.config.get("zero_optimization", {}).get("stage", 0)
-        check_resumable(checkpoint_path, self.world_size, zero_stage)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        if universal and not fitting:
-            raise ValueError(
-                f"{checkpoint_path} is a converted (universal) checkpoint, which DeepSpeed loads only to resume "
-                "trainer.fit. Evaluate from the checkpoint as saved (on its own process count and ZeRO stage) or "
-                "from its weights (export_hf_model)."
-            )
-        # DeepSpeed reads its "checkpoint.load_universal" setting only when loading, and the engine exists by now
-        self.deepspeed_engine._config.load_universal_checkpoint = universal
-        # as DeepSpeedStrategy loads, without its check for a tag folder named "checkpoint" (ours are checkpoint-<id>)
-        _, checkpoint = self.deepspeed_engine.load_checkpoint(
-            checkpoint_path, load_optimizer_states=fitting, load_lr_scheduler_states=False,
-            load_module_strict=self.lightning_module.strict_loading,
-        )
-        if universal:
-            load_untrained_state(self.deepspeed_engine.module, checkpoint_path)
-            if self.deepspeed_engine.zero_optimization_stage() == 3:
-                repair_zero3_universal_load(self.deepspeed_engine.optimizer, checkpoint_path)
-        return checkpoint
+        return load_checkpoint(self.deepspeed_engine, checkpoint_path, self.world_size, zero_stage, fitting=fitting,
+                               strict=self.lightning_module.strict_loading)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

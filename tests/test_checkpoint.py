@@ -32,7 +32,8 @@ from transformers import AutoModelForCausalLM
 from lightning_ulysses import (
     UlyssesStrategy, check_resumable, convert_checkpoint, export_hf_model, is_universal_checkpoint,
 )
-from lightning_ulysses.checkpoint import UNTRAINED_STATE_FILE, load_untrained_state
+from lightning_ulysses.runtime.directory import UNTRAINED_STATE_FILE
+from lightning_ulysses.runtime.load import load_untrained_state
 from lightning_ulysses.cli import main
 from tests.launch import launch
 from tests.tiny import (

@@ -28,7 +28,7 @@ import pytest
 import torch
 import yaml
 
-from lightning_ulysses.checkpoint_io import check_integrity
+from lightning_ulysses.runtime.integrity import check_integrity
 from lightning_ulysses.cli import main
 from lightning_ulysses.cli.commands import build_from_config
 from lightning_ulysses.model import WarmupCosine

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from lightning_ulysses import SequenceParallelMonitor, UlyssesStrategy, prepare_batch
 from lightning_ulysses.callbacks import format_summary
-from lightning_ulysses.failures import Heartbeat, NonFiniteLossGuard
+from lightning_ulysses.runtime.failures import Heartbeat, NonFiniteLossGuard
 from tests.launch import RankExit, launch, launch_to_exit
 from tests.tiny import (
     TinyCausalLM, collate, gathered_parameters, make_samples, reference_training, relative_update_error, tiny_llama,

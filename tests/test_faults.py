@@ -32,7 +32,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesStrategy, convert_checkpoint, export_hf_model
-from lightning_ulysses.checkpoint_io import CheckpointSaveError, CorruptCheckpointError, check_integrity, read_pointer
+from lightning_ulysses.runtime.directory import read_pointer
+from lightning_ulysses.runtime.integrity import CorruptCheckpointError, check_integrity
+from lightning_ulysses.runtime.save import CheckpointSaveError
 from tests.launch import RankExit, launch, launch_to_exit
 from tests.tiny import (
     TinyCausalLM, collate, gathered_parameters, make_samples, reference_training, relative_update_error, tiny_llama,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
-from lightning_ulysses.resume import ResumableLoader, is_resumable, resume_batch, rewind_to_step_boundary
+from lightning_ulysses.runtime.resume import ResumableLoader, is_resumable, resume_batch, rewind_to_step_boundary
 
 DATASET = list(range(24))
 

@@ -16,8 +16,8 @@ from typing import Any
 import lightning as L
 
 from lightning_ulysses.attention import resolve_attn_implementation
-from lightning_ulysses.checkpoint import UNIVERSAL_LATEST, is_universal_checkpoint, saved_global_step
-from lightning_ulysses.checkpoint_io import POINTER, check_integrity, checkpoint_file_problem
+from lightning_ulysses.runtime.directory import POINTER, UNIVERSAL_LATEST, is_universal_checkpoint, saved_global_step
+from lightning_ulysses.runtime.integrity import check_integrity, checkpoint_file_problem
 from lightning_ulysses.strategy import UlyssesStrategy
 from lightning_ulysses.topology import SequenceParallelTopology
 

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from jsonargparse import ArgumentParser, CLI
 
-from lightning_ulysses.checkpoint import convert_checkpoint, export_hf_model, saved_global_step, saved_layout
+from lightning_ulysses.runtime import convert_checkpoint, export_hf_model, saved_global_step, saved_layout
 
 
 def convert(checkpoint: str, output: str, overwrite: bool = False) -> None:

@@ -1,17 +1,17 @@
-"""Preemption and Ctrl-C: SIGTERM, SLURM's requeue signal and SIGINT end a run with a checkpoint that all ranks save
-at one safe point.
+"""Preemption and Ctrl-C: SIGTERM, SLURM's requeue signal and SIGINT end a run with a checkpoint that all ranks
+save at one safe point.
 
 Lightning acts inside the signal handler of the rank that got the signal: its SLURM handler (``SIGUSR1`` with
 ``SLURMEnvironment(auto_requeue=True)``) saves a checkpoint there, and its SIGTERM handler broadcasts a flag.
 Both are collectives that each rank starts at a different point of its step, possibly while its peers are
 inside an all-to-all or a ZeRO gather: under NCCL a deadlock until the timeout, under gloo a mismatch. The
-checkpoint, taken in the middle of a step, also held the wrong loop state (see :mod:`lightning_ulysses.resume`).
+checkpoint, taken in the middle of a step, also held the wrong loop state (see :mod:`.resume`).
 
 :class:`PreemptionSignals` replaces the Trainer's signal connector. Its handlers only record the signal (and,
 for SIGTERM, forward it to the processes Lightning launched, as Lightning does). The decision is taken by
 :meth:`PreemptionSignals.at_step_boundary`, which the strategy runs on every rank before the first
 micro-batch of each optimizer step: a point that every rank reaches in the same order, outside any
-collective. There one ``all_reduce`` of a ``[world_size, 2]`` flag table makes the ranks agree; if any rank got
+collective. There one ``all_reduce`` of a ``[world_size, 3]`` flag table makes the ranks agree; if any rank got
 a signal, they all save the checkpoint that Lightning resumes from on SLURM (``hpc_ckpt_N.ckpt`` in
 ``default_root_dir``, the newest one replaced atomically), rank 0 requeues the SLURM job for ``SIGUSR1`` (as
 Lightning does), and every rank leaves ``fit`` with Lightning's ``SIGTERMException`` (exit status 0) before
@@ -38,11 +38,12 @@ from types import FrameType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_info
+
+from lightning_ulysses.runtime.failures import flagged_ranks
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class PreemptionSignals(_SignalConnector):
 
     def __init__(self, trainer: Any) -> None:
         super().__init__(trainer)
-        self.signalled = [False, False, False]  # [requeue, stop, interrupt] on this rank since the handlers were registered
+        self.signalled = [False, False, False]  # [requeue, stop, interrupt] on this rank since the handlers registered
 
     def register_signal_handlers(self) -> None:
         self.signalled = [False, False, False]
@@ -89,11 +90,8 @@ class PreemptionSignals(_SignalConnector):
         """Run on every rank before the first micro-batch of each optimizer step (a collective): if any rank got
         a signal, save the preemption checkpoint on all ranks, requeue on SLURM, and raise ``SIGTERMException``
         (Ctrl-C alone: save ``interrupted.ckpt`` and raise ``KeyboardInterrupt``)."""
-        flags = torch.zeros(trainer.world_size, len(self.signalled), dtype=torch.int32, device=trainer.strategy.root_device)
-        flags[trainer.global_rank] = torch.tensor(self.signalled, dtype=torch.int32)
-        dist.all_reduce(flags)
-        requeue_ranks, stop_ranks, interrupt_ranks = (flags[:, column].nonzero().flatten().tolist()
-                                                      for column in (_REQUEUE, _STOP, _INTERRUPT))
+        ranks = flagged_ranks(torch.tensor(self.signalled), trainer.strategy.root_device)
+        requeue_ranks, stop_ranks, interrupt_ranks = (ranks[column] for column in (_REQUEUE, _STOP, _INTERRUPT))
         if not (requeue_ranks or stop_ranks or interrupt_ranks):
             return
         if interrupt_ranks and not (requeue_ranks or stop_ranks):

@@ -1,4 +1,4 @@
-"""Checkpoint directories that are whole or untouched: atomic saves, and an integrity check before loading.
+"""Saving a checkpoint directory atomically: committed on every rank, or the previous one left untouched.
 
 DeepSpeed writes a checkpoint as a directory: a tag folder of shards (each rank writes its own) and a
 ``latest`` file that names the tag. Lightning saves every checkpoint under the same tag (``checkpoint``), so
@@ -19,10 +19,8 @@ Failed writes are caught and reported only after DeepSpeed's collectives, so eve
 :class:`CheckpointSaveError` together instead of leaving its peers in a barrier. Every rank must see the same
 file system (as DeepSpeed's loader needs).
 
-:func:`integrity_problems` checks what a load would read: the pointer names an existing tag folder, and every
-file in it is whole. ``torch.save`` writes zip archives with a CRC-32 per entry that ``torch.load`` never
-checks (a flipped byte loads silently as a wrong weight; a truncated file fails with an error that names
-no file). The ranks of a job split the files between them (:func:`check_integrity` gathers the verdicts).
+:func:`save_checkpoint` is what ``UlyssesStrategy.save_checkpoint`` runs: the loop state rewound to the last optimizer
+step (:func:`~.resume.rewind_to_step_boundary`), then :func:`save_atomically`.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ import hashlib
 import os
 import shutil
 import uuid
-import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,23 +36,30 @@ from typing import Any
 
 import torch.distributed as dist
 
-POINTER = "latest"  # DeepSpeed's file naming the tag folder of a checkpoint directory
+from lightning_ulysses.runtime.directory import POINTER
+from lightning_ulysses.runtime.resume import rewind_to_step_boundary
+
 TAG_PREFIX = "checkpoint"  # Lightning's fixed tag, and the stem of ours (checkpoint-<id>)
 STAGING_PREFIX = ".ulysses-partial-"
-_ZIP_MAGIC = b"PK\x03\x04"
 
 
 class CheckpointSaveError(RuntimeError):
     """A save that failed on some rank; raised on every rank, the previous checkpoint at that path intact."""
 
 
-class CorruptCheckpointError(ValueError):
-    """A checkpoint directory whose pointer or files are missing, truncated or corrupted; raised before loading."""
+def save_checkpoint(engine: Any, checkpoint: dict[str, Any], filepath: str | Path, fit_loop: Any | None = None,
+                    step_in_flight: bool = False, *, exclude_frozen_parameters: bool = False) -> None:
+    """Save Lightning's ``checkpoint`` as DeepSpeed ``engine``'s checkpoint directory ``filepath``, atomically.
 
-
-def read_pointer(checkpoint_dir: str | Path, pointer: str = POINTER) -> str:
-    """The tag folder that a pointer file (``latest``, or ``latest_universal`` once converted) names."""
-    return (Path(checkpoint_dir) / pointer).read_text().strip()
+    The weights and optimizer state are the engine's (``checkpoint``'s ``state_dict`` and ``optimizer_states`` are
+    left out); the rest is DeepSpeed's client state. ``fit_loop``: the Trainer's fit loop while fitting, whose saved
+    progress is rewound to the last optimizer step in the weights (``step_in_flight``: one applied but not counted
+    yet, see :func:`~.resume.resume_batch`). A collective: every rank calls it.
+    """
+    if fit_loop is not None and "loops" in checkpoint:
+        rewind_to_step_boundary(checkpoint["loops"]["fit_loop"], fit_loop, step_in_flight)
+    client_state = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
+    save_atomically(engine, filepath, client_state, exclude_frozen_parameters=exclude_frozen_parameters)
 
 
 def save_atomically(engine: Any, filepath: str | Path, client_state: dict[str, Any], *,
@@ -88,7 +92,8 @@ def save_atomically(engine: Any, filepath: str | Path, client_state: dict[str, A
             shutil.rmtree(save_dir / tag if save_dir == target else save_dir, ignore_errors=True)  # free the space
     dist.broadcast_object_list(committed)
     if committed[0]:
-        failed = "; ".join(f"rank {r}: {failure}" for r, rank_failures in enumerate(failures) for failure in rank_failures)
+        failed = "; ".join(f"rank {r}: {failure}" for r, rank_failures in enumerate(failures)
+                           for failure in rank_failures)
         raise CheckpointSaveError(
             f"Saving the checkpoint {target} failed ({failed or committed[0]}). Nothing was committed: "
             f"{'the checkpoint already at that path is intact' if save_dir == target else 'the path was not created'}, "
@@ -194,64 +199,3 @@ class _RecordingCheckpointEngine:
 
     def save(self, state_dict: Any, path: str) -> None:
         self._writes.run(self._wrapped.save, path, state_dict, path)
-
-
-def integrity_problems(checkpoint_dir: str | Path, pointer: str = POINTER, rank: int = 0,
-                       world_size: int = 1) -> list[str]:
-    """What would stop ``checkpoint_dir`` from loading whole: a missing pointer or tag folder (checked by every
-    rank), and the files of the tag folder, every ``world_size``-th one from ``rank`` on, that are truncated or
-    fail their CRC-32 check. Each problem names its file."""
-    checkpoint_dir = Path(checkpoint_dir)
-    if not (checkpoint_dir / pointer).is_file():
-        if (checkpoint_dir.parent / pointer).is_file():
-            return [f"{checkpoint_dir} is a tag folder inside the checkpoint {checkpoint_dir.parent}: pass that one"]
-        return [f"{checkpoint_dir / pointer} is missing, so no save into this directory completed (a save that was "
-                "interrupted before its commit, or not a DeepSpeed checkpoint directory)"]
-    tag_dir = checkpoint_dir / read_pointer(checkpoint_dir, pointer)
-    files = sorted(path for path in tag_dir.rglob("*") if path.is_file())
-    if not files:
-        return [f"{checkpoint_dir / pointer} names {tag_dir}, which holds no files"]
-    return [f"{file}: {problem}" for file in files[rank::world_size] if (problem := _file_problem(file))]
-
-
-def _file_problem(file: Path) -> str | None:
-    with open(file, "rb") as handle:
-        magic = handle.read(len(_ZIP_MAGIC))
-    if not magic:
-        return "empty file"
-    if magic != _ZIP_MAGIC:
-        return None  # not torch's zip format (e.g. DeepSpeed's checkpoint_serialization=false): nothing to check
-    try:
-        with zipfile.ZipFile(file) as archive:
-            damaged = archive.testzip()
-    except (zipfile.BadZipFile, EOFError, OSError) as error:
-        return f"truncated or damaged ({error})"
-    return f"its entry {damaged} fails its CRC-32 check (corrupted)" if damaged else None
-
-
-def checkpoint_file_problem(file: Path) -> str | None:
-    """What stops a single-file checkpoint (``torch.save``'s zip archive, as Lightning writes one without DeepSpeed)
-    from loading, read from its zip structure alone (nothing is unpickled), or ``None``."""
-    with open(file, "rb") as handle:
-        if handle.read(len(_ZIP_MAGIC)) != _ZIP_MAGIC:
-            return "not a checkpoint (a checkpoint file is the zip archive torch.save writes)"
-    return _file_problem(file)
-
-
-def check_integrity(checkpoint_dir: str | Path, pointer: str = POINTER) -> None:
-    """Raise :class:`CorruptCheckpointError` naming every damaged file of ``checkpoint_dir``, before anything is
-    loaded. Inside a distributed job it is a collective (the ranks split the files and agree); otherwise the
-    one process reads every file."""
-    distributed = dist.is_available() and dist.is_initialized()
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    problems = integrity_problems(checkpoint_dir, pointer, rank, world_size)
-    if distributed:
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, problems)
-        problems = list(dict.fromkeys(problem for rank_problems in gathered for problem in rank_problems))
-    if problems:
-        raise CorruptCheckpointError(
-            f"The checkpoint {checkpoint_dir} cannot be loaded: " + "; ".join(problems) + ". Nothing was loaded. "
-            "Resume from another checkpoint (ModelCheckpoint keeps the previous one until a new one is complete), or "
-            "copy the damaged file again if it was transferred."
-        )

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from itertools import islice
-from typing import Any
+from typing import Any, cast
 
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
@@ -144,12 +144,15 @@ class ResumableLoader:
     def __init__(self, loader: DataLoader, fit_loop: Any, dp_size: int,
                  step_in_flight: Callable[[], bool] = lambda: False) -> None:
         assert is_resumable(loader)
+        batch_sampler = cast(BatchSampler, loader.batch_sampler)
+        sampler = cast(Sampler[int], batch_sampler.sampler)  # a DataLoader's index sampler
         self.loader = loader
         self.fit_loop = fit_loop
         self.dp_size = dp_size
         self.step_in_flight = step_in_flight
-        self.skipping_sampler = SkippingSampler(loader.batch_sampler.sampler)
-        loader.batch_sampler.sampler = self.skipping_sampler  # a plain attribute, read at each iteration
+        self.batch_size = batch_sampler.batch_size  # this DP rank's samples per batch
+        self.skipping_sampler = SkippingSampler(sampler)
+        batch_sampler.sampler = self.skipping_sampler  # a plain attribute, read at each iteration
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.loader, name)
@@ -162,7 +165,7 @@ class ResumableLoader:
 
     @property
     def global_batch_size(self) -> int:
-        return self.loader.batch_size * self.dp_size
+        return self.batch_size * self.dp_size
 
     def state_dict(self) -> dict[str, int]:
         return {
@@ -178,9 +181,9 @@ class ResumableLoader:
             raise ValueError(
                 f"The checkpoint was saved {state['batches']} batches into epoch {state['epoch']} with a global batch "
                 f"of {state['global_batch_size']} samples; this run's is {self.global_batch_size} (micro-batch "
-                f"{self.loader.batch_size} x {self.dp_size} DP ranks). Resume inside an epoch with the same global "
+                f"{self.batch_size} x {self.dp_size} DP ranks). Resume inside an epoch with the same global "
                 "batch, or from an end-of-epoch checkpoint."
             )
-        self.skipping_sampler.skip = state["batches"] * self.loader.batch_size
+        self.skipping_sampler.skip = state["batches"] * self.batch_size
         # the sampler's first iteration may come before Lightning sets the epoch (loaders with workers)
         self.skipping_sampler.set_epoch(state["epoch"])

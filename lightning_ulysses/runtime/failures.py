@@ -35,15 +35,21 @@ from torch import Tensor
 
 NonFiniteLoss = Literal["raise", "skip", "off"]
 MAX_CONSECUTIVE_SKIPS = 10
-"""Under ``"skip"``, this many skipped steps in a row end the run: it has diverged, and skipping is for rare bad batches."""
+"""Under ``"skip"``, this many skipped steps in a row end the run: it has diverged; skipping is for rare bad batches."""
+
+
+def flagged_ranks(flags: Tensor, device: torch.device) -> list[list[int]]:
+    """For each of this rank's ``flags`` (``[F]`` bool), the global ranks that raised it, agreed by one all-reduce of
+    a ``[world_size, F]`` table (a collective: every rank calls it with as many flags)."""
+    table = torch.zeros(dist.get_world_size(), len(flags), dtype=torch.int32, device=device)
+    table[dist.get_rank()] = flags
+    dist.all_reduce(table)
+    return [table[:, column].nonzero().flatten().tolist() for column in range(len(flags))]
 
 
 def nonfinite_ranks(loss: Tensor) -> list[int]:
     """The global ranks whose ``loss`` has a NaN or inf (a collective: every rank must call it)."""
-    flags = torch.zeros(dist.get_world_size(), device=loss.device)
-    flags[dist.get_rank()] = (~torch.isfinite(loss.detach())).any().float()
-    dist.all_reduce(flags)
-    return flags.nonzero().flatten().tolist()
+    return flagged_ranks((~torch.isfinite(loss.detach())).any().reshape(1), loss.device)[0]
 
 
 class NonFiniteLossGuard:
@@ -116,9 +122,9 @@ class NonFiniteLossGuard:
         self.skipped_steps.append(global_step)
         if self._consecutive_skips >= self.max_consecutive_skips:
             raise FloatingPointError(
-                f"Non-finite training loss at {flagged}, and {self._consecutive_skips} optimizer steps in a row skipped: "
-                "training has diverged rather than met a bad batch. Resume from an earlier checkpoint with a lower "
-                "learning rate or gradient clipping, or check the data from here on."
+                f"Non-finite training loss at {flagged}, and {self._consecutive_skips} optimizer steps in a row "
+                "skipped: training has diverged rather than met a bad batch. Resume from an earlier checkpoint with a "
+                "lower learning rate or gradient clipping, or check the data from here on."
             )
         rank_zero_warn(f"Skipped global step {global_step}: non-finite training loss at {flagged}.")
 

@@ -18,11 +18,11 @@ from the batch that later hooks see and from the batch indices that prediction w
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping, Sized
+from typing import Any, cast
 
 import torch
-from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper, _DatasetSamplerWrapper
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper, _IndexBatchSamplerWrapper
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
@@ -43,13 +43,13 @@ def pad_over_dp_ranks(loader: Any) -> Any:
     inner = index_batch_sampler(loader)
     sampler = getattr(inner, "sampler", None)
     if isinstance(sampler, UnrepeatedDistributedSamplerWrapper):
-        sampler = DistributedSamplerWrapper(
-            sampler.dataset._sampler, num_replicas=sampler.num_replicas, rank=sampler.rank, shuffle=False
-        )
+        original = cast(_DatasetSamplerWrapper, sampler.dataset)._sampler  # the sampler Lightning wrapped
+        replicas, rank = sampler.num_replicas, sampler.rank
+        sampler = DistributedSamplerWrapper(original, num_replicas=replicas, rank=rank, shuffle=False)
         inner.sampler = sampler  # read at every iteration, and by len()
     if not isinstance(sampler, DistributedSampler) or sampler.drop_last:
         return loader
-    unique = len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))
+    unique = len(range(sampler.rank, len(cast(Sized, sampler.dataset)), sampler.num_replicas))
     return loader if unique == sampler.num_samples else MarkDuplicates(loader, unique)
 
 
