@@ -3,14 +3,12 @@
 Transformers models call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, query, key,
 value, attention_mask, scaling=..., dropout=..., **kwargs)`` with ``[B, H, N/sp, D]`` tensors. Every
 argument that changes the result must be understood, or the layer is refused: the set-up check
-(:mod:`lightning_ulysses.hf.check`) reads each layer's call once, with :func:`read_layer_call`, and
-stores a :class:`LayerPlan` on the module; training then runs that plan.
+(:mod:`lightning_ulysses.hf.check`) reads each layer's call once, with :func:`read_layer_call`, into a
+:class:`~lightning_ulysses.hf.plan.LayerPlan`, which the applier stores on the module; training then runs that plan.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
@@ -19,6 +17,8 @@ from transformers import AttentionInterface
 from lightning_ulysses.attention import ulysses_attention
 from lightning_ulysses.attention.core import no_window_if_off
 from lightning_ulysses.hf.masks import MaskPattern
+from lightning_ulysses.hf.plan import LayerPlan
+from lightning_ulysses.hf.state import PatchState
 
 ULYSSES_ATTN_IMPLEMENTATION = "ulysses"
 
@@ -31,16 +31,6 @@ INERT_KWARGS = frozenset({
 })
 """Keyword arguments that models pass along but that do not change what attention computes here (no KV cache
 runs under sequence parallelism)."""
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """How one attention layer runs: the pattern its mask asked for (windows and chunks that transformers
-    applies only through the mask included), and whether it passes attention sinks (``s_aux``, one logit per
-    head, read at each call: it is a trained weight)."""
-
-    pattern: MaskPattern
-    sinks: bool = False
 
 
 def read_layer_call(
@@ -81,16 +71,6 @@ def _short(value: Any) -> str:
     return text if len(text) < 40 else text[:37] + "..."
 
 
-ProbeAttention = Callable[..., Tensor]
-_probe_attention: ProbeAttention | None = None
-"""While the set-up check runs, every patched attention layer calls this instead (see the probe module)."""
-
-
-def set_probe_attention(function: ProbeAttention | None) -> None:
-    global _probe_attention
-    _probe_attention = function
-
-
 def _hf_ulysses_attention(
     module: nn.Module,
     query: Tensor,
@@ -104,14 +84,14 @@ def _hf_ulysses_attention(
 ) -> tuple[Tensor, None]:
     """Transformers attention-interface entry: ``[B, H, N/sp, D]`` queries and keys, ``[B, H_kv, N/sp, D_v]`` values
     in, ``[B, N/sp, H, D_v]`` out."""
-    state = module.__dict__.get("_ulysses_state")
+    state: PatchState | None = module.__dict__.get("_ulysses_state")
     if state is None:
         raise RuntimeError(
             f"{type(module).__name__} dispatched to Ulysses attention but belongs to no model that lightning-ulysses "
             "patched; apply_ulysses_attention patches the PreTrainedModel that owns it."
         )
-    if _probe_attention is not None:
-        return _probe_attention(module, query, key, value, attention_mask, scaling, kwargs), None
+    if state.probe is not None:  # the set-up check is running
+        return state.probe(module, query, key, value, attention_mask, scaling, kwargs), None
     plan: LayerPlan | None = module.__dict__.get("_ulysses_plan")
     if plan is None:
         raise RuntimeError(

@@ -3,23 +3,30 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from lightning_ulysses.hf.check.findings import Finding, any_rank, module_label
+from lightning_ulysses.hf.check.findings import any_rank, module_label
 from lightning_ulysses.hf.check.shard import Shard, shard_of
 from lightning_ulysses.hf.check.tensors import Call, tensors_of
 from lightning_ulysses.hf.check.whole import WholeRun
-from lightning_ulysses.hf.patching import PatchState, model_configs
-from lightning_ulysses.hf.rotary import position_ids_index, whole_sequence_rotary
+from lightning_ulysses.hf.plan import Finding, ModelPlan
+from lightning_ulysses.hf.rotary import position_ids_index
+from lightning_ulysses.hf.state import PatchState, model_configs
 
 
-def check_rotary(model: PreTrainedModel, state: PatchState, whole: WholeRun, shard: Shard) -> list[Finding]:
+def check_rotary(
+    model: PreTrainedModel, state: PatchState, whole: WholeRun, shard: Shard, plan: ModelPlan,
+    realize: Callable[[ModelPlan], None],
+) -> tuple[list[Finding], ModelPlan]:
+    """Step 3: the rotary modules whose outputs depend on the sequence length, planned (and realised) as
+    whole-sequence rotary (:mod:`lightning_ulysses.hf.rotary`); a finding for each that this does not make exact."""
     modules = dict(model.named_modules())
     names = {module: name for name, module in modules.items()}
     boundaries = sorted(position_boundaries(model))
@@ -36,15 +43,16 @@ def check_rotary(model: PreTrainedModel, state: PatchState, whole: WholeRun, sha
 
     flags = torch.tensor([length_dependent(m, call) for m, call in rotary], dtype=torch.int32)
     dependent = [m for (m, _), flag in zip(rotary, any_rank(flags, state)) if flag]
-    for module in dependent:
-        whole_sequence_rotary(module, state)
+    if dependent:
+        plan = replace(plan, rotary=tuple(names[m] for m in dependent))
+        realize(plan)
     flags = torch.tensor([length_dependent(m, call) for m, call in rotary if m in dependent], dtype=torch.int32)
     inexact = [m for m, flag in zip(dependent, any_rank(flags, state)) if flag]
     return [
         Finding(module_label(names, m), "computes rotary frequencies from the sequence length in a way that giving it the "
                 "whole sequence's largest position does not make exact")
         for m in inexact
-    ]
+    ], plan
 
 
 def is_rotary(module: nn.Module, call: Call) -> bool:
@@ -80,8 +88,6 @@ def call_with_positions(module: nn.Module, call: Call, offset: int, shard: Shard
 
 
 @contextmanager
-
-
 def restored(module: nn.Module) -> Iterator[None]:
     buffers = {name: b.clone() if b is not None else None for name, b in module._buffers.items()}
     attributes = dict(module.__dict__)

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from lightning_ulysses.hf.check.tensors import Call
-from lightning_ulysses.hf.mixers import TokenDims
+from lightning_ulysses.hf.plan import TokenDims
 from lightning_ulysses.sharding import shard_index
 
 
