@@ -165,11 +165,10 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions) -> None:
             _tile_mlps(hf_model, mlps, options.tiled_mlp, ledger)
         if options.activation_checkpointing:
             # the public gradient_checkpointing_enable takes no checkpoint function (and pins memory on CPU-only hosts)
-            hf_model._set_gradient_checkpointing(
-                enable=True,
-                gradient_checkpointing_func=functools.partial(checkpoint_activations, offload=options.offload_activations),
-            )
-            ledger.record("activation_checkpointing", lambda m=hf_model: m._set_gradient_checkpointing(enable=False))
+            checkpointed = functools.partial(checkpoint_activations, offload=options.offload_activations)
+            hf_model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpointed)
+            off = functools.partial(hf_model._set_gradient_checkpointing, enable=False)
+            ledger.record("activation_checkpointing", off)
         ledger.set("memory", hf_model, MEMORY_ATTRIBUTE, ledger)
 
 

@@ -14,6 +14,7 @@ plan no longer holds, and :meth:`Patch.undo` restores the model exactly. This mo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 
@@ -24,7 +25,7 @@ from lightning_ulysses.hf.forward import guarded_forward
 from lightning_ulysses.hf.interface import ULYSSES_ATTN_IMPLEMENTATION
 from lightning_ulysses.hf.ledger import Ledger
 from lightning_ulysses.hf.mixers import gather_whole_sequence, is_token_mixer, sharded_mixer_forward
-from lightning_ulysses.hf.plan import ModelPlan
+from lightning_ulysses.hf.plan import ModelPlan, TokenDims
 from lightning_ulysses.hf.rotary import whole_sequence_rotary
 from lightning_ulysses.hf.state import PatchState, model_configs, outermost_models
 
@@ -61,7 +62,7 @@ class Patch:
                 self.ledger.undo(key)
         for key, change in wanted.items():
             if key not in self.ledger:
-                change(key)
+                change()
         self.state.sharded_mixers = bool(plan.sharded)
         self.plan = plan
 
@@ -69,26 +70,29 @@ class Patch:
         """Every change of this patch undone, last first: the model is as it was before the patch."""
         self.ledger.undo()
 
-    def _changes(self, plan: ModelPlan) -> dict[Hashable, Callable[[Hashable], None]]:
-        """Each change ``plan`` asks for, under its ledger key, as a function of that key that makes it."""
+    def _changes(self, plan: ModelPlan) -> dict[Hashable, Callable[[], None]]:
+        """Each change ``plan`` asks for, under its ledger key, and the function that makes it."""
         modules = dict(self.model.named_modules())
-        ledger, state = self.ledger, self.state
-        changes: dict[Hashable, Callable[[Hashable], None]] = {}
+        changes: dict[Hashable, Callable[[], None]] = {}
         for name, layer in plan.layers:
-            changes["layer", name, layer] = lambda key, m=modules[name], layer=layer: ledger.set(
-                key, m, "_ulysses_plan", layer
-            )
+            key: Hashable = ("layer", name, layer)
+            changes[key] = functools.partial(self.ledger.set, key, modules[name], "_ulysses_plan", layer)
         for name in plan.sharded_mixers():
-            changes["sharded", name] = lambda key, m=modules[name]: shard_mixer(ledger, key, m, state)
+            key = ("sharded", name)
+            changes[key] = functools.partial(shard_mixer, self.ledger, key, modules[name], self.state)
         for name in plan.rotary:
-            changes["rotary", name] = lambda key, m=modules[name]: ledger.hooks(
-                key, m, "_ulysses_rotary_hooks", *whole_sequence_rotary(m, state)
-            )
+            key = ("rotary", name)
+            changes[key] = functools.partial(self._whole_sequence_rotary, key, modules[name])
         for gathered in plan.gathered:
-            changes["gathered", gathered.mixer, gathered.module] = lambda key, m=modules[gathered.module], g=gathered: (
-                ledger.hooks(key, m, "_ulysses_gather_hooks", *gather_whole_sequence(m, state, g.dims))
-            )
+            key = ("gathered", gathered.mixer, gathered.module)
+            changes[key] = functools.partial(self._gather, key, modules[gathered.module], gathered.dims)
         return changes
+
+    def _whole_sequence_rotary(self, key: Hashable, module: nn.Module) -> None:
+        self.ledger.hooks(key, module, "_ulysses_rotary_hooks", *whole_sequence_rotary(module, self.state))
+
+    def _gather(self, key: Hashable, module: nn.Module, dims: TokenDims) -> None:
+        self.ledger.hooks(key, module, "_ulysses_gather_hooks", *gather_whole_sequence(module, self.state, dims))
 
 
 def shard_mixer(ledger: Ledger, key: Hashable, module: nn.Module, state: PatchState) -> None:
@@ -132,7 +136,7 @@ def sequence_parallel_disabled(model: nn.Module) -> Iterator[None]:
             state.group, state.sp_size = None, 1
         yield
     finally:
-        for state, (group, sp_size) in zip(states, saved):
+        for state, (group, sp_size) in zip(states, saved, strict=True):
             state.group, state.sp_size = group, sp_size
 
 

@@ -100,16 +100,18 @@ def check_foldable_attention_mask(mask: Tensor, position_ids: Tensor, group: Pro
     """
     if mask.dim() != 2 or mask.shape != position_ids.shape:
         raise ValueError(
-            f"The model received an attention_mask of shape {tuple(mask.shape)}; under sequence parallelism only a 2-D "
-            f"padding mask shaped like the position ids {tuple(position_ids.shape)} can be taken (it is folded into the "
-            "document layout). Put padding in the batch (attention_mask / position_ids) and let UlyssesStrategy prepare it."
+            f"The model received an attention_mask of shape {tuple(mask.shape)}; under sequence parallelism only a "
+            f"2-D padding mask shaped like the position ids {tuple(position_ids.shape)} can be taken (it is "
+            "folded into the document layout). Put padding in the batch (attention_mask / position_ids) and let UlyssesStrategy "
+            "prepare it."
         )
     whole_mask = gather_sequence(mask.bool(), group)
     starts = documents_of(position_ids, group).starts
     changes = whole_mask[:, 1:] != whole_mask[:, :-1]
     if bool((changes & ~starts[:, 1:]).any()):
         raise ValueError(
-            "The attention_mask passed to the model masks tokens inside a document (a run of position ids that does not "
-            "restart at 0), which Ulysses attention cannot express without an [N, N] mask. Pass the mask in the batch "
-            "so that UlyssesStrategy turns padding into separate documents, or restart position_ids at 0 after padding."
+            "The attention_mask passed to the model masks tokens inside a document (a run of position ids that does "
+            "not restart at 0), which Ulysses attention cannot express without an [N, N] mask. Pass the mask in the "
+            "batch so that UlyssesStrategy turns padding into separate documents, or restart position_ids at 0 after "
+            "padding."
         )

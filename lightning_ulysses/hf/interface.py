@@ -46,11 +46,14 @@ def read_layer_call(
         if name not in HANDLED_KWARGS | INERT_KWARGS and value is not None and value is not False
     )
     for name in unknown:
-        problems.append(f"passes {name}={_short(kwargs[name])} to attention, which Ulysses attention does not implement")
+        problems.append(
+            f"passes {name}={_short(kwargs[name])} to attention, which Ulysses attention does not implement"
+        )
     sinks = kwargs.get("s_aux")
-    if sinks is not None and getattr(module, "attention_dropout", 0.0):
+    dropout = getattr(module, "attention_dropout", 0.0)
+    if sinks is not None and dropout:
         problems.append("combines attention sinks with attention dropout, which Ulysses attention does not implement")
-    if ring and getattr(module, "attention_dropout", 0.0):
+    if ring and dropout:
         problems.append("uses attention dropout, which Ulysses x Ring (ring_size > 1) does not implement yet "
                         "(ring_size=1 does)")
     window = no_window_if_off(kwargs.get("sliding_window"))
@@ -59,7 +62,7 @@ def read_layer_call(
             f"passes sliding_window={window} to attention but its mask is {pattern.describe()}, so its result depends "
             "on the attention kernel"
         )
-    if problems:
+    if problems or pattern is None:  # no pattern: its problem is in problems
         return None, problems
     return LayerPlan(pattern, sinks=sinks is not None), []
 
@@ -95,8 +98,9 @@ def _hf_ulysses_attention(
     plan: LayerPlan | None = module.__dict__.get("_ulysses_plan")
     if plan is None:
         raise RuntimeError(
-            f"{type(module).__name__} was not called by lightning-ulysses' set-up check of the model, so it is not known "
-            "to run exactly (a layer used only for some inputs, e.g. images?). Sequence parallelism supports text inputs."
+            f"{type(module).__name__} was not called by lightning-ulysses' set-up check of the model, so it is not "
+            "known to run exactly (a layer used only for some inputs, e.g. images?). Sequence parallelism supports "
+            "text inputs."
         )
     if attention_mask is not None:
         raise RuntimeError(

@@ -41,7 +41,12 @@ class Ledger:
     def hooks(self, key: Hashable, module: Any, marker: str, *handles: RemovableHandle) -> None:
         """Hooks registered on ``module``, kept (and marked) as ``module.<marker>``; undone by removing them."""
         self.set(key, module, marker, handles)
-        self.record(key, lambda: [handle.remove() for handle in handles])
+
+        def remove() -> None:
+            for handle in handles:
+                handle.remove()
+
+        self.record(key, remove)
 
     def record(self, key: Hashable, undo: Callable[[], None]) -> None:
         """A change made by the caller, and how to undo it."""

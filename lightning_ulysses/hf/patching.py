@@ -82,7 +82,7 @@ def _log_head_layout(model: PreTrainedModel, sp_size: int) -> None:
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
     except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError: head counts that vary per layer
         return  # no one layout to log; the attention layers' own head counts are checked when they run
-    if not isinstance(num_heads, int):
+    if not isinstance(num_heads, int) or not isinstance(num_kv_heads, int):
         return
     if num_heads % num_kv_heads:
         return  # not a grouped-query layout; the attention layers' own head counts are checked when they run

@@ -47,8 +47,10 @@ class ModelPlan:
     """What each module of a patched model becomes.
 
     * ``layers``: attention layer -> its :class:`LayerPlan`;
-    * ``sharded``: token mixers whose kernels run head-sharded on the whole sequence (:mod:`~lightning_ulysses.hf.mixers`);
-    * ``rotary``: rotary embeddings given the whole sequence's largest position (:mod:`~lightning_ulysses.hf.rotary`);
+    * ``sharded``: token mixers whose kernels run head-sharded on the whole sequence
+      (:mod:`~lightning_ulysses.hf.mixers`);
+    * ``rotary``: rotary embeddings given the whole sequence's largest position
+      (:mod:`~lightning_ulysses.hf.rotary`);
     * ``gathered``: modules run on the whole sequence on every rank (``sequence_mixers="gather"``); a sharded mixer
       inside one runs as it is.
     """

@@ -42,15 +42,15 @@ def whole_sequence_rotary(module: nn.Module, state: PatchState) -> tuple[Removab
         if not state.enabled or state.group is None:
             return None
         positional = list(args)
-        in_kwargs = index is None or index >= len(positional)
-        position_ids = kwargs["position_ids"] if in_kwargs else positional[index]
+        at = index if index is not None and index < len(positional) else None  # None: passed by keyword
+        position_ids = kwargs["position_ids"] if at is None else positional[at]
         largest = position_ids.amax().reshape(1)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=state.group)
         longer = torch.cat([position_ids, largest.expand(*position_ids.shape[:-1], 1)], dim=-1)
-        if in_kwargs:
+        if at is None:
             kwargs["position_ids"] = longer
         else:
-            positional[index] = longer  # type: ignore[index]  # index is not None here
+            positional[at] = longer
         extended[0] = True
         return tuple(positional), kwargs
 

@@ -37,7 +37,8 @@ class PatchState:
     enabled: bool = True
     """``False`` inside :func:`~lightning_ulysses.hf.apply.unpatched`: the model runs as plain transformers."""
     depth: int = 0
-    """Nesting of patched forwards (a vision-language model calls its language model): the outermost one reads the batch."""
+    """Nesting of patched forwards (a vision-language model calls its language model): the outermost one reads the
+    batch."""
     sharded_mixers: bool = False
     """Token mixers run head-sharded (:mod:`lightning_ulysses.hf.mixers`): their document rows are planned per batch."""
     gather_mixers: bool = False

@@ -79,7 +79,8 @@ def check_model(
     try:
         with torch.no_grad():
             findings, whole = whole_sequence_run(model, state, input_ids, position_ids)
-            findings = agreed(findings, state)  # a forward that failed on one rank only must not leave the others waiting
+            # a forward that failed on one rank only must not leave the others waiting
+            findings = agreed(findings, state)
             if not findings:
                 plan = replace(plan, layers=tuple(whole.layers.items()))
                 realize(plan)

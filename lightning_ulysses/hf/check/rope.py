@@ -42,15 +42,15 @@ def check_rotary(
         return False
 
     flags = torch.tensor([length_dependent(m, call) for m, call in rotary], dtype=torch.int32)
-    dependent = [m for (m, _), flag in zip(rotary, any_rank(flags, state)) if flag]
+    dependent = [m for (m, _), flag in zip(rotary, any_rank(flags, state), strict=True) if flag]
     if dependent:
         plan = replace(plan, rotary=tuple(names[m] for m in dependent))
         realize(plan)
     flags = torch.tensor([length_dependent(m, call) for m, call in rotary if m in dependent], dtype=torch.int32)
-    inexact = [m for m, flag in zip(dependent, any_rank(flags, state)) if flag]
+    inexact = [m for m, flag in zip(dependent, any_rank(flags, state), strict=True) if flag]
     return [
-        Finding(module_label(names, m), "computes rotary frequencies from the sequence length in a way that giving it the "
-                "whole sequence's largest position does not make exact")
+        Finding(module_label(names, m), "computes rotary frequencies from the sequence length in a way that giving it "
+                "the whole sequence's largest position does not make exact")
         for m in inexact
     ], plan
 
@@ -75,8 +75,7 @@ def call_with_positions(module: nn.Module, call: Call, offset: int, shard: Shard
     frequencies)."""
     args, kwargs = list(call.args), dict(call.kwargs)
     index = position_ids_index(module)
-    in_args = index is not None and index < len(args)
-    if in_args:
+    if index is not None and index < len(args):
         args[index] = args[index] + offset
     else:
         kwargs["position_ids"] = kwargs["position_ids"] + offset
@@ -110,6 +109,6 @@ def position_boundaries(model: PreTrainedModel) -> set[int]:
         for key, value in item.items():
             if isinstance(value, dict):
                 pending.append(value)
-            elif isinstance(key, str) and "max_position" in key and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            elif isinstance(key, str) and "max_position" in key and type(value) is int and value > 0:  # not a bool
                 found.add(value)
     return found

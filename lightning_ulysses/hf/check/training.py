@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ def run_as_in_training(
             ), None)
             if choice is None:
                 return findings, plan
-            plan = plan.with_gathered(choice)  # a sharded mixer inside it runs as it is: its kernels did not make it exact
+            plan = plan.with_gathered(choice)  # a sharded mixer inside runs as it is: its kernels did not make it exact
         realize(plan)
 
 
@@ -77,24 +77,29 @@ def training_run(
         if (culprits and not encloses) or index >= len(calls):
             return
         local_inputs, local_outputs = named_inputs(args, kwargs), tensors_of(output)
-        if shard.inputs_agree(calls[index].inputs, local_inputs) and not shard.all_agree(calls[index].outputs, local_outputs):
+        agree = shard.inputs_agree(calls[index].inputs, local_inputs)
+        if agree and not shard.all_agree(calls[index].outputs, local_outputs):
             dims = shard.token_dims(calls[index], local_inputs, local_outputs) if state.sp_size > 1 else None
             if encloses:
                 culprits[0] = replace(culprits[0], enclosing=(*culprits[0].enclosing, (name, dims)))
             else:
-                culprits.append(Finding(module_label(names, module), differs, name if state.sp_size > 1 else None, dims))
+                mixer = name if state.sp_size > 1 else None
+                culprits.append(Finding(module_label(names, module), differs, mixer, dims))
 
-    def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, scaling: float | None,
-                  kwargs: dict[str, Any]) -> Tensor:
+    def attention(
+        module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, scaling: float | None,
+        kwargs: dict[str, Any],
+    ) -> Tensor:
         return token_local_attention(query, key, value, scaling)
 
-    trap = local_index_trap(model, shard.length) if state.sp_size > 1 else nullcontext([])
+    no_trap: AbstractContextManager[list[Finding]] = nullcontext([])
+    trap = local_index_trap(model, shard.length) if state.sp_size > 1 else no_trap
     try:
         with probe_attention(state, attention), hooks(model, compare), trap as local_indices:
             output = model(input_ids=shard.of(input_ids), position_ids=shard.of(position_ids))
     except Exception as error:  # noqa: BLE001 - the reason to refuse, with its text
-        return [Finding(type(model).__name__, "fails when run as under sequence parallelism, where transformers builds no "
-                        f"attention mask ({type(error).__name__}: {error})")]
+        return [Finding(type(model).__name__, "fails when run as under sequence parallelism, where transformers builds "
+                        f"no attention mask ({type(error).__name__}: {error})")]
     if culprits or local_indices or shard.agree(whole.output, first_tensor(output)):
         return culprits + local_indices
     return [Finding(type(model).__name__, differs)]
@@ -119,7 +124,8 @@ def local_index_trap(model: nn.Module, length: int) -> Iterator[list[Finding]]:
             caller = sys._getframe(1)
             where = f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno}"
             finding = Finding(module_label(names, running[-1]), f"builds token indices from the length of its input "
-                              f"(torch.arange at {where}), which under SP is one shard's: local indices, not global ones")
+                              f"(torch.arange at {where}), which under SP is one shard's: local indices, not global "
+                              "ones")
             if finding not in found:
                 found.append(finding)
         return result

@@ -15,7 +15,10 @@
 from lightning_ulysses.hf.mixers.core import plan_document_rows
 from lightning_ulysses.hf.mixers.gather import gather_whole_sequence
 from lightning_ulysses.hf.mixers.hook import (
-    is_token_mixer, kernels_called, register_mixer_weights_for_zero3, sharded_mixer_forward,
+    is_token_mixer,
+    kernels_called,
+    register_mixer_weights_for_zero3,
+    sharded_mixer_forward,
 )
 from lightning_ulysses.hf.mixers.kernels import KERNELS, KernelSpec
 from lightning_ulysses.hf.mixers.shift import shift_sequence

@@ -35,8 +35,8 @@ from lightning_ulysses.hf.state import PatchState
 
 
 class _GatherSequence(torch.autograd.Function):
-    """``[..., N/P, ...]`` shards of ``group`` -> ``[..., N, ...]`` along ``dim``; backward: sum of every rank's gradient,
-    this rank's shard of it (a reduce-scatter)."""
+    """``[..., N/P, ...]`` shards of ``group`` -> ``[..., N, ...]`` along ``dim``; backward: sum of every rank's
+    gradient, this rank's shard of it (a reduce-scatter)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
@@ -69,12 +69,13 @@ def gather_whole_sequence(
 
     def keep_shard(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         length, shard_length[0] = shard_length[0], None
-        if length is None:
+        group = state.group
+        if length is None or group is None:
             return None
-        rank, counter, name = dist.get_rank(state.group), iter(range(1 << 30)), type(module).__name__
+        rank, counter, name = dist.get_rank(group), iter(range(1 << 30)), type(module).__name__
 
         def shard(t: Tensor) -> Tensor:
-            return _shard(t, dims.outputs.get(next(counter)), length, rank, state.group, name)
+            return _shard(t, dims.outputs.get(next(counter)), length, rank, group, name)
 
         return _map_tensors(output, shard)
 

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from lightning_ulysses.attention import Documents, documents_of
 from lightning_ulysses.hf.mixers.cca import is_cca_projection, sharded_cca_forward
@@ -33,7 +34,6 @@ from lightning_ulysses.hf.mixers.mlstm import is_mlstm_backend, sharded_mlstm_fo
 from lightning_ulysses.hf.mixers.rglru import is_recurrent_block, sharded_recurrent_forward
 from lightning_ulysses.hf.mixers.shift import sequence_shift_of, sharded_shift_forward
 from lightning_ulysses.hf.state import PatchState
-
 
 LAYER_FORMS: tuple[tuple[Callable[[nn.Module], bool], Callable[..., Callable[..., Any]]], ...] = (
     (is_lightning_attention, sharded_lightning_forward),
@@ -75,10 +75,10 @@ def sharded_mixer_forward(module: nn.Module, state: PatchState) -> Callable[...,
         return _sharded_forward(module, kernels, state)
     form = _layer_form(module)
     if form is not None:
-        return _while_sharded(module, state, form(module, lambda: state.group, _documents(state)))
+        return _while_sharded(module, state, form(module, _group(state), _documents(state)))
     if sequence_shift_of(module) is not None:
         return _while_sharded(module, state, sharded_shift_forward(
-            module, lambda: state.group, _documents(state), lambda: _local_tokens(state)
+            module, _group(state), _documents(state), lambda: _local_tokens(state)
         ))
     raise ValueError(f"{type(module).__name__} is no token mixer with a head-sharded form.")
 
@@ -101,6 +101,16 @@ def register_mixer_weights_for_zero3(model: nn.Module) -> None:
                     register_external_parameter(module, parameter)
 
 
+def _group(state: PatchState) -> Callable[[], ProcessGroup]:
+    """The SP group at call time (a sharded form runs only under sequence parallelism: :func:`_while_sharded`)."""
+
+    def group() -> ProcessGroup:
+        assert state.group is not None
+        return state.group
+
+    return group
+
+
 def _documents(state: PatchState) -> Callable[[], Documents | None]:
     """The documents of the whole rows of the current batch, at call time."""
     return lambda: None if state.position_ids is None else documents_of(state.position_ids, state.group)
@@ -116,7 +126,7 @@ def _sharded_forward(module: nn.Module, kernels: dict[str, Any], state: PatchSta
     forward = module.forward
     namespace = inspect.unwrap(type(module).forward).__globals__
     sharded = {
-        name: sharded_kernel(name, kernel, lambda: state.group, _documents(state)) for name, kernel in kernels.items()
+        name: sharded_kernel(name, kernel, _group(state), _documents(state)) for name, kernel in kernels.items()
     }
 
     def with_sharded_kernels(*args: Any, **kwargs: Any) -> Any:
