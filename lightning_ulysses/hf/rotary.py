@@ -6,7 +6,7 @@ holds one shard of the positions, so every rank but the last would pick the freq
 sequence. :func:`whole_sequence_rotary` makes such a module see the largest position of the whole
 sequence: it appends that position (all-reduced over the SP group, no host sync) to the module's
 ``position_ids`` and drops the extra token from its outputs. The set-up check
-(:mod:`lightning_ulysses.hf.check`) installs it only where a module's outputs depend on the
+(:mod:`lightning_ulysses.hf.check`) plans it only where a module's outputs depend on the
 sequence length and verifies that it makes them exact; the applier (:mod:`lightning_ulysses.hf.apply`) installs it.
 """
 
