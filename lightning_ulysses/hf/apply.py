@@ -4,8 +4,9 @@ A :class:`Patch` is one patched ``PreTrainedModel``. Made, it hooks the model: e
 ``"ulysses"`` attention implementation (:mod:`lightning_ulysses.hf.interface`), every module holds the
 :class:`~lightning_ulysses.hf.state.PatchState`, every ``PreTrainedModel`` inside runs the guarded forward
 (:mod:`lightning_ulysses.hf.forward`). :meth:`Patch.realize` then brings the modules to a plan, undoing what the
-plan no longer holds, and :meth:`Patch.undo` restores the model exactly. This module is the only writer of the
-``_ulysses_*`` attributes of a model's modules::
+plan no longer holds, and :meth:`Patch.undo` restores the model exactly. Every ``_ulysses_*`` attribute of a
+patched model's modules is written here, through the ledger (the memory options of :mod:`lightning_ulysses.memory`
+keep a ledger of their own)::
 
     check_model(model, state, patch.realize)  ->  ModelPlan | Refusal     (the check proposes, the patch realises)
     Patch.realize(plan)                       ->  ledger: ("layer", name), ("sharded", name), ("rotary", name), ...
