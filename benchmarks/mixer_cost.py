@@ -3,7 +3,7 @@ compared with the formula.
 
 One mixer layer per kernel family, at the dimensions of the family's default config (the flagship checkpoint's, as
 transformers ships them), runs forward and backward on ``--tokens`` tokens split over ``--sp`` CPU processes
-(gloo, fp32, batch 1) with :func:`~lightning_ulysses.hf.mixers.shard_token_mixers`:
+(gloo, fp32, batch 1) with :func:`~lightning_ulysses.hf.apply.shard_token_mixers`:
 
 * **all-to-all bytes**: every call of :func:`lightning_ulysses.attention.collectives.all_to_all` (both directions,
   forward and backward) is counted: the send buffer of one rank, the chunk it keeps included, divided by the tokens
@@ -163,8 +163,10 @@ def saved_bytes(run: Any, module: nn.Module) -> tuple[Any, int]:
 
 def worker(args: dict[str, Any]) -> list[dict[str, Any]]:
     from lightning_ulysses.attention import collectives
-    from lightning_ulysses.hf.mixers import shard_token_mixers, shift
-    from lightning_ulysses.hf.patching import PatchState
+    from lightning_ulysses.hf.apply import shard_token_mixers
+    from lightning_ulysses.hf.ledger import Ledger
+    from lightning_ulysses.hf.mixers import shift
+    from lightning_ulysses.hf.state import PatchState
 
     dist.init_process_group("gloo")
     sp, rank, tokens = dist.get_world_size(), dist.get_rank(), args["tokens"]
@@ -203,7 +205,7 @@ def worker(args: dict[str, Any]) -> list[dict[str, Any]]:
         state = PatchState(dist.group.WORLD, "sdpa", sp)
         state.position_ids = positions[:, rank * tokens // sp : (rank + 1) * tokens // sp]
         holder = nn.ModuleDict({"mixer": module})
-        if not shard_token_mixers(holder, state):
+        if not shard_token_mixers(holder, state, Ledger()):
             raise RuntimeError(f"{mixer.module_class} was not recognised as a token mixer")
         counted[0] = halo[0] = 0
         out, sharded_saved = saved_bytes(lambda: call(shard, state.position_ids), module)

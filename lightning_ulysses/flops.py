@@ -79,7 +79,7 @@ class TransformerFlops:
             for module in model.modules()
             if isinstance(module, nn.Linear)
         )
-        patched = "_ulysses_original_attn" in model.__dict__
+        patched = "_ulysses_patch" in model.__dict__
         attention_layers = sum("_ulysses_plan" in m.__dict__ for m in model.modules()) if patched else None
         num_layers = config.num_hidden_layers if attention_layers is None else attention_layers
         if num_layers == 0:  # a state-space model: no attention heads to read

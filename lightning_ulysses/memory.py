@@ -41,7 +41,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from lightning_ulysses.hf import outermost_models
+from lightning_ulysses.hf.ledger import Ledger
+from lightning_ulysses.hf.state import PatchState, outermost_models
 from lightning_ulysses.offload import ActivationOffload, default_offload
 
 TileSetting = bool | int
@@ -135,11 +136,17 @@ def checkpoint_activations(
         return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
+MEMORY_ATTRIBUTE = "_ulysses_memory"
+"""Where a transformers model holds the :class:`~lightning_ulysses.hf.ledger.Ledger` of its memory options."""
+
+
 def apply_memory_options(model: nn.Module, options: MemoryOptions) -> None:
     """Apply ``options.tiled_mlp`` and activation checkpointing to every transformers model inside ``model``.
 
     ``options.tiled_loss`` is read by :class:`~lightning_ulysses.UlyssesLossMixin` instead (the loss is
-    the LightningModule's). Raises before any work when a requested option finds nothing to act on.
+    the LightningModule's). Raises before any work when a requested option finds nothing to act on. Every change is
+    recorded in one ledger per model, which :func:`remove_memory_options` undoes; applied again, the new options
+    replace the old.
     """
     hf_models = outermost_models(model)
     if (options.tiled_mlp or options.activation_checkpointing) and not hf_models:
@@ -149,33 +156,36 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions) -> None:
             "lightning_ulysses.checkpoint_activations on its layers."
         )
     for hf_model in hf_models:
+        if options.activation_checkpointing and not hf_model.supports_gradient_checkpointing:
+            raise ValueError(f"{type(hf_model).__name__} does not support activation checkpointing.")
+        mlps = _dense_mlps(hf_model) if options.tiled_mlp else []
+        _undo_memory_options(hf_model)
+        ledger = Ledger()
         if options.tiled_mlp:
-            _tile_mlps(hf_model, options.tiled_mlp)
+            _tile_mlps(hf_model, mlps, options.tiled_mlp, ledger)
         if options.activation_checkpointing:
-            if not hf_model.supports_gradient_checkpointing:
-                raise ValueError(f"{type(hf_model).__name__} does not support activation checkpointing.")
             # the public gradient_checkpointing_enable takes no checkpoint function (and pins memory on CPU-only hosts)
-            hf_model._set_gradient_checkpointing(
-                enable=True,
-                gradient_checkpointing_func=functools.partial(checkpoint_activations, offload=options.offload_activations),
-            )
-            hf_model._ulysses_activation_checkpointing = True
+            checkpointed = functools.partial(checkpoint_activations, offload=options.offload_activations)
+            hf_model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpointed)
+            off = functools.partial(hf_model._set_gradient_checkpointing, enable=False)
+            ledger.record("activation_checkpointing", off)
+        ledger.set("memory", hf_model, MEMORY_ATTRIBUTE, ledger)
 
 
 def remove_memory_options(model: nn.Module) -> None:
     """Undo :func:`apply_memory_options` on every module inside ``model``."""
     for sub in model.modules():
-        state = sub.__dict__.get("_ulysses_state")
-        if state is not None:
-            state.agree_tokens, state.batch_tokens = False, None
-        if sub.__dict__.pop("_ulysses_tiled_mlp", False):
-            del sub.forward  # the tiled forward was an instance attribute over the class's forward
-        if sub.__dict__.pop("_ulysses_activation_checkpointing", False):
-            sub._set_gradient_checkpointing(enable=False)
+        _undo_memory_options(sub)
 
 
-def _tile_mlps(model: PreTrainedModel, setting: TileSetting) -> None:
-    """Tile the ``mlp`` of every decoder layer: dense, token-wise MLPs only (their class names end in "MLP")."""
+def _undo_memory_options(module: nn.Module) -> None:
+    ledger = module.__dict__.get(MEMORY_ATTRIBUTE)
+    if ledger is not None:
+        ledger.undo()
+
+
+def _dense_mlps(model: PreTrainedModel) -> list[nn.Module]:
+    """The ``mlp`` of every decoder layer: dense, token-wise MLPs only (their class names end in "MLP")."""
     mlps = [
         module for name, module in model.named_modules()
         if name.rsplit(".", 1)[-1] == "mlp" and type(module).__name__.endswith("MLP")
@@ -186,17 +196,22 @@ def _tile_mlps(model: PreTrainedModel, setting: TileSetting) -> None:
             f"{type(model).__name__}; mixture-of-experts blocks are not tiled. Set tiled_mlp=False, or tile your own "
             "MLP with lightning_ulysses.tiled_map."
         )
-    state = model.__dict__.get("_ulysses_state")
-    if setting is True and state is not None:
-        state.agree_tokens = True  # the patched forward agrees the token count once per batch
+    return mlps
+
+
+def _tile_mlps(model: PreTrainedModel, mlps: list[nn.Module], setting: TileSetting, ledger: Ledger) -> None:
+    state: PatchState | None = model.__dict__.get("_ulysses_state")
+    if setting is True and state is not None:  # the patched forward agrees the token count once per batch
+        ledger.set("tiled_mlp", state, "agree_tokens", agree_max_tokens)
+        ledger.record("tiled_mlp", lambda: setattr(state, "batch_tokens", None))
     for mlp in mlps:
-        if "_ulysses_tiled_mlp" not in mlp.__dict__:
-            mlp.forward = functools.partial(_tiled_mlp_forward, mlp.forward, setting, state)
-            mlp._ulysses_tiled_mlp = True
+        ledger.set("tiled_mlp", mlp, "forward", functools.partial(_tiled_mlp_forward, mlp.forward, setting, state))
 
 
-def _tiled_mlp_forward(forward: Callable[[Tensor], Tensor], setting: TileSetting, state: Any, x: Tensor) -> Tensor:
-    """``state``: the :class:`~lightning_ulysses.hf.patching.PatchState` of a patched model, whose ``batch_tokens``
+def _tiled_mlp_forward(
+    forward: Callable[[Tensor], Tensor], setting: TileSetting, state: PatchState | None, x: Tensor
+) -> Tensor:
+    """``state``: the :class:`~lightning_ulysses.hf.state.PatchState` of a patched model, whose ``batch_tokens``
     (agreed once per batch) spare this call, and its recomputation, the collective and the host sync."""
     tokens = x.shape[:-1].numel()
     batch = None if state is None else state.batch_tokens

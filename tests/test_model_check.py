@@ -84,6 +84,23 @@ def test_identify_pattern_reads_windows_and_chunks_far_beyond_the_probe(function
     assert identify_pattern(mask, function, local_size, 0, 0, index_based=True) == expected
 
 
+def module_attributes(model: PreTrainedModel, identities: bool = True) -> dict[str, Any]:
+    """What a patch may change: every module's instance attributes and hooks and every config's attributes, by
+    identity (``identities=False``: by name only, for a model whose own forward updates its caches)."""
+
+    def entries(obj: Any) -> dict[str, Any]:
+        return {
+            key: (id(value) if identities else None, tuple(value) if isinstance(value, dict) else ())
+            for key, value in vars(obj).items()
+        }
+
+    configs = [model.config, *(getattr(model.config, key) for key in model.config.sub_configs)]
+    return {
+        "modules": {name: entries(module) for name, module in model.named_modules()},
+        "configs": [entries(config) for config in configs if config is not None],
+    }
+
+
 # ------------------------------------------------------------------------------------------------
 # one process: what the attention layers ask for
 # ------------------------------------------------------------------------------------------------
@@ -224,6 +241,34 @@ def test_unpatched_runs_the_plain_model_and_restores_the_patch() -> None:
     assert relative_error(plain, per_document) < 1e-5
 
 
+@pytest.mark.parametrize(
+    ("model_type", "overrides"),
+    [("llama", dict()),
+     ("lfm2", dict(layer_types=["conv", "full_attention"])),  # a token mixer run head-sharded
+     ("qwen2_moe", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)),
+     ("doge", dict())],  # refused: the refusal undoes the patch
+)
+def test_remove_restores_the_model_exactly(model_type: str, overrides: dict[str, Any]) -> None:
+    model = tiny_model(model_type, **overrides)
+    ids, positions = packed_ids_and_positions()
+    before = module_attributes(model)
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    expected = model(input_ids=ids, position_ids=positions).logits
+    assert module_attributes(model) == before
+    try:
+        _patched_logits(model, ids, positions)
+    except UnsupportedModelError:
+        assert model_type == "doge"
+    else:
+        assert module_attributes(model) != before
+        remove_ulysses_attention(model)
+    assert module_attributes(model) == before
+    assert model.state_dict().keys() == state.keys()
+    assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items())
+    torch.testing.assert_close(model(input_ids=ids, position_ids=positions).logits, expected, rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------------------------------------
 # two ranks: what only a split sequence shows
 # ------------------------------------------------------------------------------------------------
@@ -317,6 +362,7 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
         expected.sum().backward()
         expected_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad()
+        before = module_attributes(model, identities=False)
         ring_size = 2 if name in RING else 1
         layout = RingLayout(2, ulysses_groups[rank], dist.group.WORLD) if name in RING else None
         set_ring_layout(dist.group.WORLD, layout)
@@ -324,7 +370,7 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
             mixers = "gather" if name in GATHERED else "refuse"
             apply_ulysses_attention(model, dist.group.WORLD, sp_size=2, core="sdpa", sequence_mixers=mixers)
         except UnsupportedModelError as error:
-            results[name] = {"refused": str(error)}
+            results[name] = {"refused": str(error), "undone": module_attributes(model, identities=False) == before}
             continue
         batch = prepare_batch({"input_ids": ids, "position_ids": positions}, 2, ring_size)
         batch = shard_batch(batch, rank, 2, ring_size)
@@ -346,6 +392,8 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
                 block(hidden, position_ids=batch["position_ids"], attention_mask=None, use_cache=True)
             except ValueError as error:
                 results[name]["cache_refused"] = str(error)
+        remove_ulysses_attention(model)
+        results[name]["undone"] = module_attributes(model, identities=False) == before
     set_ring_layout(dist.group.WORLD, None)
     dist.destroy_process_group()
     return results
@@ -424,3 +472,8 @@ def test_known_token_mixers_run_sharded(sp_results: list[dict[str, Any]], name: 
         assert got["error"] < 1e-5 and got["grad_error"] < 1e-5
     if name == "recurrent_block":
         assert all("without a cache (use_cache=False)" in r[name]["cache_refused"] for r in sp_results)
+
+
+def test_remove_undoes_every_plan_across_ranks(sp_results: list[dict[str, Any]]) -> None:
+    """Whole-sequence rotary, gathered and head-sharded mixers, refusals: the model's attributes as they were."""
+    assert [name for rank_results in sp_results for name, got in rank_results.items() if not got["undone"]] == []

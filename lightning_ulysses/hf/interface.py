@@ -3,14 +3,12 @@
 Transformers models call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, query, key,
 value, attention_mask, scaling=..., dropout=..., **kwargs)`` with ``[B, H, N/sp, D]`` tensors. Every
 argument that changes the result must be understood, or the layer is refused: the set-up check
-(:mod:`lightning_ulysses.hf.check`) reads each layer's call once, with :func:`read_layer_call`, and
-stores a :class:`LayerPlan` on the module; training then runs that plan.
+(:mod:`lightning_ulysses.hf.check`) reads each layer's call once, with :func:`read_layer_call`, into a
+:class:`~lightning_ulysses.hf.plan.LayerPlan`, which the applier stores on the module; training then runs that plan.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
@@ -19,6 +17,8 @@ from transformers import AttentionInterface
 from lightning_ulysses.attention import ulysses_attention
 from lightning_ulysses.attention.core import no_window_if_off
 from lightning_ulysses.hf.masks import MaskPattern
+from lightning_ulysses.hf.plan import LayerPlan
+from lightning_ulysses.hf.state import PatchState
 
 ULYSSES_ATTN_IMPLEMENTATION = "ulysses"
 
@@ -31,16 +31,6 @@ INERT_KWARGS = frozenset({
 })
 """Keyword arguments that models pass along but that do not change what attention computes here (no KV cache
 runs under sequence parallelism)."""
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """How one attention layer runs: the pattern its mask asked for (windows and chunks that transformers
-    applies only through the mask included), and whether it passes attention sinks (``s_aux``, one logit per
-    head, read at each call: it is a trained weight)."""
-
-    pattern: MaskPattern
-    sinks: bool = False
 
 
 def read_layer_call(
@@ -56,11 +46,14 @@ def read_layer_call(
         if name not in HANDLED_KWARGS | INERT_KWARGS and value is not None and value is not False
     )
     for name in unknown:
-        problems.append(f"passes {name}={_short(kwargs[name])} to attention, which Ulysses attention does not implement")
+        problems.append(
+            f"passes {name}={_short(kwargs[name])} to attention, which Ulysses attention does not implement"
+        )
     sinks = kwargs.get("s_aux")
-    if sinks is not None and getattr(module, "attention_dropout", 0.0):
+    dropout = getattr(module, "attention_dropout", 0.0)
+    if sinks is not None and dropout:
         problems.append("combines attention sinks with attention dropout, which Ulysses attention does not implement")
-    if ring and getattr(module, "attention_dropout", 0.0):
+    if ring and dropout:
         problems.append("uses attention dropout, which Ulysses x Ring (ring_size > 1) does not implement yet "
                         "(ring_size=1 does)")
     window = no_window_if_off(kwargs.get("sliding_window"))
@@ -69,7 +62,7 @@ def read_layer_call(
             f"passes sliding_window={window} to attention but its mask is {pattern.describe()}, so its result depends "
             "on the attention kernel"
         )
-    if problems:
+    if problems or pattern is None:  # no pattern: its problem is in problems
         return None, problems
     return LayerPlan(pattern, sinks=sinks is not None), []
 
@@ -79,16 +72,6 @@ def _short(value: Any) -> str:
         return f"<tensor {tuple(value.shape)}>"
     text = repr(value)
     return text if len(text) < 40 else text[:37] + "..."
-
-
-ProbeAttention = Callable[..., Tensor]
-_probe_attention: ProbeAttention | None = None
-"""While the set-up check runs, every patched attention layer calls this instead (see the probe module)."""
-
-
-def set_probe_attention(function: ProbeAttention | None) -> None:
-    global _probe_attention
-    _probe_attention = function
 
 
 def _hf_ulysses_attention(
@@ -104,19 +87,20 @@ def _hf_ulysses_attention(
 ) -> tuple[Tensor, None]:
     """Transformers attention-interface entry: ``[B, H, N/sp, D]`` queries and keys, ``[B, H_kv, N/sp, D_v]`` values
     in, ``[B, N/sp, H, D_v]`` out."""
-    state = module.__dict__.get("_ulysses_state")
+    state: PatchState | None = module.__dict__.get("_ulysses_state")
     if state is None:
         raise RuntimeError(
             f"{type(module).__name__} dispatched to Ulysses attention but belongs to no model that lightning-ulysses "
             "patched; apply_ulysses_attention patches the PreTrainedModel that owns it."
         )
-    if _probe_attention is not None:
-        return _probe_attention(module, query, key, value, attention_mask, scaling, kwargs), None
+    if state.probe is not None:  # the set-up check is running
+        return state.probe(module, query, key, value, attention_mask, scaling, kwargs), None
     plan: LayerPlan | None = module.__dict__.get("_ulysses_plan")
     if plan is None:
         raise RuntimeError(
-            f"{type(module).__name__} was not called by lightning-ulysses' set-up check of the model, so it is not known "
-            "to run exactly (a layer used only for some inputs, e.g. images?). Sequence parallelism supports text inputs."
+            f"{type(module).__name__} was not called by lightning-ulysses' set-up check of the model, so it is not "
+            "known to run exactly (a layer used only for some inputs, e.g. images?). Sequence parallelism supports "
+            "text inputs."
         )
     if attention_mask is not None:
         raise RuntimeError(

@@ -14,8 +14,8 @@ queries, keys and values all still matter, but no information moves between toke
    its own (RoBERTa counts from ``padding_idx + 1``): sequence parallelism must pass global ones.
 3. **Rotary embeddings** (``sp > 1``): every module that maps ``position_ids`` to a pair of per-token
    tensors (cos, sin) is called with positions around each ``max_position`` boundary of the config; where
-   its output depends on the length (dynamic NTK, longrope), :func:`~lightning_ulysses.hf.rotary.whole_sequence_rotary`
-   is installed and must make it exact.
+   its output depends on the length (dynamic NTK, longrope), it is planned as whole-sequence rotary
+   (:func:`~lightning_ulysses.hf.rotary.whole_sequence_rotary`), which must make it exact.
 4. **As in training**: this rank's shard (the whole sequence at ``sp_size=1``), the real SP group, no masks
    built. With attention token-local, no module's per-token output may differ from the whole run: where
    one does, something other than attention moves information between tokens (a convolution over the
@@ -26,31 +26,43 @@ queries, keys and values all still matter, but no information moves between toke
    shard's length is trapped as well: an index-dependent computation may change nothing at the probe's
    few tokens (Llama4's temperature tuning starts at index 8192).
 
-The verdict is agreed over the SP group, so every rank raises the same :class:`UnsupportedModelError`.
+The check writes nothing on the model: it returns a :class:`~lightning_ulysses.hf.plan.ModelPlan` (the attention
+layers' plans, the head-sharded token mixers, whole-sequence rotary, gathered mixers) or a
+:class:`~lightning_ulysses.hf.plan.Refusal`, and has each plan it tries on the way realised by the caller's
+applier (:meth:`~lightning_ulysses.hf.apply.Patch.realize`). The verdict is agreed over the SP group, so every rank
+refuses alike.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from lightning_ulysses.hf.check.findings import agreed, refusal
 from lightning_ulysses.attention.collectives import ring_layout
+from lightning_ulysses.hf.check.findings import agreed
 from lightning_ulysses.hf.check.rope import check_rotary
 from lightning_ulysses.hf.check.shard import Shard
 from lightning_ulysses.hf.check.training import run_as_in_training
 from lightning_ulysses.hf.check.whole import check_position_numbering, whole_sequence_run
-from lightning_ulysses.hf.patching import PatchState, UnsupportedModelError, model_configs
+from lightning_ulysses.hf.mixers import is_token_mixer
+from lightning_ulysses.hf.plan import ModelPlan, Refusal
+from lightning_ulysses.hf.state import PatchState, model_configs
 
 PROBE_TOKENS_PER_RANK = 11
 """Tokens per rank in the probe: an odd count, so that the sequence dimension is told from model dimensions."""
 
 
-def check_model(model: PreTrainedModel, state: PatchState) -> None:
-    """Check a patched ``model`` (see the module docstring); store each attention layer's plan on it, or raise
-    :class:`UnsupportedModelError` naming every layer that would not run exactly. Collective over ``state.group``."""
+def check_model(
+    model: PreTrainedModel, state: PatchState, realize: Callable[[ModelPlan], None]
+) -> ModelPlan | Refusal:
+    """Check a patched ``model`` (see the module docstring): its plan, or the refusal that names every layer that
+    would not run exactly. ``realize`` brings the model to each plan tried on the way. Collective over
+    ``state.group``."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ring = ring_layout(state.group)
     ring_size = 1 if ring is None else ring.ring_size
@@ -60,23 +72,29 @@ def check_model(model: PreTrainedModel, state: PatchState) -> None:
     position_ids = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
     rank = 0 if state.group is None else dist.get_rank(state.group)
     shard = Shard(rank, state.sp_size, input_ids.shape[1], ring_size)
+    plan = ModelPlan(sharded=tuple(name for name, module in model.named_modules() if is_token_mixer(module)))
+    realize(plan)
     modes = {module: module.training for module in model.modules()}
     model.eval()
     try:
         with torch.no_grad():
             findings, whole = whole_sequence_run(model, state, input_ids, position_ids)
-            findings = agreed(findings, state)  # a forward that failed on one rank only must not leave the others waiting
+            # a forward that failed on one rank only must not leave the others waiting
+            findings = agreed(findings, state)
             if not findings:
+                plan = replace(plan, layers=tuple(whole.layers.items()))
+                realize(plan)
                 findings = check_position_numbering(model, input_ids, position_ids)
             if state.sp_size > 1 and not findings:
-                findings = check_rotary(model, state, whole, shard)
+                findings, plan = check_rotary(model, state, whole, shard, plan, realize)
             if not findings:
-                findings = run_as_in_training(model, state, input_ids, position_ids, whole, shard)
+                findings, plan = run_as_in_training(model, state, input_ids, position_ids, whole, shard, plan, realize)
     finally:
         for module, training in modes.items():
             module.training = training
     if findings:
-        raise UnsupportedModelError(refusal(model, findings, suggest_gather=not state.gather_mixers))
+        return Refusal(type(model).__name__, tuple(findings), suggest_gather=not state.gather_mixers)
+    return plan
 
 
 def probe_ids(model: PreTrainedModel, length: int, device: torch.device) -> Tensor:

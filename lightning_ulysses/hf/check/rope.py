@@ -3,23 +3,30 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from lightning_ulysses.hf.check.findings import Finding, any_rank, module_label
+from lightning_ulysses.hf.check.findings import any_rank, module_label
 from lightning_ulysses.hf.check.shard import Shard, shard_of
 from lightning_ulysses.hf.check.tensors import Call, tensors_of
 from lightning_ulysses.hf.check.whole import WholeRun
-from lightning_ulysses.hf.patching import PatchState, model_configs
-from lightning_ulysses.hf.rotary import position_ids_index, whole_sequence_rotary
+from lightning_ulysses.hf.plan import Finding, ModelPlan
+from lightning_ulysses.hf.rotary import position_ids_index
+from lightning_ulysses.hf.state import PatchState, model_configs
 
 
-def check_rotary(model: PreTrainedModel, state: PatchState, whole: WholeRun, shard: Shard) -> list[Finding]:
+def check_rotary(
+    model: PreTrainedModel, state: PatchState, whole: WholeRun, shard: Shard, plan: ModelPlan,
+    realize: Callable[[ModelPlan], None],
+) -> tuple[list[Finding], ModelPlan]:
+    """Step 3: the rotary modules whose outputs depend on the sequence length, planned (and realised) as
+    whole-sequence rotary (:mod:`lightning_ulysses.hf.rotary`); a finding for each that this does not make exact."""
     modules = dict(model.named_modules())
     names = {module: name for name, module in modules.items()}
     boundaries = sorted(position_boundaries(model))
@@ -35,16 +42,17 @@ def check_rotary(model: PreTrainedModel, state: PatchState, whole: WholeRun, sha
         return False
 
     flags = torch.tensor([length_dependent(m, call) for m, call in rotary], dtype=torch.int32)
-    dependent = [m for (m, _), flag in zip(rotary, any_rank(flags, state)) if flag]
-    for module in dependent:
-        whole_sequence_rotary(module, state)
+    dependent = [m for (m, _), flag in zip(rotary, any_rank(flags, state), strict=True) if flag]
+    if dependent:
+        plan = replace(plan, rotary=tuple(names[m] for m in dependent))
+        realize(plan)
     flags = torch.tensor([length_dependent(m, call) for m, call in rotary if m in dependent], dtype=torch.int32)
-    inexact = [m for m, flag in zip(dependent, any_rank(flags, state)) if flag]
+    inexact = [m for m, flag in zip(dependent, any_rank(flags, state), strict=True) if flag]
     return [
-        Finding(module_label(names, m), "computes rotary frequencies from the sequence length in a way that giving it the "
-                "whole sequence's largest position does not make exact")
+        Finding(module_label(names, m), "computes rotary frequencies from the sequence length in a way that giving it "
+                "the whole sequence's largest position does not make exact")
         for m in inexact
-    ]
+    ], plan
 
 
 def is_rotary(module: nn.Module, call: Call) -> bool:
@@ -67,8 +75,7 @@ def call_with_positions(module: nn.Module, call: Call, offset: int, shard: Shard
     frequencies)."""
     args, kwargs = list(call.args), dict(call.kwargs)
     index = position_ids_index(module)
-    in_args = index is not None and index < len(args)
-    if in_args:
+    if index is not None and index < len(args):
         args[index] = args[index] + offset
     else:
         kwargs["position_ids"] = kwargs["position_ids"] + offset
@@ -80,8 +87,6 @@ def call_with_positions(module: nn.Module, call: Call, offset: int, shard: Shard
 
 
 @contextmanager
-
-
 def restored(module: nn.Module) -> Iterator[None]:
     buffers = {name: b.clone() if b is not None else None for name, b in module._buffers.items()}
     attributes = dict(module.__dict__)
@@ -104,6 +109,6 @@ def position_boundaries(model: PreTrainedModel) -> set[int]:
         for key, value in item.items():
             if isinstance(value, dict):
                 pending.append(value)
-            elif isinstance(key, str) and "max_position" in key and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            elif isinstance(key, str) and "max_position" in key and type(value) is int and value > 0:  # not a bool
                 found.add(value)
     return found

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from lightning_ulysses.hf.check.tensors import Call
-from lightning_ulysses.hf.mixers import TokenDims
+from lightning_ulysses.hf.plan import TokenDims
 from lightning_ulysses.sharding import shard_index
 
 
@@ -39,9 +39,9 @@ class Shard:
         ``N`` long in ``whole`` and ``N / sp`` in ``local``, every other dimension equal); None if there is none."""
         if whole.dim() != local.dim():
             return None
-        for dim, (w, l) in enumerate(zip(whole.shape, local.shape)):
-            if (w, l) == (self.whole_length, self.length) and all(
-                a == b for d, (a, b) in enumerate(zip(whole.shape, local.shape)) if d != dim
+        for dim, (w, n) in enumerate(zip(whole.shape, local.shape, strict=True)):
+            if (w, n) == (self.whole_length, self.length) and all(
+                a == b for d, (a, b) in enumerate(zip(whole.shape, local.shape, strict=True)) if d != dim
             ):
                 return self.take(whole, dim)
         return None
@@ -57,9 +57,9 @@ class Shard:
         outputs = {}
         if len(whole.outputs) != len(local_outputs):
             return None
-        for i, (w, l) in enumerate(zip(whole.outputs, local_outputs)):
-            dim = self._sequence_dim(w, l, extra=True)
-            if dim is None and w.shape != l.shape:
+        for i, (w, loc) in enumerate(zip(whole.outputs, local_outputs, strict=True)):
+            dim = self._sequence_dim(w, loc, extra=True)
+            if dim is None and w.shape != loc.shape:
                 return None
             if dim is not None:
                 outputs[i] = dim
@@ -70,9 +70,9 @@ class Shard:
         those by the same constant), every other dimension equal."""
         if whole is None or whole.dim() != local.dim():
             return None
-        for dim, (w, l) in enumerate(zip(whole.shape, local.shape)):
-            others_equal = all(a == b for d, (a, b) in enumerate(zip(whole.shape, local.shape)) if d != dim)
-            if others_equal and w - l == self.whole_length - self.length and (l == self.length or extra and l > self.length):
+        for dim, (w, n) in enumerate(zip(whole.shape, local.shape, strict=True)):
+            others = all(a == b for d, (a, b) in enumerate(zip(whole.shape, local.shape, strict=True)) if d != dim)
+            if others and w - n == self.whole_length - self.length and (n == self.length or extra and n > self.length):
                 return dim
         return None
 
@@ -92,9 +92,9 @@ class Shard:
         """Whether every per-token tensor of ``local`` equals its part of the matching tensor of ``whole``."""
         if len(whole) != len(local):
             return False
-        for w, l in zip(whole, local):
-            part = self.slice(w, l)
-            if part is not None and not close(part, l):
+        for w, loc in zip(whole, local, strict=True):
+            part = self.slice(w, loc)
+            if part is not None and not close(part, loc):
                 return False
         return True
 

@@ -11,8 +11,6 @@ from torch import Tensor, nn
 
 
 @dataclass
-
-
 class Call:
     """One call of a module in the whole-sequence run: its tensors, for comparison with the sharded run."""
 
@@ -53,8 +51,6 @@ def first_tensor(output: Any) -> Tensor | None:
 
 
 @contextmanager
-
-
 def hooks(model: nn.Module, hook: Any) -> Iterator[None]:
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in model.modules()]
     try:

@@ -4,63 +4,51 @@ module with the whole-sequence run; with ``sequence_mixers="gather"``, the token
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from lightning_ulysses.hf.check.findings import Finding, agreed, module_label
+from lightning_ulysses.hf.check.findings import agreed, module_label
 from lightning_ulysses.hf.check.shard import Shard
 from lightning_ulysses.hf.check.tensors import first_tensor, hooks, named_inputs, tensors_of
 from lightning_ulysses.hf.check.whole import WholeRun, probe_attention, token_local_attention
-from lightning_ulysses.hf.mixers import gather_whole_sequence, remove_gather_whole_sequence, remove_sharded_mixers
-from lightning_ulysses.hf.patching import PatchState
+from lightning_ulysses.hf.plan import Finding, Gathered, ModelPlan
+from lightning_ulysses.hf.state import PatchState
 
 
 def run_as_in_training(
     model: PreTrainedModel, state: PatchState, input_ids: Tensor, position_ids: Tensor, whole: WholeRun,
-    shard: Shard,
-) -> list[Finding]:
-    """Step 4; with ``state.gather_mixers``, each module found mixing tokens is run on the whole sequence and the
-    step repeated (a mixer hides the ones after it), until the model is exact or a finding remains that gathering
-    does not remove. Where gathering a module's inputs is not enough, the module around it is gathered instead,
-    never one that holds an attention layer (that would run the attention on every rank)."""
-    modules = dict(model.named_modules())
-    attention = [name for name, module in modules.items() if "_ulysses_plan" in module.__dict__]
-    gathered: dict[str, str] = {}  # the mixer found -> the module gathered for it
+    shard: Shard, plan: ModelPlan, realize: Callable[[ModelPlan], None],
+) -> tuple[list[Finding], ModelPlan]:
+    """Step 4; with ``state.gather_mixers``, each module found mixing tokens is planned (and realised) to run on the
+    whole sequence and the step repeated (a mixer hides the ones after it), until the model is exact or a finding
+    remains that gathering does not remove. Where gathering a module's inputs is not enough, the module around it is
+    gathered instead, never one that holds an attention layer (that would run the attention on every rank)."""
+    attention = [name for name, _ in plan.layers]
     while True:
         findings = agreed(training_run(model, state, input_ids, position_ids, whole, shard), state)
         if not state.gather_mixers or not findings or any(f.mixer is None for f in findings):
-            break
+            return findings, plan
         for finding in findings:
+            assert finding.mixer is not None
             levels = [(finding.mixer, finding.dims), *finding.enclosing]
             names = [name for name, _ in levels]
-            tried = gathered.get(finding.mixer)
+            tried = next((g.module for g in plan.gathered if g.mixer == finding.mixer), None)
             later = names.index(tried) + 1 if tried in names else 0
             choice = next((
-                (name, dims) for name, dims in levels[later:]
+                Gathered(finding.mixer, name, dims) for name, dims in levels[later:]
                 if dims is not None and not any(a == name or a.startswith(name + ".") for a in attention)
             ), None)
             if choice is None:
-                return findings
-            if tried is not None:
-                remove_gather_whole_sequence(modules[tried])
-            remove_sharded_mixers(modules[choice[0]])  # a mixer that its kernels do not make exact runs as it is
-            gather_whole_sequence(modules[choice[0]], state, choice[1])
-            gathered[finding.mixer] = choice[0]
-    if gathered and not findings:
-        rank_zero_info(
-            f"{type(model).__name__}: {len(gathered)} token mixers outside attention run on the whole sequence on every "
-            f"rank (sequence_mixers='gather'): {', '.join(gathered.values())}. Exact, at {state.sp_size}x their compute "
-            "and with their activations at full length."
-        )
-    return findings
+                return findings, plan
+            plan = plan.with_gathered(choice)  # a sharded mixer inside runs as it is: its kernels did not make it exact
+        realize(plan)
 
 
 def training_run(
@@ -89,32 +77,35 @@ def training_run(
         if (culprits and not encloses) or index >= len(calls):
             return
         local_inputs, local_outputs = named_inputs(args, kwargs), tensors_of(output)
-        if shard.inputs_agree(calls[index].inputs, local_inputs) and not shard.all_agree(calls[index].outputs, local_outputs):
+        agree = shard.inputs_agree(calls[index].inputs, local_inputs)
+        if agree and not shard.all_agree(calls[index].outputs, local_outputs):
             dims = shard.token_dims(calls[index], local_inputs, local_outputs) if state.sp_size > 1 else None
             if encloses:
                 culprits[0] = replace(culprits[0], enclosing=(*culprits[0].enclosing, (name, dims)))
             else:
-                culprits.append(Finding(module_label(names, module), differs, name if state.sp_size > 1 else None, dims))
+                mixer = name if state.sp_size > 1 else None
+                culprits.append(Finding(module_label(names, module), differs, mixer, dims))
 
-    def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, scaling: float | None,
-                  kwargs: dict[str, Any]) -> Tensor:
+    def attention(
+        module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, scaling: float | None,
+        kwargs: dict[str, Any],
+    ) -> Tensor:
         return token_local_attention(query, key, value, scaling)
 
-    trap = local_index_trap(model, shard.length) if state.sp_size > 1 else nullcontext([])
+    no_trap: AbstractContextManager[list[Finding]] = nullcontext([])
+    trap = local_index_trap(model, shard.length) if state.sp_size > 1 else no_trap
     try:
-        with probe_attention(attention), hooks(model, compare), trap as local_indices:
+        with probe_attention(state, attention), hooks(model, compare), trap as local_indices:
             output = model(input_ids=shard.of(input_ids), position_ids=shard.of(position_ids))
     except Exception as error:  # noqa: BLE001 - the reason to refuse, with its text
-        return [Finding(type(model).__name__, "fails when run as under sequence parallelism, where transformers builds no "
-                        f"attention mask ({type(error).__name__}: {error})")]
+        return [Finding(type(model).__name__, "fails when run as under sequence parallelism, where transformers builds "
+                        f"no attention mask ({type(error).__name__}: {error})")]
     if culprits or local_indices or shard.agree(whole.output, first_tensor(output)):
         return culprits + local_indices
     return [Finding(type(model).__name__, differs)]
 
 
 @contextmanager
-
-
 def local_index_trap(model: nn.Module, length: int) -> Iterator[list[Finding]]:
     """Within the block, report every ``torch.arange`` over ``0 .. length - 1`` (the shard's token indices) that a
     module of ``model`` makes: under SP they are the local indices of one shard, whatever they feed. Such a
@@ -133,7 +124,8 @@ def local_index_trap(model: nn.Module, length: int) -> Iterator[list[Finding]]:
             caller = sys._getframe(1)
             where = f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno}"
             finding = Finding(module_label(names, running[-1]), f"builds token indices from the length of its input "
-                              f"(torch.arange at {where}), which under SP is one shard's: local indices, not global ones")
+                              f"(torch.arange at {where}), which under SP is one shard's: local indices, not global "
+                              "ones")
             if finding not in found:
                 found.append(finding)
         return result

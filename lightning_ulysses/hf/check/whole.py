@@ -12,23 +12,26 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from lightning_ulysses.hf import interface
-from lightning_ulysses.hf.check.findings import Finding, module_label
-from lightning_ulysses.hf.check.shard import close
-from lightning_ulysses.hf.check.tensors import Call, first_tensor, hooks, named_inputs, tensors_of
 from lightning_ulysses.attention.collectives import ring_layout
 from lightning_ulysses.attention.core import softmax_scale
-from lightning_ulysses.hf.interface import ULYSSES_ATTN_IMPLEMENTATION, LayerPlan, read_layer_call
+from lightning_ulysses.hf.apply import sequence_parallel_disabled, unpatched
+from lightning_ulysses.hf.check.findings import module_label
+from lightning_ulysses.hf.check.shard import close
+from lightning_ulysses.hf.check.tensors import Call, first_tensor, hooks, named_inputs, tensors_of
+from lightning_ulysses.hf.interface import ULYSSES_ATTN_IMPLEMENTATION, read_layer_call
 from lightning_ulysses.hf.masks import RecordedMasks, recording_mask_interface
-from lightning_ulysses.hf.patching import PatchState, sequence_parallel_disabled, unpatched
+from lightning_ulysses.hf.plan import Finding, LayerPlan
+from lightning_ulysses.hf.state import PatchState, ProbeAttention
 
 
 @dataclass
-
-
 class WholeRun:
+    """What the whole-sequence run saw: every module's calls (by module path), the model's output and each attention
+    layer's plan (by module path, in call order; only layers that can run exactly)."""
+
     calls: dict[str, list[Call]] = field(default_factory=dict)
     output: Tensor | None = None
+    layers: dict[str, LayerPlan] = field(default_factory=dict)
 
 
 def whole_sequence_run(
@@ -47,12 +50,13 @@ def whole_sequence_run(
     ) -> Tensor:
         tokens = input_ids.shape[1]
         if query.dim() != 4 or query.shape[2] != tokens or query.shape[0] != input_ids.shape[0]:
-            findings[module] = Finding(module_label(names, module), f"passes attention tensors shaped {tuple(query.shape)}, not "
-                                       f"[batch, heads, tokens={tokens}, dim] as transformers' attention interface does")
+            findings[module] = Finding(module_label(names, module), f"passes attention tensors shaped "
+                                       f"{tuple(query.shape)}, not [batch, heads, tokens={tokens}, dim] as "
+                                       "transformers' attention interface does")
             return torch.zeros_like(query)
         if key.shape[2] != tokens:  # keys of its own (compressed, memory, ...): no stand-in attention here
-            findings[module] = Finding(module_label(names, module), f"attends to {key.shape[2]} keys from {tokens} queries: "
-                                       "keys other than the sequence's tokens")
+            findings[module] = Finding(module_label(names, module), f"attends to {key.shape[2]} keys from {tokens} "
+                                       "queries: keys other than the sequence's tokens")
             return query.new_zeros(*query.shape[:2], tokens, value.shape[-1]).transpose(1, 2)
         if module not in findings:
             pattern, why = recorded.pattern_of(attention_mask)
@@ -65,18 +69,18 @@ def whole_sequence_run(
 
     def record(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         inputs = {key: t.clone() for key, t in named_inputs(args, kwargs).items()}
-        run.calls.setdefault(names[module], []).append(Call(inputs, [t.clone() for t in tensors_of(output)], args, kwargs))
+        outputs = [t.clone() for t in tensors_of(output)]
+        run.calls.setdefault(names[module], []).append(Call(inputs, outputs, args, kwargs))
 
     try:
-        with mask_interface(recording_mask_interface(recorded)), probe_attention(attention), \
+        with mask_interface(recording_mask_interface(recorded)), probe_attention(state, attention), \
                 sequence_parallel_disabled(model), hooks(model, record):
             output = model(input_ids=input_ids, position_ids=position_ids)
     except Exception as error:  # noqa: BLE001 - any failure of the plain forward is a reason to refuse, with its text
-        return [Finding(f"{type(model).__name__}", f"cannot be called with input_ids and position_ids alone ({error})")], run
+        problem = f"cannot be called with input_ids and position_ids alone ({error})"
+        return [Finding(f"{type(model).__name__}", problem)], run
     run.output = first_tensor(output)
-    for module, plan in plans.items():
-        if module not in findings:
-            module._ulysses_plan = plan
+    run.layers = {names[module]: plan for module, plan in plans.items() if module not in findings}
     return list(findings.values()), run
 
 
@@ -98,25 +102,22 @@ def check_position_numbering(model: PreTrainedModel, input_ids: Tensor, position
         own = first_tensor(model(input_ids=input_ids, use_cache=False))
     if given is None or own is None or close(own, given):
         return []
-    return [Finding(type(model).__name__, "numbers its positions other than 0, 1, 2, ... (its output changes when given "
-                    "those position ids; e.g. RoBERTa counts from padding_idx + 1), and sequence parallelism must give "
-                    "each shard its global position ids")]
+    return [Finding(type(model).__name__, "numbers its positions other than 0, 1, 2, ... (its output changes when "
+                    "given those position ids; e.g. RoBERTa counts from padding_idx + 1), and sequence parallelism "
+                    "must give each shard its global position ids")]
 
 
 @contextmanager
-
-
-def probe_attention(function: Any) -> Iterator[None]:
-    interface.set_probe_attention(function)
+def probe_attention(state: PatchState, function: ProbeAttention) -> Iterator[None]:
+    """Within the block, every attention layer of the patch computes ``function`` instead."""
+    state.probe = function
     try:
         yield
     finally:
-        interface.set_probe_attention(None)
+        state.probe = None
 
 
 @contextmanager
-
-
 def mask_interface(function: Any) -> Iterator[None]:
     ALL_MASK_ATTENTION_FUNCTIONS.register(ULYSSES_ATTN_IMPLEMENTATION, function)
     try:

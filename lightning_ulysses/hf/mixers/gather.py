@@ -15,36 +15,28 @@ gradient average like every other replicated weight. The price is the point of s
 parallelism for these layers: each rank computes them for the whole sequence (``sp_size`` times the
 FLOPs) and holds their inputs and intermediates at full length. Hence opt-in,
 ``UlyssesStrategy(sequence_mixers="gather")``, with the layers and their cost logged; the set-up check
-(:mod:`lightning_ulysses.hf.check`) finds the modules and verifies that the wrapped model is exact.
+(:mod:`lightning_ulysses.hf.check`) finds the modules and verifies that the wrapped model is exact; the applier
+(:mod:`lightning_ulysses.hf.apply`) installs the hooks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.utils.hooks import RemovableHandle
 
 from lightning_ulysses.attention.collectives import gather_from_ranks, ring_layout, to_sequence_order, to_shard_order
-from lightning_ulysses.hf.patching import PatchState
-
-
-@dataclass(frozen=True)
-class TokenDims:
-    """Where the sequence runs in a module's per-token inputs (by argument key, as ``arg0``, ``hidden_states``,
-    ``position_embeddings.1``) and outputs (by position among the output tensors; an output may be longer than
-    the sequence by a constant, as a padded convolution's ``N + k - 1``)."""
-
-    inputs: dict[str, int]
-    outputs: dict[int, int]
+from lightning_ulysses.hf.plan import TokenDims
+from lightning_ulysses.hf.state import PatchState
 
 
 class _GatherSequence(torch.autograd.Function):
-    """``[..., N/P, ...]`` shards of ``group`` -> ``[..., N, ...]`` along ``dim``; backward: sum of every rank's gradient,
-    this rank's shard of it (a reduce-scatter)."""
+    """``[..., N/P, ...]`` shards of ``group`` -> ``[..., N, ...]`` along ``dim``; backward: sum of every rank's
+    gradient, this rank's shard of it (a reduce-scatter)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
@@ -60,52 +52,50 @@ class _GatherSequence(torch.autograd.Function):
         return grad.tensor_split(size, dim=ctx.dim)[dist.get_rank(ctx.group)], None, None
 
 
-def gather_whole_sequence(module: nn.Module, state: PatchState, dims: TokenDims) -> None:
-    """Run ``module`` on the whole sequence of the SP group (see the module docstring). Idempotent."""
-    if "_ulysses_gather_hooks" in module.__dict__:
-        return
+def gather_whole_sequence(
+    module: nn.Module, state: PatchState, dims: TokenDims
+) -> tuple[RemovableHandle, RemovableHandle]:
+    """Run ``module`` on the whole sequence of the SP group (see the module docstring): the two hooks that do it,
+    registered on it."""
+    shard_length: list[int | None] = [None]  # this rank's tokens in the call, set by the pre-hook for the forward hook
 
     def gather_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not state.enabled or state.group is None:
             return None
-        module._ulysses_shard_length = None
-        args = tuple(_gather_tree(a, f"arg{i}", dims.inputs, state.group, module) for i, a in enumerate(args))
-        kwargs = {k: _gather_tree(v, k, dims.inputs, state.group, module) for k, v in kwargs.items()}
+        shard_length[0] = None
+        args = tuple(_gather_tree(a, f"arg{i}", dims.inputs, state.group, shard_length) for i, a in enumerate(args))
+        kwargs = {k: _gather_tree(v, k, dims.inputs, state.group, shard_length) for k, v in kwargs.items()}
         return args, kwargs
 
     def keep_shard(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        length = module.__dict__.pop("_ulysses_shard_length", None)
-        if length is None:
+        length, shard_length[0] = shard_length[0], None
+        group = state.group
+        if length is None or group is None:
             return None
-        rank, counter, name = dist.get_rank(state.group), iter(range(1 << 30)), type(module).__name__
+        rank, counter, name = dist.get_rank(group), iter(range(1 << 30)), type(module).__name__
 
         def shard(t: Tensor) -> Tensor:
-            return _shard(t, dims.outputs.get(next(counter)), length, rank, state.group, name)
+            return _shard(t, dims.outputs.get(next(counter)), length, rank, group, name)
 
         return _map_tensors(output, shard)
 
-    module._ulysses_gather_hooks = (
+    return (
         module.register_forward_pre_hook(gather_inputs, with_kwargs=True),
         module.register_forward_hook(keep_shard, with_kwargs=True),
     )
 
 
-def remove_gather_whole_sequence(model: nn.Module) -> None:
-    """Undo :func:`gather_whole_sequence` on ``model`` and every module inside it."""
-    for module in model.modules():
-        for handle in module.__dict__.pop("_ulysses_gather_hooks", ()):
-            handle.remove()
-
-
-def _gather_tree(value: Any, key: str, dims: dict[str, int], group: ProcessGroup, module: nn.Module) -> Any:
+def _gather_tree(value: Any, key: str, dims: dict[str, int], group: ProcessGroup, length: list[int | None]) -> Any:
+    """``value`` with every tensor that ``dims`` names gathered along its sequence dimension; ``length[0]``: the
+    shard's length it had."""
     if isinstance(value, Tensor):
         dim = dims.get(key)
         if dim is None:
             return value
-        module._ulysses_shard_length = value.shape[dim]
+        length[0] = value.shape[dim]
         return _GatherSequence.apply(value, group, dim)
     if isinstance(value, (tuple, list)):
-        return type(value)(_gather_tree(v, f"{key}.{i}", dims, group, module) for i, v in enumerate(value))
+        return type(value)(_gather_tree(v, f"{key}.{i}", dims, group, length) for i, v in enumerate(value))
     return value
 
 

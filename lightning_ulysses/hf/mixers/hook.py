@@ -11,6 +11,8 @@ previous rank (:mod:`.shift`); ZAYA's CCA projection runs its convolutions head-
 shifted (:mod:`.cca`). The
 set-up check then compares the model with the plain one on the whole sequence: a mixer the kernels do not make
 exact (a mixing step of its own outside them) is found and refused, or gathered with ``sequence_mixers="gather"``.
+The check plans the mixers (:func:`is_token_mixer`); the applier (:mod:`lightning_ulysses.hf.apply`) installs each
+one's :func:`sharded_mixer_forward`.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import functools
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from lightning_ulysses.attention import Documents, documents_of
 from lightning_ulysses.hf.mixers.cca import is_cca_projection, sharded_cca_forward
@@ -30,10 +33,7 @@ from lightning_ulysses.hf.mixers.lightning import is_lightning_attention, sharde
 from lightning_ulysses.hf.mixers.mlstm import is_mlstm_backend, sharded_mlstm_forward
 from lightning_ulysses.hf.mixers.rglru import is_recurrent_block, sharded_recurrent_forward
 from lightning_ulysses.hf.mixers.shift import sequence_shift_of, sharded_shift_forward
-
-if TYPE_CHECKING:
-    from lightning_ulysses.hf.patching import PatchState
-
+from lightning_ulysses.hf.state import PatchState
 
 LAYER_FORMS: tuple[tuple[Callable[[nn.Module], bool], Callable[..., Callable[..., Any]]], ...] = (
     (is_lightning_attention, sharded_lightning_forward),
@@ -59,30 +59,32 @@ def kernels_called(module: nn.Module) -> dict[str, Any]:
     return {name: kernel for name, kernel in called.items() if name in KERNELS or name in FUSED_LAYER_KERNELS}
 
 
-def shard_token_mixers(model: nn.Module, state: PatchState) -> list[str]:
-    """Run the sequential kernels of every token mixer inside ``model`` on this rank's heads over the whole sequence
-    (see the module docstring), and lightning attention and Griffin's recurrent block (:mod:`.lightning`,
-    :mod:`.rglru`, computed inline by their layers), mLSTM backends (:mod:`.mlstm`) and ZAYA's CCA projection
-    (:mod:`.cca`) likewise; token shifts take their halo (:mod:`.shift`); the names of the modules changed.
-    Idempotent."""
-    names = []
-    for name, module in model.named_modules():
-        if "_ulysses_mixer_forward" in module.__dict__:
-            continue
-        kernels = kernels_called(module)
-        if kernels:
-            module.forward = _sharded_forward(module, kernels, state)
-        elif (form := next((build for recognise, build in LAYER_FORMS if recognise(module)), None)) is not None:
-            module.forward = _while_sharded(module, state, form(module, lambda: state.group, _documents(state)))
-        elif sequence_shift_of(module) is not None:
-            module.forward = _while_sharded(module, state, sharded_shift_forward(
-                module, lambda: state.group, _documents(state), lambda: _local_tokens(state)
-            ))
-        else:
-            continue
-        module._ulysses_mixer_forward = True
-        names.append(name)
-    return names
+def is_token_mixer(module: nn.Module) -> bool:
+    """Whether ``module`` has a head-sharded form (:func:`sharded_mixer_forward`)."""
+    return bool(kernels_called(module)) or _layer_form(module) is not None or sequence_shift_of(module) is not None
+
+
+def sharded_mixer_forward(module: nn.Module, state: PatchState) -> Callable[..., Any]:
+    """The forward of a token mixer (:func:`is_token_mixer`) that runs its sequential part on this rank's heads over
+    the whole sequence (see the module docstring): its own forward with the kernels it calls swapped, or the
+    head-sharded forward of lightning attention (:mod:`.lightning`), an mLSTM backend (:mod:`.mlstm`), Griffin's
+    recurrent block (:mod:`.rglru`) or ZAYA's CCA projection (:mod:`.cca`); a token shift takes its halo
+    (:mod:`.shift`). The module's own forward runs whenever ``state`` is not sequence parallel."""
+    kernels = kernels_called(module)
+    if kernels:
+        return _sharded_forward(module, kernels, state)
+    form = _layer_form(module)
+    if form is not None:
+        return _while_sharded(module, state, form(module, _group(state), _documents(state)))
+    if sequence_shift_of(module) is not None:
+        return _while_sharded(module, state, sharded_shift_forward(
+            module, _group(state), _documents(state), lambda: _local_tokens(state)
+        ))
+    raise ValueError(f"{type(module).__name__} is no token mixer with a head-sharded form.")
+
+
+def _layer_form(module: nn.Module) -> Callable[..., Callable[..., Any]] | None:
+    return next((build for recognise, build in LAYER_FORMS if recognise(module)), None)
 
 
 def register_mixer_weights_for_zero3(model: nn.Module) -> None:
@@ -99,11 +101,14 @@ def register_mixer_weights_for_zero3(model: nn.Module) -> None:
                     register_external_parameter(module, parameter)
 
 
-def remove_sharded_mixers(model: nn.Module) -> None:
-    """Undo :func:`shard_token_mixers` on ``model`` and every module inside it."""
-    for module in model.modules():
-        if module.__dict__.pop("_ulysses_mixer_forward", None):
-            del module.forward
+def _group(state: PatchState) -> Callable[[], ProcessGroup]:
+    """The SP group at call time (a sharded form runs only under sequence parallelism: :func:`_while_sharded`)."""
+
+    def group() -> ProcessGroup:
+        assert state.group is not None
+        return state.group
+
+    return group
 
 
 def _documents(state: PatchState) -> Callable[[], Documents | None]:
@@ -121,7 +126,7 @@ def _sharded_forward(module: nn.Module, kernels: dict[str, Any], state: PatchSta
     forward = module.forward
     namespace = inspect.unwrap(type(module).forward).__globals__
     sharded = {
-        name: sharded_kernel(name, kernel, lambda: state.group, _documents(state)) for name, kernel in kernels.items()
+        name: sharded_kernel(name, kernel, _group(state), _documents(state)) for name, kernel in kernels.items()
     }
 
     def with_sharded_kernels(*args: Any, **kwargs: Any) -> Any:

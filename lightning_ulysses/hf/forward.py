@@ -1,0 +1,117 @@
+"""The forward of a patched transformers model: what it takes from the batch before any layer runs.
+
+* It requires ``position_ids``, the global positions of the token shard (transformers would otherwise
+  build local positions ``0 .. N/sp - 1`` on every rank, and RoPE would be silently wrong on every
+  rank but the first), and keeps them for the attention layers: documents (packed samples, padding
+  runs) are read from them, whether or not a layer's call site passes them on;
+* it folds a 2-D ``attention_mask`` into that document layout when it marks whole documents (padding that
+  :func:`~lightning_ulysses.prepare_batch` made separate documents), and refuses any other mask;
+* it switches the KV cache off (it would hold one shard of the sequence);
+* once per batch it builds what every layer reuses: the documents, the attention backend's plans for each layer
+  pattern, the token mixers' document rows and the tiled MLP's token agreement.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from transformers import PreTrainedModel
+
+from lightning_ulysses.attention import documents_of, gather_sequence, plan_batch
+from lightning_ulysses.hf.mixers import plan_document_rows
+from lightning_ulysses.hf.state import PatchState
+
+
+def guarded_forward(model: PreTrainedModel, state: PatchState) -> Any:
+    """``model``'s forward under sequence parallelism (see the module docstring)."""
+    forward = model.forward
+    takes_position_ids = "position_ids" in inspect.signature(forward).parameters
+
+    @functools.wraps(forward)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if not state.enabled:
+            state.batch_tokens = None  # agreed for another batch
+            return forward(*args, **kwargs)
+        kwargs["use_cache"] = False
+        if state.depth == 0:
+            _read_batch_layout(kwargs, state, model)
+        elif takes_position_ids and kwargs.get("position_ids") is None and _tokens(args, kwargs) == _tokens((), {
+            "input_ids": state.position_ids}):
+            kwargs["position_ids"] = state.position_ids  # an outer model that does not pass them on (transformers
+            # would number this shard's tokens from 0)
+        if not takes_position_ids:
+            kwargs.pop("position_ids", None)
+        state.depth += 1
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            state.depth -= 1
+
+    return guarded
+
+
+def _tokens(args: tuple, kwargs: dict[str, Any]) -> int | None:
+    """The sequence length of a model call's ``input_ids`` / ``inputs_embeds`` (``[B, N, ...]``), if it has them."""
+    inputs = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
+    return inputs.shape[1] if isinstance(inputs, Tensor) and inputs.dim() >= 2 else None
+
+
+def _read_batch_layout(kwargs: dict[str, Any], state: PatchState, model: PreTrainedModel) -> None:
+    """Keep the batch's position ids for the attention layers and build, once per batch, what every layer reuses:
+    the documents and the attention backend's plans for each layer pattern, and the MLP tile agreement."""
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        raise ValueError(
+            "Under sequence parallelism the model must be called with the global position ids of its token shard, "
+            "e.g. model(input_ids=batch['input_ids'], position_ids=batch['position_ids']) with the batch that "
+            "UlyssesStrategy sharded. Without them transformers builds local positions 0..N/sp-1 and RoPE is wrong on "
+            "every rank but the first."
+        )
+    mask = kwargs.pop("attention_mask", None)
+    if mask is not None:
+        check_foldable_attention_mask(mask, position_ids, state.group)
+    state.position_ids = position_ids
+    plan_batch(position_ids, state.group, state.core, _layer_patterns(model))
+    if state.sharded_mixers:
+        plan_document_rows(position_ids, state.group)
+    if state.agree_tokens is not None:
+        tokens = position_ids.shape[-2:].numel()  # [B, N/sp], or [sections, B, N/sp] (multimodal RoPE)
+        state.batch_tokens = (tokens, state.agree_tokens(tokens, position_ids.device))
+
+
+def _layer_patterns(model: PreTrainedModel) -> set[tuple[int | None, int | None]]:
+    """The ``(chunk, window)`` of every attention layer that the set-up check planned (none before it ran)."""
+    return {
+        (plan.pattern.chunk, plan.pattern.window)
+        for module in model.modules() if (plan := module.__dict__.get("_ulysses_plan")) is not None
+    }
+
+
+def check_foldable_attention_mask(mask: Tensor, position_ids: Tensor, group: ProcessGroup | None) -> None:
+    """Accept a 2-D padding mask ``[B, N/sp]`` only when it is constant over every document of the position ids.
+
+    Such a mask marks padding that is already a document of its own (as :func:`~lightning_ulysses.prepare_batch`
+    lays it out), which attention never crosses: dropping it changes nothing for the real tokens. Anything else
+    (a 4-D mask, padding inside a document) is refused. Collective over ``group`` (one all-gather per forward).
+    """
+    if mask.dim() != 2 or mask.shape != position_ids.shape:
+        raise ValueError(
+            f"The model received an attention_mask of shape {tuple(mask.shape)}; under sequence parallelism only a "
+            f"2-D padding mask shaped like the position ids {tuple(position_ids.shape)} can be taken (it is "
+            "folded into the document layout). Put padding in the batch (attention_mask / position_ids) and let UlyssesStrategy "
+            "prepare it."
+        )
+    whole_mask = gather_sequence(mask.bool(), group)
+    starts = documents_of(position_ids, group).starts
+    changes = whole_mask[:, 1:] != whole_mask[:, :-1]
+    if bool((changes & ~starts[:, 1:]).any()):
+        raise ValueError(
+            "The attention_mask passed to the model masks tokens inside a document (a run of position ids that does "
+            "not restart at 0), which Ulysses attention cannot express without an [N, N] mask. Pass the mask in the "
+            "batch so that UlyssesStrategy turns padding into separate documents, or restart position_ids at 0 after "
+            "padding."
+        )

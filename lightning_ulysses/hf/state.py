@@ -1,0 +1,77 @@
+"""What the set-up check and the applier share: the state of one patch, the refusal, the models a module holds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from transformers import PretrainedConfig, PreTrainedModel
+
+SequenceMixers = Literal["refuse", "gather"]
+
+ProbeAttention = Callable[..., Tensor]
+"""``(module, query, key, value, attention_mask, scaling, kwargs) -> [B, N, H, D_v]``: what every patched attention
+layer computes while the set-up check probes the model (:mod:`lightning_ulysses.hf.check`)."""
+
+
+class UnsupportedModelError(ValueError):
+    """A model that sequence parallelism cannot run exactly, refused at set-up (before any data or step).
+
+    The message names each offending layer, the feature and what to do instead.
+    """
+
+
+@dataclass
+class PatchState:
+    """Shared by every module that one :func:`~lightning_ulysses.apply_ulysses_attention` call patched."""
+
+    group: ProcessGroup | None
+    core: str
+    sp_size: int
+    position_ids: Tensor | None = None
+    """``[B, N/sp]`` global position ids of the shard of the latest forward (kept for recomputation in backward)."""
+    enabled: bool = True
+    """``False`` inside :func:`~lightning_ulysses.hf.apply.unpatched`: the model runs as plain transformers."""
+    depth: int = 0
+    """Nesting of patched forwards (a vision-language model calls its language model): the outermost one reads the
+    batch."""
+    sharded_mixers: bool = False
+    """Token mixers run head-sharded (:mod:`lightning_ulysses.hf.mixers`): their document rows are planned per batch."""
+    gather_mixers: bool = False
+    """Run token mixers other than attention on the whole sequence (:mod:`lightning_ulysses.hf.mixers`) instead of
+    refusing the model."""
+    agree_tokens: Callable[[int, torch.device], int] | None = None
+    """Set by ``tiled_mlp=True`` (:mod:`lightning_ulysses.memory`): ``(tokens, device) -> the most tokens of any rank``,
+    agreed once per batch, so that every MLP call of the batch finds its tile count without a collective or a host
+    sync."""
+    batch_tokens: tuple[int, int] | None = None
+    """``(this rank's tokens, the most tokens of any rank)`` of the current batch, when ``agree_tokens``."""
+    probe: ProbeAttention | None = None
+    """Set only while the set-up check runs: every patched attention layer computes this instead."""
+
+
+def outermost_models(module: nn.Module) -> list[PreTrainedModel]:
+    """The outermost transformers ``PreTrainedModel`` instances inside ``module`` (not the models inside them)."""
+    found: list[PreTrainedModel] = []
+    inner: set[int] = set()
+    for sub in module.modules():  # pre-order: a model comes before the models inside it
+        if isinstance(sub, PreTrainedModel) and id(sub) not in inner:
+            found.append(sub)
+            inner.update(id(m) for m in sub.modules())
+    return found
+
+
+def model_configs(model: PreTrainedModel) -> list[PretrainedConfig]:
+    """Every config object of ``model``, its sub-configs (text, vision, ...) included, each once."""
+    found: dict[int, PretrainedConfig] = {}
+    pending = [sub.config for sub in model.modules() if isinstance(sub, PreTrainedModel)]
+    while pending:
+        config = pending.pop()
+        if id(config) not in found:
+            found[id(config)] = config
+            pending += [getattr(config, key) for key in config.sub_configs if getattr(config, key, None) is not None]
+    return list(found.values())
