@@ -70,6 +70,9 @@ class PatchState:
     holds, so that every MLP call of the batch finds its tile count without a collective or a host sync."""
     batch_tokens: tuple[int, int] | None = None
     """``(this rank's tokens, the most tokens of any rank)`` of the current batch, when ``agree_tokens``."""
+    head_chunks: int | str | None = None
+    """``UlyssesStrategy(head_chunks=...)``: every layer's ``ulysses_attention(head_chunks=...)``
+    (:mod:`lightning_ulysses.attention.head_chunks`)."""
 
 
 def outermost_models(module: nn.Module) -> list[PreTrainedModel]:
