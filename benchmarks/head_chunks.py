@@ -17,7 +17,10 @@ heads of 16, hidden 128, 2 layers, vocabulary 16000, fp32; ``all`` options; 256 
 
 A chunk's whole-sequence tensors per rank (``h`` query and ``kv`` K/V slots of head size ``D``, ``b`` bytes)::
 
-    one chunk of c:  N * (h / c) * (D + D) + N * (kv / c) * (D + D)  elements  (q, output; k, v), times b
+    one chunk:  N * h_j * (D + D) + N * kv_j * (D + D)  elements  (q, output; k, v), times b
+
+(``h_j``, ``kv_j``: the largest chunk's slots, :func:`~lightning_ulysses.attention.head_chunks.plan_chunks`; a chunk
+of part of a K/V group carries its K/V slot, so 4 chunks of 4 query and 2 K/V slots hold 1 and 1).
 """
 
 from __future__ import annotations
@@ -34,8 +37,14 @@ import torch.distributed as dist
 
 from benchmarks.measure import PeakMemory, ProbeSchedule
 from benchmarks.memory import CONFIGS, MODEL, WARM_UP_LEN, _train_step
-from lightning_ulysses import apply_memory_options, apply_ulysses_attention, prepare_batch, shard_batch
-from lightning_ulysses import ulysses_attention
+from lightning_ulysses import (
+    apply_memory_options,
+    apply_ulysses_attention,
+    prepare_batch,
+    shard_batch,
+    ulysses_attention,
+)
+from lightning_ulysses.attention.head_chunks import plan_chunks
 from lightning_ulysses.heads import plan_heads
 from lightning_ulysses.hf import outermost_models
 from tests.launch import launch
@@ -49,8 +58,8 @@ HEAD_DIM = MODEL["hidden_size"] // MODEL["num_attention_heads"]
 def whole_sequence_bytes(seq_len: int, sp: int, chunks: int | None) -> int:
     """The formula above: one chunk's whole-sequence q, k, v and output on a rank (``None``: all heads, one chunk)."""
     layout = plan_heads(MODEL["num_attention_heads"], MODEL["num_key_value_heads"], sp)
-    c = chunks or 1
-    return seq_len * (layout.heads_per_rank // c + layout.kv_heads_per_rank // c) * 2 * HEAD_DIM * 4
+    largest = max(len(c.query) + len(c.kv) for c in plan_chunks(layout, chunks or 1))
+    return seq_len * largest * 2 * HEAD_DIM * 4
 
 
 def _counting() -> tuple[Counter[str], Any]:
@@ -74,7 +83,8 @@ def layer_worker(args: dict[str, Any]) -> dict[str, Any]:
     sp, rank, seq = dist.get_world_size(), dist.get_rank(), args["seq_len"]
     g = torch.Generator().manual_seed(0)
     heads, kv_heads = MODEL["num_attention_heads"], MODEL["num_key_value_heads"]
-    q, k, v = (torch.randn(1, seq // sp, n, HEAD_DIM, generator=g).requires_grad_() for n in (heads, kv_heads, kv_heads))
+    q, k, v = (torch.randn(1, seq // sp, n, HEAD_DIM, generator=g).requires_grad_()
+               for n in (heads, kv_heads, kv_heads))
     grad = torch.randn(1, seq // sp, heads, HEAD_DIM, generator=g)
     positions = torch.arange(rank * seq // sp, (rank + 1) * seq // sp)[None]
 
@@ -204,7 +214,8 @@ def main(argv: list[str] | None = None) -> str:
                     {"chunkings": chunkings, "seq_lens": args.seq_lens, "repeats": args.repeats})
     model_ratio = _median_ratios(model, chunkings)
     lines += ["", f"One training step, all memory options, per rank (largest rank); step time at N={args.seq_lens[0]}:",
-              "", "| head_chunks | " + " | ".join(f"peak N={s} (MiB)" for s in args.seq_lens) + " | step time x plain |",
+              "", "| head_chunks | " + " | ".join(f"peak N={s} (MiB)" for s in args.seq_lens)
+              + " | step time x plain |",
               "|---|" + "---|" * (len(args.seq_lens) + 1)]
     for c in chunkings:
         peaks = [max(r[f"peak {c} {s}"] for r in model) / MiB for s in args.seq_lens]

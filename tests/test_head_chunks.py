@@ -68,7 +68,8 @@ def _expected(case: dict[str, Any], index: torch.Tensor) -> list[torch.Tensor]:
     out = reference(*full[:3], pos, window=case.get("window"), chunk=case.get("chunk"),
                     sinks=None if sinks is None else full[3])
     out.backward(grad)
-    return [out.detach()[:, index], *(f.grad[:, index] for f in full[:3]), *([full[3].grad] if sinks is not None else [])]
+    sink_grads = [] if sinks is None else [full[3].grad]
+    return [out.detach()[:, index], *(f.grad[:, index] for f in full[:3]), *sink_grads]
 
 
 def _error(got: list[torch.Tensor], expected: list[torch.Tensor]) -> float:

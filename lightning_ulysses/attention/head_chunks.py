@@ -66,7 +66,7 @@ def check_head_chunks(head_chunks: Any) -> None:
         raise ValueError(f"head_chunks must be a positive integer, 'auto' or None, got {head_chunks!r}.")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def plan_chunks(layout: HeadLayout, chunks: int) -> tuple[HeadChunk, ...]:
     """The ``min(chunks, heads_per_rank)`` chunks of a rank's head slots, as equal as the K/V groups allow."""
     heads, kv_heads = layout.heads_per_rank, layout.kv_heads_per_rank
@@ -92,7 +92,7 @@ def _split(items: Sequence[int], parts: int) -> list[list[int]]:
     bounds = [0]
     for size in _sizes(len(items), parts):
         bounds.append(bounds[-1] + size)
-    return [list(items[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return [list(items[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def auto_chunks(layout: HeadLayout, query: Tensor, key: Tensor, value: Tensor) -> int:
@@ -145,21 +145,27 @@ class _Exchange:
     :meth:`take` waits for it and hands over the received buffer (the exchange keeps no reference to it)."""
 
     def __init__(self, send: Tensor, group: ProcessGroup) -> None:
-        self.send: Tensor | None = send
         self.receive: Tensor | None = torch.empty_like(send)
-        self.work = dist.all_to_all_single(self.receive, send, group=group, async_op=True)
+        self.work: Any = dist.all_to_all_single(self.receive, send, group=group, async_op=True)
 
     def take(self) -> Tensor:
         assert self.receive is not None, "taken twice"
         self.work.wait()  # CUDA: the compute stream waits for NCCL's (an event), the host does not
-        receive, self.receive, self.send = self.receive, None, None  # the send buffer: read by NCCL until the wait
+        # the work holds the send buffer (NCCL reads it until the wait): dropped with it
+        receive, self.receive, self.work = self.receive, None, None
         return receive
 
 
-def _to_ranks(parts: Sequence[Tensor], sp: int) -> Tensor:
-    """Sequence-sharded ``[B, n, P * c_i, d_i]`` (the slots of every destination rank, rank-major) -> the send buffer
-    ``[P, B, n, sum_i c_i * d_i]``."""
-    return torch.cat([p.unflatten(2, (sp, -1)).flatten(3).movedim(2, 0) for p in parts], dim=-1).contiguous()
+def _to_ranks(source: Sequence[tuple[Tensor, Tensor]], sp: int) -> Tensor:
+    """The send buffer ``[P, B, n, sum_i c_i * d_i]`` of sequence-sharded ``[B, n, H_i, d_i]`` tensors, each with the
+    ``[P * c_i]`` heads of its slots for every destination rank, rank-major; written in place, rank by rank."""
+    x = source[0][0]
+    widths = [len(heads) // sp * t.shape[-1] for t, heads in source]
+    send = x.new_empty((sp, *x.shape[:2], sum(widths)))
+    for (t, heads), part in zip(source, send.split(widths, dim=-1), strict=True):
+        for rank, to_rank in enumerate(heads.chunk(sp)):
+            part[rank].copy_(t.index_select(2, to_rank).flatten(2))
+    return send
 
 
 def _gathered(receive: Tensor, widths: Sequence[tuple[int, int]]) -> list[Tensor]:
@@ -171,14 +177,18 @@ def _gathered(receive: Tensor, widths: Sequence[tuple[int, int]]) -> list[Tensor
 
 def _split_last(x: Tensor, widths: Sequence[tuple[int, int]]) -> list[Tensor]:
     parts = x.split([c * d for c, d in widths], dim=-1)
-    return [p.unflatten(-1, (c, d)) for p, (c, d) in zip(parts, widths)]
+    return [p.unflatten(-1, (c, d)) for p, (c, d) in zip(parts, widths, strict=True)]
 
 
 def _from_gathered(parts: Sequence[Tensor], sp: int) -> Tensor:
     """Whole-sequence ``[B, N, c_i, d_i]`` -> the send buffer ``[P, B, N/P, sum_i c_i * d_i]`` (block ``r``: rank
-    ``r``'s tokens)."""
-    flat = torch.cat([p.flatten(2) for p in parts], dim=-1)  # [B, N, F]
-    return flat.unflatten(1, (sp, -1)).movedim(1, 0).contiguous()
+    ``r``'s tokens), written in place."""
+    widths = [p.shape[2] * p.shape[3] for p in parts]
+    batch, tokens = parts[0].shape[:2]
+    send = parts[0].new_empty((sp, batch, tokens // sp, sum(widths)))
+    for p, part in zip(parts, send.split(widths, dim=-1), strict=True):
+        part.copy_(p.flatten(2).unflatten(1, (sp, -1)).movedim(1, 0))
+    return send
 
 
 def _received_slots(receive: Tensor, widths: Sequence[tuple[int, int]]) -> list[Tensor]:
@@ -203,8 +213,7 @@ class _ChunkedUlysses(torch.autograd.Function):
 
         def start(j: int) -> _Exchange:
             r = routes[j]
-            send = _to_ranks([query.index_select(2, r.query_heads), key.index_select(2, r.kv_heads),
-                              value.index_select(2, r.kv_heads)], sp)
+            send = _to_ranks([(query, r.query_heads), (key, r.kv_heads), (value, r.kv_heads)], sp)
             return _Exchange(send, group)
 
         incoming, returning = start(0), None
@@ -237,15 +246,15 @@ class _ChunkedUlysses(torch.autograd.Function):
         layout, group, attend, rank = ctx.layout, ctx.group, ctx.attend, ctx.rank
         routes = _routes(layout, ctx.chunks, query.device)
         sp, overlap = layout.sp_size, query.is_cuda
-        grads = [torch.zeros_like(t) for t in (query, key, value)]
+        grads: list[Tensor | None] = [None, None, None]  # made at the first chunk's return: not alive at its peak
         grad_sinks = None if sinks is None else torch.zeros_like(sinks)
 
         def start(j: int) -> _Exchange:
             r = routes[j]
             grad_out = grad.new_zeros((*grad.shape[:2], len(r.query_heads), grad.shape[-1]))
             grad_out.index_copy_(2, r.output_slots, grad.index_select(2, r.output_heads))  # inert slots: zero
-            send = _to_ranks([query.index_select(2, r.query_heads), key.index_select(2, r.kv_heads),
-                              value.index_select(2, r.kv_heads), grad_out], sp)
+            slots = torch.arange(len(r.query_heads), device=grad.device)
+            send = _to_ranks([(query, r.query_heads), (key, r.kv_heads), (value, r.kv_heads), (grad_out, slots)], sp)
             return _Exchange(send, group)
 
         incoming, returning = start(0), None
@@ -259,22 +268,22 @@ class _ChunkedUlysses(torch.autograd.Function):
             with torch.enable_grad(), _replay(ctx.rng_states[j], query.device), torch.autocast(**ctx.autocast):
                 result = attend(*inputs, _chunk_sinks(leaf_sinks, layout, r, rank))
             wrt = inputs if leaf_sinks is None else [*inputs, leaf_sinks]
-            chunk_grads = [_zero_if_none(g, t) for g, t in zip(torch.autograd.grad(result, wrt, grad_out,
-                                                                                     allow_unused=True), wrt)]
-            del q, k, v, grad_out, inputs, result
+            raw = torch.autograd.grad(result, wrt, grad_out, allow_unused=True)
+            chunk_grads = [_zero_if_none(g, t) for g, t in zip(raw, wrt, strict=True)]
+            del q, k, v, grad_out, inputs, wrt, result, raw
             if grad_sinks is not None:
                 grad_sinks += chunk_grads[3]
             if returning is not None:
-                _accumulate(grads, *returning, query, value, sp)
+                _accumulate(grads, *returning, (query, key, value), sp)
             returning = (_Exchange(_from_gathered(chunk_grads[:3], sp), group), r)
             del chunk_grads
             if not overlap:
-                _accumulate(grads, *returning, query, value, sp)
+                _accumulate(grads, *returning, (query, key, value), sp)
                 returning = None
                 if j + 1 < len(routes):
                     incoming = start(j + 1)
         if returning is not None:
-            _accumulate(grads, *returning, query, value, sp)
+            _accumulate(grads, *returning, (query, key, value), sp)
         return (*grads, grad_sinks, None, None, None, None, None, None)
 
 
@@ -290,11 +299,15 @@ def _place(out: Tensor, back: _Exchange, r: _Routes, value: Tensor, sp: int) -> 
     out.index_copy_(2, r.output_heads, slots.index_select(2, r.output_slots))
 
 
-def _accumulate(grads: list[Tensor], back: _Exchange, r: _Routes, query: Tensor, value: Tensor, sp: int) -> None:
+def _accumulate(
+    grads: list[Tensor | None], back: _Exchange, r: _Routes, inputs: Sequence[Tensor], sp: int
+) -> None:
     """Add a chunk's returned query, key and value gradients into the input gradients (replicated slots sum)."""
-    received = _received_slots(back.take(), _widths(r, query, value, sp))
-    for target, heads, part in zip(grads, (r.query_heads, r.kv_heads, r.kv_heads), received):
-        target.index_add_(2, heads, part)
+    received = _received_slots(back.take(), _widths(r, inputs[0], inputs[2], sp))
+    for i, (heads, part) in enumerate(zip((r.query_heads, r.kv_heads, r.kv_heads), received, strict=True)):
+        if grads[i] is None:
+            grads[i] = torch.zeros_like(inputs[i])
+        grads[i].index_add_(2, heads, part)  # type: ignore[union-attr]
 
 
 def _chunk_sinks(sinks: Tensor | None, layout: HeadLayout, r: _Routes, rank: int) -> Tensor | None:
