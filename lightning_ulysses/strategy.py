@@ -62,6 +62,7 @@ from typing_extensions import override
 
 from lightning_ulysses.attention import gather_sequence, resolve_attn_implementation
 from lightning_ulysses.attention.collectives import RingLayout, gather_from_ranks, set_ring_layout
+from lightning_ulysses.attention.head_chunks import HeadChunks, check_head_chunks
 from lightning_ulysses.attention.ring_blocks import check_block_kernels
 from lightning_ulysses.loss import STEP_TOKENS_KEY, StepTokenCounts
 from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
@@ -98,6 +99,14 @@ class UlyssesStrategy(DeepSpeedStrategy):
         attn_implementation: core attention kernel run on the gathered sequence: ``"auto"`` (flash-attn 2
             on CUDA for fp16/bf16 when installed, else SDPA), ``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``
             or ``"flex_attention"``.
+        head_chunks: run each attention layer's all-to-alls and attention in this many chunks of each rank's heads
+            (:mod:`lightning_ulysses.attention.head_chunks`): one all-to-all per chunk for q, k and v together and
+            one back, the layer recomputed chunk by chunk in the backward, so its whole-sequence tensors are one
+            chunk's (``1 / head_chunks`` of plain Ulysses') at the price of one more attention forward; on CUDA the
+            next chunk's all-to-all overlaps the current chunk's attention. ``"auto"``: the fewest chunks whose
+            whole-sequence q, k, v and output fit in the bytes of the layer's query shard. ``None`` (default): all
+            heads at once (three all-to-alls in, one out). Exact with every path: Ulysses x Ring, sinks, packed
+            documents, windows, any head count.
         loss_normalization: ``"sp_group"`` (default): each SP group's token mean, averaged over DP groups as
             DDP does. ``"global"``: the token mean over every valid token of the optimizer step, all DP
             groups and accumulation micro-batches together (see :mod:`lightning_ulysses.loss`).
@@ -135,6 +144,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         activation_checkpointing: bool = False,
         offload_activations: bool = False,
         sequence_mixers: SequenceMixers = "refuse",
+        head_chunks: HeadChunks | None = None,
         **deepspeed_strategy_kwargs: Any,
     ) -> None:
         super().__init__(**deepspeed_strategy_kwargs)
@@ -146,6 +156,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
         if sequence_mixers not in ("refuse", "gather"):
             raise ValueError(f"sequence_mixers must be 'refuse' or 'gather', got {sequence_mixers!r}.")
         _check_ring_options(ring_size, sp_size, attn_implementation)
+        check_head_chunks(head_chunks)
+        self.head_chunks = head_chunks
         self._requested_ring_size = ring_size
         self.sequence_mixers = sequence_mixers
         self._requested_sp_size = sp_size
@@ -300,7 +312,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
         super().setup(trainer)
         # after DeepSpeed's engine exists: the set-up check runs a short forward (ZeRO-3 gathers the weights for it)
         apply_ulysses_attention(
-            self.lightning_module, self.sp_group, self.sp_size, self.attn_implementation, self.sequence_mixers
+            self.lightning_module, self.sp_group, self.sp_size, self.attn_implementation, self.sequence_mixers,
+            self.head_chunks,
         )
         apply_memory_options(self.lightning_module, self.memory)
         if trainer.state.fn == TrainerFn.FITTING:

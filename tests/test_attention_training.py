@@ -56,6 +56,9 @@ FOUR_RANKS: dict[str, dict[str, Any]] = {
     "sp4_heads6": dict(sp=4, stage=2, model=dict(SIX_HEADS, num_key_value_heads=6)),
     "sp4_heads6_mqa": dict(sp=4, stage=3, model=dict(SIX_HEADS, num_key_value_heads=1)),
     "sp4_packed": dict(sp=4, stage=2, data="packed", borders=(SEQ // 4, SEQ // 2)),
+    # head_chunks (lightning_ulysses.attention.head_chunks): 6 heads, 1 K/V head on 4 ranks, chunks of one head
+    "sp4_heads6_mqa_head_chunks2": dict(sp=4, stage=3, model=dict(SIX_HEADS, num_key_value_heads=1),
+                                        strategy=dict(head_chunks=2)),
 }
 TWO_RANKS: dict[str, dict[str, Any]] = {
     "sp2_heads6_kv3": dict(sp=2, stage=1, model=dict(SIX_HEADS, num_key_value_heads=3)),
@@ -68,6 +71,18 @@ TWO_RANKS: dict[str, dict[str, Any]] = {
     ),
     "sp2_minicpm3_mla": dict(sp=2, stage=1, model=MINICPM3),
     "sp2_qwen2_moe_window_off": dict(sp=2, stage=2, model=QWEN2_MOE_NO_WINDOW),
+    # head_chunks: one chunk of all heads (packed, ZeRO-3), chunks of 2 heads (8 heads), of 1 head with a sliding
+    # window (Mistral), "auto" (6 heads, 3 K/V heads)
+    "sp2_packed_head_chunks1": dict(sp=2, stage=3, data="packed", borders=(SEQ // 2,), strategy=dict(head_chunks=1)),
+    "sp2_heads8_head_chunks2": dict(
+        sp=2, stage=2, model=dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8),
+        strategy=dict(head_chunks=2),
+    ),
+    "sp2_mistral_window_head_chunks2": dict(
+        sp=2, stage=2, model=dict(model_type="mistral", sliding_window=7), strategy=dict(head_chunks=2)
+    ),
+    "sp2_heads6_kv3_head_chunks_auto": dict(sp=2, stage=1, model=dict(SIX_HEADS, num_key_value_heads=3),
+                                            strategy=dict(head_chunks="auto")),
 }
 # CUDA, 2+ GPUs: the packed sp=2 case with the GPU backends; flash-attn needs bf16 (looser tolerances)
 GPU_TWO_RANKS: dict[str, dict[str, Any]] = {
@@ -123,7 +138,8 @@ def _fit(case: dict[str, Any], world_size: int) -> dict[str, Any]:
     import deepspeed
 
     module = TinyCausalLMWithValidation(lr=LR, **case.get("model", {}))
-    strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation=case.get("attn", "sdpa"))
+    strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation=case.get("attn", "sdpa"),
+                               **case.get("strategy", {}))
     validate = case.get("data") == "variable"
     trainer = L.Trainer(
         accelerator=case.get("accelerator", "cpu"), devices=world_size, precision=case.get("precision", "32-true"),

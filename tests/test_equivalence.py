@@ -49,6 +49,7 @@ FOUR_RANKS: dict[str, dict[str, Any]] = {
     "sp4_zero3_gqa_kv2": dict(sp=4, stage=3, model=dict(num_key_value_heads=2)),
     "dp2_sp2_zero1": dict(sp=2, stage=1),
     "dp2_sp2_zero3_accumulate2": dict(sp=2, stage=3, accumulate=2),
+    "dp2_sp2_zero2_head_chunks2": dict(sp=2, stage=2, strategy=dict(head_chunks=2)),  # chunks of one head
     "sp4_length_not_divisible": dict(sp=4, stage=2, data=dict(seq_len=SEQ - 3)),
     "dp2_sp2_zero2_short_windows_two_epochs": dict(sp=2, stage=2, accumulate=2, epochs=2, data=dict(num=20)),
 }
@@ -61,7 +62,7 @@ def _data(case: dict[str, Any]) -> dict[str, Any]:
 
 def train_worker(args: dict[str, Any]) -> dict[str, Any]:
     world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown deletes it
-    return {name: _fit(case, world_size) for name, case in args["cases"].items()}
+    return {name: _fit(case, world_size, strategy_kwargs=case.get("strategy")) for name, case in args["cases"].items()}
 
 
 def _fit(

@@ -49,6 +49,8 @@ CASES: dict[str, dict[str, Any]] = {
     "activation_checkpointing": dict(sp=2, stage=2, memory=dict(activation_checkpointing=True)),
     "checkpointing_offload": dict(sp=2, stage=2, memory=dict(activation_checkpointing=True, offload_activations=True)),
     "all_zero3": dict(sp=2, stage=3, memory=ALL),
+    # head-chunked attention (chunks of one head) inside checkpointed layers: three attention forwards per layer
+    "all_zero3_head_chunks2": dict(sp=2, stage=3, memory=dict(ALL, head_chunks=2)),
     "all_rank_without_valid_tokens": dict(sp=2, stage=2, memory=ALL, data=dict(masked_spans=[(SEQ // 2 - 1, SEQ)])),
     # 47 tokens -> 24 per rank, 48 per rank and batch: auto makes 2 tiles of hidden_size=32 tokens
     "all_auto_length_not_divisible": dict(

@@ -36,6 +36,8 @@ CASES: dict[str, dict[str, Any]] = {
     "ring2_ulysses2_zero2_checkpointed_tiled_mlp": dict(
         sp=4, stage=2, packed=(12, 3), strategy=dict(activation_checkpointing=True, tiled_mlp=True)
     ),
+    # head_chunks: chunks of one head, each chunk's all-to-all and ring attention again in the backward
+    "ring2_ulysses2_zero2_packed_head_chunks2": dict(sp=4, stage=2, packed=(12, 3), strategy=dict(head_chunks=2)),
 }
 
 

@@ -15,7 +15,8 @@ Modules: :mod:`.collectives` (all-to-all, sequence gather), :mod:`.documents` (t
 per-batch plans kept with it), :mod:`.core` (the backend interface), one module per backend (:mod:`.sdpa`,
 :mod:`.flash`, :mod:`.flex`), :mod:`.backends` (choice by name, device and dtype), :mod:`.sinks` (attention sinks),
 :mod:`.ring` (ring attention across Ulysses groups: Ulysses x Ring, when a :class:`RingLayout` is declared for the SP
-group) and :mod:`.ulysses` (the entry point and the per-batch planning).
+group), :mod:`.head_chunks` (the all-to-alls and the attention in chunks of heads, recomputed in the backward:
+``head_chunks``) and :mod:`.ulysses` (the entry point and the per-batch planning).
 """
 
 from lightning_ulysses.attention.backends import CORE_ATTENTION, prepare_plans, resolve_attn_implementation

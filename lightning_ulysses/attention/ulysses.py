@@ -13,6 +13,7 @@ from lightning_ulysses.attention.backends import CORE_ATTENTION, prepare_plans
 from lightning_ulysses.attention.collectives import RingLayout, heads_to_sequence, ring_layout, sequence_to_heads
 from lightning_ulysses.attention.core import CoreAttention, no_window_if_off
 from lightning_ulysses.attention.documents import Documents, documents_of
+from lightning_ulysses.attention.head_chunks import HeadChunks, chunked_ulysses
 from lightning_ulysses.attention.ring import ring_attention, ring_plan
 from lightning_ulysses.attention.sinks import sink_attention
 from lightning_ulysses.heads import HeadLayout, plan_heads, select_heads
@@ -52,6 +53,7 @@ def ulysses_attention(
     window: int | None = None,
     chunk: int | None = None,
     sinks: Tensor | None = None,
+    head_chunks: HeadChunks | None = None,
 ) -> Tensor:
     """Causal attention over a sequence sharded across the ranks of ``group``, any head count.
 
@@ -76,6 +78,9 @@ def ulysses_attention(
             its document whose position ids fall in its chunk (``position_id // chunk``); needs ``position_ids``.
         sinks: ``[H]`` attention sink logits, one per query head (gpt-oss's ``s_aux``; see
             :func:`sink_attention`); no dropout with them.
+        head_chunks: run the all-to-alls and the attention in that many chunks of each rank's heads, one fused
+            all-to-all per chunk and direction, recomputed in the backward (``"auto"``: from the shapes; ``None``:
+            all heads at once, three all-to-alls in and one out). See :mod:`~lightning_ulysses.attention.head_chunks`.
 
     Returns:
         ``[B, N/P, H, D_v]``: the attention output of this rank's tokens. Gradients flow back to
@@ -96,7 +101,7 @@ def ulysses_attention(
     ring = ring_layout(group)
     if ring is not None:
         check_ring_supported(attn_fn, dropout_p)
-        return _ulysses_x_ring(query, key, value, ring, documents, scale, window, sinks)
+        return _ulysses_x_ring(query, key, value, ring, documents, scale, window, sinks, head_chunks)
     sp_size = 1 if group is None else dist.get_world_size(group)
     layout = plan_heads(query.shape[2], key.shape[2], sp_size)
 
@@ -107,6 +112,8 @@ def ulysses_attention(
 
     if sp_size == 1:
         return attend(query, key, value, sinks)
+    if head_chunks is not None:
+        return chunked_ulysses(query, key, value, sinks, layout, group, attend, head_chunks, random=dropout_p > 0)
     sinks = _sinks_of_rank(sinks, layout, group)
     query = sequence_to_heads(select_heads(query, layout.query_slots), group)  # [B, N, h, D]
     key, value = (sequence_to_heads(select_heads(t, layout.kv_slots), group) for t in (key, value))
@@ -141,12 +148,19 @@ def _sinks_of_rank(sinks: Tensor | None, layout: HeadLayout, group: ProcessGroup
 
 def _ulysses_x_ring(
     query: Tensor, key: Tensor, value: Tensor, ring: RingLayout, documents: Documents | None, scale: float | None,
-    window: int | None, sinks: Tensor | None,
+    window: int | None, sinks: Tensor | None, head_chunks: HeadChunks | None = None,
 ) -> Tensor:
     """Ulysses inside ``ring.ulysses_group`` (all-to-alls to the ring rank's two zigzag chunks, its share of the
     heads), ring attention across ``ring.ring_group``, and back: ``[B, N/P, H, D]`` queries and keys, ``[B, N/P, H,
     D_v]`` values -> ``[B, N/P, H, D_v]``."""
     layout = plan_heads(query.shape[2], key.shape[2], dist.get_world_size(ring.ulysses_group))
+    if head_chunks is not None:
+        def attend(q: Tensor, k: Tensor, v: Tensor, head_sinks: Tensor | None) -> Tensor:
+            return ring_attention(
+                q, k, v, documents, ring.ring_group, ring.ring_size, dist.get_rank(ring.ring_group),
+                scale=scale, window=window, sinks=head_sinks,
+            )
+        return chunked_ulysses(query, key, value, sinks, layout, ring.ulysses_group, attend, head_chunks)
     sinks = _sinks_of_rank(sinks, layout, ring.ulysses_group)
     query = sequence_to_heads(select_heads(query, layout.query_slots), ring.ulysses_group)  # [B, N/R, h, D]
     key, value = (sequence_to_heads(select_heads(t, layout.kv_slots), ring.ulysses_group) for t in (key, value))

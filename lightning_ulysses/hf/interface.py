@@ -111,6 +111,7 @@ def _hf_ulysses_attention(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
         group=state.group, attn_fn=state.core, position_ids=state.position_ids, scale=scaling, dropout_p=dropout,
         window=plan.pattern.window, chunk=plan.pattern.chunk, sinks=kwargs["s_aux"] if plan.sinks else None,
+        head_chunks=state.head_chunks,
     )
     return out.contiguous(), None  # as transformers' kernels return it: models .view() it
 

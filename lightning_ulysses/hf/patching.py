@@ -24,6 +24,7 @@ from torch.distributed import ProcessGroup
 from transformers import PreTrainedModel
 
 from lightning_ulysses.attention.collectives import ring_layout
+from lightning_ulysses.attention.head_chunks import HeadChunks
 from lightning_ulysses.heads import plan_heads
 from lightning_ulysses.hf.apply import Patch, patch_of
 from lightning_ulysses.hf.check import check_model
@@ -32,7 +33,12 @@ from lightning_ulysses.hf.state import PatchState, SequenceMixers, UnsupportedMo
 
 
 def apply_ulysses_attention(
-    model: nn.Module, group: ProcessGroup | None, sp_size: int, core: str, sequence_mixers: SequenceMixers = "refuse"
+    model: nn.Module,
+    group: ProcessGroup | None,
+    sp_size: int,
+    core: str,
+    sequence_mixers: SequenceMixers = "refuse",
+    head_chunks: HeadChunks | None = None,
 ) -> None:
     """Make every transformers ``PreTrainedModel`` inside ``model`` run Ulysses attention over ``group``, or refuse it.
 
@@ -43,7 +49,7 @@ def apply_ulysses_attention(
     than attention (convolutions, linear attention, state-space layers) that call transformers' sequential kernels
     run them head-sharded on the whole sequence (:func:`~lightning_ulysses.hf.mixers.sharded_mixer_forward`); any
     other is refused, or with ``sequence_mixers="gather"`` run on the whole sequence on every rank
-    (:mod:`lightning_ulysses.hf.mixers.gather`).
+    (:mod:`lightning_ulysses.hf.mixers.gather`). ``head_chunks``: every layer's ``ulysses_attention(head_chunks=...)``.
     Idempotent.
     """
     if sequence_mixers not in ("refuse", "gather"):
@@ -53,7 +59,9 @@ def apply_ulysses_attention(
             continue
         ring = ring_layout(group)
         _log_head_layout(hf_model, sp_size if ring is None else sp_size // ring.ring_size)
-        patch = Patch(hf_model, PatchState(group, core, sp_size, gather_mixers=sequence_mixers == "gather"))
+        patch = Patch(hf_model, PatchState(
+            group, core, sp_size, gather_mixers=sequence_mixers == "gather", head_chunks=head_chunks
+        ))
         try:
             outcome = check_model(hf_model, patch.state, patch.realize)
         except BaseException:

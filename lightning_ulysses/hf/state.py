@@ -52,6 +52,9 @@ class PatchState:
     """``(this rank's tokens, the most tokens of any rank)`` of the current batch, when ``agree_tokens``."""
     probe: ProbeAttention | None = None
     """Set only while the set-up check runs: every patched attention layer computes this instead."""
+    head_chunks: int | str | None = None
+    """``UlyssesStrategy(head_chunks=...)``: every layer's ``ulysses_attention(head_chunks=...)``
+    (:mod:`lightning_ulysses.attention.head_chunks`)."""
 
 
 def outermost_models(module: nn.Module) -> list[PreTrainedModel]:

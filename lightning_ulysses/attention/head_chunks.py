@@ -1,0 +1,378 @@
+"""Head-chunked Ulysses attention: one fused all-to-all per chunk of heads, recomputed in the backward.
+
+Plain Ulysses gathers the whole sequence of all of a rank's ``h`` head slots at once and autograd keeps the gathered
+``[B, N, h, D]`` query, key, value and output until the backward. Here the rank's head slots are cut into
+``chunks`` chunks and the layer runs one chunk at a time::
+
+    forward, chunk j:   q, k, v slots of chunk j  [B, N/P, ...]  --one all-to-all-->  [B, N, h_j, D] each
+                        attention of chunk j                                          [B, N, h_j, D_v]
+                        output of chunk j  --one all-to-all-->  its heads of the [B, N/P, H, D_v] output
+    backward, chunk j:  q, k, v and the output gradient of chunk j  --one all-to-all-->  [B, N, h_j, ...]
+                        attention of chunk j again, and its backward
+                        dq, dk, dv of chunk j  --one all-to-all-->  added to the [B, N/P, ...] input gradients
+
+So each direction sends one collective per chunk (plain Ulysses: three in, one out, and as many back), the layer
+keeps nothing of the whole sequence for its backward (only its sequence-sharded inputs and output), and the
+whole-sequence tensors alive at any time are one chunk's: ``1 / chunks`` of plain Ulysses'. The price is one more
+attention forward per layer in the backward (the core backends take no saved log-sum-exp back).
+
+A chunk is either whole K/V groups (``chunks <= kv_h``: the K/V slots are split, each with its query slots) or part
+of one K/V group, whose K/V slot then travels with each of its chunks: the local attention is always ordinary GQA.
+Every rank of the group has the same layout (:func:`~lightning_ulysses.heads.plan_heads`), so the same chunks.
+
+On CUDA, the all-to-all of chunk ``j + 1`` is started (``async_op``: NCCL runs it on its own stream, ordered after
+the work already queued on the compute stream by an event, and keeps its buffers alive until it is waited on)
+before chunk ``j`` attends, and the compute stream waits for it (an event wait, no host sync) only where its result
+is read; an output's all-to-all back likewise overlaps the next chunk. Two chunks' inputs are then alive at once.
+On CPU (gloo) every all-to-all is waited on at once: the same code, synchronous. The CUDA overlap is not measured.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from lightning_ulysses.heads import HeadLayout
+
+HeadChunks = int | Literal["auto"]
+"""``int``: that many chunks of each rank's head slots (at most one slot per chunk: larger counts run one slot per
+chunk); ``"auto"``: :func:`auto_chunks`."""
+
+Attend = Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
+"""``(query [B, N, h_j, D], key [B, N, kv_j, D], value [B, N, kv_j, D_v], sinks [h_j] or None) -> [B, N, h_j, D_v]``:
+the local attention of one chunk on the gathered sequence."""
+
+
+@dataclass(frozen=True)
+class HeadChunk:
+    """One chunk of a rank's head slots: ``query`` and ``kv`` are rank-local slot indices (the same on every rank)."""
+
+    query: tuple[int, ...]
+    kv: tuple[int, ...]
+
+
+def check_head_chunks(head_chunks: Any) -> None:
+    """Refuse a ``head_chunks`` setting that is neither ``None``, a positive ``int`` nor ``"auto"``."""
+    if head_chunks in (None, "auto"):
+        return
+    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+        raise ValueError(f"head_chunks must be a positive integer, 'auto' or None, got {head_chunks!r}.")
+
+
+@functools.cache
+def plan_chunks(layout: HeadLayout, chunks: int) -> tuple[HeadChunk, ...]:
+    """The ``min(chunks, heads_per_rank)`` chunks of a rank's head slots, as equal as the K/V groups allow."""
+    heads, kv_heads = layout.heads_per_rank, layout.kv_heads_per_rank
+    group = heads // kv_heads  # query slots per K/V slot
+    chunks = min(chunks, heads)
+    if chunks <= kv_heads:  # whole K/V groups
+        return tuple(
+            HeadChunk(tuple(range(kv[0] * group, (kv[-1] + 1) * group)), tuple(kv))
+            for kv in _split(range(kv_heads), chunks)
+        )
+    planned = []
+    for kv, parts in enumerate(_sizes(chunks, kv_heads)):  # each K/V group cut into `parts` chunks
+        for query in _split(range(kv * group, (kv + 1) * group), parts):
+            planned.append(HeadChunk(tuple(query), (kv,)))
+    return tuple(planned)
+
+
+def _sizes(total: int, parts: int) -> list[int]:
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def _split(items: Sequence[int], parts: int) -> list[list[int]]:
+    bounds = [0]
+    for size in _sizes(len(items), parts):
+        bounds.append(bounds[-1] + size)
+    return [list(items[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def auto_chunks(layout: HeadLayout, query: Tensor, key: Tensor, value: Tensor) -> int:
+    """The fewest chunks whose largest chunk's whole-sequence query, key, value and output take no more bytes than
+    this rank's query shard ``[B, N/P, H, D]`` (a tensor the layer holds anyway). Depends on shapes only, so every
+    rank of the group picks the same count."""
+    batch, local = query.shape[:2]
+    tokens = batch * local * layout.sp_size
+    qk_dim, value_dim = query.shape[-1], value.shape[-1]
+    budget = query.numel()
+    for chunks in range(1, layout.heads_per_rank + 1):
+        largest = max(
+            len(c.query) * (qk_dim + value_dim) + len(c.kv) * (qk_dim + value_dim) for c in plan_chunks(layout, chunks)
+        )
+        if tokens * largest <= budget:
+            return chunks
+    return layout.heads_per_rank
+
+
+@dataclass(frozen=True)
+class _Routes:
+    """Index tensors of one chunk on this rank's ``[B, N/P, H, ...]`` tensors, destination rank by rank: the source
+    heads of its query and K/V slots, and which of the received output slots are real query heads."""
+
+    query_heads: Tensor  # [P * h_j]: source query head of slot s of rank r at r * h_j + s
+    kv_heads: Tensor  # [P * kv_j]
+    output_heads: Tensor  # the query heads whose output this chunk holds
+    output_slots: Tensor  # their position in the received [P * h_j] slots
+
+
+@functools.lru_cache(maxsize=256)
+def _routes(layout: HeadLayout, chunks: int, device: torch.device) -> tuple[_Routes, ...]:
+    routes = []
+    for chunk in plan_chunks(layout, chunks):
+        query_slots = [r * layout.heads_per_rank + s for r in range(layout.sp_size) for s in chunk.query]
+        kv_slots = [r * layout.kv_heads_per_rank + s for r in range(layout.sp_size) for s in chunk.kv]
+        position = {slot: i for i, slot in enumerate(query_slots)}
+        heads = [h for h, slot in enumerate(layout.output_slots) if slot in position]
+        routes.append(_Routes(*(
+            torch.tensor(x, dtype=torch.long, device=device) for x in (
+                [layout.query_slots[s] for s in query_slots], [layout.kv_slots[s] for s in kv_slots], heads,
+                [position[layout.output_slots[h]] for h in heads],
+            )
+        )))
+    return tuple(routes)
+
+
+class _Exchange:
+    """One all-to-all ``[P, ...] -> [P, ...]`` over ``group`` (block ``r`` to / from rank ``r``), started at once;
+    :meth:`take` waits for it and hands over the received buffer (the exchange keeps no reference to it)."""
+
+    def __init__(self, send: Tensor, group: ProcessGroup) -> None:
+        self.receive: Tensor | None = torch.empty_like(send)
+        self.work: Any = dist.all_to_all_single(self.receive, send, group=group, async_op=True)
+
+    def take(self) -> Tensor:
+        assert self.receive is not None, "taken twice"
+        self.work.wait()  # CUDA: the compute stream waits for NCCL's (an event), the host does not
+        # the work holds the send buffer (NCCL reads it until the wait): dropped with it
+        receive, self.receive, self.work = self.receive, None, None
+        return receive
+
+
+def _to_ranks(source: Sequence[tuple[Tensor, Tensor]], sp: int) -> Tensor:
+    """The send buffer ``[P, B, n, sum_i c_i * d_i]`` of sequence-sharded ``[B, n, H_i, d_i]`` tensors, each with the
+    ``[P * c_i]`` heads of its slots for every destination rank, rank-major; written in place, rank by rank."""
+    x = source[0][0]
+    widths = [len(heads) // sp * t.shape[-1] for t, heads in source]
+    send = x.new_empty((sp, *x.shape[:2], sum(widths)))
+    for (t, heads), part in zip(source, send.split(widths, dim=-1), strict=True):
+        for rank, to_rank in enumerate(heads.chunk(sp)):
+            part[rank].copy_(t.index_select(2, to_rank).flatten(2))
+    return send
+
+
+def _gathered(receive: Tensor, widths: Sequence[tuple[int, int]]) -> list[Tensor]:
+    """A received ``[P, B, n, F]`` buffer (block ``r``: rank ``r``'s tokens) -> the whole sequence ``[B, P * n, c, d]``
+    of each ``(c, d)`` of ``widths`` (views into one ``[B, N, F]`` copy)."""
+    whole = receive.movedim(0, 1).flatten(1, 2)  # [B, N, F]
+    return _split_last(whole, widths)
+
+
+def _split_last(x: Tensor, widths: Sequence[tuple[int, int]]) -> list[Tensor]:
+    parts = x.split([c * d for c, d in widths], dim=-1)
+    return [p.unflatten(-1, (c, d)) for p, (c, d) in zip(parts, widths, strict=True)]
+
+
+def _from_gathered(parts: Sequence[Tensor], sp: int) -> Tensor:
+    """Whole-sequence ``[B, N, c_i, d_i]`` -> the send buffer ``[P, B, N/P, sum_i c_i * d_i]`` (block ``r``: rank
+    ``r``'s tokens), written in place."""
+    widths = [p.shape[2] * p.shape[3] for p in parts]
+    batch, tokens = parts[0].shape[:2]
+    send = parts[0].new_empty((sp, batch, tokens // sp, sum(widths)))
+    for p, part in zip(parts, send.split(widths, dim=-1), strict=True):
+        part.copy_(p.flatten(2).unflatten(1, (sp, -1)).movedim(1, 0))
+    return send
+
+
+def _received_slots(receive: Tensor, widths: Sequence[tuple[int, int]]) -> list[Tensor]:
+    """A received ``[P, B, n, F]`` buffer of whole-sequence results -> ``[B, n, P * c, d]`` per ``(c, d)``: this
+    rank's tokens of every rank's slots, rank-major."""
+    return [p.movedim(0, 2).flatten(2, 3) for p in _split_last(receive, widths)]
+
+
+class _ChunkedUlysses(torch.autograd.Function):
+    """``query [B, N/P, H, D]``, ``key [B, N/P, H_kv, D]``, ``value [B, N/P, H_kv, D_v]``, ``sinks [H]`` or ``None``
+    -> ``[B, N/P, H, D_v]`` (see the module docstring); keeps only the inputs for the backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, query: Tensor, key: Tensor, value: Tensor, sinks: Tensor | None, layout: HeadLayout, chunks: int,
+        group: ProcessGroup, attend: Attend, rank: int, random: bool,
+    ) -> Tensor:
+        routes = _routes(layout, chunks, query.device)
+        sp, overlap = layout.sp_size, query.is_cuda
+        out = query.new_empty((*query.shape[:3], value.shape[-1]))
+        rng_states = []
+
+        def start(j: int) -> _Exchange:
+            r = routes[j]
+            send = _to_ranks([(query, r.query_heads), (key, r.kv_heads), (value, r.kv_heads)], sp)
+            return _Exchange(send, group)
+
+        incoming, returning = start(0), None
+        for j, r in enumerate(routes):
+            q, k, v = _gathered(incoming.take(), _widths(r, query, value, sp))
+            if overlap and j + 1 < len(routes):
+                incoming = start(j + 1)  # arrives while this chunk attends
+            rng_states.append(_rng_state(query.device) if random else None)
+            result = attend(q, k, v, _chunk_sinks(sinks, layout, r, rank))
+            del q, k, v
+            if returning is not None:
+                _place(out, *returning, value, sp)
+            returning = (_Exchange(_from_gathered([result], sp), group), r)
+            del result
+            if not overlap:  # CPU: one chunk at a time
+                _place(out, *returning, value, sp)
+                returning = None
+                if j + 1 < len(routes):
+                    incoming = start(j + 1)
+        if returning is not None:
+            _place(out, *returning, value, sp)
+        ctx.save_for_backward(query, key, value, sinks)
+        ctx.layout, ctx.chunks, ctx.group, ctx.attend, ctx.rank = layout, chunks, group, attend, rank
+        ctx.rng_states, ctx.autocast = rng_states, _autocast_state(query.device)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        query, key, value, sinks = ctx.saved_tensors
+        layout, group, attend, rank = ctx.layout, ctx.group, ctx.attend, ctx.rank
+        routes = _routes(layout, ctx.chunks, query.device)
+        sp, overlap = layout.sp_size, query.is_cuda
+        grads: list[Tensor | None] = [None, None, None]  # made at the first chunk's return: not alive at its peak
+        grad_sinks = None if sinks is None else torch.zeros_like(sinks)
+
+        def start(j: int) -> _Exchange:
+            r = routes[j]
+            grad_out = grad.new_zeros((*grad.shape[:2], len(r.query_heads), grad.shape[-1]))
+            grad_out.index_copy_(2, r.output_slots, grad.index_select(2, r.output_heads))  # inert slots: zero
+            slots = torch.arange(len(r.query_heads), device=grad.device)
+            send = _to_ranks([(query, r.query_heads), (key, r.kv_heads), (value, r.kv_heads), (grad_out, slots)], sp)
+            return _Exchange(send, group)
+
+        incoming, returning = start(0), None
+        for j, r in enumerate(routes):
+            widths = _widths(r, query, value, sp)
+            q, k, v, grad_out = _gathered(incoming.take(), [*widths, (widths[0][0], widths[2][1])])
+            if overlap and j + 1 < len(routes):
+                incoming = start(j + 1)
+            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+            leaf_sinks = None if sinks is None else sinks.detach().requires_grad_()
+            with torch.enable_grad(), _replay(ctx.rng_states[j], query.device), torch.autocast(**ctx.autocast):
+                result = attend(*inputs, _chunk_sinks(leaf_sinks, layout, r, rank))
+            wrt = inputs if leaf_sinks is None else [*inputs, leaf_sinks]
+            raw = torch.autograd.grad(result, wrt, grad_out, allow_unused=True)
+            chunk_grads = [_zero_if_none(g, t) for g, t in zip(raw, wrt, strict=True)]
+            del q, k, v, grad_out, inputs, wrt, result, raw
+            if grad_sinks is not None:
+                grad_sinks += chunk_grads[3]
+            if returning is not None:
+                _accumulate(grads, *returning, (query, key, value), sp)
+            returning = (_Exchange(_from_gathered(chunk_grads[:3], sp), group), r)
+            del chunk_grads
+            if not overlap:
+                _accumulate(grads, *returning, (query, key, value), sp)
+                returning = None
+                if j + 1 < len(routes):
+                    incoming = start(j + 1)
+        if returning is not None:
+            _accumulate(grads, *returning, (query, key, value), sp)
+        return (*grads, grad_sinks, None, None, None, None, None, None)
+
+
+def _widths(r: _Routes, query: Tensor, value: Tensor, sp: int) -> list[tuple[int, int]]:
+    """``(slots, head size)`` of a chunk's query, key and value on the gathered sequence."""
+    heads, kv = len(r.query_heads) // sp, len(r.kv_heads) // sp
+    return [(heads, query.shape[-1]), (kv, query.shape[-1]), (kv, value.shape[-1])]
+
+
+def _place(out: Tensor, back: _Exchange, r: _Routes, value: Tensor, sp: int) -> None:
+    """Write the real query heads of a chunk's returned output into ``out [B, N/P, H, D_v]``."""
+    (slots,) = _received_slots(back.take(), [(len(r.query_heads) // sp, value.shape[-1])])
+    out.index_copy_(2, r.output_heads, slots.index_select(2, r.output_slots))
+
+
+def _accumulate(
+    grads: list[Tensor | None], back: _Exchange, r: _Routes, inputs: Sequence[Tensor], sp: int
+) -> None:
+    """Add a chunk's returned query, key and value gradients into the input gradients (replicated slots sum)."""
+    received = _received_slots(back.take(), _widths(r, inputs[0], inputs[2], sp))
+    for i, (heads, part) in enumerate(zip((r.query_heads, r.kv_heads, r.kv_heads), received, strict=True)):
+        if grads[i] is None:
+            grads[i] = torch.zeros_like(inputs[i])
+        grads[i].index_add_(2, heads, part)  # type: ignore[union-attr]
+
+
+def _chunk_sinks(sinks: Tensor | None, layout: HeadLayout, r: _Routes, rank: int) -> Tensor | None:
+    """The sinks ``[h_j]`` of the query slots of a chunk that rank ``rank`` of the group attends."""
+    if sinks is None:
+        return None
+    heads = len(r.query_heads) // layout.sp_size
+    return sinks.index_select(0, r.query_heads[rank * heads : (rank + 1) * heads])
+
+
+def _zero_if_none(g: Tensor | None, like: Tensor) -> Tensor:
+    return torch.zeros_like(like) if g is None else g
+
+
+def _rng_state(device: torch.device) -> Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+class _replay:
+    """Run with the RNG state a chunk's forward saw (attention dropout draws the same mask); ``None``: as is."""
+
+    def __init__(self, state: Tensor | None, device: torch.device) -> None:
+        self.state, self.device = state, device
+        self.fork: Any = None
+
+    def __enter__(self) -> None:
+        if self.state is None:
+            return
+        devices = [self.device] if self.device.type == "cuda" else []
+        self.fork = torch.random.fork_rng(devices=devices, device_type=self.device.type)
+        self.fork.__enter__()
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(self.state, self.device)
+        else:
+            torch.set_rng_state(self.state)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fork is not None:
+            self.fork.__exit__(*exc)
+
+
+def _autocast_state(device: torch.device) -> dict[str, Any]:
+    kind = device.type
+    return dict(device_type=kind, enabled=torch.is_autocast_enabled(kind), dtype=torch.get_autocast_dtype(kind))
+
+
+def chunked_ulysses(
+    query: Tensor, key: Tensor, value: Tensor, sinks: Tensor | None, layout: HeadLayout, group: ProcessGroup,
+    attend: Attend, head_chunks: HeadChunks, *, random: bool = False,
+) -> Tensor:
+    """Ulysses attention over ``group`` in chunks of heads (see the module docstring).
+
+    Args:
+        query: ``[B, N/P, H, D]``; key: ``[B, N/P, H_kv, D]``; value: ``[B, N/P, H_kv, D_v]`` (one dtype).
+        sinks: ``[H]`` attention sink logits (``None``: none); each chunk's ``attend`` gets its slots' ``[h_j]``.
+        layout: the head layout of ``H`` and ``H_kv`` over the ``P`` ranks of ``group``.
+        attend: the local attention of one chunk on the gathered sequence (:data:`Attend`); run once in the forward
+            and once more in the backward, on the same inputs.
+        head_chunks: the chunk count (:data:`HeadChunks`).
+        random: ``attend`` draws random numbers (attention dropout): each chunk's backward replays its forward's RNG.
+
+    Returns ``[B, N/P, H, D_v]``, exactly plain Ulysses' output; gradients reach ``query``, ``key``, ``value`` and
+    ``sinks`` (this rank's attended heads, as in plain Ulysses).
+    """
+    chunks = auto_chunks(layout, query, key, value) if head_chunks == "auto" else head_chunks
+    check_head_chunks(chunks)
+    rank = dist.get_rank(group)
+    return _ChunkedUlysses.apply(query, key, value, sinks, layout, int(chunks), group, attend, rank, random)

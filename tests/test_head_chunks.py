@@ -1,0 +1,235 @@
+"""Head-chunked Ulysses attention (``head_chunks``) against plain Ulysses and the dense reference, on gloo.
+
+One launch of 4 processes runs every case at sp=4 and sp=2 with chunks of all heads (``head_chunks=1``), 2 heads,
+1 head and ``"auto"``, and under ring 2 x Ulysses 2; it also counts the all-to-alls of one layer (forward and
+backward), the host syncs inside it and the largest whole-sequence tensor it makes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_ulysses.attention import ulysses_attention
+from lightning_ulysses.attention.head_chunks import HeadChunk, auto_chunks, check_head_chunks, plan_chunks
+from lightning_ulysses.heads import plan_heads
+from lightning_ulysses.sharding import shard_index
+from tests.launch import launch
+from tests.test_attention import CASES as ATTENTION_CASES
+from tests.test_attention import _tensors, reference, sink_logits
+from tests.test_host_syncs import HostSyncs
+from tests.test_ring import _groups
+
+# packed documents, windows, chunked attention, sinks, GQA with replicated K/V (kv < sp), inert head slots (6 heads
+# on 4 ranks), MLA's value heads
+CASES = {name: ATTENTION_CASES[name] for name in (
+    "mha", "gqa_kv_divisible", "gqa_kv_replicated", "heads6_mqa", "heads6_kv2", "packed_sliding_window",
+    "chunked_packed", "sinks_heads6_kv2_packed_window", "mla_sinks_heads6_kv3_chunked_packed",
+)}
+RING_CASES = ("gqa_kv_divisible", "packed_sliding_window", "sinks_heads6_kv2_packed_window")
+CHUNKINGS = ("heads", 2, 1, "auto")  # chunks of: all heads (one chunk), 2 heads, 1 head; "auto"
+
+
+def _chunks(chunking: Any, heads_per_rank: int) -> Any:
+    """The ``head_chunks`` of a chunking: ``"heads"`` -> 1 chunk, ``n`` heads per chunk -> ``ceil(h / n)`` chunks."""
+    if chunking == "heads":
+        return 1
+    return chunking if chunking == "auto" else -(-heads_per_rank // chunking)
+
+
+def _run(case: dict[str, Any], group: dist.ProcessGroup, index: torch.Tensor, head_chunks: Any) -> list[torch.Tensor]:
+    """Output and gradients (q, k, v, and the sinks summed over the group) of this rank's shard ``index``."""
+    q, k, v, grad, pos = _tensors(case)
+    sinks = sink_logits(case)
+    shards = [t[:, index].clone().requires_grad_() for t in (q, k, v)]
+    rank_sinks = None if sinks is None else sinks.clone().requires_grad_()
+    out = ulysses_attention(
+        *shards, group=group, attn_fn="sdpa", window=case.get("window"), chunk=case.get("chunk"), sinks=rank_sinks,
+        position_ids=None if pos is None else pos[:, index], head_chunks=head_chunks,
+    )
+    out.backward(grad[:, index])
+    results = [out.detach(), *(s.grad for s in shards)]
+    if rank_sinks is not None:
+        dist.all_reduce(rank_sinks.grad, group=group)
+        results.append(rank_sinks.grad)
+    return results
+
+
+def _expected(case: dict[str, Any], index: torch.Tensor) -> list[torch.Tensor]:
+    q, k, v, grad, pos = _tensors(case)
+    sinks = sink_logits(case)
+    full = [t.clone().requires_grad_() for t in (q, k, v) + (() if sinks is None else (sinks,))]
+    out = reference(*full[:3], pos, window=case.get("window"), chunk=case.get("chunk"),
+                    sinks=None if sinks is None else full[3])
+    out.backward(grad)
+    sink_grads = [] if sinks is None else [full[3].grad]
+    return [out.detach()[:, index], *(f.grad[:, index] for f in full[:3]), *sink_grads]
+
+
+def _error(got: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
+    return max(((a - b).norm() / b.norm()).item() for a, b in zip(got, expected, strict=True))
+
+
+class _Largest(TorchDispatchMode):
+    """The most elements of any tensor an op returns whose dim 1 is ``tokens`` long (a whole-sequence tensor)."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__()
+        self.tokens, self.largest = tokens, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() > 1 and t.shape[1] == self.tokens:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _layer_probes(group: dist.ProcessGroup, head_chunks: Any) -> dict[str, Any]:
+    """All-to-alls (forward, backward), host syncs and the largest whole-sequence tensor of one layer: 8 heads,
+    4 K/V heads, 64 tokens, packed documents and a window."""
+    sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    case = dict(batch=1, seq=64, heads=8, kv_heads=4)
+    q, k, v, grad, _ = _tensors(case)
+    index = shard_index(64, rank, sp)
+    pos = torch.cat([torch.arange(n) for n in (20, 30, 14)])[None, index]  # one tensor: its documents found once
+    shards = [t[:, index].clone().requires_grad_() for t in (q, k, v)]
+    calls: Counter[str] = Counter()
+    original = dist.all_to_all_single
+    phase = "forward"
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[phase] += 1
+        return original(*args, **kwargs)
+
+    syncs, largest = HostSyncs(), _Largest(64)
+    ulysses_attention(*shards, group=group, position_ids=pos, window=9, head_chunks=head_chunks)  # plans
+    dist.all_to_all_single = counted
+    try:
+        with syncs.methods_counted(), largest:
+            syncs.where = "layer"
+            out = ulysses_attention(*shards, group=group, position_ids=pos, window=9, head_chunks=head_chunks)
+            phase = "backward"
+            out.backward(grad[:, index])
+    finally:
+        dist.all_to_all_single = original
+    return {"calls": dict(calls), "syncs": dict(syncs.counts), "largest": largest.largest}
+
+
+def worker(args: dict[str, Any]) -> dict[Any, Any]:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank joins every new_group call
+    groups = {4: dist.group.WORLD, 2: pairs[rank // 2]}
+    results: dict[Any, Any] = {}
+    for (name, case), sp in itertools.product(CASES.items(), (4, 2)):
+        index = shard_index(case["seq"], rank % sp, sp)
+        expected = _expected(case, index)
+        plain = _run(case, groups[sp], index, None)
+        results[name, sp, "plain"] = _error(plain, expected)
+        heads_per_rank = plan_heads(case["heads"], case["kv_heads"], sp).heads_per_rank
+        for chunking in CHUNKINGS:
+            chunked = _run(case, groups[sp], index, _chunks(chunking, heads_per_rank))
+            results[name, sp, chunking] = (_error(chunked, expected), _error(chunked, plain))
+    ring_group, _ = _groups(2, 2)
+    for name in RING_CASES:
+        case = CASES[name]
+        index = shard_index(case["seq"], dist.get_rank(ring_group), 4, ring_size=2)
+        expected = _expected(case, index)
+        for chunking in ("heads", 1):
+            heads_per_rank = plan_heads(case["heads"], case["kv_heads"], 2).heads_per_rank
+            results[name, "ring", chunking] = _error(
+                _run(case, ring_group, index, _chunks(chunking, heads_per_rank)), expected
+            )
+    for head_chunks in (None, 1, 2, 4):
+        results["probes", head_chunks] = _layer_probes(groups[2], head_chunks)
+    dist.destroy_process_group()
+    return results
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[Any, Any]]:
+    return launch("tests.test_head_chunks:worker", 4, {})
+
+
+@pytest.mark.parametrize("sp", (4, 2))
+@pytest.mark.parametrize("name", CASES)
+def test_chunked_equals_plain_ulysses_and_the_reference(results: list[dict[Any, Any]], name: str, sp: int) -> None:
+    """Output and every gradient on every rank, relative error < 1e-5, for each chunking."""
+    for rank, got in enumerate(results):
+        assert got[name, sp, "plain"] < 1e-5
+        for chunking in CHUNKINGS:
+            to_reference, to_plain = got[name, sp, chunking]
+            assert to_reference < 1e-5 and to_plain < 1e-5, f"rank {rank}, chunks of {chunking}: {to_reference:.2e}"
+
+
+@pytest.mark.parametrize("name", RING_CASES)
+def test_chunked_ulysses_x_ring_equals_the_reference(results: list[dict[Any, Any]], name: str) -> None:
+    for rank, got in enumerate(results):
+        for chunking in ("heads", 1):
+            assert got[name, "ring", chunking] < 1e-5, f"rank {rank}, chunks of {chunking}"
+
+
+def test_one_all_to_all_per_chunk_and_direction(results: list[dict[Any, Any]]) -> None:
+    """Plain Ulysses: q, k, v in and the output back (4), and as many in the backward; chunked: 2 per chunk."""
+    for got in results:
+        assert got["probes", None]["calls"] == {"forward": 4, "backward": 4}
+        for chunks in (1, 2, 4):
+            assert got["probes", chunks]["calls"] == {"forward": 2 * chunks, "backward": 2 * chunks}
+
+
+def test_no_host_sync_inside_the_chunked_layer(results: list[dict[Any, Any]]) -> None:
+    for got in results:
+        for head_chunks in (None, 1, 2, 4):
+            assert got["probes", head_chunks]["syncs"] == {}
+
+
+def test_whole_sequence_tensors_fall_by_the_chunk_factor(results: list[dict[Any, Any]]) -> None:
+    """The largest whole-sequence tensor (any op's output, forward and backward) of 4 chunks of one head slot each
+    is a quarter of one chunk of all 4 (8 heads, 4 K/V heads at sp=2: 4 query and 2 K/V slots per rank, D=8: one
+    chunk's fused q, k, v and output gradient, ``64 x (4 + 2 + 2 + 4) x 8`` elements; no ``[N, N]`` buffer)."""
+    for got in results:
+        one = got["probes", 1]["largest"]
+        assert one == 64 * (4 + 2 + 2 + 4) * 8
+        assert got["probes", 2]["largest"] == one // 2
+        assert got["probes", 4]["largest"] == 64 * (1 + 1 + 1 + 1) * 8  # a chunk of one slot: its K/V slot travels
+        assert got["probes", 4]["largest"] < 64 * 64
+
+
+def test_chunk_plans() -> None:
+    six_on_four = plan_heads(6, 1, 4)  # 2 query slots, 1 K/V slot per rank
+    assert plan_chunks(six_on_four, 2) == (HeadChunk((0,), (0,)), HeadChunk((1,), (0,)))
+    assert plan_chunks(six_on_four, 9) == plan_chunks(six_on_four, 2)  # at most one slot per chunk
+    gqa = plan_heads(16, 4, 2)  # 8 query, 2 K/V slots per rank
+    assert plan_chunks(gqa, 2) == (HeadChunk((0, 1, 2, 3), (0,)), HeadChunk((4, 5, 6, 7), (1,)))
+    assert plan_chunks(gqa, 3) == (HeadChunk((0, 1), (0,)), HeadChunk((2, 3), (0,)), HeadChunk((4, 5, 6, 7), (1,)))
+    for layout in (six_on_four, gqa, plan_heads(12, 6, 2)):
+        for chunks in range(1, layout.heads_per_rank + 1):
+            plan = plan_chunks(layout, chunks)
+            assert len(plan) == chunks
+            assert sorted(s for c in plan for s in c.query) == list(range(layout.heads_per_rank))
+            group = layout.heads_per_rank // layout.kv_heads_per_rank
+            for chunk in plan:  # ordinary GQA inside a chunk: its query slots read its K/V slots in order
+                assert [s // group for s in chunk.query] == [chunk.kv[i * len(chunk.kv) // len(chunk.query)]
+                                                             for i in range(len(chunk.query))]
+
+
+def test_auto_chunks_fit_the_query_shard() -> None:
+    layout = plan_heads(8, 8, 2)  # 4 slots per rank; MHA: one chunk's q, k, v, out = 4 x its share of the query
+    q = torch.empty(1, 32, 8, 16)
+    assert auto_chunks(layout, q, q, q) == 4
+    mqa = plan_heads(8, 1, 2)
+    q, kv = torch.empty(1, 32, 8, 16), torch.empty(1, 32, 1, 16)
+    assert auto_chunks(mqa, q, kv, kv) == 4  # 4 slots, the K/V slot travels with each: 1 q + 1 k + 1 v + 1 out
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "all"])
+def test_bad_head_chunks_are_refused(bad: Any) -> None:
+    with pytest.raises(ValueError, match="head_chunks"):
+        check_head_chunks(bad)
