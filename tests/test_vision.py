@@ -1,0 +1,154 @@
+"""Vision-language models under sequence parallelism (lightning_ulysses.vision) against the plain transformers model.
+
+One process: the patched path (whole-sequence preparation, merged embeddings, mRoPE ``[4, B, N]`` positions) equals
+the plain model; each shard's merged embeddings equal the whole sequence's columns. Several processes: SP training
+(sp=2, sp=4, dp x sp, ZeRO-2 and 3) equals one process of the plain model (loss and update), on batches with images
+of different sizes, an image cut by a shard border, a video and packed documents.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_ulysses import apply_ulysses_attention, prepare_batch, remove_ulysses_attention, shard_batch
+from lightning_ulysses.hf.patching import UnsupportedModelError
+from lightning_ulysses.loss import token_cross_entropy
+from lightning_ulysses.vision import VisionLanguageModel, merged_inputs_embeds, prepare_vision_batch, vision_family
+from tests.vision_data import CONFIGS, llava_batch, plain_loss_sum, qwen_batch, tiny_config, tiny_model
+
+# row 0: three images of different sizes and a video; row 1: one image. 56 columns: at sp=2 the border (28) falls
+# inside row 0's video, at sp=4 (14, 28, 42) inside its second image and its video (test_the_shard_border_cuts_an_image)
+QWEN_ROWS = [
+    [[3, ("image", (1, 4, 4)), 2, ("image", (1, 6, 4)), 1, ("image", (1, 2, 2)), 3, ("video", (2, 4, 4)), 20]],
+    [[5, ("image", (1, 2, 6)), 9]],
+]
+# packed: row 0 holds two documents (the second starts inside a shard), each with images
+QWEN_PACKED_ROWS = [
+    [[2, ("image", (1, 4, 2)), 5], [3, ("image", (1, 4, 4)), 1, ("video", (2, 2, 4)), 2]],
+    [[4, ("image", (1, 2, 2)), 6], [7]],
+]
+LLAVA_ROWS = [[3, "image", 2, "image", 4], [6, "image", 5]]
+
+
+def family_batch(family: str, packed: bool = False, seed: int = 0) -> dict[str, Any]:
+    if family == "llava":
+        return llava_batch(LLAVA_ROWS, seed)
+    return qwen_batch(QWEN_PACKED_ROWS if packed else QWEN_ROWS, seed, packed=packed)
+
+
+def vision_module(family: str, model: torch.nn.Module, encoding: str = "shard") -> VisionLanguageModel:
+    module = VisionLanguageModel(model=CONFIGS[family], vision_encoding=encoding)
+    module.model, module.family = model, vision_family(model)
+    return module
+
+
+def sp_prepared(module: VisionLanguageModel, batch: dict[str, Any], sp: int, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s shard at ``sp``, the sequence padded to a multiple of 4 for every ``sp``."""
+    whole = prepare_vision_batch(batch, module.family, module.model.model)
+    return shard_batch(prepare_batch(whole, 4), rank, sp)
+
+
+CASES = [("qwen2_vl", False), ("qwen2_vl", True), ("qwen2_5_vl", False), ("qwen2_5_vl", True), ("llava", False)]
+
+
+@pytest.mark.parametrize(("family", "packed"), CASES)
+def test_one_process_equals_the_plain_model(family: str, packed: bool) -> None:
+    model = tiny_model(family)
+    batch = family_batch(family, packed)
+    expected_sum, expected_count = plain_loss_sum(family, model, batch)
+    module = vision_module(family, model)
+    apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+    try:
+        prepared = sp_prepared(module, batch, 1, 0)
+        logits = model(**module.model_inputs(model, prepared)).logits
+        got_sum, got_count = token_cross_entropy(logits, prepared["shift_labels"])
+    finally:
+        remove_ulysses_attention(model)
+    assert int(got_count) == expected_count
+    torch.testing.assert_close(got_sum, expected_sum, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("encoding", ["shard", "all"])
+@pytest.mark.parametrize(("family", "packed"), CASES)
+def test_each_shard_merges_the_rows_of_the_whole_sequence(family: str, packed: bool, encoding: str) -> None:
+    """At sp=2 and 4, every shard's merged embeddings are the whole sequence's columns (images cut by a border too),
+    and with ``"shard"`` a rank encodes only the items with a placeholder in its shard."""
+    model = tiny_model(family)
+    module = vision_module(family, model, encoding)
+    batch = family_batch(family, packed)
+    with torch.no_grad():
+        whole = merged_inputs_embeds(model, module.family, sp_prepared(module, batch, 1, 0), "all")
+        for sp in (2, 4):
+            local = whole.shape[1] // sp
+            for rank in range(sp):
+                shard = merged_inputs_embeds(model, module.family, sp_prepared(module, batch, sp, rank), encoding)
+                torch.testing.assert_close(shard, whole[:, rank * local : (rank + 1) * local], rtol=1e-5, atol=1e-6)
+
+
+def test_the_shard_border_cuts_an_image() -> None:
+    """The batches above put a shard border inside an image at sp=2 and sp=4 (what the equivalence tests rely on)."""
+    for family, packed in CASES:
+        ids = prepare_batch(family_batch(family, packed), 4)["input_ids"]
+        for sp in (2, 4):
+            local = ids.shape[1] // sp
+            placeholders = (ids == 120) | (ids == 121)
+            cut = any(bool((placeholders[:, b * local - 1] & placeholders[:, b * local]).any()) for b in range(1, sp))
+            assert cut, f"{family} packed={packed}: no image crosses a shard border at sp={sp}"
+
+
+def test_mrope_positions_restart_per_document_and_rows_are_numbered_in_batch_order() -> None:
+    model = tiny_model("qwen2_vl")
+    family = vision_family(model)
+    batch = family_batch("qwen2_vl", packed=True)
+    prepared = prepare_vision_batch(batch, family, model.model)
+    mrope, rows = prepared["mrope_position_ids"], prepared["vision_rows"]
+    starts = (batch["position_ids"] == 0) & batch["attention_mask"].bool()
+    assert (mrope[starts] == 0).all()  # every document's first token (text) is at 0 in all three rows
+    images = batch["input_ids"] == 120
+    assert rows[images].tolist() == list(range(1, int(images.sum()) + 1))
+    assert (prepared["labels"][images] == -100).all()
+    # an image of grid (1, 4, 2) after 3 tokens (2 text + vision_start): t = 3, h = 3 + [0, 1], w = 3 + [0]
+    first = images[0].nonzero()[:2, 0]  # the first document's image
+    assert mrope[0, first].tolist() == [[3, 3, 3], [3, 4, 3]]
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "qwen3_vl"])
+def test_refused_families_name_the_reason(model_type: str) -> None:
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.for_model(model_type)
+    text = config.text_config
+    for key, value in dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=16, vocab_size=300).items():
+        setattr(text, key, value)
+    vision = config.vision_config
+    for key, value in dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=1, num_attention_heads=2,
+                           num_heads=2, out_hidden_size=32).items():
+        if hasattr(vision, key):
+            setattr(vision, key, value)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    reason = {"gemma3": "bidirectionally", "qwen3_vl": "DeepStack"}[model_type]
+    with pytest.raises(UnsupportedModelError, match=reason):
+        vision_family(model)
+
+
+def test_a_text_model_is_refused() -> None:
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llava").text_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UnsupportedModelError, match="has no vision tower"):
+        vision_family(model)
+
+
+def test_placeholders_that_do_not_match_the_images_are_refused() -> None:
+    model = tiny_model("qwen2_vl")
+    batch = family_batch("qwen2_vl")
+    batch["vision"] = dict(batch["vision"], image_grid_thw=batch["vision"]["image_grid_thw"] * 2)
+    with pytest.raises(ValueError, match="embedding rows but it has"):
+        prepare_vision_batch(batch, vision_family(model), model.model)
