@@ -115,6 +115,22 @@ def test_mrope_positions_restart_per_document_and_rows_are_numbered_in_batch_ord
     assert mrope[0, first].tolist() == [[3, 3, 3], [3, 4, 3]]
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_mrope_positions_of_unpacked_rows_are_get_rope_index_of_the_whole_batch(family: str) -> None:
+    from tests.vision_data import _plain_inputs
+
+    model = tiny_model(family)
+    batch = family_batch(family)
+    inputs = _plain_inputs(family, batch)
+    expected, _ = model.model.get_rope_index(
+        inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"], inputs["video_grid_thw"],
+        attention_mask=inputs["attention_mask"],
+    )
+    got = prepare_vision_batch(batch, vision_family(model), model.model)["mrope_position_ids"].permute(2, 0, 1)
+    real = batch["attention_mask"].bool()
+    assert torch.equal(got[:, real], expected[:, real])
+
+
 @pytest.mark.parametrize("model_type", ["gemma3", "qwen3_vl"])
 def test_refused_families_name_the_reason(model_type: str) -> None:
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -152,3 +168,125 @@ def test_placeholders_that_do_not_match_the_images_are_refused() -> None:
     batch["vision"] = dict(batch["vision"], image_grid_thw=batch["vision"]["image_grid_thw"] * 2)
     with pytest.raises(ValueError, match="embedding rows but it has"):
         prepare_vision_batch(batch, vision_family(model), model.model)
+
+
+# ---------------------------------------------------------------------------------------------
+# multi-process: VisionLanguageModel under UlyssesStrategy vs one process of the plain model
+# ---------------------------------------------------------------------------------------------
+STEPS, LR = 2, 0.1
+
+
+class SGDVisionLanguageModel(VisionLanguageModel):
+    """SGD exposes the gradient's scale in the weights; the step losses are recorded."""
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def case_batches(case: dict[str, Any]) -> list[dict[str, Any]]:
+    """Item ``d + dp * s`` is DP rank ``d``'s batch of step ``s`` (Lightning's sampler, moved onto the DP ranks)."""
+    dp = case.get("dp", 1)
+    return [family_batch(case["family"], case.get("packed", False), seed=i) for i in range(STEPS * dp)]
+
+
+def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
+    import os
+
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_ulysses import UlyssesStrategy
+    from tests.tiny import gathered_parameters
+
+    world_size = int(os.environ["WORLD_SIZE"])
+    results = {}
+    for name, case in args["cases"].items():
+        module = SGDVisionLanguageModel(model=CONFIGS[case["family"]], vision_encoding=case.get("encoding", "shard"))
+        module.model, module.losses = tiny_model(case["family"]), []
+        loader = DataLoader(case_batches(case), batch_size=1, collate_fn=lambda items: items[0])
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, num_sanity_val_steps=0,
+            strategy=UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa"),
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.fit(module, loader)
+        results[name] = {"losses": module.losses, "params": gathered_parameters(module.model, case["stage"] == 3)}
+    return results
+
+
+TWO_PROCESS_CASES = {
+    "qwen2_vl_sp2_zero2": dict(family="qwen2_vl", sp=2, stage=2),
+    "qwen2_vl_packed_sp2_zero3": dict(family="qwen2_vl", sp=2, stage=3, packed=True, encoding="all"),
+    "qwen2_5_vl_sp2_zero2": dict(family="qwen2_5_vl", sp=2, stage=2),
+    "qwen2_5_vl_packed_sp2_zero3": dict(family="qwen2_5_vl", sp=2, stage=3, packed=True),
+    "llava_sp2_zero3": dict(family="llava", sp=2, stage=3),
+}
+FOUR_PROCESS_CASES = {
+    "qwen2_vl_sp4_zero2": dict(family="qwen2_vl", sp=4, stage=2),
+    "qwen2_vl_packed_dp2_sp2_zero3": dict(family="qwen2_vl", sp=2, dp=2, stage=3, packed=True),
+    "qwen2_5_vl_sp4_zero3": dict(family="qwen2_5_vl", sp=4, stage=3),
+    "llava_dp2_sp2_zero2": dict(family="llava", sp=2, dp=2, stage=2),
+}
+
+
+@pytest.fixture(scope="module")
+def two_process_results() -> list[dict[str, Any]]:
+    from tests.launch import launch
+
+    return launch("tests.test_vision:sp_worker", 2, {"cases": TWO_PROCESS_CASES})
+
+
+@pytest.fixture(scope="module")
+def four_process_results() -> list[dict[str, Any]]:
+    from tests.launch import launch
+
+    return launch("tests.test_vision:sp_worker", 4, {"cases": FOUR_PROCESS_CASES})
+
+
+def reference_training(case: dict[str, Any]) -> tuple[list[list[float]], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One process, plain model: each step the mean over DP ranks of their batch's token-mean loss, SGD. Returns
+    each DP rank's step losses and the weights before and after."""
+    family, dp = case["family"], case.get("dp", 1)
+    model = tiny_model(family)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    batches = case_batches(case)
+    losses: list[list[float]] = [[] for _ in range(dp)]
+    for step in range(STEPS):
+        total = torch.zeros(())
+        for rank in range(dp):
+            loss_sum, count = plain_loss_sum(family, model, batches[rank + dp * step])
+            losses[rank].append((loss_sum / count).item())
+            total = total + loss_sum / count / dp
+        total.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, initial, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def check_against_reference(name: str, case: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    from tests.tiny import relative_update_error
+
+    losses, initial, expected = reference_training(case)
+    sp = case["sp"]
+    for rank, result in enumerate(results):
+        got = result[name]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses[rank // sp]), rtol=1e-5, atol=0)
+        error = relative_update_error(initial, expected, got["params"])
+        assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
+
+
+@pytest.mark.parametrize("name", TWO_PROCESS_CASES)
+def test_sp2_equals_one_process_of_the_plain_model(two_process_results: list[dict[str, Any]], name: str) -> None:
+    check_against_reference(name, TWO_PROCESS_CASES[name], two_process_results)
+
+
+@pytest.mark.parametrize("name", FOUR_PROCESS_CASES)
+def test_sp4_and_dp_x_sp_equal_one_process_of_the_plain_model(four_process_results: list[dict[str, Any]],
+                                                              name: str) -> None:
+    check_against_reference(name, FOUR_PROCESS_CASES[name], four_process_results)

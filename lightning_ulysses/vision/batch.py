@@ -90,8 +90,9 @@ def mrope_positions(batch: Mapping[str, Any], vision: Mapping[str, Any], family:
         columns = real[row].nonzero().squeeze(1)
         if not len(columns):
             continue
-        document_of = starts[row, columns].long().cumsum(0)
-        document_of[0] = max(int(document_of[0]), 1)  # the first real token starts a document
+        document_starts_here = starts[row, columns]
+        document_starts_here[0] = True  # the first real token starts a document
+        document_of = document_starts_here.long().cumsum(0)
         for document in document_of.unique().tolist():
             cols = columns[document_of == document]
             doc_types = types[row, cols]
