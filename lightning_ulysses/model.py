@@ -248,7 +248,7 @@ def build_config(model: dict[str, Any] | str, vocab_size: int | None = None) -> 
             )
         config = AutoConfig.for_model(model_type, **fields)
     if vocab_size is not None:
-        config.vocab_size = vocab_size
+        config.get_text_config().vocab_size = vocab_size  # a vision-language config's decoder holds it
     return config
 
 

@@ -273,10 +273,14 @@ def check_against_reference(name: str, case: dict[str, Any], results: list[dict[
     from tests.tiny import relative_update_error
 
     losses, initial, expected = reference_training(case)
-    sp = case["sp"]
+    sp, dp = case["sp"], case.get("dp", 1)
+    # which DP group trains which of a step's batches is the sampler's choice: compare each step's losses as a set
+    got_losses = torch.tensor([result[name]["losses"] for result in results]).view(dp, sp, STEPS)
+    torch.testing.assert_close(got_losses, got_losses[:, :1].expand_as(got_losses), rtol=0, atol=0)  # one SP group
+    torch.testing.assert_close(got_losses[:, 0].sort(dim=0).values, torch.tensor(losses).sort(dim=0).values,
+                               rtol=1e-5, atol=0)
     for rank, result in enumerate(results):
         got = result[name]
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses[rank // sp]), rtol=1e-5, atol=0)
         error = relative_update_error(initial, expected, got["params"])
         assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
 
@@ -290,3 +294,65 @@ def test_sp2_equals_one_process_of_the_plain_model(two_process_results: list[dic
 def test_sp4_and_dp_x_sp_equal_one_process_of_the_plain_model(four_process_results: list[dict[str, Any]],
                                                               name: str) -> None:
     check_against_reference(name, FOUR_PROCESS_CASES[name], four_process_results)
+
+
+# ---------------------------------------------------------------------------------------------
+# VisionChatDataModule: local chats with image paths, a processor folder made here
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chat_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from tests.vision_data import save_tiny_chats, save_tiny_llava_processor
+
+    root = tmp_path_factory.mktemp("vision_chats")
+    (root / "processor").mkdir()
+    fields = save_tiny_llava_processor(root / "processor")
+    return {"chats": save_tiny_chats(root), "processor": str(root / "processor"), "media": str(root), "fields": fields}
+
+
+def chat_data(files: dict[str, Any], mode: str, batch_size: int = 2) -> Any:
+    from lightning_ulysses.finetune import VisionChatDataModule
+
+    data = VisionChatDataModule([files["chats"]], files["processor"], media_root=files["media"], seq_len=256,
+                                mode=mode, batch_size=batch_size, val_fraction=0.3)
+    data.setup("fit")
+    return data
+
+
+def test_chat_rows_label_the_assistant_and_carry_their_images(chat_files: dict[str, Any]) -> None:
+    data = chat_data(chat_files, "packed")
+    image = chat_files["fields"]["image_token_id"]
+    for row in (data.train_dataset[i] for i in range(len(data.train_dataset))):
+        ids, labels, positions = row["input_ids"], row["labels"], row["position_ids"]
+        starts = (positions == 0).nonzero()[:, 0].tolist() + [len(ids)]
+        answers = [data.tokenizer.decode(ids[s:e][labels[s:e] != -100]) for s, e in zip(starts[:-1], starts[1:])]
+        assert all(a.startswith("Noise number ") and a.endswith(".<|im_end|>\n") for a in answers), answers
+        assert int((ids == image).sum()) == 16 * row["vision"]["pixel_values"].shape[0]
+        assert (labels[ids == image] == -100).all()
+    assert any(len(data.train_dataset.rows[i]) > 1 for i in range(len(data.train_dataset)))  # packing happened
+
+
+def test_a_chat_batch_trains_as_the_plain_model(chat_files: dict[str, Any]) -> None:
+    """A padded batch of the data module, the VisionLanguageModel path at sp=1 vs each row alone in the plain model."""
+    fields = chat_files["fields"]
+    batch = next(iter(chat_data(chat_files, "padded", batch_size=3).train_dataloader()))
+    model = tiny_model("llava", **fields)
+    expected_sum, expected_count, taken = torch.zeros(()), 0, 0
+    for row in range(batch["input_ids"].shape[0]):
+        length = int(batch["attention_mask"][row].sum())
+        ids, labels = batch["input_ids"][row : row + 1, :length], batch["labels"][row : row + 1, :length]
+        images = int((ids == fields["image_token_id"]).sum()) // 16
+        pixels = batch["vision"]["pixel_values"][taken : taken + images]
+        taken += images
+        count = int((labels[:, 1:] != -100).sum())
+        expected_sum = expected_sum + model(input_ids=ids, pixel_values=pixels, labels=labels).loss * count
+        expected_count += count
+    module = vision_module("llava", model)
+    apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+    try:
+        prepared = sp_prepared(module, batch, 1, 0)
+        logits = model(**module.model_inputs(model, prepared)).logits
+        got_sum, got_count = token_cross_entropy(logits, prepared["shift_labels"])
+    finally:
+        remove_ulysses_attention(model)
+    assert int(got_count) == expected_count
+    torch.testing.assert_close(got_sum, expected_sum, rtol=1e-5, atol=0)

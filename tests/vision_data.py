@@ -56,11 +56,17 @@ def tiny_config(family: str) -> PretrainedConfig:
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
-def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
+def tiny_model(family: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """The tiny model of ``family``; ``overrides``: config fields (``vocab_size`` goes to the text config)."""
     from transformers import AutoModelForImageTextToText
 
+    config = tiny_config(family)
+    if "vocab_size" in overrides:
+        config.get_text_config().vocab_size = overrides.pop("vocab_size")
+    for key, value in overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
-    return AutoModelForImageTextToText.from_config(tiny_config(family), attn_implementation="sdpa")
+    return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa")
 
 
 def _text(generator: torch.Generator, n: int) -> list[int]:
@@ -199,3 +205,59 @@ def split_documents(family: str, batch: dict[str, Any]) -> list[dict[str, Any]]:
             documents.append({"input_ids": doc, "attention_mask": mask, "vision": doc_vision,
                               "labels": plain_labels(doc, mask)})
     return documents
+
+
+VISION_CHATML = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'image' %}{{- '<image>' }}{%- else %}{{- part['text'] }}{%- endif %}{%- endfor %}"
+    "{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+"""ChatML with content parts, each image as one ``<image>`` (the processor expands it to the image's 16 tokens)."""
+
+
+def save_tiny_llava_processor(folder: Any) -> dict[str, int]:
+    """A LLaVA processor for the tiny LLaVA: the byte chat tokenizer plus ``<image>`` (id 259), images resized to
+    8 x 8 pixels (CLIP's PIL processor: no torchvision), 2 x 2 pixel patches, 16 tokens per image. Returns the config
+    fields that must match it."""
+    from transformers import LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from lightning_ulysses.finetune import byte_chat_tokenizer
+
+    tokenizer = byte_chat_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<image>"]})
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
+    processor = LlavaProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=2, vision_feature_select_strategy="default",
+        num_additional_image_tokens=1, image_token="<image>", chat_template=VISION_CHATML,
+    )
+    processor.save_pretrained(folder)
+    return dict(image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vocab_size=len(tokenizer))
+
+
+def save_tiny_chats(folder: Any, records: int = 6, seed: int = 0) -> str:
+    """PNG images of different sizes and chats about one or two of them (JSONL); returns the file's path."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+    from PIL import Image
+
+    folder = Path(folder)
+    rng = np.random.default_rng(seed)
+    sizes = [(8, 12), (16, 8), (8, 8), (12, 16)]
+    for i, (h, w) in enumerate(sizes):
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(folder / f"image{i}.png")
+    lines = []
+    for r in range(records):
+        user = [{"type": "image", "image": f"image{r % 4}.png"}, {"type": "text", "text": f"What is in picture {r}?"}]
+        if r % 3 == 1:
+            user.append({"type": "image", "image": f"image{(r + 1) % 4}.png"})
+        answer = [{"type": "text", "text": f"Noise number {r}, {'two pictures' if r % 3 == 1 else 'colourful'}."}]
+        lines.append(json.dumps({"messages": [{"role": "user", "content": user},
+                                              {"role": "assistant", "content": answer}]}))
+    path = folder / "chats.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
