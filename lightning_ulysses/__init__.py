@@ -36,6 +36,7 @@ from lightning_ulysses.prediction import PredictionWriter, gather_sequence, toke
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
 from lightning_ulysses.strategy import UlyssesStrategy
 from lightning_ulysses.topology import SequenceParallelTopology
+from lightning_ulysses.vision import VisionLanguageModel
 
 __all__ = [
     "ActivationOffload",
@@ -61,6 +62,7 @@ __all__ = [
     "TransformerFlops",
     "UlyssesLossMixin",
     "UlyssesStrategy",
+    "VisionLanguageModel",
     "UnsupportedModelError",
     "WarmupCosine",
     "apply_memory_options",

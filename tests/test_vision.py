@@ -248,7 +248,9 @@ def four_process_results() -> list[dict[str, Any]]:
     return launch("tests.test_vision:sp_worker", 4, {"cases": FOUR_PROCESS_CASES})
 
 
-def reference_training(case: dict[str, Any]) -> tuple[list[list[float]], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def reference_training(
+    case: dict[str, Any],
+) -> tuple[list[list[float]], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One process, plain model: each step the mean over DP ranks of their batch's token-mean loss, SGD. Returns
     each DP rank's step losses and the weights before and after."""
     family, dp = case["family"], case.get("dp", 1)
@@ -324,7 +326,7 @@ def test_chat_rows_label_the_assistant_and_carry_their_images(chat_files: dict[s
     for row in (data.train_dataset[i] for i in range(len(data.train_dataset))):
         ids, labels, positions = row["input_ids"], row["labels"], row["position_ids"]
         starts = (positions == 0).nonzero()[:, 0].tolist() + [len(ids)]
-        answers = [data.tokenizer.decode(ids[s:e][labels[s:e] != -100]) for s, e in zip(starts[:-1], starts[1:])]
+        answers = [data.tokenizer.decode(ids[s:e][labels[s:e] != -100]) for s, e in zip(starts[:-1], starts[1:], strict=True)]
         assert all(a.startswith("Noise number ") and a.endswith(".<|im_end|>\n") for a in answers), answers
         assert int((ids == image).sum()) == 16 * row["vision"]["pixel_values"].shape[0]
         assert (labels[ids == image] == -100).all()
@@ -356,3 +358,43 @@ def test_a_chat_batch_trains_as_the_plain_model(chat_files: dict[str, Any]) -> N
         remove_ulysses_attention(model)
     assert int(got_count) == expected_count
     torch.testing.assert_close(got_sum, expected_sum, rtol=1e-5, atol=0)
+
+
+def test_shard_encoding_runs_the_vision_tower_on_the_items_of_each_shard() -> None:
+    """Measured: the patches each rank's vision tower receives, against the items with a placeholder in its shard
+    (read from the token runs here; a shard without any item of a modality encodes its smallest one), and with
+    "all" every patch on every rank."""
+    model = tiny_model("qwen2_vl")
+    module = vision_module("qwen2_vl", model)
+    batch = family_batch("qwen2_vl")
+    seen: list[int] = []
+    visual_forward = model.model.visual.forward
+    model.model.visual.forward = lambda pixels, **kw: seen.append(pixels.shape[0]) or visual_forward(pixels, **kw)
+    ids = prepare_batch(batch, 4)["input_ids"]
+    patches = {"image": batch["vision"]["image_grid_thw"].prod(-1).tolist(),
+               "video": batch["vision"]["video_grid_thw"].prod(-1).tolist()}
+    total = sum(map(sum, patches.values()))
+    for encoding, sp in (("shard", 4), ("all", 4), ("shard", 2)):
+        module.hparams.vision_encoding = encoding
+        per_rank = []
+        for rank in range(sp):
+            seen.clear()
+            with torch.no_grad():
+                merged_inputs_embeds(model, module.family, sp_prepared(module, batch, sp, rank), encoding)
+            per_rank.append(sum(seen))
+        local = ids.shape[1] // sp
+        expected = []
+        for rank in range(sp):
+            needed = 0
+            for kind, token in (("image", 120), ("video", 121)):
+                flat = (ids == token).flatten()
+                item = (flat & ~torch.cat([flat.new_zeros(1), flat[:-1]])).cumsum(0) - 1  # item of each placeholder
+                columns = torch.arange(ids.numel()) % ids.shape[1]
+                here = flat & (columns >= rank * local) & (columns < (rank + 1) * local)
+                # a shard without any of a modality still encodes its smallest item (every rank runs the tower)
+                items = item[here].unique().tolist() or [min(range(len(patches[kind])), key=patches[kind].__getitem__)]
+                needed += sum(patches[kind][i] for i in items)
+            expected.append(needed if encoding == "shard" else total)
+        assert per_rank == expected, (encoding, sp, per_rank, expected)
+        if encoding == "shard":
+            assert sum(per_rank) < sp * total

@@ -108,7 +108,7 @@ def qwen_batch(rows: list[list[list[Any]]], seed: int = 0, packed: bool = False)
     input_ids = torch.zeros(len(rows), length, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     position_ids = torch.zeros_like(input_ids)
-    for row, (ids, positions) in enumerate(zip(id_rows, position_rows)):
+    for row, (ids, positions) in enumerate(zip(id_rows, position_rows, strict=True)):
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention_mask[row, : len(ids)] = 1
         position_ids[row, : len(ids)] = torch.tensor(positions)
@@ -182,12 +182,13 @@ def plain_loss_sum(family: str, model: torch.nn.Module, batch: dict[str, Any]) -
 
 def split_documents(family: str, batch: dict[str, Any]) -> list[dict[str, Any]]:
     """Each packed document of a Qwen batch as a batch of its own, with its items' pixels and grids."""
-    ids, real, positions, vision = batch["input_ids"], batch["attention_mask"].bool(), batch["position_ids"], batch["vision"]
+    ids, real, positions = batch["input_ids"], batch["attention_mask"].bool(), batch["position_ids"]
+    vision = batch["vision"]
     taken = {"image": 0, "video": 0, "image_patch": 0, "video_patch": 0}
     documents = []
     for row in range(ids.shape[0]):
         starts = [c for c in range(ids.shape[1]) if real[row, c] and positions[row, c] == 0] + [int(real[row].sum())]
-        for start, end in zip(starts[:-1], starts[1:]):
+        for start, end in zip(starts[:-1], starts[1:], strict=True):
             doc = ids[row, start:end][None]
             doc_vision = {}
             for kind, token, pixels_key, grid_key in (("image", IMAGE, "pixel_values", "image_grid_thw"),
@@ -198,7 +199,8 @@ def split_documents(family: str, batch: dict[str, Any]) -> list[dict[str, Any]]:
                     grids = vision[grid_key][taken[kind] : taken[kind] + runs]
                     patches = int(grids.prod(-1).sum())
                     doc_vision[grid_key] = grids
-                    doc_vision[pixels_key] = vision[pixels_key][taken[f"{kind}_patch"] : taken[f"{kind}_patch"] + patches]
+                    first = taken[f"{kind}_patch"]
+                    doc_vision[pixels_key] = vision[pixels_key][first : first + patches]
                     taken[kind] += runs
                     taken[f"{kind}_patch"] += patches
             mask = torch.ones_like(doc)

@@ -167,7 +167,9 @@ class VisionChatDataModule(RecordsDataModule):
         if truncation not in ("drop", "refuse"):
             raise ValueError(f"data.truncation must be 'drop' or 'refuse' (a cut could fall inside an image), got "
                              f"{truncation!r}.")
-        super().__init__(paths, processor, seq_len, truncation, batch_size, val_paths, val_fraction, None, num_workers, seed)
+        super().__init__(
+            paths, processor, seq_len, truncation, batch_size, val_paths, val_fraction, None, num_workers, seed
+        )
         self.processor = AutoProcessor.from_pretrained(processor)
         self.media_root = Path(media_root) if media_root else Path()
         self.mode = mode
@@ -188,7 +190,9 @@ class VisionChatDataModule(RecordsDataModule):
             if status == KEPT:
                 samples.append(sample)
         if not samples:
-            raise ValueError(f"No {name} sample is left to train on. Check data.seq_len and the records' assistant turns.")
+            raise ValueError(
+                f"No {name} sample is left to train on. Check data.seq_len and the records' assistant turns."
+            )
         lengths = [len(s["input_ids"]) for s in samples]
         rows = pack_rows(lengths, self.seq_len) if self.mode == "packed" else [[i] for i in range(len(samples))]
         trained = sum(trained_tokens(s["labels"]) for s in samples)

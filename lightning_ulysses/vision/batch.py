@@ -46,7 +46,9 @@ def prepare_vision_batch(batch: Mapping[str, Any], family: VisionFamily, inner: 
         count = int(placeholders.sum())
         if modality.pixels_key not in vision:
             if count:
-                raise ValueError(f"The batch has {count} {modality.name} tokens but no batch['vision'][{modality.pixels_key!r}].")
+                raise ValueError(
+                    f"The batch has {count} {modality.name} tokens but no batch['vision'][{modality.pixels_key!r}]."
+                )
             continue
         per_item = family.feature_rows(vision, modality, count)
         if sum(per_item) != count:

@@ -53,6 +53,7 @@ class VisionLanguageModel(CausalLM):
         if self.model is not None and self.family is not None:
             return
         super().configure_model()
+        assert self.model is not None
         self.family = vision_family(self.model)
         for name in self.family.towers:  # recomputed in backward it would run patched (see merged_inputs_embeds)
             for module in getattr(self.model.model, name).modules():
@@ -70,6 +71,7 @@ class VisionLanguageModel(CausalLM):
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if self.family is None:
             self.configure_model()
+        assert self.family is not None and self.model is not None
         return prepare_vision_batch(batch, self.family, self.model.model)
 
     def model_inputs(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -78,5 +80,6 @@ class VisionLanguageModel(CausalLM):
         positions = batch["position_ids"]
         if MROPE_KEY in batch:
             positions = torch.cat([positions[None], batch[MROPE_KEY].permute(2, 0, 1)])
-        embeds = merged_inputs_embeds(model, self.family, batch, self.hparams.vision_encoding)
+        assert self.family is not None
+        embeds = merged_inputs_embeds(model, self.family, batch, self.hparams["vision_encoding"])
         return {"inputs_embeds": embeds, "position_ids": positions}
