@@ -326,7 +326,8 @@ def test_chat_rows_label_the_assistant_and_carry_their_images(chat_files: dict[s
     for row in (data.train_dataset[i] for i in range(len(data.train_dataset))):
         ids, labels, positions = row["input_ids"], row["labels"], row["position_ids"]
         starts = (positions == 0).nonzero()[:, 0].tolist() + [len(ids)]
-        answers = [data.tokenizer.decode(ids[s:e][labels[s:e] != -100]) for s, e in zip(starts[:-1], starts[1:], strict=True)]
+        spans = zip(starts[:-1], starts[1:], strict=True)
+        answers = [data.tokenizer.decode(ids[s:e][labels[s:e] != -100]) for s, e in spans]
         assert all(a.startswith("Noise number ") and a.endswith(".<|im_end|>\n") for a in answers), answers
         assert int((ids == image).sum()) == 16 * row["vision"]["pixel_values"].shape[0]
         assert (labels[ids == image] == -100).all()
