@@ -43,6 +43,7 @@ from lightning_ulysses.runtime import (
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
 from lightning_ulysses.strategy import UlyssesStrategy
 from lightning_ulysses.topology import SequenceParallelTopology
+from lightning_ulysses.vision import VisionLanguageModel
 
 __all__ = [
     "ActivationOffload",
@@ -68,6 +69,7 @@ __all__ = [
     "TransformerFlops",
     "UlyssesLossMixin",
     "UlyssesStrategy",
+    "VisionLanguageModel",
     "UnsupportedModelError",
     "WarmupCosine",
     "apply_memory_options",

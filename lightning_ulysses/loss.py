@@ -124,7 +124,7 @@ class UlyssesLossMixin:
         tile count of ``tiled_loss`` (``True``: ``ceil(tokens / hidden)`` agreed over ranks); otherwise the model's
         own logits.
         """
-        inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+        inputs = self.model_inputs(model, batch)
         strategy = self._ulysses_strategy()
         if strategy is None or not strategy.memory.tiled_loss:
             return model(**inputs).logits
@@ -140,6 +140,10 @@ class UlyssesLossMixin:
         tiles = resolve_num_tiles(strategy.memory.tiled_loss, hidden_states.shape[:-1].numel(), hidden_states.shape[-1],
                                   hidden_states.device)
         return TiledLogits(hidden_states, model.get_output_embeddings(), tiles)
+
+    def model_inputs(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The keyword inputs of the model's (and its decoder's) forward: ``input_ids`` and ``position_ids``."""
+        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
 
     def _ulysses_strategy(self) -> UlyssesStrategy | None:
         from lightning_ulysses.strategy import UlyssesStrategy

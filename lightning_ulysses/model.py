@@ -62,6 +62,9 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
     whole-sequence order, ``N`` padded to a multiple of ``sp_size``.
     """
 
+    auto_class: Any = AutoModelForCausalLM
+    """The transformers auto class that builds (``from_config``) or loads (``from_pretrained``) the model."""
+
     def __init__(
         self,
         model: dict[str, Any] | str,
@@ -95,9 +98,9 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         options = {"attn_implementation": "sdpa", "dtype": torch.get_default_dtype()}
         with _transformers_zero3(self._trainer.strategy if self._trainer is not None else None):
             if hp.pretrained:
-                self.model = _load_pretrained(hp.model, **options)
+                self.model = _load_pretrained(hp.model, self.auto_class, **options)
             else:
-                self.model = AutoModelForCausalLM.from_config(build_config(hp.model, hp.vocab_size), **options)
+                self.model = self.auto_class.from_config(build_config(hp.model, hp.vocab_size), **options)
         if hp.pretrained:
             model_vocab = self.model.get_input_embeddings().num_embeddings
             if hp.vocab_size is not None and hp.vocab_size > model_vocab:
@@ -245,19 +248,19 @@ def build_config(model: dict[str, Any] | str, vocab_size: int | None = None) -> 
             )
         config = AutoConfig.for_model(model_type, **fields)
     if vocab_size is not None:
-        config.vocab_size = vocab_size
+        config.get_text_config().vocab_size = vocab_size  # a vision-language config's decoder holds it
     return config
 
 
-def _load_pretrained(folder: str, **options: Any) -> nn.Module:
-    """``AutoModelForCausalLM.from_pretrained`` that refuses a partial load.
+def _load_pretrained(folder: str, auto_class: Any = AutoModelForCausalLM, **options: Any) -> nn.Module:
+    """``auto_class.from_pretrained`` that refuses a partial load.
 
     transformers initialises a weight the folder lacks (or holds in another shape, when told to ignore sizes) at
     random and only logs it: fine-tuning would then start from a model that is not the pretrained one. Under ZeRO-3
     it reports missing weights but not unused ones (``unexpected_keys`` stays empty there), so those are checked
     under ZeRO 1/2 and on one process only.
     """
-    model, info = AutoModelForCausalLM.from_pretrained(_local_folder(folder), output_loading_info=True, **options)
+    model, info = auto_class.from_pretrained(_local_folder(folder), output_loading_info=True, **options)
     problems = {
         "missing from the folder (would be initialised at random)": info["missing_keys"],
         "of another shape in the folder": [str(key) for key in info["mismatched_keys"]],

@@ -1,4 +1,4 @@
-"""Fine-tuning: chat SFT with the loss on the assistant's tokens only (packed or padded), and DPO."""
+"""Fine-tuning: chat SFT with the loss on the assistant's tokens only (packed or padded; also on images), and DPO."""
 
 from lightning_ulysses.finetune.dpo import DPO, dpo_loss
 from lightning_ulysses.finetune.dpo_data import PreferenceDataModule, PreferenceDataset
@@ -7,6 +7,7 @@ from lightning_ulysses.finetune.records import load_records
 from lightning_ulysses.finetune.sft_data import SFTDataModule, SFTDataset
 from lightning_ulysses.finetune.templates import TemplateError, tokenize_record
 from lightning_ulysses.finetune.tokenizer import byte_chat_tokenizer
+from lightning_ulysses.finetune.vision_data import VisionChatDataModule, VisionChatDataset
 
 __all__ = [
     "DPO",
@@ -17,6 +18,8 @@ __all__ = [
     "SFTDataset",
     "SampleTooLongError",
     "TemplateError",
+    "VisionChatDataModule",
+    "VisionChatDataset",
     "byte_chat_tokenizer",
     "dpo_loss",
     "load_records",

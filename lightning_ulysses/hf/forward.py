@@ -71,6 +71,7 @@ def _read_batch_layout(kwargs: dict[str, Any], state: PatchState, model: PreTrai
             "UlyssesStrategy sharded. Without them transformers builds local positions 0..N/sp-1 and RoPE is wrong on "
             "every rank but the first."
         )
+    position_ids = text_position_ids(position_ids)
     mask = kwargs.pop("attention_mask", None)
     if mask is not None:
         check_foldable_attention_mask(mask, position_ids, state.group)
@@ -81,6 +82,21 @@ def _read_batch_layout(kwargs: dict[str, Any], state: PatchState, model: PreTrai
     if state.agree_tokens is not None:
         tokens = position_ids.shape[-2:].numel()  # [B, N/sp], or [sections, B, N/sp] (multimodal RoPE)
         state.batch_tokens = (tokens, state.agree_tokens(tokens, position_ids.device))
+
+
+def text_position_ids(position_ids: Tensor) -> Tensor:
+    """``[B, N/sp]``: the positions that number the documents. Multimodal RoPE position ids come as
+    ``[4, B, N/sp]``, the text positions first (the layout transformers' Qwen-VL models take for packed samples);
+    ``[3, B, N/sp]`` (temporal, height, width only) cannot tell where documents start and is refused."""
+    if position_ids.dim() == 2:
+        return position_ids
+    if position_ids.dim() == 3 and position_ids.shape[0] == 4:
+        return position_ids[0]
+    raise ValueError(
+        f"Position ids of shape {tuple(position_ids.shape)}: under sequence parallelism a model takes [B, N/sp] "
+        "positions, or multimodal RoPE positions as [4, B, N/sp] with the text positions (restarting at 0 per "
+        "document) first; lightning_ulysses.VisionLanguageModel builds them."
+    )
 
 
 def _layer_patterns(model: PreTrainedModel) -> set[tuple[int | None, int | None]]:

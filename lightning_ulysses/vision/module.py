@@ -1,0 +1,85 @@
+"""``VisionLanguageModel``: a transformers vision-language model as a LightningModule, under sequence parallelism.
+
+What each step computes, and where:
+
+1. **Whole sequence, on the host, before sharding** (``on_before_batch_transfer``):
+   :func:`~lightning_ulysses.vision.batch.prepare_vision_batch` numbers every placeholder token with its embedding
+   row, computes multimodal RoPE positions per document and masks the placeholders' labels.
+2. **The strategy** pads and shards every per-token entry (``input_ids``, ``vision_rows``, ``mrope_position_ids``,
+   ``position_ids``, ``shift_labels``) like text; the pixels travel whole to every SP rank.
+3. **Each rank**: :func:`~lightning_ulysses.vision.embed.merged_inputs_embeds` encodes the items its shard needs and
+   merges them into its ``[B, N/sp, hidden]`` embeddings; the language model runs on them with the global positions
+   (``[4, B, N/sp]`` for mRoPE: the text positions, which number the documents, then temporal, height, width), and the
+   loss is the exact token mean over the SP group, as for text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import AutoModelForImageTextToText, PreTrainedModel
+
+from lightning_ulysses.model import CausalLM
+from lightning_ulysses.vision.batch import MROPE_KEY, prepare_vision_batch
+from lightning_ulysses.vision.embed import VisionEncoding, merged_inputs_embeds
+from lightning_ulysses.vision.families import VisionFamily, vision_family
+
+
+class VisionLanguageModel(CausalLM):
+    """Next-token training of a transformers image-text-to-text model (Qwen2-VL, Qwen2.5-VL, LLaVA) on text and
+    images or video, loss on the text tokens; the arguments of :class:`~lightning_ulysses.CausalLM`, and:
+
+    Args:
+        vision_encoding: ``"shard"``: each SP rank encodes the images and videos with a placeholder in its shard
+            (vision compute per rank falls with ``sp_size``); ``"all"``: every rank encodes every item of the batch.
+            Both are exact (see :mod:`lightning_ulysses.vision.embed`).
+
+    Other vision-language families are refused at set-up (:func:`~lightning_ulysses.vision.families.vision_family`).
+    The vision tower is never gradient-checkpointed (``gradient_checkpointing`` applies to the language model).
+    """
+
+    auto_class = AutoModelForImageTextToText
+
+    def __init__(self, *args: Any, vision_encoding: VisionEncoding = "shard", **kwargs: Any) -> None:
+        if vision_encoding not in ("shard", "all"):
+            raise ValueError(f"vision_encoding must be 'shard' or 'all', got {vision_encoding!r}.")
+        super().__init__(*args, **kwargs)
+        self.family: VisionFamily | None = None
+
+    def configure_model(self) -> None:
+        if self.model is not None and self.family is not None:
+            return
+        super().configure_model()
+        assert self.model is not None
+        self.family = vision_family(self.model)
+        for name in self.family.towers:  # recomputed in backward it would run patched (see merged_inputs_embeds)
+            for module in getattr(self.model.model, name).modules():
+                if hasattr(module, "gradient_checkpointing"):
+                    module.gradient_checkpointing = False
+
+    def on_fit_start(self) -> None:
+        strategy = self._ulysses_strategy()
+        if strategy is not None and strategy.loss_normalization == "global":
+            raise ValueError(
+                "VisionLanguageModel does not support loss_normalization='global' yet: its step token counts are read "
+                "before the image placeholders are masked. Use loss_normalization='sp_group' (the default)."
+            )
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if self.family is None:
+            self.configure_model()
+        assert self.family is not None and self.model is not None
+        return prepare_vision_batch(batch, self.family, self.model.model)
+
+    def model_inputs(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """``inputs_embeds [B, N/sp, hidden]`` with the images merged, and ``position_ids`` (``[4, B, N/sp]`` for
+        multimodal RoPE, the text positions first)."""
+        positions = batch["position_ids"]
+        if MROPE_KEY in batch:
+            positions = torch.cat([positions[None], batch[MROPE_KEY].permute(2, 0, 1)])
+        assert self.family is not None
+        embeds = merged_inputs_embeds(model, self.family, batch, self.hparams["vision_encoding"])
+        return {"inputs_embeds": embeds, "position_ids": positions}

@@ -1,0 +1,401 @@
+"""Vision-language models under sequence parallelism (lightning_ulysses.vision) against the plain transformers model.
+
+One process: the patched path (whole-sequence preparation, merged embeddings, mRoPE ``[4, B, N]`` positions) equals
+the plain model; each shard's merged embeddings equal the whole sequence's columns. Several processes: SP training
+(sp=2, sp=4, dp x sp, ZeRO-2 and 3) equals one process of the plain model (loss and update), on batches with images
+of different sizes, an image cut by a shard border, a video and packed documents.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_ulysses import apply_ulysses_attention, prepare_batch, remove_ulysses_attention, shard_batch
+from lightning_ulysses.hf.state import UnsupportedModelError
+from lightning_ulysses.loss import token_cross_entropy
+from lightning_ulysses.vision import VisionLanguageModel, merged_inputs_embeds, prepare_vision_batch, vision_family
+from tests.vision_data import CONFIGS, llava_batch, plain_loss_sum, qwen_batch, tiny_config, tiny_model
+
+# row 0: three images of different sizes and a video; row 1: one image. 56 columns: at sp=2 the border (28) falls
+# inside row 0's video, at sp=4 (14, 28, 42) inside its second image and its video (test_the_shard_border_cuts_an_image)
+QWEN_ROWS = [
+    [[3, ("image", (1, 4, 4)), 2, ("image", (1, 6, 4)), 1, ("image", (1, 2, 2)), 3, ("video", (2, 4, 4)), 20]],
+    [[5, ("image", (1, 2, 6)), 9]],
+]
+# packed: row 0 holds two documents (the second starts inside a shard), each with images
+QWEN_PACKED_ROWS = [
+    [[2, ("image", (1, 4, 2)), 5], [3, ("image", (1, 4, 4)), 1, ("video", (2, 2, 4)), 2]],
+    [[4, ("image", (1, 2, 2)), 6], [7]],
+]
+LLAVA_ROWS = [[3, "image", 2, "image", 4], [6, "image", 5]]
+
+
+def family_batch(family: str, packed: bool = False, seed: int = 0) -> dict[str, Any]:
+    if family == "llava":
+        return llava_batch(LLAVA_ROWS, seed)
+    return qwen_batch(QWEN_PACKED_ROWS if packed else QWEN_ROWS, seed, packed=packed)
+
+
+def vision_module(family: str, model: torch.nn.Module, encoding: str = "shard") -> VisionLanguageModel:
+    module = VisionLanguageModel(model=CONFIGS[family], vision_encoding=encoding)
+    module.model, module.family = model, vision_family(model)
+    return module
+
+
+def sp_prepared(module: VisionLanguageModel, batch: dict[str, Any], sp: int, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s shard at ``sp``, the sequence padded to a multiple of 4 for every ``sp``."""
+    whole = prepare_vision_batch(batch, module.family, module.model.model)
+    return shard_batch(prepare_batch(whole, 4), rank, sp)
+
+
+CASES = [("qwen2_vl", False), ("qwen2_vl", True), ("qwen2_5_vl", False), ("qwen2_5_vl", True), ("llava", False)]
+
+
+@pytest.mark.parametrize(("family", "packed"), CASES)
+def test_one_process_equals_the_plain_model(family: str, packed: bool) -> None:
+    model = tiny_model(family)
+    batch = family_batch(family, packed)
+    expected_sum, expected_count = plain_loss_sum(family, model, batch)
+    module = vision_module(family, model)
+    apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+    try:
+        prepared = sp_prepared(module, batch, 1, 0)
+        logits = model(**module.model_inputs(model, prepared)).logits
+        got_sum, got_count = token_cross_entropy(logits, prepared["shift_labels"])
+    finally:
+        remove_ulysses_attention(model)
+    assert int(got_count) == expected_count
+    torch.testing.assert_close(got_sum, expected_sum, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("encoding", ["shard", "all"])
+@pytest.mark.parametrize(("family", "packed"), CASES)
+def test_each_shard_merges_the_rows_of_the_whole_sequence(family: str, packed: bool, encoding: str) -> None:
+    """At sp=2 and 4, every shard's merged embeddings are the whole sequence's columns (images cut by a border too),
+    and with ``"shard"`` a rank encodes only the items with a placeholder in its shard."""
+    model = tiny_model(family)
+    module = vision_module(family, model, encoding)
+    batch = family_batch(family, packed)
+    with torch.no_grad():
+        whole = merged_inputs_embeds(model, module.family, sp_prepared(module, batch, 1, 0), "all")
+        for sp in (2, 4):
+            local = whole.shape[1] // sp
+            for rank in range(sp):
+                shard = merged_inputs_embeds(model, module.family, sp_prepared(module, batch, sp, rank), encoding)
+                torch.testing.assert_close(shard, whole[:, rank * local : (rank + 1) * local], rtol=1e-5, atol=1e-6)
+
+
+def test_the_shard_border_cuts_an_image() -> None:
+    """The batches above put a shard border inside an image at sp=2 and sp=4 (what the equivalence tests rely on)."""
+    for family, packed in CASES:
+        ids = prepare_batch(family_batch(family, packed), 4)["input_ids"]
+        for sp in (2, 4):
+            local = ids.shape[1] // sp
+            placeholders = (ids == 120) | (ids == 121)
+            cut = any(bool((placeholders[:, b * local - 1] & placeholders[:, b * local]).any()) for b in range(1, sp))
+            assert cut, f"{family} packed={packed}: no image crosses a shard border at sp={sp}"
+
+
+def test_mrope_positions_restart_per_document_and_rows_are_numbered_in_batch_order() -> None:
+    model = tiny_model("qwen2_vl")
+    family = vision_family(model)
+    batch = family_batch("qwen2_vl", packed=True)
+    prepared = prepare_vision_batch(batch, family, model.model)
+    mrope, rows = prepared["mrope_position_ids"], prepared["vision_rows"]
+    starts = (batch["position_ids"] == 0) & batch["attention_mask"].bool()
+    assert (mrope[starts] == 0).all()  # every document's first token (text) is at 0 in all three rows
+    images = batch["input_ids"] == 120
+    assert rows[images].tolist() == list(range(1, int(images.sum()) + 1))
+    assert (prepared["labels"][images] == -100).all()
+    # an image of grid (1, 4, 2) after 3 tokens (2 text + vision_start): t = 3, h = 3 + [0, 1], w = 3 + [0]
+    first = images[0].nonzero()[:2, 0]  # the first document's image
+    assert mrope[0, first].tolist() == [[3, 3, 3], [3, 4, 3]]
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_mrope_positions_of_unpacked_rows_are_get_rope_index_of_the_whole_batch(family: str) -> None:
+    from tests.vision_data import _plain_inputs
+
+    model = tiny_model(family)
+    batch = family_batch(family)
+    inputs = _plain_inputs(family, batch)
+    expected, _ = model.model.get_rope_index(
+        inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"], inputs["video_grid_thw"],
+        attention_mask=inputs["attention_mask"],
+    )
+    got = prepare_vision_batch(batch, vision_family(model), model.model)["mrope_position_ids"].permute(2, 0, 1)
+    real = batch["attention_mask"].bool()
+    assert torch.equal(got[:, real], expected[:, real])
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "qwen3_vl"])
+def test_refused_families_name_the_reason(model_type: str) -> None:
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.for_model(model_type)
+    text = config.text_config
+    for key, value in dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=16, vocab_size=300).items():
+        setattr(text, key, value)
+    vision = config.vision_config
+    for key, value in dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=1, num_attention_heads=2,
+                           num_heads=2, out_hidden_size=32).items():
+        if hasattr(vision, key):
+            setattr(vision, key, value)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    reason = {"gemma3": "bidirectionally", "qwen3_vl": "DeepStack"}[model_type]
+    with pytest.raises(UnsupportedModelError, match=reason):
+        vision_family(model)
+
+
+def test_a_text_model_is_refused() -> None:
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llava").text_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UnsupportedModelError, match="has no vision tower"):
+        vision_family(model)
+
+
+def test_placeholders_that_do_not_match_the_images_are_refused() -> None:
+    model = tiny_model("qwen2_vl")
+    batch = family_batch("qwen2_vl")
+    batch["vision"] = dict(batch["vision"], image_grid_thw=batch["vision"]["image_grid_thw"] * 2)
+    with pytest.raises(ValueError, match="embedding rows but it has"):
+        prepare_vision_batch(batch, vision_family(model), model.model)
+
+
+# ---------------------------------------------------------------------------------------------
+# multi-process: VisionLanguageModel under UlyssesStrategy vs one process of the plain model
+# ---------------------------------------------------------------------------------------------
+STEPS, LR = 2, 0.1
+
+
+class SGDVisionLanguageModel(VisionLanguageModel):
+    """SGD exposes the gradient's scale in the weights; the step losses are recorded."""
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def case_batches(case: dict[str, Any]) -> list[dict[str, Any]]:
+    """Item ``d + dp * s`` is DP rank ``d``'s batch of step ``s`` (Lightning's sampler, moved onto the DP ranks)."""
+    dp = case.get("dp", 1)
+    return [family_batch(case["family"], case.get("packed", False), seed=i) for i in range(STEPS * dp)]
+
+
+def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
+    import os
+
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_ulysses import UlyssesStrategy
+    from tests.tiny import gathered_parameters
+
+    world_size = int(os.environ["WORLD_SIZE"])
+    results = {}
+    for name, case in args["cases"].items():
+        module = SGDVisionLanguageModel(model=CONFIGS[case["family"]], vision_encoding=case.get("encoding", "shard"))
+        module.model, module.losses = tiny_model(case["family"]), []
+        loader = DataLoader(case_batches(case), batch_size=1, collate_fn=lambda items: items[0])
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, num_sanity_val_steps=0,
+            strategy=UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa"),
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.fit(module, loader)
+        results[name] = {"losses": module.losses, "params": gathered_parameters(module.model, case["stage"] == 3)}
+    return results
+
+
+TWO_PROCESS_CASES = {
+    "qwen2_vl_sp2_zero2": dict(family="qwen2_vl", sp=2, stage=2),
+    "qwen2_vl_packed_sp2_zero3": dict(family="qwen2_vl", sp=2, stage=3, packed=True, encoding="all"),
+    "qwen2_5_vl_sp2_zero2": dict(family="qwen2_5_vl", sp=2, stage=2),
+    "qwen2_5_vl_packed_sp2_zero3": dict(family="qwen2_5_vl", sp=2, stage=3, packed=True),
+    "llava_sp2_zero3": dict(family="llava", sp=2, stage=3),
+}
+FOUR_PROCESS_CASES = {
+    "qwen2_vl_sp4_zero2": dict(family="qwen2_vl", sp=4, stage=2),
+    "qwen2_vl_packed_dp2_sp2_zero3": dict(family="qwen2_vl", sp=2, dp=2, stage=3, packed=True),
+    "qwen2_5_vl_sp4_zero3": dict(family="qwen2_5_vl", sp=4, stage=3),
+    "llava_dp2_sp2_zero2": dict(family="llava", sp=2, dp=2, stage=2),
+}
+
+
+@pytest.fixture(scope="module")
+def two_process_results() -> list[dict[str, Any]]:
+    from tests.launch import launch
+
+    return launch("tests.test_vision:sp_worker", 2, {"cases": TWO_PROCESS_CASES})
+
+
+@pytest.fixture(scope="module")
+def four_process_results() -> list[dict[str, Any]]:
+    from tests.launch import launch
+
+    return launch("tests.test_vision:sp_worker", 4, {"cases": FOUR_PROCESS_CASES})
+
+
+def reference_training(
+    case: dict[str, Any],
+) -> tuple[list[list[float]], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One process, plain model: each step the mean over DP ranks of their batch's token-mean loss, SGD. Returns
+    each DP rank's step losses and the weights before and after."""
+    family, dp = case["family"], case.get("dp", 1)
+    model = tiny_model(family)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    batches = case_batches(case)
+    losses: list[list[float]] = [[] for _ in range(dp)]
+    for step in range(STEPS):
+        total = torch.zeros(())
+        for rank in range(dp):
+            loss_sum, count = plain_loss_sum(family, model, batches[rank + dp * step])
+            losses[rank].append((loss_sum / count).item())
+            total = total + loss_sum / count / dp
+        total.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, initial, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def check_against_reference(name: str, case: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    from tests.tiny import relative_update_error
+
+    losses, initial, expected = reference_training(case)
+    sp, dp = case["sp"], case.get("dp", 1)
+    # which DP group trains which of a step's batches is the sampler's choice: compare each step's losses as a set
+    got_losses = torch.tensor([result[name]["losses"] for result in results]).view(dp, sp, STEPS)
+    torch.testing.assert_close(got_losses, got_losses[:, :1].expand_as(got_losses), rtol=0, atol=0)  # one SP group
+    torch.testing.assert_close(got_losses[:, 0].sort(dim=0).values, torch.tensor(losses).sort(dim=0).values,
+                               rtol=1e-5, atol=0)
+    for rank, result in enumerate(results):
+        got = result[name]
+        error = relative_update_error(initial, expected, got["params"])
+        assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
+
+
+@pytest.mark.parametrize("name", TWO_PROCESS_CASES)
+def test_sp2_equals_one_process_of_the_plain_model(two_process_results: list[dict[str, Any]], name: str) -> None:
+    check_against_reference(name, TWO_PROCESS_CASES[name], two_process_results)
+
+
+@pytest.mark.parametrize("name", FOUR_PROCESS_CASES)
+def test_sp4_and_dp_x_sp_equal_one_process_of_the_plain_model(four_process_results: list[dict[str, Any]],
+                                                              name: str) -> None:
+    check_against_reference(name, FOUR_PROCESS_CASES[name], four_process_results)
+
+
+# ---------------------------------------------------------------------------------------------
+# VisionChatDataModule: local chats with image paths, a processor folder made here
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chat_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from tests.vision_data import save_tiny_chats, save_tiny_llava_processor
+
+    root = tmp_path_factory.mktemp("vision_chats")
+    (root / "processor").mkdir()
+    fields = save_tiny_llava_processor(root / "processor")
+    return {"chats": save_tiny_chats(root), "processor": str(root / "processor"), "media": str(root), "fields": fields}
+
+
+def chat_data(files: dict[str, Any], mode: str, batch_size: int = 2) -> Any:
+    from lightning_ulysses.finetune import VisionChatDataModule
+
+    data = VisionChatDataModule([files["chats"]], files["processor"], media_root=files["media"], seq_len=256,
+                                mode=mode, batch_size=batch_size, val_fraction=0.3)
+    data.setup("fit")
+    return data
+
+
+def test_chat_rows_label_the_assistant_and_carry_their_images(chat_files: dict[str, Any]) -> None:
+    data = chat_data(chat_files, "packed")
+    image = chat_files["fields"]["image_token_id"]
+    for row in (data.train_dataset[i] for i in range(len(data.train_dataset))):
+        ids, labels, positions = row["input_ids"], row["labels"], row["position_ids"]
+        starts = (positions == 0).nonzero()[:, 0].tolist() + [len(ids)]
+        spans = zip(starts[:-1], starts[1:], strict=True)
+        answers = [data.tokenizer.decode(ids[s:e][labels[s:e] != -100]) for s, e in spans]
+        assert all(a.startswith("Noise number ") and a.endswith(".<|im_end|>\n") for a in answers), answers
+        assert int((ids == image).sum()) == 16 * row["vision"]["pixel_values"].shape[0]
+        assert (labels[ids == image] == -100).all()
+    assert any(len(data.train_dataset.rows[i]) > 1 for i in range(len(data.train_dataset)))  # packing happened
+
+
+def test_a_chat_batch_trains_as_the_plain_model(chat_files: dict[str, Any]) -> None:
+    """A padded batch of the data module, the VisionLanguageModel path at sp=1 vs each row alone in the plain model."""
+    fields = chat_files["fields"]
+    batch = next(iter(chat_data(chat_files, "padded", batch_size=3).train_dataloader()))
+    model = tiny_model("llava", **fields)
+    expected_sum, expected_count, taken = torch.zeros(()), 0, 0
+    for row in range(batch["input_ids"].shape[0]):
+        length = int(batch["attention_mask"][row].sum())
+        ids, labels = batch["input_ids"][row : row + 1, :length], batch["labels"][row : row + 1, :length]
+        images = int((ids == fields["image_token_id"]).sum()) // 16
+        pixels = batch["vision"]["pixel_values"][taken : taken + images]
+        taken += images
+        count = int((labels[:, 1:] != -100).sum())
+        expected_sum = expected_sum + model(input_ids=ids, pixel_values=pixels, labels=labels).loss * count
+        expected_count += count
+    module = vision_module("llava", model)
+    apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+    try:
+        prepared = sp_prepared(module, batch, 1, 0)
+        logits = model(**module.model_inputs(model, prepared)).logits
+        got_sum, got_count = token_cross_entropy(logits, prepared["shift_labels"])
+    finally:
+        remove_ulysses_attention(model)
+    assert int(got_count) == expected_count
+    torch.testing.assert_close(got_sum, expected_sum, rtol=1e-5, atol=0)
+
+
+def test_shard_encoding_runs_the_vision_tower_on_the_items_of_each_shard() -> None:
+    """Measured: the patches each rank's vision tower receives, against the items with a placeholder in its shard
+    (read from the token runs here; a shard without any item of a modality encodes its smallest one), and with
+    "all" every patch on every rank."""
+    model = tiny_model("qwen2_vl")
+    module = vision_module("qwen2_vl", model)
+    batch = family_batch("qwen2_vl")
+    seen: list[int] = []
+    visual_forward = model.model.visual.forward
+    model.model.visual.forward = lambda pixels, **kw: seen.append(pixels.shape[0]) or visual_forward(pixels, **kw)
+    ids = prepare_batch(batch, 4)["input_ids"]
+    patches = {"image": batch["vision"]["image_grid_thw"].prod(-1).tolist(),
+               "video": batch["vision"]["video_grid_thw"].prod(-1).tolist()}
+    total = sum(map(sum, patches.values()))
+    for encoding, sp in (("shard", 4), ("all", 4), ("shard", 2)):
+        module.hparams.vision_encoding = encoding
+        per_rank = []
+        for rank in range(sp):
+            seen.clear()
+            with torch.no_grad():
+                merged_inputs_embeds(model, module.family, sp_prepared(module, batch, sp, rank), encoding)
+            per_rank.append(sum(seen))
+        local = ids.shape[1] // sp
+        expected = []
+        for rank in range(sp):
+            needed = 0
+            for kind, token in (("image", 120), ("video", 121)):
+                flat = (ids == token).flatten()
+                item = (flat & ~torch.cat([flat.new_zeros(1), flat[:-1]])).cumsum(0) - 1  # item of each placeholder
+                columns = torch.arange(ids.numel()) % ids.shape[1]
+                here = flat & (columns >= rank * local) & (columns < (rank + 1) * local)
+                # a shard without any of a modality still encodes its smallest item (every rank runs the tower)
+                items = item[here].unique().tolist() or [min(range(len(patches[kind])), key=patches[kind].__getitem__)]
+                needed += sum(patches[kind][i] for i in items)
+            expected.append(needed if encoding == "shard" else total)
+        assert per_rank == expected, (encoding, sp, per_rank, expected)
+        if encoding == "shard":
+            assert sum(per_rank) < sp * total
