@@ -15,8 +15,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+import tests.launch
 from tests import pool
 from tests.launch import WORLD_STARTS
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    tests.launch.POOLED = not os.environ.get("LAUNCH_FRESH")
 
 
 @pytest.fixture(autouse=True)

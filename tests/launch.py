@@ -5,12 +5,12 @@ that have the environment of an external launcher (``MASTER_ADDR``, ``RANK``, ``
 those of torchrun or srun), so Lightning joins them instead of spawning its own. The return values come back in rank
 order. A failing or hanging rank fails the test with every rank's output, never a hang.
 
-Most calls run in a *pooled world* (:mod:`tests.pool`): ``world_size`` processes started once per size and
-session, which have imported torch, Lightning, DeepSpeed and transformers already and run one call after another,
+In the test session most calls run in a *pooled world* (:mod:`tests.pool`): ``world_size`` processes started once
+per size, which have imported torch, Lightning, DeepSpeed and transformers already and run one call after another,
 each from the state a fresh process has (environment, working directory, seed, process groups; see
 :class:`tests.pool.Baseline`). Fresh processes are started for torchrun or srun launchers, for ``extra_env`` (read
-at start-up, as ``MALLOC_*``), for :func:`launch_to_exit` (tests that watch processes exit, fail or get killed), and
-for every call when ``LAUNCH_FRESH=1``.
+at start-up, as ``MALLOC_*``), for :func:`launch_to_exit` (tests that watch processes exit, fail or get killed), for
+calls outside the test session (benchmarks measure fresh processes) and for every call with ``LAUNCH_FRESH=1``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 Launcher = Literal["env", "torchrun", "slurm"]
+POOLED = False  # set by tests/conftest.py for the test session: benchmarks and scripts start fresh worlds
 
 
 def free_port() -> int:
@@ -57,7 +58,7 @@ def launch(
     gives a task (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_NTASKS``, ...) and no ``RANK`` or
     ``MASTER_ADDR``, as ``configs/slurm_2x8.sh`` runs them (it exports ``MASTER_PORT``).
     """
-    if launcher == "env" and not extra_env and not os.environ.get("LAUNCH_FRESH"):
+    if POOLED and launcher == "env" and not extra_env:
         from tests.pool import run_pooled
 
         return run_pooled(target, world_size, num_nodes, args, timeout)
@@ -71,11 +72,12 @@ def check_ranks(
     target: str, names: list[str], returncodes: list[int | None], outputs: list[str], killed: list[str]
 ) -> None:
     """Fail with every rank's output if one failed (or always, with ``LAUNCH_VERBOSE=1``)."""
-    bad = [name for name, code in zip(names, returncodes) if code != 0]
+    bad = [name for name, code in zip(names, returncodes, strict=True) if code != 0]
     failed = f"{bad} failed ({killed} were stopped by the launcher)" if bad else ""
     if failed or os.environ.get("LAUNCH_VERBOSE"):
         report = "\n".join(
-            f"----- {name} (exit {code}) -----\n{out[-6000:]}" for name, code, out in zip(names, returncodes, outputs)
+            f"----- {name} (exit {code}) -----\n{out[-6000:]}"
+            for name, code, out in zip(names, returncodes, outputs, strict=True)
         )
         raise AssertionError(f"{target} failed: {failed}\n{report}")
 
@@ -112,7 +114,9 @@ class RankExit:
     result: Any = None
 
 
-def launch_to_exit(target: str, world_size: int, args: dict[str, Any] | None = None, *, timeout: float) -> list[RankExit]:
+def launch_to_exit(
+    target: str, world_size: int, args: dict[str, Any] | None = None, *, timeout: float
+) -> list[RankExit]:
     """Like :func:`launch`, but no rank is stopped because another failed: each must exit on its own within
     ``timeout`` seconds, or it is killed and reported with ``returncode=None``. For failure tests."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,7 +125,7 @@ def launch_to_exit(target: str, world_size: int, args: dict[str, Any] | None = N
         return [
             RankExit(None if name in run.killed else proc.returncode, out,
                      torch.load(result, weights_only=False) if result.is_file() else None)
-            for name, proc, out, result in zip(run.names, run.procs, run.outputs, results)
+            for name, proc, out, result in zip(run.names, run.procs, run.outputs, results, strict=True)
         ]
 
 

@@ -72,13 +72,16 @@ class _World:
                 proc.stdin.write(json.dumps({"target": target, "folder": tmp, "env": env}) + "\n")
                 proc.stdin.flush()
             statuses = self._wait(folder, timeout)
-            codes = [{"ok": 0, "failed": 1}.get(status, proc.poll()) for status, proc in zip(statuses, self.procs)]
-            killed = [name for name, status, proc in zip(names, statuses, self.procs) if not status and proc.poll() is None]
+            # a rank without a status died (its exit code) or is late (None: killed now)
+            codes = [{"ok": 0, "failed": 1}.get(status, proc.poll())
+                     for status, proc in zip(statuses, self.procs, strict=True)]
+            killed = [name for name, code, status in zip(names, codes, statuses, strict=True) if code is None]
+            died = any(code is not None and not status for code, status in zip(codes, statuses, strict=True))
             if any(code != 0 for code in codes):
                 self.stop()
             outputs = [_read(folder / f"process{rank}.log") for rank in range(self.world_size)]
-            if any(code is not None and code != 0 and not status for code, status in zip(codes, statuses)):
-                outputs = [out + _read_file(self.log) for out in outputs]  # a rank died: its last words are here
+            if died:
+                outputs = [out + _read_file(self.log) for out in outputs]  # its last words are here
             check_ranks(target, names, codes, outputs, killed)
             return [torch.load(folder / f"result{rank}.pt", weights_only=False) for rank in range(self.world_size)]
 
@@ -165,7 +168,7 @@ class Baseline:
         import transformers  # noqa: F401
 
         self.cwd = os.getcwd()
-        self.seed = torch.initial_seed()
+        self.rng_state = torch.get_rng_state()
         self.torch_state = (torch.get_default_dtype(), torch.get_num_threads(),
                             torch.are_deterministic_algorithms_enabled())
         self.module_globals = {
@@ -192,7 +195,7 @@ class Baseline:
                 setattr(module, name, {} if isinstance(value, dict) else value)
         if "torch._dynamo" in sys.modules:
             torch._dynamo.reset()
-        torch.manual_seed(self.seed)
+        torch.set_rng_state(self.rng_state)
         dtype, threads, deterministic = self.torch_state
         torch.set_default_dtype(dtype)
         torch.set_num_threads(threads)
