@@ -1,11 +1,16 @@
 """The one multi-process test helper: run a function in N CPU processes joined by torch.distributed.
 
-``launch("tests.test_x:worker", world_size=2, args={...})`` starts ``world_size`` Python processes
-(``python -m tests.launch``) with the environment of an external launcher (``MASTER_ADDR``,
-``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...; or those of torchrun or srun), so Lightning joins them
-instead of spawning its own.
-Each calls ``worker(args)``; the return values come back in rank order. A failing or hanging rank
-fails the test with every rank's output, never a hang.
+``launch("tests.test_x:worker", world_size=2, args={...})`` runs ``worker(args)`` on ``world_size`` Python processes
+that have the environment of an external launcher (``MASTER_ADDR``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...; or
+those of torchrun or srun), so Lightning joins them instead of spawning its own. The return values come back in rank
+order. A failing or hanging rank fails the test with every rank's output, never a hang.
+
+In the test session most calls run in a *pooled world* (:mod:`tests.pool`): ``world_size`` processes started once
+per size, which have imported torch, Lightning, DeepSpeed and transformers already and run one call after another,
+each from the state a fresh process has (environment, working directory, seed, process groups; see
+:class:`tests.pool.Baseline`). Fresh processes are started for torchrun or srun launchers, for ``extra_env`` (read
+at start-up, as ``MALLOC_*``), for :func:`launch_to_exit` (tests that watch processes exit, fail or get killed), for
+calls outside the test session (benchmarks measure fresh processes) and for every call with ``LAUNCH_FRESH=1``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 Launcher = Literal["env", "torchrun", "slurm"]
+POOLED = False  # set by tests/conftest.py for the test session: benchmarks and scripts start fresh worlds
 
 
 def free_port() -> int:
@@ -52,17 +58,50 @@ def launch(
     gives a task (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_NTASKS``, ...) and no ``RANK`` or
     ``MASTER_ADDR``, as ``configs/slurm_2x8.sh`` runs them (it exports ``MASTER_PORT``).
     """
+    if POOLED and launcher == "env" and not extra_env:
+        from tests.pool import run_pooled
+
+        return run_pooled(target, world_size, num_nodes, args, timeout)
     with tempfile.TemporaryDirectory() as tmp:
         run = _run(target, world_size, args, Path(tmp), num_nodes, launcher, extra_env, timeout, grace=5.0)
-        bad = [name for name, proc in zip(run.names, run.procs) if proc.returncode != 0]
-        failed = f"{bad} failed ({run.killed} were stopped by the launcher)" if bad else ""
-        if failed or os.environ.get("LAUNCH_VERBOSE"):
-            report = "\n".join(
-                f"----- {name} (exit {proc.returncode}) -----\n{out[-6000:]}"
-                for name, proc, out in zip(run.names, run.procs, run.outputs)
-            )
-            raise AssertionError(f"{target} failed: {failed}\n{report}")
+        check_ranks(target, run.names, [proc.returncode for proc in run.procs], run.outputs, run.killed)
         return [torch.load(Path(tmp) / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def check_ranks(
+    target: str, names: list[str], returncodes: list[int | None], outputs: list[str], killed: list[str]
+) -> None:
+    """Fail with every rank's output if one failed (or always, with ``LAUNCH_VERBOSE=1``)."""
+    bad = [name for name, code in zip(names, returncodes, strict=True) if code != 0]
+    failed = f"{bad} failed ({killed} were stopped by the launcher)" if bad else ""
+    if failed or os.environ.get("LAUNCH_VERBOSE"):
+        report = "\n".join(
+            f"----- {name} (exit {code}) -----\n{out[-6000:]}"
+            for name, code, out in zip(names, returncodes, outputs, strict=True)
+        )
+        raise AssertionError(f"{target} failed: {failed}\n{report}")
+
+
+def rank_environment(world_size: int, num_nodes: int, rank: int, port: int) -> dict[str, str]:
+    """The environment a plain launcher gives ``rank`` (the test process's own, plus the rank's variables)."""
+    per_node = world_size // num_nodes
+    return {
+        **_launcher_environment(port),
+        "WORLD_SIZE": str(world_size),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank % per_node),
+        "NODE_RANK": str(rank // per_node),
+    }
+
+
+def _launcher_environment(port: int) -> dict[str, str]:
+    return {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
 
 
 @dataclass
@@ -75,7 +114,9 @@ class RankExit:
     result: Any = None
 
 
-def launch_to_exit(target: str, world_size: int, args: dict[str, Any] | None = None, *, timeout: float) -> list[RankExit]:
+def launch_to_exit(
+    target: str, world_size: int, args: dict[str, Any] | None = None, *, timeout: float
+) -> list[RankExit]:
     """Like :func:`launch`, but no rank is stopped because another failed: each must exit on its own within
     ``timeout`` seconds, or it is killed and reported with ``returncode=None``. For failure tests."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,7 +125,7 @@ def launch_to_exit(target: str, world_size: int, args: dict[str, Any] | None = N
         return [
             RankExit(None if name in run.killed else proc.returncode, out,
                      torch.load(result, weights_only=False) if result.is_file() else None)
-            for name, proc, out, result in zip(run.names, run.procs, run.outputs, results)
+            for name, proc, out, result in zip(run.names, run.procs, run.outputs, results, strict=True)
         ]
 
 
@@ -103,14 +144,7 @@ def _run(
     per_node = world_size // num_nodes
     port = free_port()
     torch.save(args or {}, tmp_path / "args.pt")
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-        **(extra_env or {}),
-    }
+    env = {**_launcher_environment(port), **(extra_env or {})}
     worker = ["-m", "tests.launch", target, str(tmp_path)]
     if launcher == "torchrun":
         names = [f"node {node} (torchrun)" for node in range(num_nodes)]
@@ -133,8 +167,7 @@ def _run(
     else:
         names = [f"rank {rank}" for rank in range(world_size)]
         commands = [
-            ([sys.executable, *worker], {**env, "WORLD_SIZE": str(world_size), "RANK": str(rank),
-                                         "LOCAL_RANK": str(rank % per_node), "NODE_RANK": str(rank // per_node)})
+            ([sys.executable, *worker], {**rank_environment(world_size, num_nodes, rank, port), **(extra_env or {})})
             for rank in range(world_size)
         ]
     procs, logs = [], []
@@ -145,6 +178,7 @@ def _run(
             command, env=process_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
             start_new_session=True,  # one process group each: stopping a torchrun stops its ranks too
         ))
+    count_world_start()
     killed = [names[i] for i in _wait_all(procs, timeout, grace)]
     outputs = []
     for log in logs:
@@ -152,6 +186,23 @@ def _run(
         outputs.append(log.read())
         log.close()
     return _Run(names, procs, outputs, killed)
+
+
+WORLD_STARTS = {"fresh": 0, "pooled": 0, "pooled calls": 0}
+
+
+def count_world_start(kind: str = "fresh") -> None:
+    """Counted for the session's summary (see ``tests/conftest.py``)."""
+    WORLD_STARTS[kind] += 1
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Stop a process started with ``start_new_session=True`` and everything it started."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the whole group has exited already
+        pass
+    proc.wait()
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout: float, grace: float | None) -> list[int]:
@@ -164,15 +215,16 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float, grace: float | None
         time.sleep(0.1)
     killed = [i for i, p in enumerate(procs) if p.poll() is None]
     for i in killed:
-        try:
-            os.killpg(procs[i].pid, signal.SIGKILL)
-        except ProcessLookupError:  # the whole group has exited already
-            pass
-        procs[i].wait()
+        kill_group(procs[i])
     return killed
 
 
 def _main() -> None:
+    if sys.argv[1] == "--serve":
+        from tests.pool import serve
+
+        serve()
+        return
     target, tmp = sys.argv[1], Path(sys.argv[2])
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))  # srun's tasks have no RANK
     module_name, function_name = target.split(":")

@@ -28,6 +28,8 @@ from lightning_ulysses.strategy import compute_dtype
 from lightning_ulysses.heads import check_heads, plan_heads
 from tests.launch import launch
 
+pytestmark = pytest.mark.distributed
+
 PACKED = [
     [0, 1, 2, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1, 2],  # borders inside shards and on shard borders (4, 8, 12)
     [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
@@ -409,12 +411,11 @@ def test_a_window_of_zero_is_no_window() -> None:
 
 
 def _cuda_backend(name: str) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     if name in _REQUIRED_MODULE:
         pytest.importorskip(_REQUIRED_MODULE[name])
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"])
 @pytest.mark.parametrize(
     "name", ["packed_documents", "packed_sliding_window", "heads6_mqa", "chunked_packed", *SINK_CASES, *MLA_CASES]
@@ -435,6 +436,7 @@ def test_cuda_backends_match_dense_reference(backend: str, name: str) -> None:
         assert error < 2e-2, f"{backend} {name}: relative error {error:.2e}"
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["gqa_kv_divisible", "packed_documents", "packed_sliding_window", "sliding_window"])
 def test_cuda_sdpa_gqa_runs_a_fused_kernel(name: str, dtype: torch.dtype) -> None:

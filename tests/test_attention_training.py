@@ -28,6 +28,8 @@ from tests.tiny import (
     relative_update_error, tiny_llama,
 )
 
+pytestmark = pytest.mark.distributed
+
 SEQ, LR = 24, 0.5
 SIX_HEADS = dict(hidden_size=48, num_attention_heads=6, head_dim=8)
 # DeepSeek V3's proportions shrunk by 8: qk_nope 128 : qk_rope 64 : v 128 (query and key heads of 24, values of 16),
@@ -236,6 +238,7 @@ def gpu_two_rank_results() -> list[dict[str, Any]]:
     return launch("tests.test_attention_training:train_worker", 2, {"cases": cases})
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("name", GPU_TWO_RANKS)
 def test_gpu_backends_on_packed_documents_equal_single_process(
     gpu_two_rank_results: list[dict[str, Any]], name: str

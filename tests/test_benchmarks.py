@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-import torch
 
 from benchmarks import compare_alst, gpu_long_context, mixer_cost, ring
 from benchmarks.compare_alst import BenchmarkConfig
@@ -125,7 +124,7 @@ def test_probe_reads_out_of_memory_as_a_miss_and_raises_anything_else(monkeypatc
         gpu_long_context.run_probe(config, "zero3", 1024, sp=8)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_long_context_probe_on_gpu(tmp_path: Path) -> None:
     rows = gpu_long_context.main([
         "--model", "tiny", "--options", "zero3", "zero3+alst", "--start-seq-len", "1024", "--max-seq-len", "4096",

@@ -34,6 +34,8 @@ from lightning_ulysses.hf.masks import MaskPattern
 from tests.launch import launch
 from tests.tiny import TinyCausalLM, collate, dp_batches, make_samples, reference_training, tiny_llama
 
+pytestmark = pytest.mark.distributed
+
 SP = 2
 BATCH = 2
 # hand count for tiny_llama(): hidden 32, 4 query heads x 8, 2 key/value heads, MLP 48, vocab 61, 2 layers
@@ -129,7 +131,7 @@ def test_summary_arithmetic_with_cuda_metrics() -> None:
     assert metrics["all_to_all_fraction"] == pytest.approx(0.3 / 2.0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA memory statistics need a GPU")
+@pytest.mark.cuda
 def test_cuda_peak_memory_resets_and_grows() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     big = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)

@@ -41,6 +41,8 @@ from tests.tiny import (
     reference_training, relative_update_error, tiny_llama,
 )
 
+pytestmark = pytest.mark.distributed
+
 DATA = dict(num=8, seq_len=16, seed=3)
 LR, MOMENTUM, BATCH, STEPS_PER_EPOCH, EPOCHS = 0.5, 0.9, 2, 4, 2
 ADAMW_LR = 0.01

@@ -34,6 +34,8 @@ from lightning_ulysses.cli.commands import build_from_config
 from lightning_ulysses.model import WarmupCosine
 from tests.launch import REPO_ROOT
 
+pytestmark = pytest.mark.cli
+
 CONFIGS = sorted((REPO_ROOT / "configs").glob("*.yaml"))
 
 

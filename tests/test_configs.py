@@ -38,6 +38,8 @@ from lightning_ulysses.model import CausalLM, build_config
 from tests.launch import REPO_ROOT, Launcher, launch
 from tests.tiny import gathered_parameters
 
+pytestmark = [pytest.mark.distributed, pytest.mark.cli]
+
 CONFIGS = {path.stem: path for path in sorted((REPO_ROOT / "configs").glob("*.yaml"))}
 MODEL_FOLDER, TEXT_FOLDER = "<tiny Llama-3 folder>", "<text folder>"  # filled in by the folders fixture
 

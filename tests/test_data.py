@@ -40,6 +40,8 @@ from lightning_ulysses.model import CausalLM, build_config
 from tests.launch import launch
 from tests.tiny import TINY_LLAMA, relative_update_error
 
+pytestmark = pytest.mark.distributed
+
 SEQ, LR, STEPS = 32, 0.5, 2
 BYTE_VOCAB = 259
 WORDS = "the quick brown fox jumps over a lazy dog while sequence parallel ranks exchange heads".split()

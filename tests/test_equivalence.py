@@ -28,6 +28,8 @@ from tests.tiny import (
     tiny_llama,
 )
 
+pytestmark = pytest.mark.distributed
+
 SEQ = 24
 # name -> case. "data" feeds make_samples; "model" overrides the tiny Llama config.
 TWO_RANKS: dict[str, dict[str, Any]] = {

@@ -36,6 +36,8 @@ from tests.launch import launch
 from lightning_ulysses.model import CausalLM
 from tests.tiny import TINY_LLAMA, VOCAB, TinyCausalLM, collate, gathered_parameters, make_samples, tiny_llama
 
+pytestmark = pytest.mark.distributed
+
 TRAIN = dict(num=8, seq_len=16, seed=1)
 EVAL = dict(num=12, seq_len=31, seed=2, masked_spans=[(0, 9)], padding=13)
 TRAIN_BATCH, EVAL_BATCH = 2, 3

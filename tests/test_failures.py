@@ -33,6 +33,8 @@ from tests.tiny import (
     TinyCausalLM, collate, gathered_parameters, make_samples, reference_training, relative_update_error, tiny_llama,
 )
 
+pytestmark = pytest.mark.distributed
+
 PG_TIMEOUT_S = 30  # also bounds start-up collectives: leave room for ranks that start unevenly on a loaded machine
 STALL_S = 2 * PG_TIMEOUT_S
 START_UP_S = 120  # process start-up, imports and DeepSpeed set-up on a loaded 2-core machine

@@ -40,6 +40,8 @@ from tests.tiny import (
     TinyCausalLM, collate, gathered_parameters, make_samples, reference_training, relative_update_error, tiny_llama,
 )
 
+pytestmark = pytest.mark.distributed
+
 DATA = dict(num=8, seq_len=16, seed=6)
 BATCH, STEPS_PER_EPOCH, EPOCHS, LR, MOMENTUM = 2, 4, 2, 0.5, 0.9
 PG_TIMEOUT_S = 30

@@ -36,6 +36,8 @@ from tests.finetune_data import chat, chat_of_tokens, preference_records, sft_re
 from tests.launch import launch
 from tests.tiny import TINY_LLAMA, epoch_order, gathered_parameters, relative_update_error
 
+pytestmark = pytest.mark.distributed
+
 SEQ, LR, STEPS = 64, 0.5, 2
 
 

@@ -33,6 +33,8 @@ from tests.tiny import (
     reference_training, relative_update_error, tiny_llama,
 )
 
+pytestmark = pytest.mark.distributed
+
 DATA = dict(num=10, seq_len=16, seed=4, padding=9)  # odd samples have 7 real tokens, even ones 16
 BATCH, ACCUMULATE, STEPS, LR = 1, 2, 2, 0.5
 LIMITED_BATCHES, LIMITED_EPOCHS = 3, (1, 2)  # limit_train_batches: 2 steps an epoch, the second on 1 batch

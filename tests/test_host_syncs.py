@@ -30,6 +30,8 @@ from tests.launch import launch
 from tests.tiny import tiny_llama
 from tests.zoo_configs import tiny_recipe
 
+pytestmark = pytest.mark.distributed
+
 aten = torch.ops.aten
 SYNCING_OPS = {
     aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.is_nonzero, aten.equal, aten._unique2,

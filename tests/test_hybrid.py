@@ -48,6 +48,8 @@ from tests.tiny import (
 from tests.zoo import LR, ZooModule, build_model
 from tests.zoo_configs import SEQ_LEN, TinyRecipe, tiny_recipe
 
+pytestmark = pytest.mark.distributed
+
 ROWS, STEPS = 2, 2
 # name -> case: family, sp, ZeRO stage, document borders forced on even rows (random ones besides), config overrides,
 # the attention layers where the config's layer_types do not name them

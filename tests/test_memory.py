@@ -40,6 +40,8 @@ from tests.tiny import (
     tiny_llama,
 )
 
+pytestmark = pytest.mark.distributed
+
 ALL = dict(tiled_mlp=3, tiled_loss=5, activation_checkpointing=True, offload_activations=True)
 # 2 rows x SEQ / 2 = 24 tokens per rank; 5 and 7 tiles do not divide them, 30 tiles leave some empty
 CASES: dict[str, dict[str, Any]] = {
@@ -213,7 +215,7 @@ def test_options_on_a_module_without_transformers_model_are_refused() -> None:
         apply_memory_options(torch.nn.Sequential(torch.nn.Linear(4, 4)), MemoryOptions(tiled_mlp=2))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="offloading to CPU saves memory on a GPU only")
+@pytest.mark.cuda  # offloading to CPU saves memory on a GPU only
 def test_offload_moves_checkpointed_inputs_off_the_gpu() -> None:
     ids = torch.randint(1, VOCAB, (1, 4096), device="cuda")
     positions = torch.arange(4096, device="cuda")[None]

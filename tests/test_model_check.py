@@ -27,6 +27,8 @@ from lightning_ulysses.hf.masks import MaskPattern, identify_pattern
 from tests.launch import launch
 from tests.zoo_configs import tiny_recipe
 
+pytestmark = pytest.mark.distributed
+
 VOCAB = 97
 SEQ = 40
 

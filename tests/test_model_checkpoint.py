@@ -16,6 +16,8 @@ from torch.utils.data import DataLoader
 from lightning_ulysses import ModelCheckpoint
 from tests.launch import REPO_ROOT
 
+pytestmark = pytest.mark.cli
+
 
 class WorseningModule(L.LightningModule):
     """A linear layer whose ``val_loss`` is the global step: the first validation is the best, every later one worse."""

@@ -24,6 +24,8 @@ import pytest
 from tests.launch import launch
 from tests.test_equivalence import _check, _fit
 
+pytestmark = pytest.mark.distributed
+
 NUM_NODES, DEVICES_PER_NODE = 2, 2
 SP_INSIDE_NODES = {"sp_inside_nodes_dp_across": dict(sp=2, stage=3)}
 SP_ACROSS_NODES = {

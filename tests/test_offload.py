@@ -156,7 +156,7 @@ def test_host_tensors_are_kept_as_they_are() -> None:
     assert default_offload().pack(tensor) is tensor  # CPU training: nothing to move, no copy
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams")
+@pytest.mark.cuda  # CUDA streams
 def test_cuda_offload_is_exact_with_pinned_copies_on_a_side_stream() -> None:
     offload = default_offload()
     tensor = torch.randn(1024, device="cuda")

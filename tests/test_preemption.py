@@ -41,6 +41,8 @@ from tests.tiny import (
     TinyCausalLM, collate, gathered_parameters, make_samples, reference_training, relative_update_error, tiny_llama,
 )
 
+pytestmark = pytest.mark.distributed
+
 DATA = dict(num=16, seq_len=16, seed=5)
 BATCH, ACCUMULATE, STEPS_PER_EPOCH, EPOCHS = 2, 2, 4, 2  # 8 batches an epoch
 LR, MOMENTUM, STAGE = 0.5, 0.9, 3

@@ -15,6 +15,8 @@ from lightning_ulysses.data import byte_tokenizer, find_text_files
 from tests.launch import REPO_ROOT, launch
 from tests.tiny import tiny_llama
 
+pytestmark = pytest.mark.distributed
+
 SHRINK = {
     'accelerator="cuda", devices=8': 'accelerator="cpu", devices=2',
     "sp_size=8": "sp_size=2",

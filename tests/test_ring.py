@@ -27,6 +27,8 @@ from lightning_ulysses.topology import SequenceParallelTopology
 from tests.test_attention import reference, sink_logits
 from tests.launch import launch
 
+pytestmark = pytest.mark.distributed
+
 SEQ = 32
 # rows of 32 position ids: borders at 8 and 16 (chunk borders at ring 2), at 4 and 12 (inside chunks at ring 2,
 # chunk borders at ring 4), a document across three chunks, and one-token documents
@@ -312,8 +314,7 @@ def test_masked_pairs_never_build_a_chunk_by_chunk_mask() -> None:
             assert len(masked) < len(tiles), (len(masked), len(tiles))
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -22,6 +22,8 @@ from tests.tiny import (
     relative_update_error, tiny_llama,
 )
 
+pytestmark = pytest.mark.distributed
+
 SEQ, BATCH, STEPS, LR = 24, 2, 2, 0.5
 # sp=2, ring 2 (dp 2): chunks of 6 tokens, ring blocks [0, 6) + [18, 24) and [6, 18)
 # sp=4, ring 2 x Ulysses 2: the same chunks, each Ulysses rank holds one; borders at 6 and 18 are ring-block

@@ -31,6 +31,8 @@ from tests.launch import launch
 from tests.test_strategy import _error, _trainer
 from tests.tiny import VOCAB, TinyCausalLM, collate, make_samples, reference_training, relative_update_error, tiny_llama
 
+pytestmark = pytest.mark.distributed
+
 SEQ, NUM, BATCH, STEPS, LR = 16, 16, 2, 2, 0.5
 WORLD_SIZE = 4
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "all_to_all_single",

@@ -16,6 +16,8 @@ from lightning_ulysses import UlyssesStrategy, apply_ulysses_attention, remove_u
 from tests.launch import launch
 from tests.tiny import TinyCausalLM, collate, make_samples, tiny_llama
 
+pytestmark = pytest.mark.distributed
+
 NUM_SAMPLES, BATCH = 12, 2
 
 

@@ -17,6 +17,8 @@ from tests.zoo import (
     CONTROL_ENTRIES, FAIL, GATHER, PASS, REFUSED, SHARDED_MIXER_FAMILIES, Outcome, format_table, run_zoo, zoo_entries,
 )
 
+pytestmark = [pytest.mark.distributed, pytest.mark.zoo]
+
 ENTRIES = [entry.name for entry in zoo_entries() if entry not in CONTROL_ENTRIES]
 KNOWN_TO_MATCH = ["llama", "mistral", "qwen3"]
 

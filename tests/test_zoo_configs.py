@@ -18,6 +18,8 @@ from tests.zoo_proportions import (
     WIDTHS, effective_head_dim, first_int, partial_rotary_factors,
 )
 
+pytestmark = pytest.mark.zoo
+
 FAMILIES = [entry.model_type for entry in zoo_entries() if entry.variant is None and entry not in CONTROL_ENTRIES]
 
 
