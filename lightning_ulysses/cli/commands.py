@@ -13,6 +13,7 @@ import yaml
 from jsonargparse import ArgumentParser, CLI
 
 from lightning_ulysses.checkpoint import convert_checkpoint, export_hf_model, saved_global_step, saved_layout
+from lightning_ulysses.cli.parser import link_vocabulary
 
 
 def convert(checkpoint: str, output: str, overwrite: bool = False) -> None:
@@ -111,8 +112,6 @@ def build_from_config(config: dict[str, Any]) -> Any:
     (the saved config names both classes in full)."""
     import lightning as L
     from lightning.pytorch.cli import LightningArgumentParser
-
-    from lightning_ulysses.cli import link_vocabulary
 
     parser = LightningArgumentParser()
     parser.add_lightning_class_args(L.LightningModule, "model", subclass_mode=True)
