@@ -29,7 +29,13 @@ from lightning_ulysses import quiet
 from lightning_ulysses.cli.checks import ConfigError, check_checkpoint_file, check_config, run_folder_of
 from lightning_ulysses.cli.commands import COMMANDS, command_parser, run_command
 from lightning_ulysses.cli.parser import (
-    COMMAND_HELP, DESCRIPTION, PROG, HelpFormatter, UlyssesArgumentParser, subcommand_kwargs,
+    COMMAND_HELP,
+    DESCRIPTION,
+    PROG,
+    HelpFormatter,
+    UlyssesArgumentParser,
+    link_vocabulary,
+    subcommand_kwargs,
 )
 from lightning_ulysses.cli.run_folder import RunFolderReport
 from lightning_ulysses.cli.summary import ModelSummaryWithoutFlops
@@ -41,11 +47,6 @@ DEFAULT_MODEL = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048, "tie_word_embeddings": True,
 }
 """A small Llama-style model that trains in minutes on CPU (the model of ``configs/quickstart.yaml``)."""
-
-
-def link_vocabulary(parser: LightningArgumentParser) -> None:
-    """The model's ``vocab_size`` is the data module's (its tokenizer's), given when both are built."""
-    parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
 
 
 class SaveRunConfig(SaveConfigCallback):

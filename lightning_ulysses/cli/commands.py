@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from jsonargparse import ArgumentParser, CLI
+from jsonargparse import CLI, ArgumentParser
 
+from lightning_ulysses.cli.parser import link_vocabulary
 from lightning_ulysses.runtime import convert_checkpoint, export_hf_model, saved_global_step, saved_layout
 
 
@@ -111,8 +112,6 @@ def build_from_config(config: dict[str, Any]) -> Any:
     (the saved config names both classes in full)."""
     import lightning as L
     from lightning.pytorch.cli import LightningArgumentParser
-
-    from lightning_ulysses.cli import link_vocabulary
 
     parser = LightningArgumentParser()
     parser.add_lightning_class_args(L.LightningModule, "model", subclass_mode=True)

@@ -6,6 +6,8 @@ given by ``class_path`` (``--data.seq_lem``), inside a report of every type it t
 :meth:`UlyssesArgumentParser.error` prints the error alone, made one line, with ``did you mean --data.seq_len?``
 (``difflib`` over the keys of the command and of the classes it names) and the command's ``--help``.
 ``JSONARGPARSE_DEBUG=1`` keeps jsonargparse's own report.
+
+:func:`link_vocabulary` is what every parser of a run's model and data shares: the model's vocabulary is the data's.
 """
 
 from __future__ import annotations
@@ -59,6 +61,12 @@ def subcommand_kwargs() -> dict[str, dict[str, str]]:
         name: {"description": f"{help_line}\n\n{KEYS}", "usage": f"{PROG} {name} {usage}"}
         for name, help_line in COMMAND_HELP.items()
     }
+
+
+def link_vocabulary(parser: LightningArgumentParser) -> None:
+    """The model's ``vocab_size`` is the data module's (its tokenizer's), given when both are built: by
+    LightningCLI's parser and by the one that ``export`` builds a run's classes with."""
+    parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
 
 
 class HelpFormatter(DefaultHelpFormatter):
