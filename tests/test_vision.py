@@ -54,19 +54,23 @@ def sp_prepared(module: VisionLanguageModel, batch: dict[str, Any], sp: int, ran
 CASES = [("qwen2_vl", False), ("qwen2_vl", True), ("qwen2_5_vl", False), ("qwen2_5_vl", True), ("llava", False)]
 
 
+def patched_loss_sum(module, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed token loss and token count of ``batch`` through the patched model at sp=1 (then unpatched)."""
+    apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+    try:
+        prepared = sp_prepared(module, batch, 1, 0)
+        logits = model(**module.model_inputs(model, prepared)).logits
+        return token_cross_entropy(logits, prepared["shift_labels"])
+    finally:
+        remove_ulysses_attention(model)
+
+
 @pytest.mark.parametrize(("family", "packed"), CASES)
 def test_one_process_equals_the_plain_model(family: str, packed: bool) -> None:
     model = tiny_model(family)
     batch = family_batch(family, packed)
     expected_sum, expected_count = plain_loss_sum(family, model, batch)
-    module = vision_module(family, model)
-    apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
-    try:
-        prepared = sp_prepared(module, batch, 1, 0)
-        logits = model(**module.model_inputs(model, prepared)).logits
-        got_sum, got_count = token_cross_entropy(logits, prepared["shift_labels"])
-    finally:
-        remove_ulysses_attention(model)
+    got_sum, got_count = patched_loss_sum(vision_module(family, model), model, batch)
     assert int(got_count) == expected_count
     torch.testing.assert_close(got_sum, expected_sum, rtol=1e-5, atol=0)
 
@@ -349,14 +353,7 @@ def test_a_chat_batch_trains_as_the_plain_model(chat_files: dict[str, Any]) -> N
         count = int((labels[:, 1:] != -100).sum())
         expected_sum = expected_sum + model(input_ids=ids, pixel_values=pixels, labels=labels).loss * count
         expected_count += count
-    module = vision_module("llava", model)
-    apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
-    try:
-        prepared = sp_prepared(module, batch, 1, 0)
-        logits = model(**module.model_inputs(model, prepared)).logits
-        got_sum, got_count = token_cross_entropy(logits, prepared["shift_labels"])
-    finally:
-        remove_ulysses_attention(model)
+    got_sum, got_count = patched_loss_sum(vision_module("llava", model), model, batch)
     assert int(got_count) == expected_count
     torch.testing.assert_close(got_sum, expected_sum, rtol=1e-5, atol=0)
 

@@ -11,7 +11,11 @@ import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_ulysses.data import (
-    check_data_arguments, check_paths_exist, check_sample_shape, collate_right_padded, warn_on_empty_shards,
+    check_data_arguments,
+    check_paths_exist,
+    check_sample_shape,
+    collate_right_padded,
+    warn_on_empty_shards,
 )
 from lightning_ulysses.finetune.packing import Truncation
 from lightning_ulysses.finetune.records import load_records
@@ -43,6 +47,9 @@ class RecordsDataModule(L.LightningDataModule):
     """Reads ``paths`` (and ``val_paths``, or holds out ``val_fraction`` of the records) once per process and turns
     each split into a Dataset with :meth:`build`. Batches are right-padded (``attention_mask``) by
     :func:`~lightning_ulysses.data.collate_right_padded`; the strategy wraps the training loader to resume mid-epoch."""
+
+    collate = staticmethod(collate_right_padded)
+    """``(samples, pad_token_id) -> batch``: how the loaders batch this module's samples."""
 
     def __init__(
         self, paths: Sequence[str], tokenizer: str, seq_len: int, truncation: Truncation, batch_size: int,
@@ -99,7 +106,7 @@ class RecordsDataModule(L.LightningDataModule):
             raise RuntimeError(f"{type(self).__name__}.setup() must run before its dataloaders are requested.")
         return DataLoader(
             dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
-            collate_fn=functools.partial(collate_right_padded, pad_token_id=self.tokenizer.pad_token_id or 0),
+            collate_fn=functools.partial(self.collate, pad_token_id=self.tokenizer.pad_token_id or 0),
             persistent_workers=self.num_workers > 0,
         )
 

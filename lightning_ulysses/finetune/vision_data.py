@@ -15,7 +15,6 @@ grids concatenated in row order (what :class:`~lightning_ulysses.VisionLanguageM
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from lightning_ulysses.data import collate_right_padded
 from lightning_ulysses.finetune.datamodule import RecordsDataModule
@@ -146,6 +145,8 @@ class VisionChatDataModule(RecordsDataModule):
     Records are processed once at set-up, in this process, and kept in memory.
     """
 
+    collate = staticmethod(collate_vision_chats)
+
     def __init__(
         self,
         paths: Sequence[str],
@@ -199,12 +200,3 @@ class VisionChatDataModule(RecordsDataModule):
         self.reports[name] = DataReport.of(statuses, lengths, trained, len(rows), self.seq_len)
         rank_zero_info(f"Vision chat {name} data: {self.reports[name]}")
         return VisionChatDataset(samples, rows)
-
-    def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
-        if dataset is None:
-            raise RuntimeError(f"{type(self).__name__}.setup() must run before its dataloaders are requested.")
-        return DataLoader(
-            dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
-            collate_fn=functools.partial(collate_vision_chats, pad_token_id=self.tokenizer.pad_token_id or 0),
-            persistent_workers=self.num_workers > 0,
-        )
