@@ -17,6 +17,7 @@ from lightning_ulysses import apply_ulysses_attention, prepare_batch, remove_uly
 from lightning_ulysses.hf.state import UnsupportedModelError
 from lightning_ulysses.loss import token_cross_entropy
 from lightning_ulysses.vision import VisionLanguageModel, merged_inputs_embeds, prepare_vision_batch, vision_family
+from tests.launch import launch
 from tests.vision_data import CONFIGS, llava_batch, plain_loss_sum, qwen_batch, tiny_config, tiny_model
 
 # row 0: three images of different sizes and a video; row 1: one image. 56 columns: at sp=2 the border (28) falls
@@ -240,15 +241,11 @@ FOUR_PROCESS_CASES = {
 
 @pytest.fixture(scope="module")
 def two_process_results() -> list[dict[str, Any]]:
-    from tests.launch import launch
-
     return launch("tests.test_vision:sp_worker", 2, {"cases": TWO_PROCESS_CASES})
 
 
 @pytest.fixture(scope="module")
 def four_process_results() -> list[dict[str, Any]]:
-    from tests.launch import launch
-
     return launch("tests.test_vision:sp_worker", 4, {"cases": FOUR_PROCESS_CASES})
 
 
