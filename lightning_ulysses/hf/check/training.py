@@ -29,8 +29,11 @@ def run_as_in_training(
     """Step 4; with ``state.gather_mixers``, each module found mixing tokens is planned (and realised) to run on the
     whole sequence and the step repeated (a mixer hides the ones after it), until the model is exact or a finding
     remains that gathering does not remove. Where gathering a module's inputs is not enough, the module around it is
-    gathered instead, never one that holds an attention layer (that would run the attention on every rank)."""
+    gathered instead, never one that holds an attention layer (that would run the attention on every rank). A
+    gathered module that still differs is a finding of its own: the module around it is tried next. The search ends
+    (and the findings stand) when a plan comes round again."""
     attention = [name for name, _ in plan.layers]
+    tried_plans: set[tuple[tuple[str, str], ...]] = set()
     while True:
         findings = agreed(training_run(model, state, input_ids, position_ids, whole, shard), state)
         if not state.gather_mixers or not findings or any(f.mixer is None for f in findings):
@@ -39,7 +42,7 @@ def run_as_in_training(
             assert finding.mixer is not None
             levels = [(finding.mixer, finding.dims), *finding.enclosing]
             names = [name for name, _ in levels]
-            tried = next((g.module for g in plan.gathered if g.mixer == finding.mixer), None)
+            tried = next((g.module for g in plan.gathered if finding.mixer in (g.mixer, g.module)), None)
             later = names.index(tried) + 1 if tried in names else 0
             choice = next((
                 Gathered(finding.mixer, name, dims) for name, dims in levels[later:]
@@ -48,6 +51,10 @@ def run_as_in_training(
             if choice is None:
                 return findings, plan
             plan = plan.with_gathered(choice)  # a sharded mixer inside runs as it is: its kernels did not make it exact
+        choices = tuple((g.mixer, g.module) for g in plan.gathered)
+        if choices in tried_plans:
+            return findings, plan
+        tried_plans.add(choices)
         realize(plan)
 
 
