@@ -179,7 +179,12 @@ def _run(
             start_new_session=True,  # one process group each: stopping a torchrun stops its ranks too
         ))
     count_world_start()
-    killed = [names[i] for i in _wait_all(procs, timeout, grace)]
+    try:
+        killed = [names[i] for i in _wait_all(procs, timeout, grace)]
+    except BaseException:  # pytest-timeout, ^C: no rank outlives the test that started it
+        for proc in procs:
+            kill_group(proc)
+        raise
     outputs = []
     for log in logs:
         log.seek(0)

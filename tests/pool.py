@@ -71,7 +71,11 @@ class _World:
                 assert proc.stdin is not None
                 proc.stdin.write(json.dumps({"target": target, "folder": tmp, "env": env}) + "\n")
                 proc.stdin.flush()
-            statuses = self._wait(folder, timeout)
+            try:
+                statuses = self._wait(folder, timeout)
+            except BaseException:  # pytest-timeout, ^C: the ranks are still in the call, so the world cannot serve another
+                self.stop()
+                raise
             # a rank without a status died (its exit code) or is late (None: killed now)
             codes = [{"ok": 0, "failed": 1}.get(status, proc.poll())
                      for status, proc in zip(statuses, self.procs, strict=True)]

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import warnings
 from datetime import timedelta
 from typing import Any
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -91,3 +93,39 @@ def test_a_hanging_call_is_stopped_at_its_timeout_and_the_next_call_runs_in_a_ne
         launch("tests.test_pool:sleeping_worker", 2, timeout=10)
     after = [result["pid"] for result in launch("tests.test_pool:state_worker", 2)]
     assert not set(after) & set(pids)
+
+
+
+class _Interrupted(Exception):
+    """What pytest-timeout raises in the test's thread."""
+
+
+@pytest.mark.parametrize("pooled", [True, False], ids=["pooled", "fresh"])
+def test_a_call_interrupted_from_outside_stops_its_ranks(monkeypatch: pytest.MonkeyPatch, pooled: bool) -> None:
+    monkeypatch.setattr(tests.launch, "POOLED", pooled)
+    world = {result["pid"] for result in launch("tests.test_pool:state_worker", 2)} if pooled else set()
+    running = _rank_processes()
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(3)
+    try:
+        with pytest.raises(_Interrupted):
+            launch("tests.test_pool:sleeping_worker", 2, timeout=60)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    left = _rank_processes() - (running - world)
+    assert not left, f"ranks of the interrupted call still run: {left}"
+    after = {result["pid"] for result in launch("tests.test_pool:state_worker", 2)}
+    assert not after & world
+
+
+def _rank_processes() -> set[int]:
+    """The live processes running ``tests.launch`` (ranks, pooled or fresh)."""
+    return {
+        proc.pid for proc in psutil.process_iter(["cmdline", "status"])
+        if "tests.launch" in " ".join(proc.info["cmdline"] or []) and proc.info["status"] != psutil.STATUS_ZOMBIE
+    }
