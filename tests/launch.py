@@ -177,6 +177,7 @@ def _run(
         procs.append(subprocess.Popen(
             command, env=process_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
             start_new_session=True,  # one process group each: stopping a torchrun stops its ranks too
+            preexec_fn=die_with_parent,
         ))
     count_world_start()
     try:
@@ -199,6 +200,15 @@ WORLD_STARTS = {"fresh": 0, "pooled": 0, "pooled calls": 0}
 def count_world_start(kind: str = "fresh") -> None:
     """Counted for the session's summary (see ``tests/conftest.py``)."""
     WORLD_STARTS[kind] += 1
+
+
+def die_with_parent() -> None:
+    """Run in a child before it starts: the kernel kills it when the test process dies (killed by ``timeout``, an
+    out-of-memory kill), which no ``finally`` of the test process would see."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def kill_group(proc: subprocess.Popen) -> None:

@@ -35,7 +35,9 @@ from typing import Any
 
 import torch
 
-from tests.launch import REPO_ROOT, check_ranks, count_world_start, free_port, kill_group, rank_environment
+from tests.launch import (
+    REPO_ROOT, check_ranks, count_world_start, die_with_parent, free_port, kill_group, rank_environment,
+)
 
 MAX_POOLED_PROCESSES = 6  # the least recently used world stops when a new one would exceed this (~0.5 GB a rank)
 FAILURE_GRACE_S = 5.0  # after one rank failed, the others may still fail on their own (their output is the report)
@@ -52,7 +54,8 @@ class _World:
             subprocess.Popen(
                 [sys.executable, "-m", "tests.launch", "--serve"],
                 env=rank_environment(world_size, num_nodes, rank, port=0), stdin=subprocess.PIPE, stdout=self.log,
-                stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True, text=True,
+                stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True, preexec_fn=die_with_parent,
+                text=True,
             )
             for rank in range(world_size)
         ]
