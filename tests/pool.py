@@ -76,7 +76,7 @@ class _World:
                 proc.stdin.flush()
             try:
                 statuses = self._wait(folder, timeout)
-            except BaseException:  # pytest-timeout, ^C: the ranks are still in the call, so the world cannot serve another
+            except BaseException:  # pytest-timeout, ^C: the ranks are still in the call; no other call can use them
                 self.stop()
                 raise
             # a rank without a status died (its exit code) or is late (None: killed now)
