@@ -8,6 +8,7 @@ of different sizes, an image cut by a shard border, a video and packed documents
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -304,11 +305,12 @@ def test_sp4_and_dp_x_sp_equal_one_process_of_the_plain_model(four_process_resul
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def chat_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from tests.vision_data import save_tiny_chats, save_tiny_llava_processor
+    from examples.make_vlm_data import save_llava_processor
+    from tests.vision_data import save_tiny_chats
 
     root = tmp_path_factory.mktemp("vision_chats")
     (root / "processor").mkdir()
-    fields = save_tiny_llava_processor(root / "processor")
+    fields = save_llava_processor(root / "processor")
     return {"chats": save_tiny_chats(root), "processor": str(root / "processor"), "media": str(root), "fields": fields}
 
 
@@ -319,6 +321,27 @@ def chat_data(files: dict[str, Any], mode: str, batch_size: int = 2) -> Any:
                                 mode=mode, batch_size=batch_size, val_fraction=0.3)
     data.setup("fit")
     return data
+
+
+def test_the_shipped_vision_example_is_what_its_script_makes(tmp_path: Path) -> None:
+    """examples/data/vlm (configs/vlm_sft_quickstart.yaml's data) equals a fresh run of examples/make_vlm_data.py,
+    and the config's ``image_token_id`` is the processor's."""
+    import numpy as np
+    import yaml
+    from PIL import Image
+
+    from examples.make_vlm_data import FOLDER, make
+
+    fields = make(tmp_path)
+    made = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    assert made == sorted(p.relative_to(FOLDER) for p in FOLDER.rglob("*") if p.is_file())
+    for path in made:
+        if path.suffix == ".png":
+            assert np.array_equal(np.asarray(Image.open(tmp_path / path)), np.asarray(Image.open(FOLDER / path))), path
+        else:
+            assert (tmp_path / path).read_text() == (FOLDER / path).read_text(), path
+    config = yaml.safe_load((FOLDER.parent.parent.parent / "configs" / "vlm_sft_quickstart.yaml").read_text())
+    assert config["model"]["init_args"]["model"]["image_token_id"] == fields["image_token_id"]
 
 
 def test_chat_rows_label_the_assistant_and_carry_their_images(chat_files: dict[str, Any]) -> None:

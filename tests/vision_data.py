@@ -209,36 +209,6 @@ def split_documents(family: str, batch: dict[str, Any]) -> list[dict[str, Any]]:
     return documents
 
 
-VISION_CHATML = (
-    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'image' %}{{- '<image>' }}{%- else %}{{- part['text'] }}{%- endif %}{%- endfor %}"
-    "{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- endif %}"
-)
-"""ChatML with content parts, each image as one ``<image>`` (the processor expands it to the image's 16 tokens)."""
-
-
-def save_tiny_llava_processor(folder: Any) -> dict[str, int]:
-    """A LLaVA processor for the tiny LLaVA: the byte chat tokenizer plus ``<image>`` (id 259), images resized to
-    8 x 8 pixels (CLIP's PIL processor: no torchvision), 2 x 2 pixel patches, 16 tokens per image. Returns the config
-    fields that must match it."""
-    from transformers import LlavaProcessor
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-    from lightning_ulysses.finetune import byte_chat_tokenizer
-
-    tokenizer = byte_chat_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<image>"]})
-    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
-    processor = LlavaProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, patch_size=2, vision_feature_select_strategy="default",
-        num_additional_image_tokens=1, image_token="<image>", chat_template=VISION_CHATML,
-    )
-    processor.save_pretrained(folder)
-    return dict(image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vocab_size=len(tokenizer))
-
-
 def save_tiny_chats(folder: Any, records: int = 6, seed: int = 0) -> str:
     """PNG images of different sizes and chats about one or two of them (JSONL); returns the file's path."""
     import json
