@@ -33,12 +33,14 @@ QWEN_PACKED_ROWS = [
     [[4, ("image", (1, 2, 2)), 6], [7]],
 ]
 LLAVA_ROWS = [[3, "image", 2, "image", 4], [6, "image", 5]]
+TEXT_ONLY_ROWS = {"qwen": [[[21]], [[9]]], "llava": [[14], [5, 3]]}  # a batch of chats without any image
 
 
-def family_batch(family: str, packed: bool = False, seed: int = 0) -> dict[str, Any]:
+def family_batch(family: str, packed: bool = False, seed: int = 0, text_only: bool = False) -> dict[str, Any]:
     if family == "llava":
-        return llava_batch(LLAVA_ROWS, seed)
-    return qwen_batch(QWEN_PACKED_ROWS if packed else QWEN_ROWS, seed, packed=packed)
+        return llava_batch(TEXT_ONLY_ROWS["llava"] if text_only else LLAVA_ROWS, seed)
+    rows = TEXT_ONLY_ROWS["qwen"] if text_only else QWEN_PACKED_ROWS if packed else QWEN_ROWS
+    return qwen_batch(rows, seed, packed=packed)
 
 
 def vision_module(family: str, model: torch.nn.Module, encoding: str = "shard") -> VisionLanguageModel:
@@ -195,9 +197,11 @@ class SGDVisionLanguageModel(VisionLanguageModel):
 
 
 def case_batches(case: dict[str, Any]) -> list[dict[str, Any]]:
-    """Item ``d + dp * s`` is DP rank ``d``'s batch of step ``s`` (Lightning's sampler, moved onto the DP ranks)."""
-    dp = case.get("dp", 1)
-    return [family_batch(case["family"], case.get("packed", False), seed=i) for i in range(STEPS * dp)]
+    """Item ``d + dp * s`` is DP rank ``d``'s batch of step ``s`` (Lightning's sampler, moved onto the DP ranks);
+    with ``text_only_rank``, that DP rank's batches hold no image."""
+    dp, text_only = case.get("dp", 1), case.get("text_only_rank")
+    return [family_batch(case["family"], case.get("packed", False), seed=i, text_only=i % dp == text_only)
+            for i in range(STEPS * dp)]
 
 
 def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
@@ -237,6 +241,9 @@ FOUR_PROCESS_CASES = {
     "qwen2_vl_packed_dp2_sp2_zero3": dict(family="qwen2_vl", sp=2, dp=2, stage=3, packed=True),
     "qwen2_5_vl_sp4_zero3": dict(family="qwen2_5_vl", sp=4, stage=3),
     "llava_dp2_sp2_zero2": dict(family="llava", sp=2, dp=2, stage=2),
+    # one DP rank's batches hold images, the other's none: ZeRO-3 gathers the vision tower's weights on every rank
+    "llava_dp2_sp2_zero3_text_only_rank": dict(family="llava", sp=2, dp=2, stage=3, text_only_rank=1),
+    "qwen2_vl_dp2_sp2_zero3_text_only_rank": dict(family="qwen2_vl", sp=2, dp=2, stage=3, text_only_rank=1),
 }
 
 

@@ -146,7 +146,7 @@ def llava_batch(rows: list[list[Any]], seed: int = 0) -> dict[str, Any]:
     for row, ids in enumerate(id_rows):
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention_mask[row, : len(ids)] = 1
-    vision = {"pixel_values": torch.randn(images, 3, 8, 8, generator=generator)}
+    vision = {"pixel_values": torch.randn(images, 3, 8, 8, generator=generator)} if images else {}
     return {"input_ids": input_ids, "attention_mask": attention_mask, "vision": vision,
             "labels": plain_labels(input_ids, attention_mask)}
 

@@ -5,8 +5,12 @@ With ``encode="shard"`` it runs the vision tower on the items (images, videos) t
 in its shard (an item cut by a shard border is encoded by both ranks), with ``encode="all"`` on every item of the
 batch. An item's embeddings do not depend on the other items encoded with it (each is encoded on its own patches),
 and each rank back-propagates only through the rows its shard holds, so the SP group's gradient sums to one
-process's either way. A rank whose shard holds no placeholder still encodes the batch's smallest item and adds it
-times zero, so that every rank runs the vision tower in every step (ZeRO-3 gathers its weights collectively).
+process's either way.
+
+Every rank runs the vision tower once per modality in every step, whatever its batch holds, since ZeRO-3 gathers
+the tower's weights collectively, over DP ranks whose batches differ too: a rank whose shard holds no placeholder of
+a modality encodes the batch's smallest item of it, and a batch without any item of a modality encodes a blank one
+(:meth:`~lightning_ulysses.vision.families.VisionFamily.blank_vision`); either is added times zero.
 
 The vision tower runs unpatched (:func:`~lightning_ulysses.hf.patching.unpatched`): its own attention
 implementation on whole images, never sequence-sharded.
@@ -47,6 +51,9 @@ def merged_inputs_embeds(model: nn.Module, family: VisionFamily, batch: Mapping[
     for modality in family.modalities:
         feature_rows = vision["feature_rows"].get(modality.name)
         if not feature_rows:
+            blank = family.blank_vision(inner, modality, embeds.device, embeds.dtype)
+            with unpatched(model):
+                embeds = embeds + 0.0 * family.encode(inner, blank, modality, [0]).sum()
             continue
         placeholders = input_ids == modality.token_id
         rows = torch.where(placeholders, all_rows, 0)

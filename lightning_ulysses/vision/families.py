@@ -58,6 +58,11 @@ class VisionFamily:
         """``[sum of the items' rows, hidden]``: the embeddings of ``items``, in order."""
         raise NotImplementedError
 
+    def blank_vision(self, inner: nn.Module, modality: Modality, device: torch.device,
+                     dtype: torch.dtype) -> dict[str, Tensor]:
+        """The vision inputs of one smallest item of ``modality``, all zeros."""
+        raise NotImplementedError
+
     def rope_index(self, inner: nn.Module, input_ids: Tensor, token_types: Tensor, vision: Mapping[str, Any],
                    items: Mapping[str, list[int]]) -> Tensor:
         """``[3, n]`` multimodal RoPE positions of one document ``input_ids [n]`` holding ``items`` of each modality."""
@@ -94,6 +99,15 @@ class QwenVLFamily(VisionFamily):
         grids = self._grids(vision, modality)[list(items)]
         features = inner.get_image_features if modality.name == "image" else inner.get_video_features
         return torch.cat(list(features(pixels, grids, return_dict=True).pooler_output))
+
+    def blank_vision(self, inner: nn.Module, modality: Modality, device: torch.device,
+                     dtype: torch.dtype) -> dict[str, Tensor]:
+        """One ``[1, merge, merge]`` grid: ``merge ** 2`` patches, one embedding row."""
+        config = inner.config.vision_config
+        values = config.in_channels * config.temporal_patch_size * config.patch_size**2
+        assert modality.grid_key is not None
+        return {modality.pixels_key: torch.zeros(self.merge**2, values, device=device, dtype=dtype),
+                modality.grid_key: torch.tensor([[1, self.merge, self.merge]], device=device)}
 
     def rope_index(self, inner: nn.Module, input_ids: Tensor, token_types: Tensor, vision: Mapping[str, Any],
                    items: Mapping[str, list[int]]) -> Tensor:
@@ -132,6 +146,12 @@ class LlavaFamily(VisionFamily):
             vision_feature_select_strategy=self.select_strategy, return_dict=True,
         )
         return torch.cat([feature.reshape(-1, feature.shape[-1]) for feature in out.pooler_output])
+
+    def blank_vision(self, inner: nn.Module, modality: Modality, device: torch.device,
+                     dtype: torch.dtype) -> dict[str, Tensor]:
+        config = inner.config.vision_config
+        size = (1, config.num_channels, config.image_size, config.image_size)
+        return {modality.pixels_key: torch.zeros(size, device=device, dtype=dtype)}
 
 
 SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "llava")
