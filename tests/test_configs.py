@@ -19,6 +19,7 @@ the saved ones; random weights drawn with the config's ``initializer_range``; th
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 import shutil
@@ -42,6 +43,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.cli]
 
 CONFIGS = {path.stem: path for path in sorted((REPO_ROOT / "configs").glob("*.yaml"))}
 MODEL_FOLDER, TEXT_FOLDER = "<tiny Llama-3 folder>", "<text folder>"  # filled in by the folders fixture
+VLM_FOLDER = "<tiny LLaVA-1.5 folder>"
 
 ON_CPU = {
     "trainer.accelerator": "cpu", "trainer.precision": "32-true",
@@ -53,6 +55,7 @@ LLAMA_3_8B_SHRUNK = {
 }
 SFT_CHATS = ["examples/data/sft_arithmetic.jsonl"]  # relative to the repository, where the launch runs
 DPO_PAIRS = ["examples/data/dpo_arithmetic.jsonl"]
+VISION_CHATS = ["examples/data/vlm/chats.jsonl"]
 SHRINK: dict[str, dict[str, Any]] = {
     "quickstart": {"data.seq_len": 64, "data.max_files": 24, "trainer.limit_val_batches": 2},
     "sft_quickstart": {"data.init_args.seq_len": 256, "trainer.limit_val_batches": 2},
@@ -73,6 +76,12 @@ SHRINK: dict[str, dict[str, Any]] = {
         "model.init_args.learning_rate": 1.0e-04,
     },
     "vlm_sft_quickstart": {"trainer.limit_val_batches": 2},
+    "vlm_sft_8gpu": {
+        **ON_CPU, "trainer.devices": 2, "trainer.strategy.init_args.sp_size": 2, "trainer.limit_val_batches": 2,
+        "model.init_args.model": VLM_FOLDER, "data.init_args.processor": VLM_FOLDER, "data.init_args.paths": VISION_CHATS,
+        "data.init_args.val_paths": VISION_CHATS, "data.init_args.media_root": "examples/data/vlm",
+        "data.init_args.seq_len": 512,
+    },
     "llama8b_1node_zero3": LLAMA_3_8B_SHRUNK,
     "multinode_slurm": LLAMA_3_8B_SHRUNK,
     "multinode_torchrun": LLAMA_3_8B_SHRUNK,
@@ -81,6 +90,13 @@ SHRINK: dict[str, dict[str, Any]] = {
 OUTSIDE_THE_LOSS = {
     # LLaVA reads the CLIP tower's hidden states before its final norm, as the real checkpoints do
     "vlm_sft_quickstart": ["model.vision_tower.post_layernorm.weight", "model.vision_tower.post_layernorm.bias"],
+    # LLaVA-1.5 reads the second-to-last CLIP layer's output (vision_feature_layer -2): the last layer is unused
+    "vlm_sft_8gpu": [
+        *(f"model.vision_tower.encoder.layers.2.{module}.{kind}"
+          for module in ("self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj", "self_attn.out_proj",
+                         "layer_norm1", "mlp.fc1", "mlp.fc2", "layer_norm2") for kind in ("weight", "bias")),
+        "model.vision_tower.post_layernorm.weight", "model.vision_tower.post_layernorm.bias",
+    ],
 }
 """Config name -> the weights that its model computes with outside the loss: no gradient, so unchanged by training."""
 OWN_INITIALISATION = ("model.vision_tower.encoder.",)
@@ -249,7 +265,30 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(model_folder)
-    return {MODEL_FOLDER: str(model_folder), TEXT_FOLDER: str(root / "texts")}
+    return {MODEL_FOLDER: str(model_folder), TEXT_FOLDER: str(root / "texts"), VLM_FOLDER: _tiny_llava(root)}
+
+
+def _tiny_llava(root: Path) -> str:
+    """llava-hf/llava-1.5-7b-hf's layout shrunk (a Llama-2 decoder with head_dim = hidden / heads and no GQA, a
+    3-layer CLIP tower read at its second-to-last layer, the GELU projector), saved in bf16 with the LLaVA processor
+    of examples/make_vlm_data.py, as a from_pretrained folder."""
+    from transformers import AutoConfig, LlavaForConditionalGeneration
+
+    from examples.make_vlm_data import save_llava_processor
+
+    folder = root / "llava-1.5-7b-tiny"
+    fields = save_llava_processor(folder)
+    config = AutoConfig.for_model(
+        "llava", image_token_id=fields["image_token_id"], image_seq_length=16, vision_feature_layer=-2,
+        vision_feature_select_strategy="default", projector_hidden_act="gelu",
+        text_config=dict(model_type="llama", vocab_size=fields["vocab_size"], hidden_size=128, intermediate_size=344,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, pad_token_id=256),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=256, num_hidden_layers=3,
+                           num_attention_heads=2, image_size=8, patch_size=2),
+    )
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(folder)
+    return str(folder)
 
 
 class Runs:
@@ -354,7 +393,10 @@ def test_config_trains_two_steps(runs: Runs, folders: dict[str, str], case: str)
         assert record["optimizer_decays"] == [model["weight_decay"], 0.0], f"{where}: DeepSpeed's param groups"
 
         if model["pretrained"]:
-            check_pretrained(folders[MODEL_FOLDER], initial, final, where)
+            placeholder = next(v for k, v in SHRINK[runs[case]["name"]].items() if k.split(".")[-1] == "model")
+            module_class = CausalLM if "class_path" not in config["model"] else _imported(config["model"]["class_path"])
+            check_pretrained(folders[placeholder], module_class.auto_class, initial, final, where,
+                             UNSEEN_TOKENS[placeholder])
         else:  # transformers' initialisation, also when ZeRO-3 partitions the model as it is built
             std = build_config(model["model"]).get_text_config().initializer_range  # a composite's decoder's
             for name, p in initial.items():
@@ -363,17 +405,31 @@ def test_config_trains_two_steps(runs: Runs, folders: dict[str, str], case: str)
     assert Path(ranks[0]["checkpoint"]).is_dir(), f"{case}: no checkpoint at {ranks[0]['checkpoint']!r}"
 
 
-def check_pretrained(folder: str, initial: dict[str, torch.Tensor], final: dict[str, torch.Tensor], where: str) -> None:
-    """Loaded and gathered before the first step: the saved (bf16) weights, in fp32 as ``precision: 32-true`` asks.
-    After 2 steps: the embedding rows of the reserved tokens, which never occur and so get no gradient, changed by
-    AdamW's weight decay alone, that is, shrank."""
+UNSEEN_TOKENS = {MODEL_FOLDER: RESERVED_TOKENS, VLM_FOLDER: []}
+"""Tokens of each folder's vocabulary that the data never holds (their embedding rows get no gradient)."""
+
+
+def _imported(class_path: str) -> Any:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def check_pretrained(folder: str, auto_class: Any, initial: dict[str, torch.Tensor], final: dict[str, torch.Tensor],
+                     where: str, unseen_tokens: list[str]) -> None:
+    """Loaded and gathered before the first step: the saved (bf16) weights, in fp32 as ``precision: 32-true`` asks
+    (the weights of ``auto_class.from_pretrained`` in one plain process, which maps the file's names to the
+    model's). After 2 steps: the embedding rows of ``unseen_tokens``, which never occur and so get no gradient,
+    changed by AdamW's weight decay alone, that is, shrank."""
     from transformers import AutoTokenizer
 
-    saved = load_file(Path(folder) / "model.safetensors")
+    saved = dict(auto_class.from_pretrained(folder, dtype=torch.bfloat16).named_parameters())
+    assert len(saved) == len(load_file(Path(folder) / "model.safetensors")), f"{where}: the file has other weights"
     assert initial.keys() == saved.keys(), where
     for name, p in initial.items():
         assert p.dtype == torch.float32 and torch.equal(p, saved[name].float()), f"{where}: {name} is not as saved"
-    reserved = AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids(RESERVED_TOKENS)
+    if not unseen_tokens:
+        return
+    reserved = AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids(unseen_tokens)
     before, after = (weights["model.embed_tokens.weight"][reserved] for weights in (initial, final))
     kept = int((after.abs() >= before.abs()).sum())
     assert kept == 0, f"{where}: {kept} of {before.numel()} embedding weights of unseen tokens did not decay"
