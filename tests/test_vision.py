@@ -216,12 +216,17 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
     world_size = int(os.environ["WORLD_SIZE"])
     results = {}
     for name, case in args["cases"].items():
-        module = SGDVisionLanguageModel(model=CONFIGS[case["family"]], vision_encoding=case.get("encoding", "shard"))
+        module = SGDVisionLanguageModel(model=CONFIGS[case["family"]], vision_encoding=case.get("encoding", "shard"),
+                                        gradient_checkpointing=case.get("checkpointing", False))
         module.model, module.losses = tiny_model(case["family"]), []
+        if module.hparams.gradient_checkpointing:
+            module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            module.configure_model()  # the vision tower stays unchecked
         loader = DataLoader(case_batches(case), batch_size=1, collate_fn=lambda items: items[0])
         trainer = L.Trainer(
             accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, num_sanity_val_steps=0,
-            strategy=UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa"),
+            strategy=UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa",
+                                     ring_size=case.get("ring", 1)),
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )
         trainer.fit(module, loader)
@@ -235,6 +240,8 @@ TWO_PROCESS_CASES = {
     "qwen2_5_vl_sp2_zero2": dict(family="qwen2_5_vl", sp=2, stage=2),
     "qwen2_5_vl_packed_sp2_zero3": dict(family="qwen2_5_vl", sp=2, stage=3, packed=True),
     "llava_sp2_zero3": dict(family="llava", sp=2, stage=3),
+    "qwen2_vl_ring2_zero2": dict(family="qwen2_vl", sp=2, ring=2, stage=2),  # zigzag shards: each rank two blocks
+    "qwen2_5_vl_checkpointed_sp2_zero3": dict(family="qwen2_5_vl", sp=2, stage=3, checkpointing=True),
 }
 FOUR_PROCESS_CASES = {
     "qwen2_vl_sp4_zero2": dict(family="qwen2_vl", sp=4, stage=2),
