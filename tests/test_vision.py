@@ -242,6 +242,8 @@ TWO_PROCESS_CASES = {
     "llava_sp2_zero3": dict(family="llava", sp=2, stage=3),
     "qwen2_vl_ring2_zero2": dict(family="qwen2_vl", sp=2, ring=2, stage=2),  # zigzag shards: each rank two blocks
     "qwen2_5_vl_checkpointed_sp2_zero3": dict(family="qwen2_5_vl", sp=2, stage=3, checkpointing=True),
+    "qwen2_vl_exchange_sp2_zero2": dict(family="qwen2_vl", sp=2, stage=2, encoding="exchange"),
+    "llava_exchange_sp2_zero3": dict(family="llava", sp=2, stage=3, encoding="exchange"),
 }
 FOUR_PROCESS_CASES = {
     "qwen2_vl_sp4_zero2": dict(family="qwen2_vl", sp=4, stage=2),
@@ -251,6 +253,10 @@ FOUR_PROCESS_CASES = {
     # one DP rank's batches hold images, the other's none: ZeRO-3 gathers the vision tower's weights on every rank
     "llava_dp2_sp2_zero3_text_only_rank": dict(family="llava", sp=2, dp=2, stage=3, text_only_rank=1),
     "qwen2_vl_dp2_sp2_zero3_text_only_rank": dict(family="qwen2_vl", sp=2, dp=2, stage=3, text_only_rank=1),
+    # one video for 4 ranks: 3 of them encode a blank one
+    "qwen2_5_vl_exchange_sp4_zero3": dict(family="qwen2_5_vl", sp=4, stage=3, encoding="exchange"),
+    "qwen2_vl_exchange_packed_dp2_sp2_zero3_text_only_rank": dict(
+        family="qwen2_vl", sp=2, dp=2, stage=3, packed=True, encoding="exchange", text_only_rank=1),
 }
 
 
@@ -390,6 +396,30 @@ def test_a_chat_batch_trains_as_the_plain_model(chat_files: dict[str, Any]) -> N
     got_sum, got_count = patched_loss_sum(vision_module("llava", model), model, batch)
     assert int(got_count) == expected_count
     torch.testing.assert_close(got_sum, expected_sum, rtol=1e-5, atol=0)
+
+
+def test_exchange_balances_the_items_over_the_ranks() -> None:
+    """``balanced_owners`` on the test batches and on many random ones: every item owned once, and no rank more
+    than the largest item above the least loaded one (largest-first greedy). Measured on QWEN_ROWS (images of 4, 6,
+    1 and 3 rows, a video of 8): rows per rank [22] at sp=1, [11, 11] at sp=2, [8, 6, 4, 4] at sp=4 (patches: x4; images and video through
+    the same tower, balanced together)."""
+    from lightning_ulysses.vision.embed import balanced_owners, owners_by_modality
+
+    rows = [4, 6, 1, 3]  # QWEN_ROWS' images (grids / 4); its video (8 rows) is a modality of its own
+    loads = {}
+    for sp in (1, 2, 4):
+        owners = owners_by_modality({"image": rows, "video": [8]}, sp)
+        loads[sp] = [sum(r for r, o in zip([*rows, 8], [*owners["image"], *owners["video"]]) if o == rank)
+                     for rank in range(sp)]
+    assert loads == {1: [22], 2: [11, 11], 4: [8, 6, 4, 4]}
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        items = torch.randint(1, 50, (int(torch.randint(1, 12, (1,), generator=generator)),), generator=generator)
+        sp = int(torch.randint(2, 9, (1,), generator=generator))
+        owners = balanced_owners(items.tolist(), sp)
+        per_rank = torch.zeros(sp, dtype=torch.long).index_add_(0, torch.tensor(owners), items)
+        assert int(per_rank.sum()) == int(items.sum())
+        assert int(per_rank.max() - per_rank.min()) <= int(items.max())
 
 
 def test_shard_encoding_runs_the_vision_tower_on_the_items_of_each_shard() -> None:

@@ -1,11 +1,19 @@
 """A shard's input embeddings with its images merged in, from the vision rows that the whole-sequence step numbered.
 
 Every rank holds all of the batch's pixels and its own ``[B, N/sp]`` shard of ``input_ids`` and ``vision_rows``.
-With ``encode="shard"`` it runs the vision tower on the items (images, videos) that have at least one placeholder
-in its shard (an item cut by a shard border is encoded by both ranks), with ``encode="all"`` on every item of the
-batch. An item's embeddings do not depend on the other items encoded with it (each is encoded on its own patches),
-and each rank back-propagates only through the rows its shard holds, so the SP group's gradient sums to one
-process's either way.
+Which items (images, videos) a rank runs the vision tower on:
+
+* ``encode="shard"``: those with at least one placeholder in its shard (an item cut by a shard border is encoded by
+  both ranks); no communication;
+* ``encode="exchange"``: a share of the batch's items, balanced by embedding rows over the SP group
+  (:func:`balanced_owners`, the same on every rank), whose embeddings are then all-gathered; in the backward each
+  item's embedding gradient is summed over the ranks and back-propagated by its owner only. Vision compute per rank
+  approaches ``1/sp`` of the batch's, at ``(sp - 1) / sp`` of the batch's embedding bytes received per rank;
+* ``encode="all"``: every item of the batch.
+
+An item's embeddings do not depend on the other items encoded with it (each is encoded on its own patches), and
+each item's gradient reaches the tower once over the SP group (``"shard"``, ``"all"``: each rank back-propagates
+only through the rows its shard holds), so the SP group's gradient sums to one process's in every mode.
 
 Every rank runs the vision tower once per modality in every step, whatever its batch holds, since ZeRO-3 gathers
 the tower's weights collectively, over DP ranks whose batches differ too: a rank whose shard holds no placeholder of
@@ -18,20 +26,63 @@ implementation on whole images, never sequence-sharded.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from lightning_ulysses.hf.apply import unpatched
 from lightning_ulysses.vision.batch import ROWS_KEY, VISION_KEY
 from lightning_ulysses.vision.families import VisionFamily
 
-VisionEncoding = Literal["shard", "all"]
+VisionEncoding = Literal["shard", "exchange", "all"]
+VISION_ENCODINGS = ("shard", "exchange", "all")
 
 
-def encoded_items(rows: Tensor, feature_rows: list[int], encode: VisionEncoding) -> list[int]:
+def balanced_owners(feature_rows: Sequence[int], ranks: int) -> list[int]:
+    """The rank that encodes each item: largest item first, each onto the rank with the fewest rows so far (ties: the
+    lowest rank). A pure function of the batch, so every rank of the SP group computes the same assignment."""
+    owners, loads = [0] * len(feature_rows), [0] * ranks
+    for item in sorted(range(len(feature_rows)), key=lambda i: (-feature_rows[i], i)):
+        rank = min(range(ranks), key=lambda r: (loads[r], r))
+        owners[item], loads[rank] = rank, loads[rank] + feature_rows[item]
+    return owners
+
+
+def owners_by_modality(feature_rows: Mapping[str, list[int]], ranks: int) -> dict[str, list[int]]:
+    """:func:`balanced_owners` over the items of every modality together (they run through the same tower)."""
+    items = [(name, rows) for name, per_item in feature_rows.items() for rows in per_item]
+    owners: dict[str, list[int]] = {name: [] for name in feature_rows}
+    for (name, _), owner in zip(items, balanced_owners([rows for _, rows in items], ranks), strict=True):
+        owners[name].append(owner)
+    return owners
+
+
+class _GatherRows(torch.autograd.Function):
+    """``[n_r, hidden]`` on each rank ``r`` of ``group`` -> ``[sum of n_r, hidden]`` on every rank (rank order).
+    Backward: the gradient summed over the ranks, each rank keeping its own rows."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, counts: list[int], group: ProcessGroup) -> Tensor:
+        ctx.counts, ctx.group, ctx.rank = counts, group, dist.get_rank(group)
+        padded = local.new_zeros(max(counts), *local.shape[1:])
+        padded[: local.shape[0]] = local
+        gathered = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(gathered, padded, group=group)
+        return torch.cat([part[:count] for part, count in zip(gathered, counts, strict=True)])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        start = sum(ctx.counts[: ctx.rank])
+        return grad[start : start + ctx.counts[ctx.rank]], None, None
+
+
+def encoded_items(rows: Tensor, feature_rows: list[int], encode: Literal["shard", "all"]) -> list[int]:
     """The items whose embeddings this shard needs (``rows``: its ``vision_rows`` of one modality, 1-based), or with
     ``"all"`` every item; never none while the batch has items."""
     if encode == "all":
@@ -42,12 +93,18 @@ def encoded_items(rows: Tensor, feature_rows: list[int], encode: VisionEncoding)
 
 
 def merged_inputs_embeds(model: nn.Module, family: VisionFamily, batch: Mapping[str, Any],
-                         encode: VisionEncoding = "shard") -> Tensor:
+                         encode: VisionEncoding = "shard", group: ProcessGroup | None = None) -> Tensor:
     """``[B, N/sp, hidden]``: the embeddings of the shard's ``input_ids``, each placeholder replaced by its item's
-    embedding row (see the module docstring)."""
+    embedding row (see the module docstring); ``group``: the SP group (``"exchange"`` only; ``None`` or one rank:
+    as ``"all"``)."""
+    if encode == "exchange" and (group is None or dist.get_world_size(group) == 1):
+        encode = "all"
     input_ids, all_rows, vision = batch["input_ids"], batch[ROWS_KEY], batch[VISION_KEY]
     embeds = model.get_input_embeddings()(input_ids)
     inner = model.model
+    if encode == "exchange":
+        assert group is not None
+        owners = owners_by_modality(vision["feature_rows"], dist.get_world_size(group))
     for modality in family.modalities:
         feature_rows = vision["feature_rows"].get(modality.name)
         if not feature_rows:
@@ -57,9 +114,14 @@ def merged_inputs_embeds(model: nn.Module, family: VisionFamily, batch: Mapping[
             continue
         placeholders = input_ids == modality.token_id
         rows = torch.where(placeholders, all_rows, 0)
-        items = encoded_items(rows, feature_rows, encode)
-        with unpatched(model):
-            features = family.encode(inner, vision, modality, items).to(embeds.dtype)
+        if encode == "exchange":
+            assert group is not None
+            items, features = _exchanged(model, family, vision, modality, feature_rows, owners[modality.name], embeds,
+                                         group)
+        else:
+            items = encoded_items(rows, feature_rows, encode)
+            with unpatched(model):
+                features = family.encode(inner, vision, modality, items).to(embeds.dtype)
         # batch row r of this modality -> its row in `features`
         local = torch.full((sum(feature_rows),), -1, dtype=torch.long, device=embeds.device)
         starts = [0, *torch.tensor(feature_rows).cumsum(0).tolist()]
@@ -76,3 +138,22 @@ def merged_inputs_embeds(model: nn.Module, family: VisionFamily, batch: Mapping[
         if not bool(placeholders.any()):
             embeds = embeds + 0.0 * features.sum()  # keeps the vision tower in this rank's backward
     return embeds
+
+
+def _exchanged(
+    model: nn.Module, family: VisionFamily, vision: Mapping[str, Any], modality: Any, feature_rows: list[int],
+    owners: list[int], embeds: Tensor, group: ProcessGroup,
+) -> tuple[list[int], Tensor]:
+    """``encode="exchange"``: this rank encodes the items it owns, and every rank gets every item's rows. Returns the
+    items in the order of the gathered rows (rank by rank) and the rows ``[sum of rows, hidden]``."""
+    rank = dist.get_rank(group)
+    shares = [[item for item, owner in enumerate(owners) if owner == r] for r in range(dist.get_world_size(group))]
+    with unpatched(model):
+        if shares[rank]:
+            own = family.encode(model.model, vision, modality, shares[rank]).to(embeds.dtype)
+        else:  # fewer items than ranks: the tower runs all the same (ZeRO-3), on a blank item, and sends no row
+            blank = family.blank_vision(model.model, modality, embeds.device, embeds.dtype)
+            rows = family.encode(model.model, blank, modality, [0]).to(embeds.dtype)
+            own = rows[:0] + 0.0 * rows.sum()
+    counts = [sum(feature_rows[item] for item in share) for share in shares]
+    return [item for share in shares for item in share], _GatherRows.apply(own, counts, group)

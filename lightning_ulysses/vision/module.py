@@ -24,7 +24,7 @@ from transformers import AutoModelForImageTextToText, PreTrainedModel
 
 from lightning_ulysses.model import CausalLM
 from lightning_ulysses.vision.batch import MROPE_KEY, prepare_vision_batch
-from lightning_ulysses.vision.embed import VisionEncoding, merged_inputs_embeds
+from lightning_ulysses.vision.embed import VISION_ENCODINGS, VisionEncoding, merged_inputs_embeds
 from lightning_ulysses.vision.families import VisionFamily, vision_family
 
 
@@ -34,8 +34,10 @@ class VisionLanguageModel(CausalLM):
 
     Args:
         vision_encoding: ``"shard"``: each SP rank encodes the images and videos with a placeholder in its shard
-            (vision compute per rank falls with ``sp_size``); ``"all"``: every rank encodes every item of the batch.
-            Both are exact (see :mod:`lightning_ulysses.vision.embed`).
+            (no communication; items cut by shard borders are encoded twice); ``"exchange"``: each SP rank encodes a
+            share of the batch's items balanced by size, and the embeddings are all-gathered (vision compute per
+            rank near ``1/sp_size`` of the batch's); ``"all"``: every rank encodes every item of the batch. All
+            three are exact (see :mod:`lightning_ulysses.vision.embed`).
 
     Other vision-language families are refused at set-up (:func:`~lightning_ulysses.vision.families.vision_family`).
     The vision tower is never gradient-checkpointed (``gradient_checkpointing`` applies to the language model).
@@ -44,8 +46,8 @@ class VisionLanguageModel(CausalLM):
     auto_class = AutoModelForImageTextToText
 
     def __init__(self, *args: Any, vision_encoding: VisionEncoding = "shard", **kwargs: Any) -> None:
-        if vision_encoding not in ("shard", "all"):
-            raise ValueError(f"vision_encoding must be 'shard' or 'all', got {vision_encoding!r}.")
+        if vision_encoding not in VISION_ENCODINGS:
+            raise ValueError(f"vision_encoding must be one of {VISION_ENCODINGS}, got {vision_encoding!r}.")
         super().__init__(*args, **kwargs)
         self.family: VisionFamily | None = None
 
@@ -81,5 +83,7 @@ class VisionLanguageModel(CausalLM):
         if MROPE_KEY in batch:
             positions = torch.cat([positions[None], batch[MROPE_KEY].permute(2, 0, 1)])
         assert self.family is not None
-        embeds = merged_inputs_embeds(model, self.family, batch, self.hparams["vision_encoding"])
+        strategy = self._ulysses_strategy()
+        group = strategy.sp_group if strategy is not None else None
+        embeds = merged_inputs_embeds(model, self.family, batch, self.hparams["vision_encoding"], group)
         return {"inputs_embeds": embeds, "position_ids": positions}
