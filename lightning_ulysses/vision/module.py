@@ -61,8 +61,8 @@ class VisionLanguageModel(CausalLM):
                     module.gradient_checkpointing = False
 
     def on_fit_start(self) -> None:
-        strategy = self._ulysses_strategy()
-        if strategy is not None and strategy.loss_normalization == "global":
+        context = self._loss_context()
+        if context is not None and context.normalization == "global":
             raise ValueError(
                 "VisionLanguageModel does not support loss_normalization='global' yet: its step token counts are read "
                 "before the image placeholders are masked. Use loss_normalization='sp_group' (the default)."
