@@ -13,7 +13,8 @@ is the groups' own, never a module's:
 
 Functions that take an SP ``group`` accept a plain ``ProcessGroup`` (plain Ulysses over it, nothing cached, nothing
 observed), ``None`` (no sequence parallelism) or this object (:data:`SequenceParallelGroup`); the helpers below read
-either alike.
+either alike. A patched transformers model holds groups whatever it was given (:meth:`SequenceParallelGroups.of` a
+plain process group), so its layers always find the batch's documents in a cache.
 """
 
 from __future__ import annotations
