@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from benchmarks.measure import PeakMemory
 from lightning_ulysses import ulysses_attention
-from lightning_ulysses.attention.collectives import RingLayout, set_ring_layout
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.heads import plan_heads
 from lightning_ulysses.topology import SequenceParallelTopology, divisors
 from tests.launch import launch
@@ -108,13 +108,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     seq, dim, heads, kv_heads = args["seq"], args["dim"], args["heads"], args["kv_heads"]
     groups = {}
     for ring in args["rings"]:  # every rank joins every group creation, in the same order
-        topology = SequenceParallelTopology(world, world, rank, ring)
-        sp_group, _ = dist.new_subgroups_by_enumeration(topology.sp_group_ranks)
-        if ring > 1:
-            ulysses_group, _ = dist.new_subgroups_by_enumeration(topology.ulysses_group_ranks)
-            ring_group, _ = dist.new_subgroups_by_enumeration(topology.ring_group_ranks)
-            set_ring_layout(sp_group, RingLayout(ring, ulysses_group, ring_group))
-        groups[ring] = sp_group
+        groups[ring] = SequenceParallelGroups.create(SequenceParallelTopology(world, world, rank, ring))
     counter = ByteCounter(args["node_size"])
     memory = PeakMemory(torch.device("cpu"))
     results: dict[int, dict[str, Any]] = {ring: {"times": [], "peaks": []} for ring in args["rings"]}

@@ -16,9 +16,14 @@ import argparse
 import lightning as L
 import torch
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 
-from lightning_ulysses import LongTextDataModule, UlyssesLossMixin, UlyssesStrategy, ulysses_attention
+from lightning_ulysses import (
+    LongTextDataModule,
+    SequenceParallelGroups,
+    UlyssesLossMixin,
+    UlyssesStrategy,
+    ulysses_attention,
+)
 
 
 def rotate(x: Tensor, position_ids: Tensor, base: float = 10000.0) -> Tensor:
@@ -39,7 +44,7 @@ class Block(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=False)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim, bias=False), nn.GELU(), nn.Linear(4 * dim, dim, bias=False))
 
-    def forward(self, x: Tensor, position_ids: Tensor, group: ProcessGroup | None) -> Tensor:
+    def forward(self, x: Tensor, position_ids: Tensor, group: SequenceParallelGroups) -> Tensor:
         """``x [B, N/sp, dim]``: this rank's tokens."""
         batch, local_len, dim = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(batch, local_len, 3, self.heads, dim // self.heads).unbind(2)
@@ -59,7 +64,7 @@ class TinyGPT(UlyssesLossMixin, L.LightningModule):
         self.head = nn.Linear(dim, vocab_size, bias=False)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        group = self.trainer.strategy.sp_group  # the ranks that hold the other shards of these sequences
+        group = self.trainer.strategy.groups  # the ranks that hold the other shards of these sequences (ring included)
         x = self.embed(batch["input_ids"])
         for block in self.blocks:
             x = block(x, batch["position_ids"], group)

@@ -10,6 +10,7 @@ from lightning_ulysses.callbacks import SequenceParallelMonitor, SequenceParalle
 from lightning_ulysses.data import LongTextDataModule, byte_tokenizer
 from lightning_ulysses.finetune import DPO, PreferenceDataModule, SFTDataModule
 from lightning_ulysses.flops import TransformerFlops, dense_peak_flops
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.heads import HeadLayout, plan_heads
 from lightning_ulysses.logits import TiledLogits, tiled_cross_entropy_sum
 from lightning_ulysses.loss import UlyssesLossMixin, token_cross_entropy
@@ -61,6 +62,7 @@ __all__ = [
     "PreferenceDataModule",
     "SFTDataModule",
     "SequenceParallelMonitor",
+    "SequenceParallelGroups",
     "SequenceParallelParityCheck",
     "SequenceParallelTopology",
     "TiledLogits",

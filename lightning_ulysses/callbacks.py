@@ -24,7 +24,6 @@ an all-gather of the position ids over the SP group (the attention does one per 
 
 from __future__ import annotations
 
-import functools
 import io
 import sys
 import time
@@ -46,9 +45,9 @@ from rich.table import Table
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from lightning_ulysses.attention import collectives
 from lightning_ulysses.attention import gather_sequence
 from lightning_ulysses.flops import TransformerFlops, dense_peak_flops
+from lightning_ulysses.groups import CollectiveObserver, SequenceParallelGroup
 from lightning_ulysses.loss import token_cross_entropy
 from lightning_ulysses.hf import outermost_models, unpatched
 from lightning_ulysses.sharding import IGNORE_INDEX
@@ -122,37 +121,32 @@ def shard_token_counts(batch: Mapping[str, Any]) -> tuple[int, int, int]:
 
 
 class AllToAllTimer:
-    """Times :func:`lightning_ulysses.attention.collectives.all_to_all` (forward and backward) while installed.
+    """Times the all-to-alls of an SP group (forward and backward) while installed as the ``all_to_all`` of its
+    :class:`~lightning_ulysses.groups.CollectiveObserver` (``strategy.groups.observer``).
 
     Each call is bracketed by device synchronisations, which serialise the step: leave this off
     unless you are measuring.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, observer: CollectiveObserver) -> None:
         self.device = device
+        self.observer = observer
         self.seconds = 0.0
-        self._original: Callable[..., Tensor] | None = None
 
     def install(self) -> None:
-        if self._original is not None:
-            return
-        original = self._original = collectives.all_to_all
-
-        @functools.wraps(original)
-        def timed(*args: Any, **kwargs: Any) -> Tensor:
-            _synchronize(self.device)
-            start = time.perf_counter()
-            out = original(*args, **kwargs)
-            _synchronize(self.device)
-            self.seconds += time.perf_counter() - start
-            return out
-
-        collectives.all_to_all = timed
+        self.observer.all_to_all = self._timed
 
     def remove(self) -> None:
-        if self._original is not None:
-            collectives.all_to_all = self._original
-            self._original = None
+        if self.observer.all_to_all == self._timed:
+            self.observer.all_to_all = None
+
+    def _timed(self, run: Callable[[], Tensor]) -> Tensor:
+        _synchronize(self.device)
+        start = time.perf_counter()
+        out = run()
+        _synchronize(self.device)
+        self.seconds += time.perf_counter() - start
+        return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -271,7 +265,7 @@ class SequenceParallelMonitor(Callback):
         device = trainer.strategy.root_device
         if device.type == "cuda":
             self._available_flops = available_flops(device, _plugin_to_compute_dtype(trainer.precision_plugin))
-        self._timer = AllToAllTimer(device) if self.time_all_to_all else None
+        self._timer = AllToAllTimer(device, self._strategy.groups.observer) if self.time_all_to_all else None
 
     @property
     def _metric_options(self) -> dict[str, Any]:
@@ -329,7 +323,7 @@ class SequenceParallelMonitor(Callback):
         positions, tokens, valid = shard_token_counts(batch)
         flops = 0.0
         if self._flops is not None:
-            whole = gather_sequence(batch["position_ids"], strategy.sp_group)
+            whole = gather_sequence(batch["position_ids"], strategy.groups)
             flops = self._flops.batch_flops(whole) / strategy.sp_size  # heads are split: 1/sp of the group's work
         samples = batch["input_ids"].shape[0] if strategy.sp_rank == 0 else 0  # each SP group counts its samples once
         peak, reserved = peak_memory(strategy.root_device)
@@ -368,6 +362,9 @@ class SequenceParallelMonitor(Callback):
         rank_zero_info(format_summary(self.summary, self._strategy, trainer.global_step))
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._remove_timer()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._remove_timer()
 
     def _remove_timer(self) -> None:
@@ -481,10 +478,11 @@ class SequenceParallelParityCheck(Callback):
     ) -> None:
         if self._due(trainer, batch_idx):  # before the step, so that the weights are those of the SP loss
             self._checked = True
-            self._pending = (trainer.global_step, self.reference_loss(batch, trainer.strategy.sp_group))
+            self._pending = (trainer.global_step, self.reference_loss(batch, trainer.strategy.groups))
 
-    def reference_loss(self, batch: Mapping[str, Tensor], sp_group: torch.distributed.ProcessGroup | None) -> Tensor:
-        """The token-mean loss of the SP group's whole sequences without SP (a scalar; collective over ``sp_group``)."""
+    def reference_loss(self, batch: Mapping[str, Tensor], sp_group: SequenceParallelGroup) -> Tensor:
+        """The token-mean loss of the SP group's whole sequences without SP (a scalar; collective over ``sp_group``, the
+        strategy's groups: the zigzag of a ring undone)."""
         whole = {key: gather_sequence(batch[key], sp_group) for key in ("input_ids", "position_ids", "shift_labels")}
         with torch.no_grad(), unpatched(self._model):
             # without a KV cache transformers masks packed documents (position ids restarting at 0), as training does

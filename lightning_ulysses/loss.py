@@ -9,7 +9,9 @@ Each rank of an SP group holds a shard of the same sequences, with its own numbe
 A per-rank mean averaged over ranks is wrong (ranks carry different token counts) and NaN on a rank
 with no valid tokens; sums and the group's count are exact. How the gradient must be scaled depends on
 how the strategy reduces gradients; :class:`UlyssesStrategy` states its contract as
-``loss_gradient_scale`` (see the derivation in :mod:`lightning_ulysses.strategy`).
+``loss_gradient_scale`` (see the derivation in :mod:`lightning_ulysses.strategy`). The strategy publishes what the
+reduction needs for the current batch as a :class:`LossContext` (``strategy.loss_context``); this module reads that
+and knows nothing else of the strategy.
 
 ``UlyssesStrategy(loss_normalization="global")`` instead weighs every valid token of an optimizer step
 equally, across all DP groups and all ``k`` gradient-accumulation micro-batches (torchtitan's and
@@ -27,13 +29,15 @@ mean of tiles, so the loss stays the exact token mean.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.logits import Logits, TiledLogits, token_losses
 from lightning_ulysses.memory import TileSetting, resolve_num_tiles
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch
@@ -41,10 +45,29 @@ from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from lightning_ulysses.strategy import UlyssesStrategy
-
 STEP_TOKENS_KEY = "_ulysses_step_valid_tokens"
 """Batch entry (added by :class:`StepTokenCounts`, removed by the strategy) with the SP group's step token count."""
+
+
+@dataclass(frozen=True)
+class LossContext:
+    """What a sequence-parallel strategy publishes for the loss of the current batch (``UlyssesStrategy.loss_context``,
+    read per batch).
+
+    ``groups``: the SP groups (the reduction runs over ``groups.sp``); ``normalization``: ``"sp_group"`` or
+    ``"global"`` (see the module docstring); ``gradient_scale``: the factor on ``local_sum / group_tokens`` that makes
+    gradients exact (``sp_size`` under DeepSpeed's average over all ranks); ``step_valid_tokens``: under ``"global"``,
+    this SP group's valid tokens in the current optimizer step (``None`` outside the training loop);
+    ``tiled_loss``: the strategy's ``tiled_loss`` setting; ``repeated_rows``: ``[B]`` bool on an evaluation or
+    prediction batch, the rows repeated to even out the DP ranks (``None``: none).
+    """
+
+    groups: SequenceParallelGroups
+    normalization: Literal["sp_group", "global"]
+    gradient_scale: float
+    step_valid_tokens: int | None
+    tiled_loss: TileSetting
+    repeated_rows: Tensor | None
 
 
 def token_cross_entropy(
@@ -75,9 +98,9 @@ class UlyssesLossMixin:
         """
         count = torch.as_tensor(num_valid_tokens, dtype=torch.float32, device=loss_sum.device)
         loss_sum = loss_sum.float()
-        strategy = self._ulysses_strategy()
-        if strategy is not None and strategy.loss_normalization == "global":
-            return _global_token_mean(loss_sum, count, strategy)
+        context = self._loss_context()
+        if context is not None and context.normalization == "global":
+            return _global_token_mean(loss_sum, count, context, self._trainer.accumulate_grad_batches)
         group, gradient_scale = self._sp_reduction()
         if group is None:
             return loss_sum / count.clamp(min=1)
@@ -104,8 +127,8 @@ class UlyssesLossMixin:
         strategy's ``tiled_loss`` (``True`` when it is off).
         """
         if num_tiles is None:
-            strategy = self._ulysses_strategy()
-            num_tiles = (strategy.memory.tiled_loss if strategy is not None else False) or True
+            context = self._loss_context()
+            num_tiles = (context.tiled_loss if context is not None else False) or True
         tiles = resolve_num_tiles(num_tiles, shift_labels.numel(), hidden_states.shape[-1], hidden_states.device)
         return self.causal_lm_loss(TiledLogits(hidden_states, lm_head, tiles), shift_labels, ignore_index)
 
@@ -125,8 +148,8 @@ class UlyssesLossMixin:
         own logits.
         """
         inputs = self.model_inputs(model, batch)
-        strategy = self._ulysses_strategy()
-        if strategy is None or not strategy.memory.tiled_loss:
+        context = self._loss_context()
+        if context is None or not context.tiled_loss:
             return model(**inputs).logits
         config = model.config.get_text_config()
         for attribute in ("final_logit_softcapping", "logit_scale"):
@@ -137,7 +160,7 @@ class UlyssesLossMixin:
                     "function that applies it."
                 )
         hidden_states = model.get_decoder()(**inputs).last_hidden_state
-        tiles = resolve_num_tiles(strategy.memory.tiled_loss, hidden_states.shape[:-1].numel(), hidden_states.shape[-1],
+        tiles = resolve_num_tiles(context.tiled_loss, hidden_states.shape[:-1].numel(), hidden_states.shape[-1],
                                   hidden_states.device)
         return TiledLogits(hidden_states, model.get_output_embeddings(), tiles)
 
@@ -145,35 +168,37 @@ class UlyssesLossMixin:
         """The keyword inputs of the model's (and its decoder's) forward: ``input_ids`` and ``position_ids``."""
         return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
 
-    def _ulysses_strategy(self) -> UlyssesStrategy | None:
-        from lightning_ulysses.strategy import UlyssesStrategy
-
+    def _loss_context(self) -> LossContext | None:
+        """The :class:`LossContext` the trainer's strategy publishes (``None``: a strategy without sequence
+        parallelism, or no trainer)."""
         trainer = getattr(self, "_trainer", None)
-        strategy = trainer.strategy if trainer is not None else None
-        return strategy if isinstance(strategy, UlyssesStrategy) else None
+        context = getattr(trainer.strategy, "loss_context", None) if trainer is not None else None
+        return context if isinstance(context, LossContext) else None
 
     def _sp_reduction(self) -> tuple[dist.ProcessGroup | None, float]:
-        strategy = self._ulysses_strategy()
-        if strategy is None or strategy.sp_size == 1:
+        """The SP process group the token sums are reduced over and the gradient scale (``None, 1.0``: no SP)."""
+        context = self._loss_context()
+        if context is None or context.groups.topology.sp_size == 1:
             return None, 1.0
-        return strategy.sp_group, strategy.loss_gradient_scale
+        return context.groups.sp, context.gradient_scale
 
 
-def _global_token_mean(loss_sum: Tensor, count: Tensor, strategy: UlyssesStrategy) -> Tensor:
-    """``loss_normalization="global"``: the gradient of ``sum(all token losses of the step) / T_step``."""
-    if strategy.step_valid_tokens is None:
+def _global_token_mean(loss_sum: Tensor, count: Tensor, context: LossContext, accumulate: int) -> Tensor:
+    """``loss_normalization="global"``: the gradient of ``sum(all token losses of the step) / T_step`` (``accumulate``:
+    the trainer's ``accumulate_grad_batches``)."""
+    if context.step_valid_tokens is None:
         raise RuntimeError(
             "loss_normalization='global' needs each training batch's step token count, which UlyssesStrategy adds "
             "by wrapping the training loader of Trainer.fit; this loss was computed outside that loop."
         )
-    group_step_tokens = strategy.step_valid_tokens if strategy.sp_rank == 0 else 0  # one contribution per SP group
+    topology = context.groups.topology
+    group_step_tokens = context.step_valid_tokens if topology.sp_rank == 0 else 0  # one contribution per SP group
     # fp64: a step's token count can pass fp32's exact integers (2**24)
     totals = torch.tensor([0.0, 0.0, group_step_tokens], dtype=torch.float64, device=loss_sum.device)
     totals[0], totals[1] = loss_sum.detach(), count
     dist.all_reduce(totals)  # over every rank: this micro-batch's sums and the step's tokens of all DP groups
     micro_batch_mean = (totals[0] / totals[1].clamp(min=1)).float()
-    accumulate = strategy.lightning_module.trainer.accumulate_grad_batches
-    scaled = loss_sum * (strategy.world_size * accumulate / totals[2].clamp(min=1)).float()
+    scaled = loss_sum * (topology.world_size * accumulate / totals[2].clamp(min=1)).float()
     return scaled + (micro_batch_mean - scaled).detach()
 
 

@@ -2,7 +2,9 @@
 
 What it adds to :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`:
 
-* the ``[dp, sp]`` process grid (:mod:`lightning_ulysses.topology`) with an SP and a DP group per rank;
+* the ``[dp, sp]`` process grid (:mod:`lightning_ulysses.topology`) with an SP and a DP group per rank (and a Ulysses
+  and a ring group under Ulysses x Ring), in one object built at set-up (:attr:`UlyssesStrategy.groups`,
+  :mod:`lightning_ulysses.groups`);
 * data: the distributed sampler runs over ``dp_rank / dp_size``, so the ``sp_size`` ranks of an SP
   group see the same samples and one epoch has the step count of DDP on ``dp_size`` ranks; a loader's own
   ``DistributedSampler`` over the world is moved onto the DP ranks, workers are seeded by DP rank, and every
@@ -61,10 +63,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ulysses.attention import gather_sequence, resolve_attn_implementation
-from lightning_ulysses.attention.collectives import RingLayout, gather_from_ranks, set_ring_layout
+from lightning_ulysses.attention.collectives import gather_from_ranks
 from lightning_ulysses.attention.head_chunks import HeadChunks, check_head_chunks
 from lightning_ulysses.attention.ring_blocks import check_block_kernels
-from lightning_ulysses.loss import STEP_TOKENS_KEY, StepTokenCounts
+from lightning_ulysses.groups import SequenceParallelGroups
+from lightning_ulysses.loss import STEP_TOKENS_KEY, LossContext, StepTokenCounts
 from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
 from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.hf.mixers import register_mixer_weights_for_zero3
@@ -168,8 +171,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         self.step_valid_tokens: int | None = None  # "global": this SP group's valid tokens in the current step
         self.nonfinite_loss = NonFiniteLossGuard(nonfinite_loss)
         self._topology: SequenceParallelTopology | None = None
-        self._sp_group: dist.ProcessGroup | None = None
-        self._dp_group: dist.ProcessGroup | None = None
+        self._groups: SequenceParallelGroups | None = None
         self._heartbeat: Heartbeat | None = None
         self._applied_steps = 0  # Lightning's global step once it has counted the last step DeepSpeed applied
         self._repeated_rows: Tensor | None = None  # evaluation / prediction: [B] bool, the current batch's repeats
@@ -205,16 +207,34 @@ class UlyssesStrategy(DeepSpeedStrategy):
         return self.topology.dp_rank
 
     @property
+    def groups(self) -> SequenceParallelGroups:
+        """This rank's process groups (SP, DP, and Ulysses and ring with ``ring_size > 1``), its layout, the per-batch
+        cache of its documents and the observer of its all-to-alls: what ``ulysses_attention(group=...)`` and
+        ``gather_sequence`` take to run exactly under every layout, Ulysses x Ring included."""
+        if self._groups is None:
+            raise RuntimeError("The sequence-parallel groups exist once the Trainer has set up its processes.")
+        return self._groups
+
+    @property
     def sp_group(self) -> dist.ProcessGroup | None:
-        """The process group of the ranks sharing this rank's sequences."""
+        """The process group of the ranks sharing this rank's sequences (plain Ulysses over it: under Ulysses x Ring
+        pass :attr:`groups`, which carries the ring)."""
         self.topology  # noqa: B018 - raises before set-up
-        return self._sp_group
+        return None if self._groups is None else self._groups.sp
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         """The process group of the ranks holding the same shard position in every SP group."""
         self.topology  # noqa: B018 - raises before set-up
-        return self._dp_group
+        return None if self._groups is None else self._groups.dp
+
+    @property
+    def loss_context(self) -> LossContext:
+        """What :class:`~lightning_ulysses.UlyssesLossMixin` reduces the current batch's loss with (read per batch)."""
+        return LossContext(
+            self.groups, self.loss_normalization, self.loss_gradient_scale, self.step_valid_tokens, self.memory.tiled_loss,
+            self._repeated_rows,
+        )
 
     @property
     def attn_implementation(self) -> str:
@@ -287,12 +307,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         self._init_deepspeed_distributed()
         _bound_deepspeed_world_group(self.world_size, self._timeout)
         # subgroups do not inherit the default group's timeout: without it a stalled rank holds its peers for torch's default
-        self._sp_group, _ = dist.new_subgroups_by_enumeration(self._topology.sp_group_ranks, timeout=self._timeout)
-        self._dp_group, _ = dist.new_subgroups_by_enumeration(self._topology.dp_group_ranks, timeout=self._timeout)
-        if ring_size > 1:
-            ulysses_group, _ = dist.new_subgroups_by_enumeration(self._topology.ulysses_group_ranks, timeout=self._timeout)
-            ring_group, _ = dist.new_subgroups_by_enumeration(self._topology.ring_group_ranks, timeout=self._timeout)
-            set_ring_layout(self._sp_group, RingLayout(ring_size, ulysses_group, ring_group))
+        self._groups = SequenceParallelGroups.create(self._topology, self._timeout)
         self._heartbeat = Heartbeat(dist.distributed_c10d._get_default_store(), self.global_rank, self.world_size)
         self._heartbeat.start()
 
@@ -312,7 +327,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         super().setup(trainer)
         # after DeepSpeed's engine exists: the set-up check runs a short forward (ZeRO-3 gathers the weights for it)
         apply_ulysses_attention(
-            self.lightning_module, self.sp_group, self.sp_size, self.attn_implementation, self.sequence_mixers,
+            self.lightning_module, self.groups, self.sp_size, self.attn_implementation, self.sequence_mixers,
             self.head_chunks,
         )
         apply_memory_options(self.lightning_module, self.memory)
@@ -461,7 +476,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
     def gather_sequence(self, local: Tensor) -> Tensor:
         """``[B, N/sp, ...]`` per-token outputs of this rank -> ``[B, N, ...]`` in sequence order (the zigzag of a ring
         undone), on every SP rank."""
-        return gather_sequence(local, self.sp_group)
+        return gather_sequence(local, self.groups)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -508,8 +523,6 @@ class UlyssesStrategy(DeepSpeedStrategy):
         if self.lightning_module is not None:
             remove_ulysses_attention(self.lightning_module)
             remove_memory_options(self.lightning_module)
-        if self._sp_group is not None:
-            set_ring_layout(self._sp_group, None)
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None

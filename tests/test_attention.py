@@ -24,6 +24,7 @@ from lightning_ulysses.attention import (
     ring_attention, sdpa_attention, sink_attention, ulysses_attention,
 )
 from lightning_ulysses.attention.backends import _REQUIRED_MODULE
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.strategy import compute_dtype
 from lightning_ulysses.heads import check_heads, plan_heads
 from tests.launch import launch
@@ -547,16 +548,18 @@ def test_documents_are_found_once_per_position_ids_tensor() -> None:
     """Every layer of a forward gets the same position ids: their documents are computed once, and again
     only for another tensor or after an in-place edit."""
     positions = torch.arange(12).repeat(2, 1)
-    first = documents_of(positions, None)
-    assert documents_of(positions, None) is first and first.one_per_row
-    assert documents_of(positions.clone(), None) is not first
+    local = SequenceParallelGroups.of(None)  # what keeps the documents: the groups' cache (a patched model has its own)
+    first = documents_of(positions, local)
+    assert documents_of(positions, local) is first and first.one_per_row
+    assert documents_of(positions.clone(), local) is not first
     positions[0, 6] = 0  # packs a second document into row 0
-    again = documents_of(positions, None)
+    again = documents_of(positions, local)
     assert again is not first and not again.one_per_row
     assert again.cu_seqlens.tolist() == [0, 6, 12, 24]
-    chunked = documents_of(positions, None, chunk=4)  # layers alternating chunked and global attention
-    assert documents_of(positions, None) is again and documents_of(positions, None, chunk=4) is chunked
+    chunked = documents_of(positions, local, chunk=4)  # layers alternating chunked and global attention
+    assert documents_of(positions, local) is again and documents_of(positions, local, chunk=4) is chunked
     assert chunked.cu_seqlens.tolist() == [0, 4, 6, 8, 12, 16, 20, 24]  # row 0 reads 0..5, 0, 7..11
+    assert documents_of(positions, None) is not documents_of(positions, None)  # no groups, no cache: found again
 
 
 def test_chunked_documents() -> None:

@@ -238,9 +238,10 @@ def callbacks_worker(args: dict[str, Any]) -> dict[str, Any]:
     batches = [collate(make_samples(BATCH, seq_len)) for seq_len in MEMORY_SEQ_LENS]
     # one prepared batch per item: DeepSpeedStrategy requires a loader with a batch size
     batches = DataLoader(batches, batch_size=1, collate_fn=lambda one_batch: one_batch[0])
-    _, _, logger = fit(batches, [monitor], use_distributed_sampler=False)
+    _, trainer, logger = fit(batches, [monitor], use_distributed_sampler=False)
     results["memory"] = {"history": logger.history, "summary": monitor.summary,
-                         "all_to_all_restored": collectives.all_to_all is untimed_all_to_all}
+                         "all_to_all_restored": collectives.all_to_all is untimed_all_to_all
+                         and trainer.strategy.groups.observer.all_to_all is None}
 
     monitor = SequenceParallelMonitor()
     _, _, logger = fit(MONITOR_DATA, [monitor])

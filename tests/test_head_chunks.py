@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ulysses.attention import ulysses_attention
 from lightning_ulysses.attention.head_chunks import HeadChunk, auto_chunks, check_head_chunks, plan_chunks
+from lightning_ulysses.groups import SequenceParallelGroup, SequenceParallelGroups, process_group
 from lightning_ulysses.heads import plan_heads
 from lightning_ulysses.sharding import shard_index
 from tests.launch import launch
@@ -43,7 +44,9 @@ def _chunks(chunking: Any, heads_per_rank: int) -> Any:
     return chunking if chunking == "auto" else -(-heads_per_rank // chunking)
 
 
-def _run(case: dict[str, Any], group: dist.ProcessGroup, index: torch.Tensor, head_chunks: Any) -> list[torch.Tensor]:
+def _run(
+    case: dict[str, Any], group: SequenceParallelGroup, index: torch.Tensor, head_chunks: Any
+) -> list[torch.Tensor]:
     """Output and gradients (q, k, v, and the sinks summed over the group) of this rank's shard ``index``."""
     q, k, v, grad, pos = _tensors(case)
     sinks = sink_logits(case)
@@ -56,7 +59,7 @@ def _run(case: dict[str, Any], group: dist.ProcessGroup, index: torch.Tensor, he
     out.backward(grad[:, index])
     results = [out.detach(), *(s.grad for s in shards)]
     if rank_sinks is not None:
-        dist.all_reduce(rank_sinks.grad, group=group)
+        dist.all_reduce(rank_sinks.grad, group=process_group(group))
         results.append(rank_sinks.grad)
     return results
 
@@ -109,12 +112,13 @@ def _layer_probes(group: dist.ProcessGroup, head_chunks: Any) -> dict[str, Any]:
         return original(*args, **kwargs)
 
     syncs, largest = HostSyncs(), _Largest(64)
-    ulysses_attention(*shards, group=group, position_ids=pos, window=9, head_chunks=head_chunks)  # plans
+    groups = SequenceParallelGroups.of(group)  # their cache keeps the documents (a plain process group keeps none)
+    ulysses_attention(*shards, group=groups, position_ids=pos, window=9, head_chunks=head_chunks)  # plans
     dist.all_to_all_single = counted
     try:
         with syncs.methods_counted(), largest:
             syncs.where = "layer"
-            out = ulysses_attention(*shards, group=group, position_ids=pos, window=9, head_chunks=head_chunks)
+            out = ulysses_attention(*shards, group=groups, position_ids=pos, window=9, head_chunks=head_chunks)
             phase = "backward"
             out.backward(grad[:, index])
     finally:
@@ -137,15 +141,15 @@ def worker(args: dict[str, Any]) -> dict[Any, Any]:
         for chunking in CHUNKINGS:
             chunked = _run(case, groups[sp], index, _chunks(chunking, heads_per_rank))
             results[name, sp, chunking] = (_error(chunked, expected), _error(chunked, plain))
-    ring_group, _ = _groups(2, 2)
+    ring_groups = _groups(2, 2)
     for name in RING_CASES:
         case = CASES[name]
-        index = shard_index(case["seq"], dist.get_rank(ring_group), 4, ring_size=2)
+        index = shard_index(case["seq"], dist.get_rank(ring_groups.sp), 4, ring_size=2)
         expected = _expected(case, index)
         for chunking in ("heads", 1):
             heads_per_rank = plan_heads(case["heads"], case["kv_heads"], 2).heads_per_rank
             results[name, "ring", chunking] = _error(
-                _run(case, ring_group, index, _chunks(chunking, heads_per_rank)), expected
+                _run(case, ring_groups, index, _chunks(chunking, heads_per_rank)), expected
             )
     for head_chunks in (None, 1, 2, 4):
         results["probes", head_chunks] = _layer_probes(groups[2], head_chunks)

@@ -24,8 +24,9 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ulysses import MemoryOptions, apply_memory_options, apply_ulysses_attention
-from lightning_ulysses.attention.collectives import RingLayout, set_ring_layout
+from lightning_ulysses.groups import SequenceParallelGroup, SequenceParallelGroups
 from lightning_ulysses.sharding import shard_index
+from lightning_ulysses.topology import SequenceParallelTopology
 from tests.launch import launch
 from tests.tiny import tiny_llama
 from tests.zoo_configs import tiny_recipe
@@ -88,30 +89,34 @@ def _syncing_call(func: Any, args: tuple, kwargs: dict) -> bool:
 def sync_worker(args: dict[str, Any]) -> dict[str, Any]:
     dist.init_process_group("gloo")
     rank, sp, ring_size = dist.get_rank(), dist.get_world_size(), args["ring_size"]
+    group: SequenceParallelGroup = dist.group.WORLD
     if ring_size > 1:  # ring 2 x Ulysses 1: Ulysses groups of one rank, the ring over the world
         ulysses_groups = [dist.new_group([r]) for r in range(sp)]
-        set_ring_layout(dist.group.WORLD, RingLayout(ring_size, ulysses_groups[rank], dist.group.WORLD))
+        topology = SequenceParallelTopology(sp, sp, rank, ring_size)
+        group = SequenceParallelGroups(topology, dist.group.WORLD, None, ulysses_groups[rank], dist.group.WORLD)
     counts: Counter[tuple[str, str]] = Counter()
-    counts.update(_count_syncs(tiny_llama(num_hidden_layers=4), args["backend"], ring_size, tiled_mlp=True))
+    counts.update(_count_syncs(tiny_llama(num_hidden_layers=4), group, args["backend"], ring_size, tiled_mlp=True))
     # a hybrid: gated DeltaNet layers (convolution and delta rule run head-sharded, packed rows in length classes of
     # documents; under the ring the gathered sequence is put in sequence order and back)
     hybrid = tiny_recipe("qwen3_next").build("sdpa")
     counts.update({(f"{where} (hybrid)", op): n for (where, op), n in
-                   _count_syncs(hybrid, args["backend"], ring_size, tiled_mlp=False).items()})
+                   _count_syncs(hybrid, group, args["backend"], ring_size, tiled_mlp=False).items()})
     # token shifts (RWKV: a halo from the previous rank, reset at document starts; its WKV kernel head-sharded; ZAYA's
     # delayed values use the same shift, its convolutions the same core as the hybrid above: without syncs too, checked
     # once, left out here for the suite's time)
     for family in args.get("shifting", ()):
         model = tiny_recipe(family).build("eager")
         counts.update({(f"{where} ({family})", op): n for (where, op), n in
-                       _count_syncs(model, args["backend"], ring_size, tiled_mlp=False).items()})
+                       _count_syncs(model, group, args["backend"], ring_size, tiled_mlp=False).items()})
     dist.destroy_process_group()
     return dict(counts)
 
 
-def _count_syncs(model: torch.nn.Module, backend: str, ring_size: int, tiled_mlp: bool) -> Counter[tuple[str, str]]:
+def _count_syncs(
+    model: torch.nn.Module, group: SequenceParallelGroup, backend: str, ring_size: int, tiled_mlp: bool
+) -> Counter[tuple[str, str]]:
     rank, sp = dist.get_rank(), dist.get_world_size()
-    apply_ulysses_attention(model, dist.group.WORLD, sp, backend)
+    apply_ulysses_attention(model, group, sp, backend)
     apply_memory_options(model, MemoryOptions(tiled_mlp=tiled_mlp, activation_checkpointing=True))
     model.train()  # checkpointing recomputes in training mode only
 

@@ -34,13 +34,14 @@ from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesStrategy
 from lightning_ulysses.attention import Documents
-from lightning_ulysses.attention.collectives import RingLayout, set_ring_layout
 from lightning_ulysses.flops import TransformerFlops
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf.mixers import KERNELS, kernels_called
 from lightning_ulysses.hf.mixers.kernels import FUSED_LAYER_KERNELS
 from lightning_ulysses.hf.mixers.mlstm import is_mlstm_backend, sharded_mlstm_forward
 from lightning_ulysses.hf.mixers.shift import shift_sequence
 from lightning_ulysses.sharding import positions_within_runs, shard_index
+from lightning_ulysses.topology import SequenceParallelTopology
 from tests.launch import launch
 from tests.tiny import (
     collate, epoch_order, gathered_parameters, make_packed_samples, reference_loss, relative_update_error,
@@ -303,12 +304,11 @@ def shift_errors(world_size: int) -> dict[str, float]:
             columns = shard_index(seq_len, rank, world_size, ring_size)
             local = x[:, columns].clone().requires_grad_()
             local_fill = fill.clone().requires_grad_()
-            set_ring_layout(group, RingLayout(ring_size, group, group) if ring_size > 1 else None)
-            try:
-                shifted = shift_sequence(local, shift, group, documents, local_fill)
-                (shifted * weight[:, columns]).sum().backward()
-            finally:
-                set_ring_layout(group, None)
+            # only the shard order matters here: every group of the layout is the world
+            topology = SequenceParallelTopology(world_size, world_size, rank, ring_size)
+            groups = SequenceParallelGroups(topology, group, None, group, group if ring_size > 1 else None)
+            shifted = shift_sequence(local, shift, groups, documents, local_fill)
+            (shifted * weight[:, columns]).sum().backward()
             fill_grad = local_fill.grad.clone()
             dist.all_reduce(fill_grad, group=group)
             errors[f"ring {ring_size}, shift {shift}"] = max(

@@ -14,19 +14,12 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_ulysses"
 
-REMAINING_CIRCLES = [["lightning_ulysses.loss", "lightning_ulysses.strategy"]]
-"""The loss reads the strategy's groups; issue 29's parallel-groups object (a context the strategy publishes)
-ends it."""
+REMAINING_CIRCLES: list[list[str]] = []
+"""None left: the loss reads the context the strategy publishes (``LossContext``), not the strategy."""
 
-REMAINING_STATE = [
-    "lightning_ulysses.attention.collectives _RING_LAYOUTS.pop(...)",
-    "lightning_ulysses.attention.collectives _RING_LAYOUTS[...] changed",
-    "lightning_ulysses.attention.documents global _last_gathered",
-    "lightning_ulysses.callbacks collectives.all_to_all assigned",
-    "lightning_ulysses.callbacks collectives.all_to_all assigned",
-]
-"""The ring layouts keyed by SP group, the per-batch cache of gathered position ids and the throughput monitor's
-timing of the all-to-alls: issue 29 moves them onto the parallel-groups object."""
+REMAINING_STATE: list[str] = []
+"""None left: the ring layout, the per-batch cache of gathered position ids and the observer of the all-to-alls live
+on the parallel-groups object (``lightning_ulysses.groups.SequenceParallelGroups``)."""
 
 MUTATING_METHODS = frozenset({
     "append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault", "add", "discard",

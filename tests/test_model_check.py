@@ -20,10 +20,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.masking_utils import chunked_causal_mask_function, sliding_window_causal_mask_function
 
 from lightning_ulysses import UnsupportedModelError, apply_ulysses_attention, prepare_batch, shard_batch
-from lightning_ulysses.attention import RingLayout, gather_sequence, set_ring_layout
+from lightning_ulysses.attention import gather_sequence
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf import ULYSSES_ATTN_IMPLEMENTATION, remove_ulysses_attention, unpatched
 from lightning_ulysses.hf.interface import LayerPlan, read_layer_call
 from lightning_ulysses.hf.masks import MaskPattern, identify_pattern
+from lightning_ulysses.topology import SequenceParallelTopology
 from tests.launch import launch
 from tests.zoo_configs import tiny_recipe
 
@@ -352,6 +354,8 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
     dist.init_process_group("gloo")
     rank, results = dist.get_rank(), {}
     ulysses_groups = [dist.new_group([r]) for r in range(2)]
+    world, topology = dist.group.WORLD, SequenceParallelTopology(2, 2, rank, ring_size=2)
+    ring = SequenceParallelGroups(topology, world, None, ulysses_groups[rank], world)  # ring 2 x Ulysses 1: the world
     for name, factory in SP_CASES.items():
         model = factory()
         ids, positions = packed_ids_and_positions()
@@ -366,11 +370,10 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
         model.zero_grad()
         before = module_attributes(model, identities=False)
         ring_size = 2 if name in RING else 1
-        layout = RingLayout(2, ulysses_groups[rank], dist.group.WORLD) if name in RING else None
-        set_ring_layout(dist.group.WORLD, layout)
+        group = ring if name in RING else dist.group.WORLD
         try:
             mixers = "gather" if name in GATHERED else "refuse"
-            apply_ulysses_attention(model, dist.group.WORLD, sp_size=2, core="sdpa", sequence_mixers=mixers)
+            apply_ulysses_attention(model, group, sp_size=2, core="sdpa", sequence_mixers=mixers)
         except UnsupportedModelError as error:
             results[name] = {"refused": str(error), "undone": module_attributes(model, identities=False) == before}
             continue
@@ -382,7 +385,7 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
         for grad in grads.values():
             dist.all_reduce(grad)
         results[name] = {
-            "error": relative_error(gather_sequence(local, dist.group.WORLD), expected),
+            "error": relative_error(gather_sequence(local, group), expected),
             "grad_error": max(relative_error(grads[n], g) for n, g in expected_grads.items() if g.norm() > 0),
             "whole_sequence_rotary": [n for n, m in model.named_modules() if "_ulysses_rotary_hooks" in m.__dict__],
             "gathered": [n for n, m in model.named_modules() if "_ulysses_gather_hooks" in m.__dict__],
@@ -396,7 +399,6 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
                 results[name]["cache_refused"] = str(error)
         remove_ulysses_attention(model)
         results[name]["undone"] = module_attributes(model, identities=False) == before
-    set_ring_layout(dist.group.WORLD, None)
     dist.destroy_process_group()
     return results
 

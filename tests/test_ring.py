@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 
 from lightning_ulysses.attention import gather_sequence, ulysses_attention
-from lightning_ulysses.attention.collectives import RingLayout, set_ring_layout
 from lightning_ulysses.attention.documents import Documents
 from lightning_ulysses import strategy as strategy_module
 from lightning_ulysses.attention import ring, ring_blocks
 from lightning_ulysses.attention.ring import classify_pair, plan_ring
 from lightning_ulysses.attention.ring_blocks import check_block_kernels
 from lightning_ulysses.attention.ulysses import check_ring_supported
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.sharding import shard_index, shard_multiple, zigzag_order
 from lightning_ulysses.topology import SequenceParallelTopology
 from tests.test_attention import reference, sink_logits
@@ -72,15 +72,10 @@ def _tensors(case: dict[str, Any]) -> tuple[torch.Tensor, ...]:
     return q, k, v, grad, torch.tensor(case["positions"]) if "positions" in case else None
 
 
-def _groups(ring_size: int, ulysses_size: int) -> tuple[dist.ProcessGroup, RingLayout]:
-    """This rank's SP group with its ring layout declared, as UlyssesStrategy builds them."""
+def _groups(ring_size: int, ulysses_size: int) -> SequenceParallelGroups:
+    """This rank's groups of the layout, as UlyssesStrategy builds them."""
     topology = SequenceParallelTopology(dist.get_world_size(), ring_size * ulysses_size, dist.get_rank(), ring_size)
-    sp_group, _ = dist.new_subgroups_by_enumeration(topology.sp_group_ranks)
-    ulysses_group, _ = dist.new_subgroups_by_enumeration(topology.ulysses_group_ranks)
-    ring_group, _ = dist.new_subgroups_by_enumeration(topology.ring_group_ranks)
-    layout = RingLayout(ring_size, ulysses_group, ring_group)
-    set_ring_layout(sp_group, layout)
-    return sp_group, layout
+    return SequenceParallelGroups.create(topology)
 
 
 def ring_worker(args: dict[str, Any]) -> dict[Any, Any]:
@@ -89,12 +84,12 @@ def ring_worker(args: dict[str, Any]) -> dict[Any, Any]:
     results: dict[Any, Any] = {}
     for ring_size, ulysses_size in LAYOUTS:
         sp = ring_size * ulysses_size
-        group, _ = _groups(ring_size, ulysses_size)
+        groups = _groups(ring_size, ulysses_size)
         if (ring_size, ulysses_size) == (2, 2):
-            groups_of_layout = group
-        index = shard_index(SEQ, dist.get_rank(group), sp, ring_size)
+            groups_of_layout = groups
+        index = shard_index(SEQ, dist.get_rank(groups.sp), sp, ring_size)
         columns = torch.arange(SEQ).expand(2, SEQ)
-        results["gather", ring_size, ulysses_size] = torch.equal(gather_sequence(columns[:, index], group), columns)
+        results["gather", ring_size, ulysses_size] = torch.equal(gather_sequence(columns[:, index], groups), columns)
         for name, case in CASES.items():
             q, k, v, grad, pos = _tensors(case)
             sinks = sink_logits(case)
@@ -105,13 +100,13 @@ def ring_worker(args: dict[str, Any]) -> dict[Any, Any]:
             shards = [t[:, index].clone().requires_grad_() for t in (q, k, v)]
             rank_sinks = None if sinks is None else sinks.clone().requires_grad_()
             out = ulysses_attention(
-                *shards, group=group, attn_fn="sdpa", window=case.get("window"), chunk=case.get("chunk"),
+                *shards, group=groups, attn_fn="sdpa", window=case.get("window"), chunk=case.get("chunk"),
                 position_ids=None if pos is None else pos[:, index], sinks=rank_sinks,
             )
             out.backward(grad[:, index])
             compared = [(out, expected[:, index])] + [(s.grad, f.grad[:, index]) for s, f in zip(shards, full)]
             if sinks is not None:  # each rank's share of the sinks' gradient, summed over the SP group
-                dist.all_reduce(rank_sinks.grad, group=group)
+                dist.all_reduce(rank_sinks.grad, group=groups.sp)
                 compared.append((rank_sinks.grad, full_sinks.grad))
             results[name, ring_size, ulysses_size] = max(((a - b).norm() / b.norm()).item() for a, b in compared)
     results["window_models"] = _window_models(groups_of_layout)
@@ -120,19 +115,19 @@ def ring_worker(args: dict[str, Any]) -> dict[Any, Any]:
     return results
 
 
-def _dropout_refusal(group: dist.ProcessGroup) -> str:
+def _dropout_refusal(groups: SequenceParallelGroups) -> str:
     """A Llama with attention dropout, patched under ring 2 x Ulysses 2: the set-up check's refusal."""
     from lightning_ulysses import UnsupportedModelError, apply_ulysses_attention
     from tests.tiny import tiny_llama
 
     try:
-        apply_ulysses_attention(tiny_llama(attention_dropout=0.1), group, dist.get_world_size(group), "sdpa")
+        apply_ulysses_attention(tiny_llama(attention_dropout=0.1), groups, dist.get_world_size(groups.sp), "sdpa")
     except UnsupportedModelError as error:
         return str(error)
     return "not refused"
 
 
-def _window_models(group: dist.ProcessGroup) -> dict[str, float]:
+def _window_models(groups: SequenceParallelGroups) -> dict[str, float]:
     """Patched Mistral and Qwen2 (a sliding layer after a full one), window 3 under ring 2 x Ulysses 2 (chunks of 6
     tokens), against transformers' own SDPA on the whole sequence, and gpt-oss (attention sinks, a sliding layer and
     a full one, MoE) against its eager attention: the logits, and the gradients summed over the SP group (each rank's
@@ -153,8 +148,8 @@ def _window_models(group: dist.ProcessGroup) -> dict[str, float]:
             layer_types=["sliding_attention", "full_attention"],
         )),
     }
-    seq, sp = 24, dist.get_world_size(group)
-    index = shard_index(seq, dist.get_rank(group), sp, ring_size=2)
+    seq, sp = 24, dist.get_world_size(groups.sp)
+    index = shard_index(seq, dist.get_rank(groups.sp), sp, ring_size=2)
     ids = torch.randint(1, 61, (2, seq), generator=torch.Generator().manual_seed(0))
     errors = {}
     for family, make in makers.items():
@@ -162,15 +157,15 @@ def _window_models(group: dist.ProcessGroup) -> dict[str, float]:
         reference_model = make()
         torch.manual_seed(0)
         model = make()
-        apply_ulysses_attention(model, group, sp, "sdpa")
+        apply_ulysses_attention(model, groups, sp, "sdpa")
         expected = reference_model(input_ids=ids).logits
         got = model(input_ids=ids[:, index], position_ids=torch.arange(seq)[index].expand(2, -1)).logits
         expected.square().sum().backward()
         got.square().sum().backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-        dist.all_reduce(grads, group=group)
+        dist.all_reduce(grads, group=groups.sp)
         expected_grads = torch.cat([p.grad.flatten() for p in reference_model.parameters()])
-        logits = gather_sequence(got.detach(), group)
+        logits = gather_sequence(got.detach(), groups)
         errors[family] = max(((logits - expected).norm() / expected.norm()).item(),
                              ((grads - expected_grads).norm() / expected_grads.norm()).item())
     return errors

@@ -14,14 +14,15 @@ more documents: every position id divisible by the chunk size starts one. Any he
 Modules: :mod:`.collectives` (all-to-all, sequence gather), :mod:`.documents` (the document layout and the
 per-batch plans kept with it), :mod:`.core` (the backend interface), one module per backend (:mod:`.sdpa`,
 :mod:`.flash`, :mod:`.flex`), :mod:`.backends` (choice by name, device and dtype), :mod:`.sinks` (attention sinks),
-:mod:`.ring` (ring attention across Ulysses groups: Ulysses x Ring, when a :class:`RingLayout` is declared for the SP
-group), :mod:`.head_chunks` (the all-to-alls and the attention in chunks of heads, recomputed in the backward:
-``head_chunks``) and :mod:`.ulysses` (the entry point and the per-batch planning).
+:mod:`.ring` (ring attention across Ulysses groups: Ulysses x Ring, when the SP group is a
+:class:`~lightning_ulysses.groups.SequenceParallelGroups` with a ring), :mod:`.head_chunks` (the all-to-alls and the
+attention in chunks of heads, recomputed in the backward: ``head_chunks``) and :mod:`.ulysses` (the entry point and
+the per-batch planning).
 """
 
 from lightning_ulysses.attention.backends import CORE_ATTENTION, prepare_plans, resolve_attn_implementation
 from lightning_ulysses.attention.collectives import (
-    RingLayout, all_to_all, gather_sequence, heads_to_sequence, ring_layout, sequence_to_heads, set_ring_layout,
+    all_to_all, gather_sequence, heads_to_sequence, sequence_to_heads,
 )
 from lightning_ulysses.attention.core import CoreAttention
 from lightning_ulysses.attention.documents import Documents, documents_of
@@ -33,9 +34,8 @@ from lightning_ulysses.attention.sinks import sink_attention
 from lightning_ulysses.attention.ulysses import plan_batch, ulysses_attention
 
 __all__ = [
-    "CORE_ATTENTION", "SIGNIFICANT_BITS", "CoreAttention", "Documents", "RingLayout", "all_to_all", "documents_of",
+    "CORE_ATTENTION", "SIGNIFICANT_BITS", "CoreAttention", "Documents", "all_to_all", "documents_of",
     "flash_attention_2", "flash_attention_3", "flex_attention", "gather_sequence", "heads_to_sequence",
     "length_class", "plan_batch", "plan_packed", "prepare_plans", "resolve_attn_implementation", "ring_attention",
-    "ring_layout", "sdpa_attention", "sdpa_with_lse", "sequence_to_heads", "set_ring_layout", "sink_attention",
-    "ulysses_attention",
+    "sdpa_attention", "sdpa_with_lse", "sequence_to_heads", "sink_attention", "ulysses_attention",
 ]

@@ -10,16 +10,15 @@ attention layers, and their recomputation under activation checkpointing, run wi
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
 from lightning_ulysses.attention.collectives import gather_sequence
+from lightning_ulysses.groups import SequenceParallelGroup, cache_of
 from lightning_ulysses.sharding import document_starts
 
 PlanT = TypeVar("PlanT")
@@ -75,52 +74,44 @@ class Documents:
         return self._plans[key]
 
 
-@dataclass
+@dataclass(frozen=True)
 class _GatheredPositions:
-    """The whole rows of one ``[B, N/P]`` shard tensor of position ids, and their documents per chunk size."""
+    """The whole ``[B, N]`` rows of one ``[B, N/P]`` shard tensor of position ids, and their documents per chunk size
+    (filled as layers ask for them)."""
 
-    shard: weakref.ref[Tensor]
-    version: int
-    group: ProcessGroup | None
     position_ids: Tensor  # [B, N]
-    documents: dict[int | None, Documents]
-
-    def gathered_from(self, shard: Tensor, group: ProcessGroup | None) -> bool:
-        return self.shard() is shard and self.version == _version(shard) and self.group is group
+    documents: dict[int | None, Documents] = field(default_factory=dict)
 
 
-def _version(tensor: Tensor) -> int:
-    """The in-place edit counter of ``tensor``; an inference tensor (evaluation under ``torch.inference_mode``) has
-    none, and is edited by no layer of the forward that reads it."""
-    return -1 if tensor.is_inference() else tensor._version
-
-
-_last_gathered: _GatheredPositions | None = None
-
-
-def documents_of(position_ids: Tensor, group: ProcessGroup | None, chunk: int | None = None) -> Documents:
+def documents_of(position_ids: Tensor, group: SequenceParallelGroup, chunk: int | None = None) -> Documents:
     """The documents (cut into chunks of ``chunk`` positions, see :meth:`Documents.from_position_ids`) of the whole
     rows whose ``[B, N/P]`` shard of global position ids is ``position_ids``.
 
     Every attention layer of a forward (and its recomputation under activation checkpointing) receives
-    the same ``position_ids`` tensor, so the all-gather runs once per batch and the host sync of finding the
-    document starts once per batch and chunk size, not once per layer (layers may alternate chunked and
-    global attention). The gathered ids and their documents (with the plans built from them) are kept for the
-    same tensor object at the same version (an in-place edit recomputes); every rank of the group sees the same
-    sequence of tensors and so takes the same branch, collectives included.
+    the same ``position_ids`` tensor, so when ``group`` is a :class:`~lightning_ulysses.groups.SequenceParallelGroups`
+    (the strategy's, or a patched model's own) the all-gather runs once per batch and the host sync of finding the
+    document starts once per batch and chunk size, not once per layer (layers may alternate chunked and global
+    attention): the gathered ids and their documents (with the plans built from them) are kept in its ``cache`` for
+    the same tensor object at the same version (an in-place edit recomputes); every rank of the group sees the same
+    sequence of tensors and so takes the same branch, collectives included. A plain process group (or ``None``) keeps
+    nothing: everything is found again on every call.
     """
-    whole = whole_position_ids(position_ids, group)
-    documents = _last_gathered.documents
-    if chunk not in documents:
-        documents[chunk] = Documents.from_position_ids(whole, chunk)
-    return documents[chunk]
+    gathered = _gathered(position_ids, group)
+    if chunk not in gathered.documents:
+        gathered.documents[chunk] = Documents.from_position_ids(gathered.position_ids, chunk)
+    return gathered.documents[chunk]
 
 
-def whole_position_ids(position_ids: Tensor, group: ProcessGroup | None) -> Tensor:
+def whole_position_ids(position_ids: Tensor, group: SequenceParallelGroup) -> Tensor:
     """The whole ``[B, N]`` rows, in sequence order, of the ``[B, N/P]`` shard ``position_ids`` of global position ids:
     all-gathered once per tensor and kept with its documents (see :func:`documents_of`; no host sync)."""
-    global _last_gathered
-    if _last_gathered is None or not _last_gathered.gathered_from(position_ids, group):
-        gathered = gather_sequence(position_ids, group)
-        _last_gathered = _GatheredPositions(weakref.ref(position_ids), _version(position_ids), group, gathered, {})
-    return _last_gathered.position_ids
+    return _gathered(position_ids, group).position_ids
+
+
+def _gathered(position_ids: Tensor, group: SequenceParallelGroup) -> _GatheredPositions:
+    """The whole rows of ``position_ids``, from ``group``'s cache when it has one."""
+    def gather() -> _GatheredPositions:
+        return _GatheredPositions(gather_sequence(position_ids, group))
+
+    cache = cache_of(group)
+    return gather() if cache is None else cache.get(position_ids, gather)

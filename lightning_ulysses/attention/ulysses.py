@@ -10,17 +10,24 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_ulysses.attention.backends import CORE_ATTENTION, prepare_plans
-from lightning_ulysses.attention.collectives import RingLayout, heads_to_sequence, ring_layout, sequence_to_heads
+from lightning_ulysses.attention.collectives import heads_to_sequence, sequence_to_heads
 from lightning_ulysses.attention.core import CoreAttention, no_window_if_off
 from lightning_ulysses.attention.documents import Documents, documents_of
 from lightning_ulysses.attention.head_chunks import HeadChunks, chunked_ulysses
 from lightning_ulysses.attention.ring import ring_attention, ring_plan
 from lightning_ulysses.attention.sinks import sink_attention
+from lightning_ulysses.groups import (
+    SequenceParallelGroup,
+    SequenceParallelGroups,
+    observer_of,
+    process_group,
+    ring_groups,
+)
 from lightning_ulysses.heads import HeadLayout, plan_heads, select_heads
 
 
 def plan_batch(
-    position_ids: Tensor, group: ProcessGroup | None, attn_fn: str, patterns: Iterable[tuple[int | None, int | None]]
+    position_ids: Tensor, group: SequenceParallelGroup, attn_fn: str, patterns: Iterable[tuple[int | None, int | None]]
 ) -> None:
     """Find the documents of a batch and build backend ``attn_fn``'s plans for every ``(chunk, window)`` pattern
     its layers use, before the first layer (collective over ``group``: the position ids are gathered).
@@ -29,7 +36,7 @@ def plan_batch(
     :func:`~lightning_ulysses.attention.documents.documents_of`); afterwards no layer, forward, backward or
     recomputation, synchronises with the host. Under Ulysses x Ring the plans are the ring's chunk pairs.
     """
-    ring = ring_layout(group)
+    ring = ring_groups(group)
     for chunk, window in patterns:
         window = no_window_if_off(window)
         documents = documents_of(position_ids, group, chunk)
@@ -37,7 +44,7 @@ def plan_batch(
             prepare_plans(attn_fn, documents, window)
         else:
             batch, seq_len = documents.starts.shape
-            ring_plan(documents, batch, seq_len, ring.ring_size, dist.get_rank(ring.ring_group), window)
+            ring_plan(documents, batch, seq_len, ring.ring_size, dist.get_rank(ring.ring), window)
 
 
 def ulysses_attention(
@@ -45,7 +52,7 @@ def ulysses_attention(
     key: Tensor,
     value: Tensor,
     *,
-    group: ProcessGroup | None,
+    group: SequenceParallelGroup,
     attn_fn: str | CoreAttention = "sdpa",
     position_ids: Tensor | None = None,
     scale: float | None = None,
@@ -61,11 +68,12 @@ def ulysses_attention(
         query: ``[B, N/P, H, D]``, this rank's tokens, all heads.
         key: ``[B, N/P, H_kv, D]``, ``H`` a multiple of ``H_kv``.
         value: ``[B, N/P, H_kv, D_v]``: any value head size (MLA: DeepSeek V3's is 128, its ``D`` 192).
-        group: the sequence-parallel process group (``strategy.sp_group``); ``None`` runs locally. When a
-            :class:`~lightning_ulysses.attention.collectives.RingLayout` is declared for it (``UlyssesStrategy(ring_size
-            > 1)`` does), Ulysses runs inside its Ulysses group and ring attention across its ring
+        group: the SP groups (``strategy.groups``, a :class:`~lightning_ulysses.groups.SequenceParallelGroups`), or a
+            plain process group (plain Ulysses over it); ``None`` runs locally. With a ring (``UlyssesStrategy(ring_size
+            > 1)``), Ulysses runs inside its Ulysses group and ring attention across its ring
             (:mod:`lightning_ulysses.attention.ring`); the shards are then the zigzag ones of
-            :func:`~lightning_ulysses.sharding.shard_index`.
+            :func:`~lightning_ulysses.sharding.shard_index`. The groups object also keeps the batch's documents (one
+            all-gather per batch, not per layer) and reports the all-to-alls to its observer.
         attn_fn: a core backend name (``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``,
             ``"flex_attention"``) or a callable with the :class:`CoreAttention` signature.
         position_ids: ``[B, N/P]`` global position ids of this rank's tokens. They delimit packed
@@ -98,10 +106,11 @@ def ulysses_attention(
         )
     window = no_window_if_off(window)
     documents = None if position_ids is None else documents_of(position_ids, group, chunk)
-    ring = ring_layout(group)
+    ring = ring_groups(group)
     if ring is not None:
         check_ring_supported(attn_fn, dropout_p)
         return _ulysses_x_ring(query, key, value, ring, documents, scale, window, sinks, head_chunks)
+    observer, group = observer_of(group), process_group(group)
     sp_size = 1 if group is None else dist.get_world_size(group)
     layout = plan_heads(query.shape[2], key.shape[2], sp_size)
 
@@ -115,10 +124,10 @@ def ulysses_attention(
     if head_chunks is not None:
         return chunked_ulysses(query, key, value, sinks, layout, group, attend, head_chunks, random=dropout_p > 0)
     sinks = _sinks_of_rank(sinks, layout, group)
-    query = sequence_to_heads(select_heads(query, layout.query_slots), group)  # [B, N, h, D]
-    key, value = (sequence_to_heads(select_heads(t, layout.kv_slots), group) for t in (key, value))
+    query = sequence_to_heads(select_heads(query, layout.query_slots), group, observer)  # [B, N, h, D]
+    key, value = (sequence_to_heads(select_heads(t, layout.kv_slots), group, observer) for t in (key, value))
     out = attend(query, key, value, sinks)  # [B, N, h, D_v]
-    return select_heads(heads_to_sequence(out, group), layout.output_slots)  # [B, N/P, H, D_v]
+    return select_heads(heads_to_sequence(out, group, observer), layout.output_slots)  # [B, N/P, H, D_v]
 
 
 def check_ring_supported(attn_fn: str | CoreAttention, dropout_p: float) -> None:
@@ -147,25 +156,26 @@ def _sinks_of_rank(sinks: Tensor | None, layout: HeadLayout, group: ProcessGroup
 
 
 def _ulysses_x_ring(
-    query: Tensor, key: Tensor, value: Tensor, ring: RingLayout, documents: Documents | None, scale: float | None,
-    window: int | None, sinks: Tensor | None, head_chunks: HeadChunks | None = None,
+    query: Tensor, key: Tensor, value: Tensor, groups: SequenceParallelGroups, documents: Documents | None,
+    scale: float | None, window: int | None, sinks: Tensor | None, head_chunks: HeadChunks | None = None,
 ) -> Tensor:
-    """Ulysses inside ``ring.ulysses_group`` (all-to-alls to the ring rank's two zigzag chunks, its share of the
-    heads), ring attention across ``ring.ring_group``, and back: ``[B, N/P, H, D]`` queries and keys, ``[B, N/P, H,
-    D_v]`` values -> ``[B, N/P, H, D_v]``."""
-    layout = plan_heads(query.shape[2], key.shape[2], dist.get_world_size(ring.ulysses_group))
+    """Ulysses inside ``groups.ulysses`` (all-to-alls to the ring rank's two zigzag chunks, its share of the heads),
+    ring attention across ``groups.ring``, and back: ``[B, N/P, H, D]`` queries and keys, ``[B, N/P, H, D_v]`` values
+    -> ``[B, N/P, H, D_v]``."""
+    ulysses, ring, observer = groups.ulysses, groups.ring, groups.observer
+    layout = plan_heads(query.shape[2], key.shape[2], dist.get_world_size(ulysses))
     if head_chunks is not None:
         def attend(q: Tensor, k: Tensor, v: Tensor, head_sinks: Tensor | None) -> Tensor:
             return ring_attention(
-                q, k, v, documents, ring.ring_group, ring.ring_size, dist.get_rank(ring.ring_group),
-                scale=scale, window=window, sinks=head_sinks,
+                q, k, v, documents, ring, groups.ring_size, dist.get_rank(ring), scale=scale, window=window,
+                sinks=head_sinks,
             )
-        return chunked_ulysses(query, key, value, sinks, layout, ring.ulysses_group, attend, head_chunks)
-    sinks = _sinks_of_rank(sinks, layout, ring.ulysses_group)
-    query = sequence_to_heads(select_heads(query, layout.query_slots), ring.ulysses_group)  # [B, N/R, h, D]
-    key, value = (sequence_to_heads(select_heads(t, layout.kv_slots), ring.ulysses_group) for t in (key, value))
+        return chunked_ulysses(query, key, value, sinks, layout, ulysses, attend, head_chunks)
+    sinks = _sinks_of_rank(sinks, layout, ulysses)
+    query = sequence_to_heads(select_heads(query, layout.query_slots), ulysses, observer)  # [B, N/R, h, D]
+    key, value = (sequence_to_heads(select_heads(t, layout.kv_slots), ulysses, observer) for t in (key, value))
     out = ring_attention(
-        query, key, value, documents, ring.ring_group, ring.ring_size, dist.get_rank(ring.ring_group),
-        scale=scale, window=window, sinks=sinks,
+        query, key, value, documents, ring, groups.ring_size, dist.get_rank(ring), scale=scale, window=window,
+        sinks=sinks,
     )
-    return select_heads(heads_to_sequence(out, ring.ulysses_group), layout.output_slots)  # [B, N/P, H, D_v]
+    return select_heads(heads_to_sequence(out, ulysses, observer), layout.output_slots)  # [B, N/P, H, D_v]

@@ -110,8 +110,8 @@ class DPO(CausalLM):
         return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
 
     def _step(self, batch: dict[str, Tensor], prefix: str) -> Tensor:
-        strategy = self._ulysses_strategy()
-        if strategy is not None and strategy.loss_normalization == "global":
+        context = self._loss_context()
+        if context is not None and context.normalization == "global":
             raise ValueError("DPO averages pairs, not tokens: use UlyssesStrategy(loss_normalization='sp_group').")
         batch = self._prepared(batch)
         policy = self.sequence_log_probs(self.model, batch)
@@ -136,8 +136,8 @@ class DPO(CausalLM):
     def _counted_pairs(self, batch_size: int) -> Tensor:
         """``[B]`` bool: the pairs of the batch that count in the metrics, all but the repeats that the distributed
         sampler adds to even out the DP ranks in evaluation (``UlyssesStrategy.repeated_rows``)."""
-        strategy = self._ulysses_strategy()
-        repeated = strategy.repeated_rows if strategy is not None else None
+        context = self._loss_context()
+        repeated = context.repeated_rows if context is not None else None
         return torch.ones(batch_size, dtype=torch.bool) if repeated is None else ~repeated
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf.forward import guarded_forward
 from lightning_ulysses.hf.interface import ULYSSES_ATTN_IMPLEMENTATION
 from lightning_ulysses.hf.ledger import Ledger
@@ -132,9 +133,10 @@ def sequence_parallel_disabled(model: nn.Module) -> Iterator[None]:
     """
     states = [patch.state for patch in patches(model)]
     saved = [(state.group, state.sp_size) for state in states]
+    local = SequenceParallelGroups.of(None)  # its cache keeps the block's documents
     try:
         for state in states:
-            state.group, state.sp_size = None, 1
+            state.group, state.sp_size = local, 1
         yield
     finally:
         for state, (group, sp_size) in zip(states, saved, strict=True):

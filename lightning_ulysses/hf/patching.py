@@ -20,11 +20,10 @@ from __future__ import annotations
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch.distributed import ProcessGroup
 from transformers import PreTrainedModel
 
-from lightning_ulysses.attention.collectives import ring_layout
 from lightning_ulysses.attention.head_chunks import HeadChunks
+from lightning_ulysses.groups import SequenceParallelGroup, ring_size_of
 from lightning_ulysses.heads import plan_heads
 from lightning_ulysses.hf.apply import Patch, patch_of
 from lightning_ulysses.hf.check import check_model
@@ -34,13 +33,15 @@ from lightning_ulysses.hf.state import PatchState, SequenceMixers, UnsupportedMo
 
 def apply_ulysses_attention(
     model: nn.Module,
-    group: ProcessGroup | None,
+    group: SequenceParallelGroup,
     sp_size: int,
     core: str,
     sequence_mixers: SequenceMixers = "refuse",
     head_chunks: HeadChunks | None = None,
 ) -> None:
-    """Make every transformers ``PreTrainedModel`` inside ``model`` run Ulysses attention over ``group``, or refuse it.
+    """Make every transformers ``PreTrainedModel`` inside ``model`` run Ulysses attention over ``group`` (the
+    strategy's :class:`~lightning_ulysses.groups.SequenceParallelGroups`, Ulysses x Ring included, or a plain process
+    group: plain Ulysses over it; ``None``: locally), or refuse it.
 
     Any head count runs (see :mod:`lightning_ulysses.heads`; a layout with inert heads is logged with its
     overhead). The model must be callable (under ZeRO-3: after DeepSpeed's engine exists): a short forward
@@ -57,8 +58,7 @@ def apply_ulysses_attention(
     for hf_model in outermost_models(model):
         if patch_of(hf_model) is not None:
             continue
-        ring = ring_layout(group)
-        _log_head_layout(hf_model, sp_size if ring is None else sp_size // ring.ring_size)
+        _log_head_layout(hf_model, sp_size // ring_size_of(group))
         patch = Patch(hf_model, PatchState(
             group, core, sp_size, gather_mixers=sequence_mixers == "gather", head_chunks=head_chunks
         ))

@@ -39,13 +39,13 @@ def whole_sequence_rotary(module: nn.Module, state: PatchState) -> tuple[Removab
     extended = [False]  # set by the pre-hook for the forward hook of the same call
 
     def extend_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if not state.enabled or state.group is None:
+        if not state.enabled or state.group.sp is None:
             return None
         positional = list(args)
         at = index if index is not None and index < len(positional) else None  # None: passed by keyword
         position_ids = kwargs["position_ids"] if at is None else positional[at]
         largest = position_ids.amax().reshape(1)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=state.group)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=state.group.sp)
         longer = torch.cat([position_ids, largest.expand(*position_ids.shape[:-1], 1)], dim=-1)
         if at is None:
             kwargs["position_ids"] = longer

@@ -8,8 +8,9 @@ from typing import Literal
 
 import torch
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 from transformers import PretrainedConfig, PreTrainedModel
+
+from lightning_ulysses.groups import SequenceParallelGroups, as_groups
 
 SequenceMixers = Literal["refuse", "gather"]
 
@@ -29,7 +30,10 @@ class UnsupportedModelError(ValueError):
 class PatchState:
     """Shared by every module that one :func:`~lightning_ulysses.apply_ulysses_attention` call patched."""
 
-    group: ProcessGroup | None
+    group: SequenceParallelGroups
+    """The SP groups the patched layers run over; a plain process group (or ``None``: no sequence parallelism) given
+    here becomes plain Ulysses' groups of it (:meth:`~lightning_ulysses.groups.SequenceParallelGroups.of`), so that
+    the model keeps each batch's documents in their cache whatever it was given."""
     core: str
     sp_size: int
     position_ids: Tensor | None = None
@@ -55,6 +59,9 @@ class PatchState:
     head_chunks: int | str | None = None
     """``UlyssesStrategy(head_chunks=...)``: every layer's ``ulysses_attention(head_chunks=...)``
     (:mod:`lightning_ulysses.attention.head_chunks`)."""
+
+    def __post_init__(self) -> None:
+        self.group = as_groups(self.group)
 
 
 def outermost_models(module: nn.Module) -> list[PreTrainedModel]:

@@ -63,8 +63,8 @@ class VisionLanguageModel(CausalLM):
                     module.gradient_checkpointing = False
 
     def on_fit_start(self) -> None:
-        strategy = self._ulysses_strategy()
-        if strategy is not None and strategy.loss_normalization == "global":
+        context = self._loss_context()
+        if context is not None and context.normalization == "global":
             raise ValueError(
                 "VisionLanguageModel does not support loss_normalization='global' yet: its step token counts are read "
                 "before the image placeholders are masked. Use loss_normalization='sp_group' (the default)."
@@ -83,7 +83,7 @@ class VisionLanguageModel(CausalLM):
         if MROPE_KEY in batch:
             positions = torch.cat([positions[None], batch[MROPE_KEY].permute(2, 0, 1)])
         assert self.family is not None
-        strategy = self._ulysses_strategy()
-        group = strategy.sp_group if strategy is not None else None
+        context = self._loss_context()
+        group = context.groups.sp if context is not None else None
         embeds = merged_inputs_embeds(model, self.family, batch, self.hparams["vision_encoding"], group)
         return {"inputs_embeds": embeds, "position_ids": positions}

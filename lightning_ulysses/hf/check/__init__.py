@@ -43,7 +43,6 @@ import torch.distributed as dist
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from lightning_ulysses.attention.collectives import ring_layout
 from lightning_ulysses.hf.check.findings import agreed
 from lightning_ulysses.hf.check.rope import check_rotary
 from lightning_ulysses.hf.check.shard import Shard
@@ -64,13 +63,12 @@ def check_model(
     would not run exactly. ``realize`` brings the model to each plan tried on the way. Collective over
     ``state.group``."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    ring = ring_layout(state.group)
-    ring_size = 1 if ring is None else ring.ring_size
+    ring_size = state.group.ring_size
     # with a ring the length is a multiple of 2 * sp_size (two zigzag chunks per ring rank)
     tokens_per_rank = PROBE_TOKENS_PER_RANK * (1 if ring_size == 1 else 2)
     input_ids = probe_ids(model, state.sp_size * tokens_per_rank, device)
     position_ids = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
-    rank = 0 if state.group is None else dist.get_rank(state.group)
+    rank = 0 if state.group.sp is None else dist.get_rank(state.group.sp)
     shard = Shard(rank, state.sp_size, input_ids.shape[1], ring_size)
     plan = ModelPlan(sharded=tuple(name for name, module in model.named_modules() if is_token_mixer(module)))
     realize(plan)

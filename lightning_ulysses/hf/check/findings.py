@@ -12,10 +12,11 @@ from lightning_ulysses.hf.state import PatchState
 
 def agreed(findings: list[Finding], state: PatchState) -> list[Finding]:
     """The union of every SP rank's findings, in rank order (every rank then refuses alike)."""
-    if state.group is None or state.sp_size == 1:
+    group = state.group.sp
+    if group is None or state.sp_size == 1:
         return findings
     gathered: list[list[Finding]] = [[] for _ in range(state.sp_size)]
-    dist.all_gather_object(gathered, findings, group=state.group)
+    dist.all_gather_object(gathered, findings, group=group)
     merged: list[Finding] = []
     for rank_findings in gathered:
         merged += [f for f in rank_findings if f not in merged]
@@ -26,9 +27,10 @@ def any_rank(flags: Tensor, state: PatchState) -> list[bool]:
     """Element-wise OR of ``flags`` over the SP group (gloo and NCCL alike: via the default device of the group)."""
     if flags.numel() == 0:
         return []
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(state.group) == "nccl" else "cpu"
+    group = state.group.sp
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     flags = flags.to(device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=state.group)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     return [bool(f) for f in flags.tolist()]
 
 

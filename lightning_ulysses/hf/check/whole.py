@@ -12,7 +12,6 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from lightning_ulysses.attention.collectives import ring_layout
 from lightning_ulysses.attention.core import softmax_scale
 from lightning_ulysses.hf.apply import sequence_parallel_disabled, unpatched
 from lightning_ulysses.hf.check.findings import module_label
@@ -38,7 +37,7 @@ def whole_sequence_run(
     model: PreTrainedModel, state: PatchState, input_ids: Tensor, position_ids: Tensor
 ) -> tuple[list[Finding], WholeRun]:
     names = {module: name for name, module in model.named_modules()}
-    ring = ring_layout(state.group) is not None  # read before the run disables sequence parallelism
+    ring = state.group.ring is not None  # read before the run disables sequence parallelism
     recorded = RecordedMasks([])
     plans: dict[nn.Module, LayerPlan] = {}
     findings: dict[nn.Module, Finding] = {}

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 
 from lightning_ulysses.attention import Documents
+from lightning_ulysses.groups import SequenceParallelGroup
 from lightning_ulysses.hf.mixers.core import ShardedCore
 from lightning_ulysses.hf.mixers.shift import shift_sequence
 
@@ -62,7 +62,7 @@ def _per_head(parameter: Tensor | None, heads: int) -> Tensor | None:
 
 
 def sharded_cca_forward(
-    module: nn.Module, group: Callable[[], ProcessGroup], documents: Callable[[], Documents | None]
+    module: nn.Module, group: Callable[[], SequenceParallelGroup], documents: Callable[[], Documents | None]
 ) -> Callable[..., Any]:
     """The projection's forward on this rank's ``[B, N/P, C]`` tokens: ``(query [B, N/P, Hq, D], key and value
     [B, N/P, Hkv, D])`` as the layer returns them, its convolutions head-sharded over the whole sequence (see the

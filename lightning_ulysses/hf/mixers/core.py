@@ -39,11 +39,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
 from lightning_ulysses.attention import Documents, documents_of, heads_to_sequence, sequence_to_heads
 from lightning_ulysses.attention.collectives import gather_from_ranks, to_sequence_order, to_shard_order
 from lightning_ulysses.attention.sdpa import PackedPlan, packed_plan, run_packed
+from lightning_ulysses.groups import SequenceParallelGroup, observer_of, process_group
 from lightning_ulysses.heads import HeadLayout, plan_heads, select_heads
 
 Kernel = Callable[..., tuple[Tensor, Any]]
@@ -56,7 +56,7 @@ def document_rows(documents: Documents | None) -> PackedPlan | None:
     return None if documents is None or documents.one_per_row else packed_plan(documents)
 
 
-def plan_document_rows(position_ids: Tensor, group: ProcessGroup | None) -> None:
+def plan_document_rows(position_ids: Tensor, group: SequenceParallelGroup) -> None:
     """Find the documents of a batch and their :func:`document_rows` before the first layer (collective over
     ``group``; the one host sync of finding the documents), so that no mixer layer syncs."""
     document_rows(documents_of(position_ids, group))
@@ -65,11 +65,16 @@ def plan_document_rows(position_ids: Tensor, group: ProcessGroup | None) -> None
 class ShardedCore:
     """The all-to-alls and the document rows around one kernel call (see the module docstring).
 
-    ``num_heads`` heads read ``num_groups`` groups (``num_groups == num_heads`` when nothing is shared).
+    ``num_heads`` heads read ``num_groups`` groups (``num_groups == num_heads`` when nothing is shared); ``group``:
+    the SP groups (their all-to-alls reported to their observer, their shards in zigzag order under a ring) or a
+    plain SP process group.
     """
 
-    def __init__(self, group: ProcessGroup, num_heads: int, num_groups: int, documents: Documents | None) -> None:
-        self.group, self.rank, sp_size = group, dist.get_rank(group), dist.get_world_size(group)
+    def __init__(
+        self, group: SequenceParallelGroup, num_heads: int, num_groups: int, documents: Documents | None
+    ) -> None:
+        self.group, self.process_group, self.observer = group, process_group(group), observer_of(group)
+        self.rank, sp_size = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         self.layout: HeadLayout = plan_heads(num_heads, num_groups, sp_size)
         self.rows = document_rows(documents)
 
@@ -79,7 +84,8 @@ class ShardedCore:
     def scatter(self, x: Tensor, grouped: bool = False) -> Tensor:
         """``[B, N/P, H or G, D]`` (this rank's tokens) -> ``[B, N, h, D]``: every token of this rank's slots, in
         sequence order."""
-        return to_sequence_order(sequence_to_heads(select_heads(x, self._slots(grouped)), self.group), self.group)
+        x = sequence_to_heads(select_heads(x, self._slots(grouped)), self.process_group, self.observer)
+        return to_sequence_order(x, self.group)
 
     def run(self, kernel: Kernel, *streams: Tensor) -> tuple[Tensor, Any]:
         """``kernel`` on scattered ``[B, N, ...]`` streams: ``(output [B, N, ...], final state)``. Packed rows run
@@ -92,19 +98,19 @@ class ShardedCore:
 
     def gather(self, y: Tensor) -> Tensor:
         """The inverse of :meth:`scatter` for a per-head output: ``[B, N, h, D] -> [B, N/P, H, D]``."""
-        y = heads_to_sequence(to_shard_order(y, self.group), self.group)
+        y = heads_to_sequence(to_shard_order(y, self.group), self.process_group, self.observer)
         return select_heads(y, self.layout.output_slots)
 
     def gather_state(self, state: Tensor) -> Tensor:
         """A per-head recurrent state of this rank's slots ``[B, h, ...]`` -> ``[B, H, ...]``, every head's, detached
         (for a layer that returns its final state next to its output)."""
-        states = gather_from_ranks(state.detach(), self.group)
+        states = gather_from_ranks(state.detach(), self.process_group)
         return select_heads(torch.cat(states, dim=1), self.layout.output_slots, dim=1)
 
     def local(self, per_head: Tensor, grouped: bool = False) -> Tensor:
         """This rank's slots of a per-head (or per-group) parameter ``[H or G, ...]``, inert copies included: a view
         of it when they are consecutive heads (no copy of the weight for autograd to keep)."""
-        per_rank = len(self._slots(grouped)) // dist.get_world_size(self.group)
+        per_rank = len(self._slots(grouped)) // dist.get_world_size(self.process_group)
         slots = self._slots(grouped)[self.rank * per_rank : (self.rank + 1) * per_rank]
         if slots == tuple(range(slots[0], slots[0] + per_rank)):  # a view: the kernel's backward keeps no weight copy
             return per_head.narrow(0, slots[0], per_rank)

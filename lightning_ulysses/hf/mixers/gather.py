@@ -26,30 +26,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
-from lightning_ulysses.attention.collectives import gather_from_ranks, ring_layout, to_sequence_order, to_shard_order
+from lightning_ulysses.attention.collectives import gather_from_ranks, to_sequence_order, to_shard_order
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf.plan import TokenDims
 from lightning_ulysses.hf.state import PatchState
 
 
 class _GatherSequence(torch.autograd.Function):
-    """``[..., N/P, ...]`` shards of ``group`` -> ``[..., N, ...]`` along ``dim``; backward: sum of every rank's
-    gradient, this rank's shard of it (a reduce-scatter)."""
+    """``[..., N/P, ...]`` shards of the SP group of ``groups`` -> ``[..., N, ...]`` along ``dim`` (in sequence order);
+    backward: sum of every rank's gradient, this rank's shard of it (a reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
-        ctx.group, ctx.dim = group, dim
-        return to_sequence_order(torch.cat(gather_from_ranks(x, group), dim=dim), group, dim)
+    def forward(ctx: Any, x: Tensor, groups: SequenceParallelGroups, dim: int) -> Tensor:
+        ctx.groups, ctx.dim = groups, dim
+        return to_sequence_order(torch.cat(gather_from_ranks(x, groups.sp), dim=dim), groups, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        size = dist.get_world_size(ctx.group)
-        grad = to_shard_order(grad, ctx.group, ctx.dim)
-        return grad.tensor_split(size, dim=ctx.dim)[dist.get_rank(ctx.group)], None, None
+        grad, group = grad.contiguous(), ctx.groups.sp
+        dist.all_reduce(grad, group=group)
+        size = dist.get_world_size(group)
+        grad = to_shard_order(grad, ctx.groups, ctx.dim)
+        return grad.tensor_split(size, dim=ctx.dim)[dist.get_rank(group)], None, None
 
 
 def gather_whole_sequence(
@@ -60,7 +60,7 @@ def gather_whole_sequence(
     shard_length: list[int | None] = [None]  # this rank's tokens in the call, set by the pre-hook for the forward hook
 
     def gather_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if not state.enabled or state.group is None:
+        if not state.enabled or state.group.sp is None:
             return None
         shard_length[0] = None
         args = tuple(_gather_tree(a, f"arg{i}", dims.inputs, state.group, shard_length) for i, a in enumerate(args))
@@ -69,13 +69,13 @@ def gather_whole_sequence(
 
     def keep_shard(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         length, shard_length[0] = shard_length[0], None
-        group = state.group
-        if length is None or group is None:
+        groups = state.group
+        if length is None or groups.sp is None:
             return None
-        rank, counter, name = dist.get_rank(group), iter(range(1 << 30)), type(module).__name__
+        rank, counter, name = dist.get_rank(groups.sp), iter(range(1 << 30)), type(module).__name__
 
         def shard(t: Tensor) -> Tensor:
-            return _shard(t, dims.outputs.get(next(counter)), length, rank, group, name)
+            return _shard(t, dims.outputs.get(next(counter)), length, rank, groups, name)
 
         return _map_tensors(output, shard)
 
@@ -85,7 +85,9 @@ def gather_whole_sequence(
     )
 
 
-def _gather_tree(value: Any, key: str, dims: dict[str, int], group: ProcessGroup, length: list[int | None]) -> Any:
+def _gather_tree(
+    value: Any, key: str, dims: dict[str, int], group: SequenceParallelGroups, length: list[int | None]
+) -> Any:
     """``value`` with every tensor that ``dims`` names gathered along its sequence dimension; ``length[0]``: the
     shard's length it had."""
     if isinstance(value, Tensor):
@@ -99,14 +101,16 @@ def _gather_tree(value: Any, key: str, dims: dict[str, int], group: ProcessGroup
     return value
 
 
-def _shard(tensor: Tensor, dim: int | None, length: int, rank: int, group: ProcessGroup, module: str) -> Tensor:
+def _shard(
+    tensor: Tensor, dim: int | None, length: int, rank: int, group: SequenceParallelGroups, module: str
+) -> Tensor:
     """This rank's ``length`` rows of a whole-sequence output of ``module`` (its class name), plus the constant number
     an output longer than the sequence carries past it (a padded convolution's ``k - 1``; not under Ulysses x Ring,
     whose shards are zigzag)."""
     if dim is None:
         return tensor
-    extra = tensor.shape[dim] - length * dist.get_world_size(group)
-    if extra and ring_layout(group) is not None:
+    extra = tensor.shape[dim] - length * dist.get_world_size(group.sp)
+    if extra and group.ring is not None:
         raise ValueError(
             f"The gathered token mixer {module} returns an output {extra} tokens longer than the sequence (a padded "
             "convolution's tail), which has no zigzag shard under Ulysses x Ring. Use ring_size=1 for this model."

@@ -24,9 +24,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
-from torch.distributed import ProcessGroup
 
 from lightning_ulysses.attention import Documents, documents_of
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf.mixers.cca import is_cca_projection, sharded_cca_forward
 from lightning_ulysses.hf.mixers.kernels import FUSED_LAYER_KERNELS, KERNELS, sharded_kernel
 from lightning_ulysses.hf.mixers.lightning import is_lightning_attention, sharded_lightning_forward
@@ -101,14 +101,9 @@ def register_mixer_weights_for_zero3(model: nn.Module) -> None:
                     register_external_parameter(module, parameter)
 
 
-def _group(state: PatchState) -> Callable[[], ProcessGroup]:
-    """The SP group at call time (a sharded form runs only under sequence parallelism: :func:`_while_sharded`)."""
-
-    def group() -> ProcessGroup:
-        assert state.group is not None
-        return state.group
-
-    return group
+def _group(state: PatchState) -> Callable[[], SequenceParallelGroups]:
+    """The SP groups at call time (a sharded form runs only under sequence parallelism: :func:`_while_sharded`)."""
+    return lambda: state.group
 
 
 def _documents(state: PatchState) -> Callable[[], Documents | None]:
@@ -142,7 +137,7 @@ def _while_sharded(module: nn.Module, state: PatchState, sharded: Callable[..., 
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if not state.enabled or state.group is None or state.sp_size == 1:
+        if not state.enabled or state.group.sp is None or state.sp_size == 1:
             return forward(*args, **kwargs)
         return sharded(*args, **kwargs)
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
 from lightning_ulysses.attention import Documents
+from lightning_ulysses.groups import SequenceParallelGroup
 from lightning_ulysses.hf.mixers.core import ShardedCore
 
 # Stream layouts, each to and from the core's [batch, seq, heads, dim].
@@ -108,7 +108,8 @@ def _no_fused_layer(*args: Any, **kwargs: Any) -> None:
 
 
 def sharded_kernel(
-    name: str, kernel: Callable[..., Any], group: Callable[[], ProcessGroup], documents: Callable[[], Documents | None]
+    name: str, kernel: Callable[..., Any], group: Callable[[], SequenceParallelGroup],
+    documents: Callable[[], Documents | None],
 ) -> Callable[..., Any]:
     """``kernel`` (the function transformers calls as ``name``) taking this rank's shard of the sequence; ``group``
     and ``documents`` give, at call time, the SP group and the documents of the whole rows."""

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 
 from lightning_ulysses.attention import Documents
+from lightning_ulysses.groups import SequenceParallelGroup
 from lightning_ulysses.hf.mixers.core import ShardedCore
 
 _PARTS = ("qkv_proj", "output_gate", "out_proj", "norm", "act_fn", "slope_rate", "query_decay", "key_decay",
@@ -62,7 +62,7 @@ def lightning_attention(
 
 
 def sharded_lightning_forward(
-    module: nn.Module, group: Callable[[], ProcessGroup], documents: Callable[[], Documents | None]
+    module: nn.Module, group: Callable[[], SequenceParallelGroup], documents: Callable[[], Documents | None]
 ) -> Callable[..., Any]:
     """The layer's forward on this rank's ``[B, N/P, C]`` tokens, lightning attention head-sharded over the whole
     sequence; returns ``(output, state)`` as the layer does, the final state of every head gathered and detached

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 
 from lightning_ulysses.attention import Documents
 from lightning_ulysses.attention.documents import whole_position_ids
+from lightning_ulysses.groups import SequenceParallelGroup
 from lightning_ulysses.hf.mixers.core import ShardedCore
 
 _BLOCK_PARTS = ("linear_x", "linear_y", "linear_out", "act_fn", "conv_1d", "rg_lru")
@@ -93,7 +93,7 @@ def rg_lru(lru: nn.Module, x: Tensor, reset: Tensor, heads: Callable[[Tensor], T
 
 
 def sharded_recurrent_forward(
-    module: nn.Module, group: Callable[[], ProcessGroup], documents: Callable[[], Documents | None]
+    module: nn.Module, group: Callable[[], SequenceParallelGroup], documents: Callable[[], Documents | None]
 ) -> Callable[..., Any]:
     """The block's forward on this rank's ``[B, N/P, C]`` tokens, its convolution and RG-LRU head-sharded over the
     whole sequence (see the module docstring); returns ``(output, None)`` as the block does. Training only: a

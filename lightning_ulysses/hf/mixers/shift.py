@@ -33,7 +33,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from lightning_ulysses.attention import Documents
-from lightning_ulysses.attention.collectives import all_to_all, gather_from_ranks, ring_layout
+from lightning_ulysses.attention.collectives import all_to_all, gather_from_ranks
+from lightning_ulysses.groups import SequenceParallelGroup, process_group, ring_size_of
 from lightning_ulysses.sharding import zigzag_order
 
 Piece = tuple[int, int, int]
@@ -87,15 +88,14 @@ class _GatherTails(torch.autograd.Function):
 
 
 def shift_sequence(
-    x: Tensor, shift: int, group: ProcessGroup, documents: Documents | None, fill: float | Tensor = 0.0
+    x: Tensor, shift: int, group: SequenceParallelGroup, documents: Documents | None, fill: float | Tensor = 0.0
 ) -> Tensor:
     """``x [B, N/P, ...]``, this rank's shard of ``group`` -> the shard of the whole sequence shifted ``shift`` tokens
     later: ``y[t] = x[t - shift]`` in whole-sequence order, ``fill`` (a scalar, or a tensor broadcasting against
     ``x``'s per-token shape) where ``t - shift`` lies before the row's start or, with packed ``documents``, before
     the start of ``t``'s document. Collective over ``group``; differentiable (``fill`` included)."""
+    ring_size, group = ring_size_of(group), process_group(group)
     rank, sp_size = dist.get_rank(group), dist.get_world_size(group)
-    layout = ring_layout(group)
-    ring_size = 1 if layout is None else layout.ring_size
     local = x.shape[1]
     seq_len = local * sp_size
     shards = shard_pieces(seq_len, sp_size, ring_size)
@@ -153,7 +153,7 @@ def sequence_shift_of(module: nn.Module) -> int | None:
 
 
 def sharded_shift_forward(
-    module: nn.Module, group: Callable[[], ProcessGroup], documents: Callable[[], Documents | None],
+    module: nn.Module, group: Callable[[], SequenceParallelGroup], documents: Callable[[], Documents | None],
     local_tokens: Callable[[], int | None],
 ) -> Callable[[Tensor], Tensor]:
     """The shift module's forward on this rank's ``[B, N/P, C]`` tokens (:func:`shift_sequence`, filled with the
