@@ -19,7 +19,6 @@ the saved ones; random weights drawn with the config's ``initializer_range``; th
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 import shutil
@@ -34,6 +33,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from lightning_ulysses.cli import main
+from lightning_ulysses.cli.checks import _class_of
 from lightning_ulysses.data import find_text_files
 from lightning_ulysses.model import CausalLM, build_config
 from tests.launch import REPO_ROOT, Launcher, launch
@@ -78,8 +78,9 @@ SHRINK: dict[str, dict[str, Any]] = {
     "vlm_sft_quickstart": {"trainer.limit_val_batches": 2},
     "vlm_sft_8gpu": {
         **ON_CPU, "trainer.devices": 2, "trainer.strategy.init_args.sp_size": 2, "trainer.limit_val_batches": 2,
-        "model.init_args.model": VLM_FOLDER, "data.init_args.processor": VLM_FOLDER, "data.init_args.paths": VISION_CHATS,
-        "data.init_args.val_paths": VISION_CHATS, "data.init_args.media_root": "examples/data/vlm",
+        "model.init_args.model": VLM_FOLDER, "data.init_args.processor": VLM_FOLDER,
+        "data.init_args.paths": VISION_CHATS, "data.init_args.val_paths": VISION_CHATS,
+        "data.init_args.media_root": "examples/data/vlm",
         "data.init_args.seq_len": 512,
     },
     "llama8b_1node_zero3": LLAMA_3_8B_SHRUNK,
@@ -394,7 +395,7 @@ def test_config_trains_two_steps(runs: Runs, folders: dict[str, str], case: str)
 
         if model["pretrained"]:
             placeholder = next(v for k, v in SHRINK[runs[case]["name"]].items() if k.split(".")[-1] == "model")
-            module_class = CausalLM if "class_path" not in config["model"] else _imported(config["model"]["class_path"])
+            module_class = _class_of(config["model"].get("class_path")) or CausalLM
             check_pretrained(folders[placeholder], module_class.auto_class, initial, final, where,
                              UNSEEN_TOKENS[placeholder])
         else:  # transformers' initialisation, also when ZeRO-3 partitions the model as it is built
@@ -407,11 +408,6 @@ def test_config_trains_two_steps(runs: Runs, folders: dict[str, str], case: str)
 
 UNSEEN_TOKENS = {MODEL_FOLDER: RESERVED_TOKENS, VLM_FOLDER: []}
 """Tokens of each folder's vocabulary that the data never holds (their embedding rows get no gradient)."""
-
-
-def _imported(class_path: str) -> Any:
-    module, _, name = class_path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
 
 
 def check_pretrained(folder: str, auto_class: Any, initial: dict[str, torch.Tensor], final: dict[str, torch.Tensor],

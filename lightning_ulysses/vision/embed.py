@@ -108,9 +108,7 @@ def merged_inputs_embeds(model: nn.Module, family: VisionFamily, batch: Mapping[
     for modality in family.modalities:
         feature_rows = vision["feature_rows"].get(modality.name)
         if not feature_rows:
-            blank = family.blank_vision(inner, modality, embeds.device, embeds.dtype)
-            with unpatched(model):
-                embeds = embeds + 0.0 * family.encode(inner, blank, modality, [0]).sum()
+            embeds = embeds + 0.0 * _blank_rows(model, family, modality, embeds).sum()
             continue
         placeholders = input_ids == modality.token_id
         rows = torch.where(placeholders, all_rows, 0)
@@ -148,12 +146,19 @@ def _exchanged(
     items in the order of the gathered rows (rank by rank) and the rows ``[sum of rows, hidden]``."""
     rank = dist.get_rank(group)
     shares = [[item for item, owner in enumerate(owners) if owner == r] for r in range(dist.get_world_size(group))]
-    with unpatched(model):
-        if shares[rank]:
+    if shares[rank]:
+        with unpatched(model):
             own = family.encode(model.model, vision, modality, shares[rank]).to(embeds.dtype)
-        else:  # fewer items than ranks: the tower runs all the same (ZeRO-3), on a blank item, and sends no row
-            blank = family.blank_vision(model.model, modality, embeds.device, embeds.dtype)
-            rows = family.encode(model.model, blank, modality, [0]).to(embeds.dtype)
-            own = rows[:0] + 0.0 * rows.sum()
+    else:  # fewer items than ranks: the tower runs all the same (ZeRO-3), on a blank item, and sends no row
+        rows = _blank_rows(model, family, modality, embeds)
+        own = rows[:0] + 0.0 * rows.sum()
     counts = [sum(feature_rows[item] for item in share) for share in shares]
     return [item for share in shares for item in share], _GatherRows.apply(own, counts, group)
+
+
+def _blank_rows(model: nn.Module, family: VisionFamily, modality: Any, embeds: Tensor) -> Tensor:
+    """The embedding rows of one blank item of ``modality`` (:meth:`VisionFamily.blank_vision`), for a rank that must
+    run the vision tower without an item of its own; callers add them times zero."""
+    blank = family.blank_vision(model.model, modality, embeds.device, embeds.dtype)
+    with unpatched(model):
+        return family.encode(model.model, blank, modality, [0]).to(embeds.dtype)
