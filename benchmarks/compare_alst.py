@@ -40,9 +40,10 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import lightning as L
 import torch
@@ -90,8 +91,12 @@ class BenchmarkConfig:
     @property
     def model_overrides(self) -> dict[str, Any]:
         return dict(
-            vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
-            num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.heads,
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.heads,
             max_position_embeddings=self.seq_len,
         )
 
@@ -148,6 +153,7 @@ def install_counters() -> dict[str, AllToAllCounter]:
     """Wrap the collective each side calls: ours ``lightning_ulysses.attention.collectives.all_to_all``; ALST's exchange
     operator calls ``deepspeed.comm.all_to_all_single``."""
     import deepspeed.comm
+
     import lightning_ulysses.attention.collectives as ours
 
     counters = {side: AllToAllCounter() for side in SIDES}
@@ -225,10 +231,17 @@ def ours_fit(config: BenchmarkConfig, batches: list[dict[str, Tensor]], callback
 
     module = TinyCausalLM(lr=config.lr, **config.model_overrides)
     trainer = L.Trainer(
-        accelerator=config.accelerator, devices=config.sp, max_steps=len(batches), callbacks=[callback],
+        accelerator=config.accelerator,
+        devices=config.sp,
+        max_steps=len(batches),
+        callbacks=[callback],
         strategy=UlyssesStrategy(sp_size=config.sp, stage=config.stage, attn_implementation="sdpa"),
-        precision="bf16-mixed" if config.precision == "bf16" else "32-true", use_distributed_sampler=False,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        precision="bf16-mixed" if config.precision == "bf16" else "32-true",
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     rows = [{key: value[i] for key, value in batch.items()} for batch in batches for i in range(config.batch_size)]
     trainer.fit(module, DataLoader(rows, batch_size=config.batch_size, collate_fn=collate))
@@ -262,14 +275,18 @@ class _OursBlock(L.Callback):
         self.peak = self.memory.peak()
 
 
-def run_ours(config: BenchmarkConfig, batches: list[dict[str, Tensor]], counter: AllToAllCounter,
-             check_agreement: bool) -> Block:
+def run_ours(
+    config: BenchmarkConfig, batches: list[dict[str, Tensor]], counter: AllToAllCounter, check_agreement: bool
+) -> Block:
     recorder = _OursBlock(_device(config), check_agreement)
     calls, sent = counter.calls, counter.bytes_to_peers
     module = ours_fit(config, batches, recorder)
     return Block(
-        peak_memory=recorder.peak, all_to_all_calls=counter.calls - calls, all_to_all_bytes=counter.bytes_to_peers - sent,
-        losses=module.losses, grad_norm=recorder.grad_norm,
+        peak_memory=recorder.peak,
+        all_to_all_calls=counter.calls - calls,
+        all_to_all_bytes=counter.bytes_to_peers - sent,
+        losses=module.losses,
+        grad_norm=recorder.grad_norm,
         params=gathered_parameters(module.model, config.stage) if check_agreement else None,
         saved_for_backward=recorder.saved.bytes if recorder.saved else None,
     )
@@ -278,11 +295,15 @@ def run_ours(config: BenchmarkConfig, batches: list[dict[str, Tensor]], counter:
 def register_alst(config: BenchmarkConfig) -> Any:
     """Install ALST's attention (it replaces transformers' ``"sdpa"`` entry in this process) and its SP groups."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
     from tests.tiny import tiny_llama
 
     return UlyssesSPAttentionHF.register_with_transformers(
-        model_name_or_path=tiny_llama(**config.model_overrides), core_attn_implementation="sdpa",
-        sequence_parallel_size=config.sp, micro_batch_size=config.batch_size, seq_length_is_variable=True,
+        model_name_or_path=tiny_llama(**config.model_overrides),
+        core_attn_implementation="sdpa",
+        sequence_parallel_size=config.sp,
+        micro_batch_size=config.batch_size,
+        seq_length_is_variable=True,
     )
 
 
@@ -291,7 +312,9 @@ def alst_loss(model: torch.nn.Module, logits: Tensor, shift_labels: Tensor, sp_g
     pre-shifted labels, then the per-rank means all-gathered with autograd and weighted by valid tokens."""
     from torch.distributed.nn.functional import all_gather
 
-    loss = model.loss_function(logits=logits, labels=None, shift_labels=shift_labels, vocab_size=model.config.vocab_size)
+    loss = model.loss_function(
+        logits=logits, labels=None, shift_labels=shift_labels, vocab_size=model.config.vocab_size
+    )
     good_tokens = (shift_labels != -100).view(-1).sum()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # all_gather is deprecated in favour of functional collectives
@@ -307,6 +330,7 @@ class AlstLoop:
     def __init__(self, config: BenchmarkConfig, batches: list[dict[str, Tensor]], mpu: Any) -> None:
         import deepspeed
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
         from lightning_ulysses import UlyssesStrategy
         from tests.tiny import tiny_llama
 
@@ -315,8 +339,9 @@ class AlstLoop:
         ds_config = copy.deepcopy(UlyssesStrategy(stage=config.stage).config)  # the ZeRO settings ours runs with
         # Lightning writes Trainer(gradient_clip_val=None) into ours as 0.0; DeepSpeed's own default is 1.0, which
         # clipped ALST's updates whenever the gradient norm passed 1 (the "ALST differs from one process" of larger models)
-        ds_config.update(train_micro_batch_size_per_gpu=config.batch_size, gradient_accumulation_steps=1,
-                         gradient_clipping=0.0)
+        ds_config.update(
+            train_micro_batch_size_per_gpu=config.batch_size, gradient_accumulation_steps=1, gradient_clipping=0.0
+        )
         if config.precision == "bf16":
             ds_config["bf16"] = {"enabled": True}
         self.engine, *_ = deepspeed.initialize(
@@ -324,17 +349,24 @@ class AlstLoop:
         )
         self.sp_group, sp_rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
         # the adapter feeds the group rank r's next batch at every r-th step: deal the batches so the order is the same
-        self.batches: Iterator[dict[str, Tensor]] = iter(UlyssesSPDataLoaderAdapter(
-            DataLoader(batches[sp_rank::config.sp], batch_size=None), sp_rank=sp_rank, sp_group=self.sp_group,
-            sp_world_size=config.sp, device=self.device,
-        ))
+        self.batches: Iterator[dict[str, Tensor]] = iter(
+            UlyssesSPDataLoaderAdapter(
+                DataLoader(batches[sp_rank :: config.sp], batch_size=None),
+                sp_rank=sp_rank,
+                sp_group=self.sp_group,
+                sp_world_size=config.sp,
+                device=self.device,
+            )
+        )
         self.losses: list[float] = []
         self.grad_norm: float | None = None
         self.saved_for_backward: int | None = None
 
     def step(self, check_agreement: bool = False) -> None:
         batch = {key: value.to(self.device) for key, value in next(self.batches).items()}
-        shift_labels = batch.pop("shift_labels").contiguous()  # the adapter's slice of [B > 1, N]; loss_function views it
+        shift_labels = batch.pop(
+            "shift_labels"
+        ).contiguous()  # the adapter's slice of [B > 1, N]; loss_function views it
         record = check_agreement and self.saved_for_backward is None
         with SavedForBackward() if record else contextlib.nullcontext() as saved:
             outputs = self.engine(**batch)
@@ -351,8 +383,9 @@ class AlstLoop:
         self.losses.append(loss.item())
 
 
-def run_alst(config: BenchmarkConfig, batches: list[dict[str, Tensor]], mpu: Any, counter: AllToAllCounter,
-             check_agreement: bool) -> Block:
+def run_alst(
+    config: BenchmarkConfig, batches: list[dict[str, Tensor]], mpu: Any, counter: AllToAllCounter, check_agreement: bool
+) -> Block:
     loop = AlstLoop(config, batches, mpu)
     memory = PeakMemory(loop.device)
     memory.reset()
@@ -360,8 +393,11 @@ def run_alst(config: BenchmarkConfig, batches: list[dict[str, Tensor]], mpu: Any
     for _ in batches:
         loop.step(check_agreement)
     block = Block(
-        peak_memory=memory.peak(), all_to_all_calls=counter.calls - calls, all_to_all_bytes=counter.bytes_to_peers - sent,
-        losses=loop.losses, grad_norm=loop.grad_norm,
+        peak_memory=memory.peak(),
+        all_to_all_calls=counter.calls - calls,
+        all_to_all_bytes=counter.bytes_to_peers - sent,
+        losses=loop.losses,
+        grad_norm=loop.grad_norm,
         params=gathered_parameters(loop.engine.module, config.stage) if check_agreement else None,
         saved_for_backward=loop.saved_for_backward,
     )
@@ -492,8 +528,9 @@ def paired_ratios(results: list[dict[str, Any]]) -> list[float]:
     return [o / a for o, a in zip(timing.wall["ours"], timing.wall["alst"])]
 
 
-def render_report(config: BenchmarkConfig, summaries: dict[str, SideSummary], ratios: list[float], command: str,
-                  device: str) -> str:
+def render_report(
+    config: BenchmarkConfig, summaries: dict[str, SideSummary], ratios: list[float], command: str, device: str
+) -> str:
     ours, alst = summaries["ours"], summaries["alst"]
     theory = config.theoretical_bytes_per_layer
     quartiles = statistics.quantiles(ratios, n=4)
@@ -513,18 +550,33 @@ def render_report(config: BenchmarkConfig, summaries: dict[str, SideSummary], ra
         "",
         "| | ours (UlyssesStrategy, L.Trainer) | ALST (DeepSpeed loop) | ours / ALST |",
         "|---|---|---|---|",
-        row("median step time, wall clock (s)", lambda s: f"{s.median_step_time:.4f}",
-            f"**{ours.median_step_time / alst.median_step_time:.3f}**"),
+        row(
+            "median step time, wall clock (s)",
+            lambda s: f"{s.median_step_time:.4f}",
+            f"**{ours.median_step_time / alst.median_step_time:.3f}**",
+        ),
         row("step pair ratio, quartiles (rank 0)", lambda s: "", " / ".join(f"{q:.3f}" for q in quartiles)),
-        row("median CPU time per step and process (s)", lambda s: f"{s.median_cpu_time:.4f}",
-            f"{ours.median_cpu_time / alst.median_cpu_time:.3f}"),
-        row("peak memory of the steps (MiB, rank max)", lambda s: f"{s.peak_memory / 2**20:.1f}",
-            f"**{ours.peak_memory / alst.peak_memory:.3f}**"),
-        row("activations saved for backward, first step (MiB, rank 0)", lambda s: f"{s.saved_for_backward / 2**20:.1f}",
-            f"{ours.saved_for_backward / alst.saved_for_backward:.3f}"),
+        row(
+            "median CPU time per step and process (s)",
+            lambda s: f"{s.median_cpu_time:.4f}",
+            f"{ours.median_cpu_time / alst.median_cpu_time:.3f}",
+        ),
+        row(
+            "peak memory of the steps (MiB, rank max)",
+            lambda s: f"{s.peak_memory / 2**20:.1f}",
+            f"**{ours.peak_memory / alst.peak_memory:.3f}**",
+        ),
+        row(
+            "activations saved for backward, first step (MiB, rank 0)",
+            lambda s: f"{s.saved_for_backward / 2**20:.1f}",
+            f"{ours.saved_for_backward / alst.saved_for_backward:.3f}",
+        ),
         row("all-to-all calls per step", lambda s: f"{s.all_to_all_calls_per_step:g}"),
-        row("all-to-all bytes per layer and direction", lambda s: f"{s.all_to_all_bytes_per_layer:.0f}",
-            f"theory {theory:.0f}"),
+        row(
+            "all-to-all bytes per layer and direction",
+            lambda s: f"{s.all_to_all_bytes_per_layer:.0f}",
+            f"theory {theory:.0f}",
+        ),
         row("bytes / theory", lambda s: f"{s.all_to_all_bytes_per_layer / theory:.4f}"),
         row("max relative loss error vs one process", lambda s: f"{s.max_loss_error:.1e}"),
         row("first-step gradient norm / one process", lambda s: f"{s.grad_norm_ratio:.4f}"),
@@ -563,7 +615,10 @@ def main(argv: list[str] | None = None) -> dict[str, SideSummary]:
 
     config, output = parse_args(argv)
     results = launch(
-        "benchmarks.compare_alst:worker", config.sp, {"config": dataclasses.asdict(config)}, timeout=3600,
+        "benchmarks.compare_alst:worker",
+        config.sp,
+        {"config": dataclasses.asdict(config)},
+        timeout=3600,
         extra_env={"MALLOC_MMAP_THRESHOLD_": "65536"},  # freed buffers leave the process: RSS peaks are exact
     )
     reference = single_process_reference(config, make_batches(config))

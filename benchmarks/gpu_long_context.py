@@ -41,14 +41,38 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Llama 3.x shapes (https://huggingface.co/meta-llama); "tiny" checks the script end to end in seconds.
 MODEL_SIZES: dict[str, dict[str, int]] = {
-    "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=8,
-                 num_key_value_heads=8, vocab_size=32000),
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256),
-    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-               num_key_value_heads=8, vocab_size=128256),
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256),
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=32000,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+    "3b": dict(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
 }
 
 # memory option -> UlyssesStrategy keyword arguments ("alst": ALST's tiled MLP, tiled logits + loss and
@@ -99,7 +123,9 @@ class LongContextConfig:
         if self.sdpa_backend not in SDPA_BACKENDS:
             raise ValueError(f"--sdpa-backend must be one of {list(SDPA_BACKENDS)}, got {self.sdpa_backend!r}.")
         if not 0 < self.start_seq_len <= self.max_seq_len:
-            raise ValueError(f"Need 0 < --start-seq-len <= --max-seq-len, got {self.start_seq_len}, {self.max_seq_len}.")
+            raise ValueError(
+                f"Need 0 < --start-seq-len <= --max-seq-len, got {self.start_seq_len}, {self.max_seq_len}."
+            )
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[LongContextConfig, Path]:
@@ -122,8 +148,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[LongContextConfig, Path]:
 
 def llama_config(model: str, seq_len: int) -> LlamaConfig:
     return LlamaConfig(
-        **MODEL_SIZES[model], max_position_embeddings=seq_len, rope_theta=500000.0, tie_word_embeddings=False,
-        attn_implementation="sdpa", use_cache=False,
+        **MODEL_SIZES[model],
+        max_position_embeddings=seq_len,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        use_cache=False,
     )
 
 
@@ -194,10 +224,16 @@ def probe_worker(args: dict[str, Any]) -> dict[str, float]:
     module = LongContextLM(llama_config(config.model, seq_len), "offload_optimizer" in strategy_kwargs)
     timer = _StepTimer()
     trainer = L.Trainer(
-        accelerator=config.accelerator, devices=args["sp"], max_steps=config.steps, callbacks=[timer],
+        accelerator=config.accelerator,
+        devices=args["sp"],
+        max_steps=config.steps,
+        callbacks=[timer],
         precision="bf16-mixed" if config.accelerator == "cuda" else "32-true",
         strategy=UlyssesStrategy(sp_size=args["sp"], attn_implementation=config.attn_implementation, **strategy_kwargs),
-        use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
     )
     vocab = module.config.vocab_size
@@ -218,8 +254,13 @@ def run_probe(config: LongContextConfig, option: str, seq_len: int, sp: int) -> 
 
     args = {"config": dataclasses.asdict(config), "option": option, "seq_len": seq_len, "sp": sp}
     try:
-        return launch("benchmarks.gpu_long_context:probe_worker", sp, args, timeout=config.probe_timeout,
-                      extra_env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})[0]
+        return launch(
+            "benchmarks.gpu_long_context:probe_worker",
+            sp,
+            args,
+            timeout=config.probe_timeout,
+            extra_env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+        )[0]
     except AssertionError as error:
         if "OutOfMemoryError" in str(error) or "out of memory" in str(error):
             return None
@@ -252,9 +293,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         longest = max(fits)
         tokens_per_s = longest / best["step_time"]  # one sequence per SP group, one group
         achieved = tokens_per_s * flops_per_token(llama_config(config.model, longest), longest) / sp
-        rows.append({"option": option, "seq_len": longest, "tokens_per_s": tokens_per_s,
-                     "mfu": achieved / peak_flops(device_name, config.peak_tflops) if on_gpu else None,
-                     "peak_memory_gib": best["peak_memory"] / 2**30})
+        rows.append(
+            {
+                "option": option,
+                "seq_len": longest,
+                "tokens_per_s": tokens_per_s,
+                "mfu": achieved / peak_flops(device_name, config.peak_tflops) if on_gpu else None,
+                "peak_memory_gib": best["peak_memory"] / 2**30,
+            }
+        )
     report = render_report(config, rows, sp, device_name)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(report)
@@ -278,8 +325,10 @@ def render_report(config: LongContextConfig, rows: list[dict[str, Any]], sp: int
             lines.append(f"| {row['option']} | < {config.start_seq_len} | | | |")
         else:
             mfu = "" if row["mfu"] is None else f"{row['mfu']:.1%}"
-            lines.append(f"| {row['option']} | {row['seq_len']:,} | {row['tokens_per_s']:,.0f} | {mfu} "
-                         f"| {row['peak_memory_gib']:.1f} |")
+            lines.append(
+                f"| {row['option']} | {row['seq_len']:,} | {row['tokens_per_s']:,.0f} | {mfu} "
+                f"| {row['peak_memory_gib']:.1f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -83,8 +83,9 @@ def layer_worker(args: dict[str, Any]) -> dict[str, Any]:
     sp, rank, seq = dist.get_world_size(), dist.get_rank(), args["seq_len"]
     g = torch.Generator().manual_seed(0)
     heads, kv_heads = MODEL["num_attention_heads"], MODEL["num_key_value_heads"]
-    q, k, v = (torch.randn(1, seq // sp, n, HEAD_DIM, generator=g).requires_grad_()
-               for n in (heads, kv_heads, kv_heads))
+    q, k, v = (
+        torch.randn(1, seq // sp, n, HEAD_DIM, generator=g).requires_grad_() for n in (heads, kv_heads, kv_heads)
+    )
     grad = torch.randn(1, seq // sp, heads, HEAD_DIM, generator=g)
     positions = torch.arange(rank * seq // sp, (rank + 1) * seq // sp)[None]
 
@@ -130,8 +131,11 @@ def model_worker(args: dict[str, Any]) -> dict[str, Any]:
     (state,) = {id(m._ulysses_state): m._ulysses_state for m in outermost_models(model)}.values()
 
     def shard(seq_len: int) -> dict[str, torch.Tensor]:
-        batch = {"input_ids": torch.randint(1, MODEL["vocab_size"], (1, seq_len),
-                                            generator=torch.Generator().manual_seed(seq_len))}
+        batch = {
+            "input_ids": torch.randint(
+                1, MODEL["vocab_size"], (1, seq_len), generator=torch.Generator().manual_seed(seq_len)
+            )
+        }
         return shard_batch(prepare_batch(batch, sp), rank, sp)
 
     results: dict[str, Any] = {}
@@ -164,8 +168,9 @@ def _launch(target: str, sp: int, args: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _median_ratios(per_rank: list[dict[str, Any]], chunkings: tuple[Any, ...]) -> dict[Any, float]:
     """Median over rounds of the slowest rank's time, per chunking, over that of ``None``."""
-    slowest = {c: [max(r["times"][c][i] for r in per_rank) for i in range(len(per_rank[0]["times"][c]))]
-               for c in chunkings}
+    slowest = {
+        c: [max(r["times"][c][i] for r in per_rank) for i in range(len(per_rank[0]["times"][c]))] for c in chunkings
+    }
     base = statistics.median(slowest[None])
     return {c: statistics.median(slowest[c]) / base for c in chunkings}
 
@@ -173,8 +178,9 @@ def _median_ratios(per_rank: list[dict[str, Any]], chunkings: tuple[Any, ...]) -
 def probe_longest(chunks: Any, sp: int, budget: float, schedule: ProbeSchedule) -> tuple[int | None, int | None]:
     fits, misses = [], []
     while (seq_len := schedule.next(fits, misses)) is not None:
-        per_rank = _launch("benchmarks.head_chunks:model_worker", sp,
-                           {"chunkings": [chunks], "seq_lens": [seq_len], "repeats": 0})
+        per_rank = _launch(
+            "benchmarks.head_chunks:model_worker", sp, {"chunkings": [chunks], "seq_lens": [seq_len], "repeats": 0}
+        )
         peak = max(r[f"peak {chunks} {seq_len}"] for r in per_rank)
         (fits if peak <= budget else misses).append(seq_len)
     return max(fits, default=None), min(misses, default=None)
@@ -197,26 +203,39 @@ def main(argv: list[str] | None = None) -> str:
 
     layer = _launch("benchmarks.head_chunks:layer_worker", sp, {"seq_len": n, "repeats": args.repeats})
     layer_ratio = _median_ratios(layer, CHUNKINGS)
-    lines = [f"Made by `python -m benchmarks.head_chunks {' '.join(argv)}`; sp={sp}, CPU (gloo), fp32.", "",
-             f"One attention layer, N={n} ({MODEL['num_attention_heads']} heads, {MODEL['num_key_value_heads']} K/V "
-             f"heads of {HEAD_DIM}), forward + backward, per rank:", "",
-             "| head_chunks | all-to-alls forward | backward | peak above inputs (MiB) | x plain | one chunk's "
-             "whole-sequence q, k, v, out (formula, MiB) | time x plain |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Made by `python -m benchmarks.head_chunks {' '.join(argv)}`; sp={sp}, CPU (gloo), fp32.",
+        "",
+        f"One attention layer, N={n} ({MODEL['num_attention_heads']} heads, {MODEL['num_key_value_heads']} K/V "
+        f"heads of {HEAD_DIM}), forward + backward, per rank:",
+        "",
+        "| head_chunks | all-to-alls forward | backward | peak above inputs (MiB) | x plain | one chunk's "
+        "whole-sequence q, k, v, out (formula, MiB) | time x plain |",
+        "|---|---|---|---|---|---|---|",
+    ]
     plain_peak = max(r["peak None"] for r in layer)
     for c in CHUNKINGS:
         peak = max(r[f"peak {c}"] for r in layer)
         calls = layer[0][f"calls {c}"]
-        lines.append(f"| {c} | {calls.get('forward', 0)} | {calls.get('backward', 0)} | {peak / MiB:.1f} | "
-                     f"{peak / plain_peak:.3f} | {whole_sequence_bytes(n, sp, c) / MiB:.1f} | {layer_ratio[c]:.2f} |")
+        lines.append(
+            f"| {c} | {calls.get('forward', 0)} | {calls.get('backward', 0)} | {peak / MiB:.1f} | "
+            f"{peak / plain_peak:.3f} | {whole_sequence_bytes(n, sp, c) / MiB:.1f} | {layer_ratio[c]:.2f} |"
+        )
 
     chunkings = (None, "auto")
-    model = _launch("benchmarks.head_chunks:model_worker", sp,
-                    {"chunkings": chunkings, "seq_lens": args.seq_lens, "repeats": args.repeats})
+    model = _launch(
+        "benchmarks.head_chunks:model_worker",
+        sp,
+        {"chunkings": chunkings, "seq_lens": args.seq_lens, "repeats": args.repeats},
+    )
     model_ratio = _median_ratios(model, chunkings)
-    lines += ["", f"One training step, all memory options, per rank (largest rank); step time at N={args.seq_lens[0]}:",
-              "", "| head_chunks | " + " | ".join(f"peak N={s} (MiB)" for s in args.seq_lens)
-              + " | step time x plain |",
-              "|---|" + "---|" * (len(args.seq_lens) + 1)]
+    lines += [
+        "",
+        f"One training step, all memory options, per rank (largest rank); step time at N={args.seq_lens[0]}:",
+        "",
+        "| head_chunks | " + " | ".join(f"peak N={s} (MiB)" for s in args.seq_lens) + " | step time x plain |",
+        "|---|" + "---|" * (len(args.seq_lens) + 1),
+    ]
     for c in chunkings:
         peaks = [max(r[f"peak {c} {s}"] for r in model) / MiB for s in args.seq_lens]
         lines.append(f"| {c} | " + " | ".join(f"{p:.1f}" for p in peaks) + f" | {model_ratio[c]:.2f} |")

@@ -91,8 +91,10 @@ def main() -> None:
     result = launch("benchmarks.head_padding:worker", args.sp, vars(args), timeout=3600)[0]
     times, cpu_times, sent = result["times"], result["cpu_times"], result["bytes"]
     print(f"sp={args.sp}, seq={args.seq}, head_dim={args.dim}, fp32, CPU gloo; median of {args.repeats} rounds")
-    print(f"{'heads/kv':>9} {'slots/rank':>10} {'baseline':>9} {'slots/heads':>11} {'bytes/real':>10} "
-          f"{'time/real':>9} {'cpu/real':>9}")
+    print(
+        f"{'heads/kv':>9} {'slots/rank':>10} {'baseline':>9} {'slots/heads':>11} {'bytes/real':>10} "
+        f"{'time/real':>9} {'cpu/real':>9}"
+    )
     for (heads, kv_heads), (base_heads, base_kv) in MODELS.items():
         layout = plan_heads(heads, kv_heads, args.sp)
         scale = heads / base_heads  # an unpadded model with `heads` real heads, extrapolated from the baseline

@@ -57,7 +57,7 @@ class SavedForBackward:
     def bytes(self) -> int:
         return sum(self._storages.values())
 
-    def __enter__(self) -> "SavedForBackward":
+    def __enter__(self) -> SavedForBackward:
         self._hooks.__enter__()
         return self
 

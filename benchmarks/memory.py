@@ -32,15 +32,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_ulysses import MemoryOptions, UlyssesLossMixin, apply_memory_options, apply_ulysses_attention
-from lightning_ulysses import prepare_batch, remove_memory_options, shard_batch
 from benchmarks.measure import PeakMemory, ProbeSchedule
+from lightning_ulysses import (
+    MemoryOptions,
+    UlyssesLossMixin,
+    apply_memory_options,
+    apply_ulysses_attention,
+    prepare_batch,
+    remove_memory_options,
+    shard_batch,
+)
 from tests.launch import launch
 from tests.tiny import tiny_llama
 
 MODEL = dict(
-    vocab_size=16000, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-    num_key_value_heads=4, max_position_embeddings=1 << 20,
+    vocab_size=16000,
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=1 << 20,
 )
 CONFIGS: dict[str, MemoryOptions] = {
     "plain": MemoryOptions(),
@@ -96,7 +108,9 @@ def _peak_bytes(device: torch.device, step: Any) -> int:
     return memory.peak()
 
 
-def probe_longest(config: str, sp: int, device: str, budget: float, schedule: ProbeSchedule) -> tuple[int | None, int | None]:
+def probe_longest(
+    config: str, sp: int, device: str, budget: float, schedule: ProbeSchedule
+) -> tuple[int | None, int | None]:
     """``(longest length that fits, shortest that does not)`` under ``budget`` per rank, each probe one step in
     fresh processes; None where the schedule found no such length."""
     fits, misses = [], []
@@ -108,20 +122,32 @@ def probe_longest(config: str, sp: int, device: str, budget: float, schedule: Pr
 
 def measure(configs: list[str], sp: int, device: str, seq_lens: list[int]) -> dict[tuple[str, int], int]:
     """``{(config, seq_len): peak bytes}``, the largest over the ``sp`` ranks of one launch."""
-    per_rank = launch("benchmarks.memory:worker", sp, {"device": device, "seq_lens": seq_lens, "configs": configs},
-                      extra_env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+    per_rank = launch(
+        "benchmarks.memory:worker",
+        sp,
+        {"device": device, "seq_lens": seq_lens, "configs": configs},
+        extra_env={"MALLOC_MMAP_THRESHOLD_": "65536"},
+    )
     return {key: max(rank[key] for rank in per_rank) for key in per_rank[0]}
 
 
-def markdown_table(results: dict[tuple[str, int, int], float], configs: list[str], sp_sizes: list[int],
-                   seq_lens: list[int], budget: float, longest: dict[tuple[str, int], tuple[int | None, int | None]]) -> str:
+def markdown_table(
+    results: dict[tuple[str, int, int], float],
+    configs: list[str],
+    sp_sizes: list[int],
+    seq_lens: list[int],
+    budget: float,
+    longest: dict[tuple[str, int], tuple[int | None, int | None]],
+) -> str:
     header = "| config | sp | " + " | ".join(f"N={n}: MiB (x plain sp=1)" for n in seq_lens)
     header += f" | longest N under {budget / MiB:.0f} MiB: fits, does not (probed) |" if longest else " |"
     lines = [header, "|" + "---|" * (len(seq_lens) + 2 + bool(longest))]
     for config in configs:
         for sp in sp_sizes:
-            cells = [f"{results[config, sp, n] / MiB:.1f} ({results[config, sp, n] / results['plain', 1, n]:.3f})"
-                     for n in seq_lens]
+            cells = [
+                f"{results[config, sp, n] / MiB:.1f} ({results[config, sp, n] / results['plain', 1, n]:.3f})"
+                for n in seq_lens
+            ]
             row = f"| {config} | {sp} | " + " | ".join(cells) + " |"
             if longest:
                 fit, miss = longest[config, sp]
@@ -130,8 +156,14 @@ def markdown_table(results: dict[tuple[str, int, int], float], configs: list[str
     return "\n".join(lines)
 
 
-def plot(results: dict[tuple[str, int, int], float], configs: list[str], sp_sizes: list[int], seq_lens: list[int],
-         path: Path, title: str) -> None:
+def plot(
+    results: dict[tuple[str, int, int], float],
+    configs: list[str],
+    sp_sizes: list[int],
+    seq_lens: list[int],
+    path: Path,
+    title: str,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,9 +211,15 @@ def main(argv: list[str] | None = None) -> tuple[dict[tuple[str, int, int], floa
             results[config, sp, n] = peak
     budget = args.budget_mib * MiB
     schedule = ProbeSchedule(args.probe_start, args.probe_max, args.refine)
-    longest = {} if args.no_probe else {
-        (config, sp): probe_longest(config, sp, args.device, budget, schedule) for config in configs for sp in args.sp
-    }
+    longest = (
+        {}
+        if args.no_probe
+        else {
+            (config, sp): probe_longest(config, sp, args.device, budget, schedule)
+            for config in configs
+            for sp in args.sp
+        }
+    )
 
     table = markdown_table(results, configs, args.sp, args.seq_lens, budget, longest)
     model = ", ".join(f"{k}={v}" for k, v in MODEL.items() if k != "max_position_embeddings")

@@ -81,8 +81,15 @@ def components(shape: DecoderShape, element_bytes: int) -> dict[str, float]:
     }
 
 
-def peak_bytes_per_token(shape: DecoderShape, element_bytes: int, *, tiled_mlp: bool = False,
-                         tiled_loss: bool = False, checkpointing: bool = False, offload: bool = False) -> float:
+def peak_bytes_per_token(
+    shape: DecoderShape,
+    element_bytes: int,
+    *,
+    tiled_mlp: bool = False,
+    tiled_loss: bool = False,
+    checkpointing: bool = False,
+    offload: bool = False,
+) -> float:
     """Slope of the step's peak memory in the tokens of a rank (bytes per token), under the options."""
     c = components(shape, element_bytes)
     mlp = 0 if tiled_mlp else c["MLP intermediates (per layer)"]
@@ -96,8 +103,9 @@ def peak_bytes_per_token(shape: DecoderShape, element_bytes: int, *, tiled_mlp: 
     return inputs + final + max(logits, layer)
 
 
-def flops_per_token(shape: DecoderShape, seq_len: int, *, tiled_mlp: bool = False, tiled_loss: bool = False,
-                    checkpointing: bool = False) -> float:
+def flops_per_token(
+    shape: DecoderShape, seq_len: int, *, tiled_mlp: bool = False, tiled_loss: bool = False, checkpointing: bool = False
+) -> float:
     """Training FLOPs per token (matrix products and causal attention over ``seq_len`` keys)."""
     lm_head = shape.hidden * shape.vocab
     layers = shape.layers * shape.layer_params
@@ -132,13 +140,18 @@ def component_table(shape: DecoderShape, element_bytes: int) -> str:
 
 def options_table(shape: DecoderShape, element_bytes: int, budget_gib: float, seq_len: int) -> str:
     plain_flops = flops_per_token(shape, seq_len)
-    lines = [f"| options | KiB per token | tokens per rank in {budget_gib:.0f} GiB | FLOPs per token at N={seq_len:,} "
-             "(x plain) |", "|---|---|---|---|"]
+    lines = [
+        f"| options | KiB per token | tokens per rank in {budget_gib:.0f} GiB | FLOPs per token at N={seq_len:,} "
+        "(x plain) |",
+        "|---|---|---|---|",
+    ]
     for name, options in OPTIONS.items():
         per_token = peak_bytes_per_token(shape, element_bytes, **options)
         flops = flops_per_token(shape, seq_len, **{k: v for k, v in options.items() if k != "offload"})
-        lines.append(f"| {name} | {per_token / KiB:,.1f} | {budget_gib * 2**30 / per_token:,.0f} "
-                     f"| {flops / 1e9:,.0f} G ({flops / plain_flops:.2f}) |")
+        lines.append(
+            f"| {name} | {per_token / KiB:,.1f} | {budget_gib * 2**30 / per_token:,.0f} "
+            f"| {flops / 1e9:,.0f} G ({flops / plain_flops:.2f}) |"
+        )
     return "\n".join(lines)
 
 

@@ -63,15 +63,20 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    print(f"seq={args.seq}, heads={args.heads}, head_dim={args.dim}, {dtype}, {args.device}; SDPA calls and time "
-          f"relative to one call per document, median of {args.repeats}")
+    print(
+        f"seq={args.seq}, heads={args.heads}, head_dim={args.dim}, {dtype}, {args.device}; SDPA calls and time "
+        f"relative to one call per document, median of {args.repeats}"
+    )
     print(f"{'doc length':>10} {'documents':>9} {'classes: calls':>15} {'time':>6} {'whole-row mask':>15}")
     for doc_len, varied in [(16, False), (64, False), (512, False), (16, True), (64, True), (512, True)]:
         positions = torch.cat([torch.arange(n) for n in lengths(args.seq, doc_len, varied)]).to(args.device)
         documents = Documents.from_position_ids(positions[None])
         q = torch.randn(1, args.seq, args.heads, args.dim, device=args.device, dtype=dtype, requires_grad=True)
-        runs = {"classes": lambda: sdpa_attention(q, q, q, documents), "per document": lambda: per_document(q, documents),
-                "mask": lambda: whole_row_mask(q, documents)}
+        runs = {
+            "classes": lambda: sdpa_attention(q, q, q, documents),
+            "per document": lambda: per_document(q, documents),
+            "mask": lambda: whole_row_mask(q, documents),
+        }
         times: dict[str, list[float]] = {name: [] for name in runs}
         for repeat in range(args.repeats + 1):  # round 0 warms up
             for name, run in runs.items():
@@ -81,8 +86,10 @@ def main() -> None:
         base = statistics.median(times["per document"])
         calls = len(plan_packed(documents).classes)
         label = f"~{doc_len}" if varied else str(doc_len)
-        print(f"{label:>10} {len(documents.offsets) - 1:>9} {calls:>15} "
-              f"{statistics.median(times['classes']) / base:>6.2f} {statistics.median(times['mask']) / base:>15.2f}")
+        print(
+            f"{label:>10} {len(documents.offsets) - 1:>9} {calls:>15} "
+            f"{statistics.median(times['classes']) / base:>6.2f} {statistics.median(times['mask']) / base:>15.2f}"
+        )
 
 
 if __name__ == "__main__":

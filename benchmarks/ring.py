@@ -56,8 +56,9 @@ class ByteCounter:
     def _node(self, rank: int) -> int:
         return rank // self.node_size
 
-    def _counted_all_to_all(self, output: torch.Tensor, input: torch.Tensor, *args: Any, group: Any = None,
-                            **kwargs: Any) -> Any:
+    def _counted_all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, *args: Any, group: Any = None, **kwargs: Any
+    ) -> Any:
         ranks = dist.get_process_group_ranks(group)
         chunk = input.numel() * input.element_size() // len(ranks)
         me = dist.get_rank()
@@ -82,8 +83,9 @@ class ByteCounter:
 COUNTS = ("all_to_all", "ring", "to_other_ranks", "across_nodes", "forward_to_other_ranks")
 
 
-def formulas(rank: int, sp: int, ring: int, heads: int, kv_heads: int, seq: int, dim: int, node_size: int,
-             elem: int = 4) -> dict[str, int]:
+def formulas(
+    rank: int, sp: int, ring: int, heads: int, kv_heads: int, seq: int, dim: int, node_size: int, elem: int = 4
+) -> dict[str, int]:
     """The byte counts of the module docstring for ``rank``, forward + backward (and the forward's share)."""
     ulysses, n = sp // ring, seq // sp
     layout = plan_heads(heads, kv_heads, ulysses)
@@ -98,8 +100,13 @@ def formulas(rank: int, sp: int, ring: int, heads: int, kv_heads: int, seq: int,
     ring_next = (rank // ulysses + 1) % ring * ulysses + rank % ulysses
     across = all_to_all * off_node // ulysses + (ring_bytes if ring_next // node_size != rank // node_size else 0)
     forward = all_to_all // 2 * (ulysses - 1) // ulysses + ring_forward
-    return {"all_to_all": all_to_all, "ring": ring_bytes, "to_other_ranks": to_others, "across_nodes": across,
-            "forward_to_other_ranks": forward}
+    return {
+        "all_to_all": all_to_all,
+        "ring": ring_bytes,
+        "to_other_ranks": to_others,
+        "across_nodes": across,
+        "forward_to_other_ranks": forward,
+    }
 
 
 def worker(args: dict[str, Any]) -> dict[str, Any]:
@@ -135,8 +142,10 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
             results[ring]["bytes"]["forward_to_other_ranks"] = forward
     counter.close()
     dist.destroy_process_group()
-    return {ring: {"time": statistics.median(r["times"]), "peak": statistics.median(r["peaks"]), "bytes": r["bytes"]}
-            for ring, r in results.items()}
+    return {
+        ring: {"time": statistics.median(r["times"]), "peak": statistics.median(r["peaks"]), "bytes": r["bytes"]}
+        for ring, r in results.items()
+    }
 
 
 def _ratio(value: float, base: float) -> str:
@@ -158,31 +167,51 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, Any]]:
     rings = divisors(args.sp)
     if args.seq % (2 * args.sp):
         parser.error(f"--seq must be a multiple of 2 * sp = {2 * args.sp}")
-    results = launch("benchmarks.ring:worker", args.sp, {
-        "seq": args.seq, "dim": args.dim, "heads": args.heads, "kv_heads": args.kv_heads, "rings": rings,
-        "node_size": node_size, "repeats": args.repeats,
-    }, extra_env={"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
+    results = launch(
+        "benchmarks.ring:worker",
+        args.sp,
+        {
+            "seq": args.seq,
+            "dim": args.dim,
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "rings": rings,
+            "node_size": node_size,
+            "repeats": args.repeats,
+        },
+        extra_env={"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"},
+    )
     base = results[0][1]
-    print(f"sp={args.sp}, N={args.seq}, {args.heads} heads / {args.kv_heads} K/V heads, head dim {args.dim}, fp32, "
-          f"nodes of {node_size} ranks; one attention layer, bytes each rank sends (MiB, largest rank)\n")
-    print("| layout (ring x ulysses) | K/V slots (replication) | all-to-all input | ring sends | to other ranks: "
-          "forward | forward + backward | across nodes | = formulas, every rank | time / Ulysses-only "
-          "| peak memory / Ulysses-only |")
+    print(
+        f"sp={args.sp}, N={args.seq}, {args.heads} heads / {args.kv_heads} K/V heads, head dim {args.dim}, fp32, "
+        f"nodes of {node_size} ranks; one attention layer, bytes each rank sends (MiB, largest rank)\n"
+    )
+    print(
+        "| layout (ring x ulysses) | K/V slots (replication) | all-to-all input | ring sends | to other ranks: "
+        "forward | forward + backward | across nodes | = formulas, every rank | time / Ulysses-only "
+        "| peak memory / Ulysses-only |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     table = {}
     for ring in rings:
         measured = [r[ring]["bytes"] for r in results]
-        expected = [formulas(rank, args.sp, ring, args.heads, args.kv_heads, args.seq, args.dim, node_size)
-                    for rank in range(args.sp)]
+        expected = [
+            formulas(rank, args.sp, ring, args.heads, args.kv_heads, args.seq, args.dim, node_size)
+            for rank in range(args.sp)
+        ]
         table[ring] = {"measured": measured, "expected": expected}
         kv_slots = (args.sp // ring) * plan_heads(args.heads, args.kv_heads, args.sp // ring).kv_heads_per_rank
         mib = {key: f"{max(m[key] for m in measured) / 2**20:.3f}" for key in COUNTS}
-        print(f"| {ring} x {args.sp // ring} | {kv_slots} ({kv_slots / args.kv_heads:.0f}x) | "
-              f"{mib['all_to_all']} | {mib['ring']} | {mib['forward_to_other_ranks']} | {mib['to_other_ranks']} | "
-              f"{mib['across_nodes']} | {'yes' if measured == expected else f'NO: {expected}'} | "
-              f"{_ratio(results[0][ring]['time'], base['time'])} | {_ratio(results[0][ring]['peak'], base['peak'])} |")
-    print(f"\nUlysses-only: {base['time'] * 1e3:.1f} ms, peak {base['peak'] / 2**20:.1f} MiB (median of "
-          f"{args.repeats}, slowest / largest rank).")
+        print(
+            f"| {ring} x {args.sp // ring} | {kv_slots} ({kv_slots / args.kv_heads:.0f}x) | "
+            f"{mib['all_to_all']} | {mib['ring']} | {mib['forward_to_other_ranks']} | {mib['to_other_ranks']} | "
+            f"{mib['across_nodes']} | {'yes' if measured == expected else f'NO: {expected}'} | "
+            f"{_ratio(results[0][ring]['time'], base['time'])} | {_ratio(results[0][ring]['peak'], base['peak'])} |"
+        )
+    print(
+        f"\nUlysses-only: {base['time'] * 1e3:.1f} ms, peak {base['peak'] / 2**20:.1f} MiB (median of "
+        f"{args.repeats}, slowest / largest rank)."
+    )
     return table
 
 

@@ -84,8 +84,13 @@ def main() -> None:
     L.seed_everything(0)
     data = LongTextDataModule(paths=["stdlib"], seq_len=1024, batch_size=2, max_files=100)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=UlyssesStrategy(sp_size=2, stage=2), max_steps=args.max_steps,
-        limit_val_batches=0, logger=False, enable_checkpointing=False,
+        accelerator="cpu",
+        devices=2,
+        strategy=UlyssesStrategy(sp_size=2, stage=2),
+        max_steps=args.max_steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
     )
     trainer.fit(TinyGPT(data.vocab_size), data)
 

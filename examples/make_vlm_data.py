@@ -42,8 +42,13 @@ def save_llava_processor(folder: Path) -> dict[str, int]:
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<image>"]})
     image_processor = CLIPImageProcessorPil(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
     processor = LlavaProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, patch_size=2, vision_feature_select_strategy="default",
-        num_additional_image_tokens=1, image_token="<image>", chat_template=VISION_CHATML,
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=2,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        image_token="<image>",
+        chat_template=VISION_CHATML,
     )
     folder.mkdir(parents=True, exist_ok=True)
     processor.save_pretrained(folder)
@@ -76,10 +81,14 @@ def colour_chats(pictures: list[tuple[str, str]], count: int = 160, seed: int = 
         user = [{"type": "image", "image": path} for path, _ in shown]
         question = "What colours are these pictures?" if len(shown) == 2 else "What colour is this picture?"
         answer = " and ".join(colour for _, colour in shown).capitalize() + "."
-        chats.append({"messages": [
-            {"role": "user", "content": [*user, {"type": "text", "text": question}]},
-            {"role": "assistant", "content": [{"type": "text", "text": answer}]},
-        ]})
+        chats.append(
+            {
+                "messages": [
+                    {"role": "user", "content": [*user, {"type": "text", "text": question}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+                ]
+            }
+        )
     return chats
 
 

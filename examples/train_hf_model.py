@@ -26,8 +26,12 @@ class LitLlama(UlyssesLossMixin, L.LightningModule):
         super().__init__()
         self.learning_rate = learning_rate
         config = LlamaConfig(
-            vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2,  # heads must split over sp_size
+            vocab_size=vocab_size,
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,  # heads must split over sp_size
         )
         self.model = LlamaForCausalLM(config)
 
@@ -51,8 +55,13 @@ def main() -> None:
     L.seed_everything(0)
     data = LongTextDataModule(paths=["stdlib"], seq_len=1024, batch_size=2, max_files=100)  # Python's own sources
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=UlyssesStrategy(sp_size=2, stage=2), max_steps=args.max_steps,
-        limit_val_batches=0, logger=False, enable_checkpointing=False,
+        accelerator="cpu",
+        devices=2,
+        strategy=UlyssesStrategy(sp_size=2, stage=2),
+        max_steps=args.max_steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
     )
     trainer.fit(LitLlama(data.vocab_size), data)
 

@@ -12,6 +12,12 @@ from lightning_ulysses.finetune import DPO, PreferenceDataModule, SFTDataModule
 from lightning_ulysses.flops import TransformerFlops, dense_peak_flops
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.heads import HeadLayout, plan_heads
+from lightning_ulysses.hf import (
+    UnsupportedModelError,
+    apply_ulysses_attention,
+    remove_ulysses_attention,
+    sequence_parallel_disabled,
+)
 from lightning_ulysses.logits import TiledLogits, tiled_cross_entropy_sum
 from lightning_ulysses.loss import UlyssesLossMixin, token_cross_entropy
 from lightning_ulysses.memory import (
@@ -25,12 +31,6 @@ from lightning_ulysses.metrics import Perplexity, TokenAccuracy, TokenCrossEntro
 from lightning_ulysses.model import CausalLM, WarmupCosine
 from lightning_ulysses.model_checkpoint import ModelCheckpoint
 from lightning_ulysses.offload import ActivationOffload
-from lightning_ulysses.hf import (
-    UnsupportedModelError,
-    apply_ulysses_attention,
-    remove_ulysses_attention,
-    sequence_parallel_disabled,
-)
 from lightning_ulysses.prediction import PredictionWriter, gather_sequence, token_log_probs
 from lightning_ulysses.runtime import (
     CheckpointSaveError,

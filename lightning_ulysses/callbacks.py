@@ -48,8 +48,8 @@ from transformers import PreTrainedModel
 from lightning_ulysses.attention import gather_sequence
 from lightning_ulysses.flops import TransformerFlops, dense_peak_flops
 from lightning_ulysses.groups import CollectiveObserver, SequenceParallelGroup
-from lightning_ulysses.loss import token_cross_entropy
 from lightning_ulysses.hf import outermost_models, unpatched
+from lightning_ulysses.loss import token_cross_entropy
 from lightning_ulysses.sharding import IGNORE_INDEX
 from lightning_ulysses.strategy import UlyssesStrategy
 
@@ -153,8 +153,15 @@ class AllToAllTimer:
 # SequenceParallelMonitor
 # ------------------------------------------------------------------------------------------------
 FIELDS = (
-    "seconds", "samples", "positions", "tokens", "valid_tokens", "flops", "all_to_all_seconds",
-    "peak_memory", "peak_reserved",
+    "seconds",
+    "samples",
+    "positions",
+    "tokens",
+    "valid_tokens",
+    "flops",
+    "all_to_all_seconds",
+    "peak_memory",
+    "peak_reserved",
 )
 """Per-rank numbers gathered every step; a gathered step is a ``[world, len(FIELDS)]`` table."""
 _COLUMN = {name: i for i, name in enumerate(FIELDS)}
@@ -271,7 +278,9 @@ class SequenceParallelMonitor(Callback):
     def _metric_options(self) -> dict[str, Any]:
         device = self._strategy.root_device
         return dict(
-            available_flops=self._available_flops, count_flops=self._flops is not None, cuda=device.type == "cuda",
+            available_flops=self._available_flops,
+            count_flops=self._flops is not None,
+            cuda=device.type == "cuda",
             timed=self._timer is not None,
         )
 
@@ -330,7 +339,8 @@ class SequenceParallelMonitor(Callback):
         timed = self._timer.seconds if self._timer is not None else 0.0
         row = torch.tensor(
             [seconds, samples, positions, tokens, valid, flops, timed, peak, reserved],
-            dtype=torch.float64, device=strategy.root_device,
+            dtype=torch.float64,
+            device=strategy.root_device,
         )
         step = strategy.all_gather(row).view(-1, len(FIELDS)).cpu()  # [world, F]
         self._epoch = accumulate(self._epoch, step)
@@ -348,8 +358,13 @@ class SequenceParallelMonitor(Callback):
             # the values are already global and equal on every rank; for epoch values Lightning insists on a
             # sync, and the max of equal values keeps them exact
             pl_module.log(
-                f"{self.prefix}{name}{suffix}", value, on_step=not per_epoch, on_epoch=per_epoch,
-                prog_bar=not per_epoch and name in self.PROGRESS_BAR, batch_size=1, sync_dist=per_epoch,
+                f"{self.prefix}{name}{suffix}",
+                value,
+                on_step=not per_epoch,
+                on_epoch=per_epoch,
+                prog_bar=not per_epoch and name in self.PROGRESS_BAR,
+                batch_size=1,
+                sync_dist=per_epoch,
                 reduce_fx="max",
             )
 
@@ -374,8 +389,9 @@ class SequenceParallelMonitor(Callback):
 
 def format_summary(metrics: dict[str, float], strategy: UlyssesStrategy, steps: int) -> str:
     """A run's :func:`summarize` metrics as a two-column table (rendered by ``rich``, as plain text)."""
-    table = Table(title="Sequence-parallel training summary", title_justify="left", show_header=False,
-                  box=box.HORIZONTALS)
+    table = Table(
+        title="Sequence-parallel training summary", title_justify="left", show_header=False, box=box.HORIZONTALS
+    )
     table.add_column()
     table.add_column(justify="right")
     table.add_row("world (dp x sp)", f"{strategy.dp_size} x {strategy.sp_size}")
@@ -430,7 +446,10 @@ class SequenceParallelParityCheck(Callback):
     """
 
     def __init__(
-        self, every_n_steps: int = 0, rtol: float | None = None, atol: float = 1e-6,
+        self,
+        every_n_steps: int = 0,
+        rtol: float | None = None,
+        atol: float = 1e-6,
         on_mismatch: Literal["raise", "warn"] = "raise",
     ) -> None:
         super().__init__()
@@ -486,7 +505,9 @@ class SequenceParallelParityCheck(Callback):
         whole = {key: gather_sequence(batch[key], sp_group) for key in ("input_ids", "position_ids", "shift_labels")}
         with torch.no_grad(), unpatched(self._model):
             # without a KV cache transformers masks packed documents (position ids restarting at 0), as training does
-            logits = self._model(input_ids=whole["input_ids"], position_ids=whole["position_ids"], use_cache=False).logits
+            logits = self._model(
+                input_ids=whole["input_ids"], position_ids=whole["position_ids"], use_cache=False
+            ).logits
         loss_sum, num_tokens = token_cross_entropy(logits, whole["shift_labels"])
         return loss_sum / num_tokens.clamp(min=1)
 

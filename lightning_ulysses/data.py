@@ -93,8 +93,11 @@ def standard_library_files(pattern: str) -> list[Path]:
     (``sysconfig``'s ``stdlib``, also from inside a virtual environment) without its ``site-packages`` /
     ``dist-packages``, whose third-party packages differ from machine to machine."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(path for path in root.rglob(pattern)
-                  if path.is_file() and not THIRD_PARTY_FOLDERS.intersection(path.relative_to(root).parts))
+    return sorted(
+        path
+        for path in root.rglob(pattern)
+        if path.is_file() and not THIRD_PARTY_FOLDERS.intersection(path.relative_to(root).parts)
+    )
 
 
 def check_paths_exist(paths: Sequence[str], key: str, globs: bool = False) -> None:
@@ -199,10 +202,10 @@ def collate_right_padded(samples: list[dict[str, Tensor]], pad_token_id: int = 0
     batch: dict[str, Tensor] = {}
     for key in samples[0]:
         fill = pad_token_id if key == "input_ids" else 0
-        batch[key] = torch.stack([torch.nn.functional.pad(s[key], (0, length - len(s[key])), value=fill) for s in samples])
-    batch["attention_mask"] = torch.stack(
-        [(torch.arange(length) < len(s["input_ids"])).long() for s in samples]
-    )
+        batch[key] = torch.stack(
+            [torch.nn.functional.pad(s[key], (0, length - len(s[key])), value=fill) for s in samples]
+        )
+    batch["attention_mask"] = torch.stack([(torch.arange(length) < len(s["input_ids"])).long() for s in samples])
     return batch
 
 
@@ -323,8 +326,12 @@ class LongTextDataModule(L.LightningDataModule):
             raise RuntimeError("LongTextDataModule.setup() must run before its dataloaders are requested.")
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         return DataLoader(
-            dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
-            collate_fn=functools.partial(collate_right_padded, pad_token_id=pad), persistent_workers=self.num_workers > 0,
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            collate_fn=functools.partial(collate_right_padded, pad_token_id=pad),
+            persistent_workers=self.num_workers > 0,
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -72,7 +72,7 @@ class HeadLayout:
         return len(self.kv_slots) / max(self.num_kv_heads, self.sp_size)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def plan_heads(num_heads: int, num_kv_heads: int, sp_size: int) -> HeadLayout:
     """The head layout of ``num_heads`` query and ``num_kv_heads`` key/value heads over ``sp_size`` ranks."""
     check_heads(num_heads, num_kv_heads)
@@ -81,7 +81,8 @@ def plan_heads(num_heads: int, num_kv_heads: int, sp_size: int) -> HeadLayout:
     # query slots per K/V slot: the largest that fits every K/V group into sp_size * kv_heads_per_rank slots
     # (1 always fits: kv_heads_per_rank = heads_per_rank and one slot per query head)
     slot_group = next(
-        m for m in reversed(divisors(heads_per_rank))
+        m
+        for m in reversed(divisors(heads_per_rank))
         if sp_size * (heads_per_rank // m) >= num_kv_heads * -(-group // m)
     )
     kv_heads_per_rank = heads_per_rank // slot_group
@@ -99,8 +100,14 @@ def plan_heads(num_heads: int, num_kv_heads: int, sp_size: int) -> HeadLayout:
     query_slots += [query_slots[-1]] * (num_kv_slots * slot_group - len(query_slots))
     output_slots = [query_slots.index(head) for head in range(num_heads)]
     return HeadLayout(
-        num_heads, num_kv_heads, sp_size, heads_per_rank, kv_heads_per_rank,
-        tuple(query_slots), tuple(kv_slots), tuple(output_slots),
+        num_heads,
+        num_kv_heads,
+        sp_size,
+        heads_per_rank,
+        kv_heads_per_rank,
+        tuple(query_slots),
+        tuple(kv_slots),
+        tuple(output_slots),
     )
 
 

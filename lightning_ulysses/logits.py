@@ -57,8 +57,10 @@ def per_token(logits: Logits, labels: Tensor, fn: TokenFunction) -> Tensor:
     if not isinstance(logits, TiledLogits):
         return fn(logits.flatten(0, -2), labels.flatten()).view(labels.shape)
     run = recomputed_in_backward(lambda hidden, target: fn(logits.lm_head(hidden), target))
-    tiles = zip(logits.hidden_states.reshape(-1, logits.hidden_states.shape[-1]).tensor_split(logits.num_tiles),
-                labels.reshape(-1).tensor_split(logits.num_tiles))
+    tiles = zip(
+        logits.hidden_states.reshape(-1, logits.hidden_states.shape[-1]).tensor_split(logits.num_tiles),
+        labels.reshape(-1).tensor_split(logits.num_tiles),
+    )
     return torch.cat([run(hidden, target) for hidden, target in tiles]).view(labels.shape)
 
 
@@ -75,7 +77,10 @@ def token_hits(logits: Logits, labels: Tensor, ignore_index: int = IGNORE_INDEX)
 
 
 def tiled_cross_entropy_sum(
-    hidden_states: Tensor, lm_head: Callable[[Tensor], Tensor], labels: Tensor, num_tiles: int,
+    hidden_states: Tensor,
+    lm_head: Callable[[Tensor], Tensor],
+    labels: Tensor,
+    num_tiles: int,
     ignore_index: int = IGNORE_INDEX,
 ) -> Tensor:
     """Sum of the token cross entropies of ``lm_head(hidden_states)`` without materialising the logits.

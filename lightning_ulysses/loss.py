@@ -117,8 +117,12 @@ class UlyssesLossMixin:
         return self.reduce_token_loss(*token_cross_entropy(logits, shift_labels, ignore_index))
 
     def tiled_causal_lm_loss(
-        self, hidden_states: Tensor, lm_head: Callable[[Tensor], Tensor], shift_labels: Tensor,
-        num_tiles: TileSetting | None = None, ignore_index: int = IGNORE_INDEX,
+        self,
+        hidden_states: Tensor,
+        lm_head: Callable[[Tensor], Tensor],
+        shift_labels: Tensor,
+        num_tiles: TileSetting | None = None,
+        ignore_index: int = IGNORE_INDEX,
     ) -> Tensor:
         """:meth:`causal_lm_loss` of ``lm_head(hidden_states [B, n, hidden])``, computed in token tiles so that
         the ``[B * n, vocab]`` logits never exist (each tile's logits are recomputed in the backward).
@@ -160,8 +164,9 @@ class UlyssesLossMixin:
                     "function that applies it."
                 )
         hidden_states = model.get_decoder()(**inputs).last_hidden_state
-        tiles = resolve_num_tiles(context.tiled_loss, hidden_states.shape[:-1].numel(), hidden_states.shape[-1],
-                                  hidden_states.device)
+        tiles = resolve_num_tiles(
+            context.tiled_loss, hidden_states.shape[:-1].numel(), hidden_states.shape[-1], hidden_states.device
+        )
         return TiledLogits(hidden_states, model.get_output_embeddings(), tiles)
 
     def model_inputs(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:

@@ -187,7 +187,8 @@ def _undo_memory_options(module: nn.Module) -> None:
 def _dense_mlps(model: PreTrainedModel) -> list[nn.Module]:
     """The ``mlp`` of every decoder layer: dense, token-wise MLPs only (their class names end in "MLP")."""
     mlps = [
-        module for name, module in model.named_modules()
+        module
+        for name, module in model.named_modules()
         if name.rsplit(".", 1)[-1] == "mlp" and type(module).__name__.endswith("MLP")
     ]
     if not mlps:

@@ -24,10 +24,10 @@ from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.logits import Logits
 from lightning_ulysses.loss import UlyssesLossMixin
 from lightning_ulysses.metrics import TokenCrossEntropy
-from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.prediction import token_log_probs
 from lightning_ulysses.sharding import prepare_batch
 
@@ -81,7 +81,9 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         if pretrained and not isinstance(model, str):
-            raise ValueError("model.pretrained=True needs model.model to be the path of a local model folder, not a dict.")
+            raise ValueError(
+                "model.pretrained=True needs model.model to be the path of a local model folder, not a dict."
+            )
         self.model: nn.Module | None = None
         self.eval_loss = TokenCrossEntropy()
 
@@ -116,7 +118,9 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         documents masked by the same attention run locally."""
         if "shift_labels" in batch:
             return batch
-        with torch.inference_mode(False):  # the first call runs the set-up check, which validate's inference mode breaks
+        with torch.inference_mode(
+            False
+        ):  # the first call runs the set-up check, which validate's inference mode breaks
             apply_ulysses_attention(self.model, group=None, sp_size=1, core="sdpa")  # idempotent
         return prepare_batch(batch, sp_size=1)
 
@@ -137,7 +141,10 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         batch = self._prepared(batch)
-        outputs = {"input_ids": batch["input_ids"], "token_log_probs": token_log_probs(self._logits(batch), batch["shift_labels"])}
+        outputs = {
+            "input_ids": batch["input_ids"],
+            "token_log_probs": token_log_probs(self._logits(batch), batch["shift_labels"]),
+        }
         gather = getattr(self.trainer.strategy, "gather_sequence", None)  # UlyssesStrategy: shards -> whole rows
         return {key: gather(value) for key, value in outputs.items()} if gather is not None else outputs
 
@@ -177,7 +184,8 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         groups = [{"params": matrices, "weight_decay": hp.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(
             [group for group in groups if group["params"]],  # an empty group would break the LR schedule under ZeRO
-            lr=hp.learning_rate, betas=tuple(hp.betas),
+            lr=hp.learning_rate,
+            betas=tuple(hp.betas),
         )
         total_steps = hp.lr_schedule_steps or max(int(self.trainer.estimated_stepping_batches), 1)
         scheduler = LambdaLR(optimizer, WarmupCosine(hp.warmup_steps, total_steps, hp.min_lr_ratio))
@@ -225,8 +233,11 @@ def _reconcile_schedule(scheduler: LambdaLR, requested_steps: int | None, traine
     end = int(trainer.estimated_stepping_batches) if trainer.max_steps != -1 else None
     if requested_steps is None and end is not None and end != schedule.total_steps:
         final = scheduler.base_lrs[0] * schedule.min_ratio
-        after = (f"steps {schedule.total_steps}-{end - 1} run at its final learning rate {final:.3g}"
-                 if end > schedule.total_steps else f"the run stops at step {end}, before the schedule's end")
+        after = (
+            f"steps {schedule.total_steps}-{end - 1} run at its final learning rate {final:.3g}"
+            if end > schedule.total_steps
+            else f"the run stops at step {end}, before the schedule's end"
+        )
         rank_zero_warn(
             f"Resumed at step {step} with the learning-rate schedule saved in the checkpoint, which decays over "
             f"{schedule.total_steps} optimizer steps; this run ends at step {end}, so {after}. To decay over {end} "
@@ -269,7 +280,9 @@ def _load_pretrained(folder: str, auto_class: Any = AutoModelForCausalLM, **opti
     }
     found = {what: sorted(keys) for what, keys in problems.items() if keys}
     if found:
-        listed = "; ".join(f"{what}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}" for what, keys in found.items())
+        listed = "; ".join(
+            f"{what}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}" for what, keys in found.items()
+        )
         raise ValueError(
             f"model.model={folder!r} does not hold exactly the weights of {type(model).__name__} ({listed}). Use the "
             "folder saved with this architecture, or train from the config (model.pretrained=false)."

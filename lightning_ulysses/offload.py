@@ -84,8 +84,8 @@ class _Offloaded:
 class ActivationOffload:
     """Saved-tensor hooks that keep the saved tensors in host memory (see the module docstring)::
 
-        with ActivationOffload().hooks():
-            out = checkpoint(layer, hidden_states, use_reentrant=False)
+    with ActivationOffload().hooks():
+        out = checkpoint(layer, hidden_states, use_reentrant=False)
     """
 
     def __init__(self, streams: DeviceStreams | None = None) -> None:

@@ -45,13 +45,17 @@ class PredictionWriter(BasePredictionWriter):
         super().__init__(write_interval="epoch")
         self.output_dir = output_dir
 
-    def write_on_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, predictions: Any,
-                           batch_indices: Any) -> None:
+    def write_on_epoch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, predictions: Any, batch_indices: Any
+    ) -> None:
         strategy = trainer.strategy
         folder = Path(self.output_dir or trainer.log_dir or trainer.default_root_dir)  # log_dir: a collective
         if getattr(strategy, "sp_rank", 0) != 0:
             return
-        dp_rank, dp_size = getattr(strategy, "dp_rank", trainer.global_rank), getattr(strategy, "dp_size", trainer.world_size)
+        dp_rank, dp_size = (
+            getattr(strategy, "dp_rank", trainer.global_rank),
+            getattr(strategy, "dp_size", trainer.world_size),
+        )
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / ("predictions.pt" if dp_size == 1 else f"predictions-dp{dp_rank}.pt")
         torch.save({"predictions": move_data_to_device(predictions, "cpu"), "batch_indices": batch_indices}, path)

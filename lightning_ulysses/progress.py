@@ -43,8 +43,9 @@ class StepProgressBar(RichProgressBar):
             return super()._get_train_description(current_epoch)
         return f"{'Step':{len(self.validation_description)}}"
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not counts_steps(trainer):
             return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if not self.is_disabled and self.train_progress_bar_id is None:  # resumed inside an epoch
@@ -83,16 +84,20 @@ class LogLines(ProgressBar):
         self._start = time.monotonic()
         self._printed_step = trainer.global_step
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         every = self.every_n_steps or trainer.log_every_n_steps or 1
         last = counts_steps(trainer) and step >= trainer.max_steps
         if step != self._printed_step and (step % every == 0 or last):
             self._printed_step = step
             total = f"/{trainer.max_steps}" if counts_steps(trainer) else ""
-            self._print(f"step {step}{total} | epoch {trainer.current_epoch} | {time.monotonic() - self._start:.0f}s",
-                        self.get_metrics(trainer, pl_module), exclude=("val_",))
+            self._print(
+                f"step {step}{total} | epoch {trainer.current_epoch} | {time.monotonic() - self._start:.0f}s",
+                self.get_metrics(trainer, pl_module),
+                exclude=("val_",),
+            )
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
@@ -106,11 +111,16 @@ class LogLines(ProgressBar):
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         return _without_version(super().get_metrics(trainer, pl_module))
 
-    def _print(self, head: str, metrics: dict[str, Any], include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> None:
+    def _print(
+        self, head: str, metrics: dict[str, Any], include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()
+    ) -> None:
         if not self.is_enabled:
             return
-        shown = {key: value for key, value in metrics.items()
-                 if (not include or key.startswith(include)) and not any(key.startswith(p) for p in exclude)}
+        shown = {
+            key: value
+            for key, value in metrics.items()
+            if (not include or key.startswith(include)) and not any(key.startswith(p) for p in exclude)
+        }
         print(" | ".join([head, *(f"{key} {_format(value)}" for key, value in shown.items())]), flush=True)
 
 

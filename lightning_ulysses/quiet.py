@@ -65,11 +65,15 @@ def install() -> None:
     for name in RANK_ZERO_LOGGERS:
         _add_filter(name, _DropMessages(LIGHTNING_TIP))
     warnings.filterwarnings(
-        "ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated", category=FutureWarning,
+        "ignore",
+        message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+        category=FutureWarning,
         module=r"torch\.distributed\.c10d_logger",
     )
     warnings.filterwarnings(
-        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", module=r"lightning\.pytorch\.utilities\._pytree",
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        module=r"lightning\.pytorch\.utilities\._pytree",
     )
 
 
@@ -79,7 +83,9 @@ def install_cli() -> None:
         for name in names:
             _add_filter(name, _DropMessages(starts))
     warnings.filterwarnings(
-        "ignore", message=r"The dirpath has changed from", module=r"lightning\.pytorch\.callbacks\.model_checkpoint",
+        "ignore",
+        message=r"The dirpath has changed from",
+        module=r"lightning\.pytorch\.callbacks\.model_checkpoint",
     )
 
 

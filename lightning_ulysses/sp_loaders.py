@@ -72,8 +72,12 @@ def sampler_over_dp_ranks(loader: Any, topology: SequenceParallelTopology, loade
     ):
         return
     over_dp = DistributedSampler(
-        sampler.dataset, num_replicas=topology.dp_size, rank=topology.dp_rank, shuffle=sampler.shuffle,
-        seed=sampler.seed, drop_last=sampler.drop_last,
+        sampler.dataset,
+        num_replicas=topology.dp_size,
+        rank=topology.dp_rank,
+        shuffle=sampler.shuffle,
+        seed=sampler.seed,
+        drop_last=sampler.drop_last,
     )
     over_dp.set_epoch(sampler.epoch)
     # the batch sampler's is read at every iteration and by len(); DataLoader.sampler cannot be reassigned and keeps

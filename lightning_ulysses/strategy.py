@@ -49,11 +49,11 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
 from lightning.fabric.utilities.data import _auto_add_worker_init_fn
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_warn
@@ -67,10 +67,10 @@ from lightning_ulysses.attention.collectives import gather_from_ranks
 from lightning_ulysses.attention.head_chunks import HeadChunks, check_head_chunks
 from lightning_ulysses.attention.ring_blocks import check_block_kernels
 from lightning_ulysses.groups import SequenceParallelGroups
-from lightning_ulysses.loss import STEP_TOKENS_KEY, LossContext, StepTokenCounts
-from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
 from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.hf.mixers import register_mixer_weights_for_zero3
+from lightning_ulysses.loss import STEP_TOKENS_KEY, LossContext, StepTokenCounts
+from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
 from lightning_ulysses.runtime.eval_data import DUPLICATES_KEY, drop_rows, pad_over_dp_ranks
 from lightning_ulysses.runtime.failures import Heartbeat, NonFiniteLoss, NonFiniteLossGuard
 from lightning_ulysses.runtime.load import load_checkpoint
@@ -232,7 +232,11 @@ class UlyssesStrategy(DeepSpeedStrategy):
     def loss_context(self) -> LossContext:
         """What :class:`~lightning_ulysses.UlyssesLossMixin` reduces the current batch's loss with (read per batch)."""
         return LossContext(
-            self.groups, self.loss_normalization, self.loss_gradient_scale, self.step_valid_tokens, self.memory.tiled_loss,
+            self.groups,
+            self.loss_normalization,
+            self.loss_gradient_scale,
+            self.step_valid_tokens,
+            self.memory.tiled_loss,
             self._repeated_rows,
         )
 
@@ -327,7 +331,11 @@ class UlyssesStrategy(DeepSpeedStrategy):
         super().setup(trainer)
         # after DeepSpeed's engine exists: the set-up check runs a short forward (ZeRO-3 gathers the weights for it)
         apply_ulysses_attention(
-            self.lightning_module, self.groups, self.sp_size, self.attn_implementation, self.sequence_mixers,
+            self.lightning_module,
+            self.groups,
+            self.sp_size,
+            self.attn_implementation,
+            self.sequence_mixers,
             self.head_chunks,
         )
         apply_memory_options(self.lightning_module, self.memory)
@@ -370,11 +378,14 @@ class UlyssesStrategy(DeepSpeedStrategy):
         if not trainer.training:
             return pad_over_dp_ranks(dataloader)
         if is_resumable(dataloader):
-            dataloader = ResumableLoader(dataloader, trainer.fit_loop, self.dp_size, lambda: self.optimizer_step_in_flight)
+            dataloader = ResumableLoader(
+                dataloader, trainer.fit_loop, self.dp_size, lambda: self.optimizer_step_in_flight
+            )
         if self.loss_normalization == "global":
             fit_loop = trainer.fit_loop
             dataloader = StepTokenCounts(
-                dataloader, trainer.accumulate_grad_batches,
+                dataloader,
+                trainer.accumulate_grad_batches,
                 lambda: fit_loop.max_batches - fit_loop.epoch_loop.batch_progress.current.ready,
             )
         return dataloader
@@ -392,7 +403,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
         if self.sp_size > 1:
             loader_name = _loader_name(self.lightning_module.trainer, dataloader_idx)
             check_sp_group_agreement(batch, self.sp_group, device or self.root_device, loader_name)
-        batch = shard_batch(prepare_batch(batch, self.sp_size, self.ring_size), self.sp_rank, self.sp_size, self.ring_size)
+        batch = shard_batch(
+            prepare_batch(batch, self.sp_size, self.ring_size), self.sp_rank, self.sp_size, self.ring_size
+        )
         if self._repeated_rows is not None:  # repeated to even out the DP ranks: no token of theirs counts
             batch["shift_labels"][self._repeated_rows.to(batch["shift_labels"].device)] = IGNORE_INDEX
         return batch
@@ -407,9 +420,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         return output
 
     @override
-    def optimizer_step(
-        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
-    ) -> Any:
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         # Lightning calls this at the last micro-batch of each step only (handles_gradient_accumulation is False)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         global_step = self.lightning_module.trainer.global_step  # counted once the LightningModule hook returns
@@ -491,8 +502,14 @@ class UlyssesStrategy(DeepSpeedStrategy):
             raise TypeError("UlyssesStrategy saves DeepSpeed checkpoint directories, without storage_options.")
         trainer = self.lightning_module.trainer
         fit_loop = trainer.fit_loop if trainer.state.fn == TrainerFn.FITTING else None
-        save_checkpoint(self.deepspeed_engine, checkpoint, filepath, fit_loop, self.optimizer_step_in_flight,
-                        exclude_frozen_parameters=self.exclude_frozen_parameters)
+        save_checkpoint(
+            self.deepspeed_engine,
+            checkpoint,
+            filepath,
+            fit_loop,
+            self.optimizer_step_in_flight,
+            exclude_frozen_parameters=self.exclude_frozen_parameters,
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -503,8 +520,14 @@ class UlyssesStrategy(DeepSpeedStrategy):
         assert isinstance(self.config, dict)
         zero_stage = self.config.get("zero_optimization", {}).get("stage", 0)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        return load_checkpoint(self.deepspeed_engine, checkpoint_path, self.world_size, zero_stage, fitting=fitting,
-                               strict=self.lightning_module.strict_loading)
+        return load_checkpoint(
+            self.deepspeed_engine,
+            checkpoint_path,
+            self.world_size,
+            zero_stage,
+            fitting=fitting,
+            strict=self.lightning_module.strict_loading,
+        )
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -537,8 +560,10 @@ class UlyssesStrategy(DeepSpeedStrategy):
         )
         for stage in (1, 2, 3):
             strategy_registry.register(
-                f"{cls.strategy_name}_stage_{stage}", cls,
-                description=f"Ulysses sequence parallelism on DeepSpeed ZeRO stage {stage}", stage=stage,
+                f"{cls.strategy_name}_stage_{stage}",
+                cls,
+                description=f"Ulysses sequence parallelism on DeepSpeed ZeRO stage {stage}",
+                stage=stage,
             )
 
 

@@ -102,9 +102,7 @@ class SequenceParallelTopology:
     def ring_group_ranks(self) -> list[list[int]]:
         """Every ring group: inside each SP group, the ranks with the same Ulysses rank, in ring order."""
         u, sp = self.ulysses_size, self.sp_size
-        return [
-            list(range(d * sp + i, (d + 1) * sp, u)) for d in range(self.dp_size) for i in range(u)
-        ]
+        return [list(range(d * sp + i, (d + 1) * sp, u)) for d in range(self.dp_size) for i in range(u)]
 
     @property
     def sp_group_ranks(self) -> list[list[int]]:

@@ -39,8 +39,11 @@ def dpo_record(rng: random.Random) -> dict:
     question, value, answer = exchange(rng, None)
     wrong = value + rng.choice([-10, -2, -1, 1, 2, 10])
     prompt = [SYSTEM, {"role": "user", "content": question}]
-    return {"prompt": prompt, "chosen": [{"role": "assistant", "content": answer.format(value)}],
-            "rejected": [{"role": "assistant", "content": answer.format(wrong)}]}
+    return {
+        "prompt": prompt,
+        "chosen": [{"role": "assistant", "content": answer.format(value)}],
+        "rejected": [{"role": "assistant", "content": answer.format(wrong)}],
+    }
 
 
 def main() -> None:

@@ -6,7 +6,22 @@ import json
 from pathlib import Path
 from typing import Any
 
-WORDS = "sum the numbers then check each digit twice before you answer with the total".split()
+WORDS = [
+    "sum",
+    "the",
+    "numbers",
+    "then",
+    "check",
+    "each",
+    "digit",
+    "twice",
+    "before",
+    "you",
+    "answer",
+    "with",
+    "the",
+    "total",
+]
 USER_OVERHEAD, ASSISTANT_OVERHEAD = 8, 13  # "<|im_start|>user\n" ... "<|im_end|>\n" under the byte chat tokenizer
 
 
@@ -35,11 +50,16 @@ def sft_records(seq_len: int) -> list[dict[str, Any]]:
     that span it; one longer than ``seq_len``; multi-turn chats with a system message."""
     half = seq_len // 2
     return [
-        chat_of_tokens(half, 1), chat_of_tokens(half, 2),  # one row, border at the shard border
-        chat_of_tokens(half + 8, 3), chat_of_tokens(half - 8, 4),  # a sample across the shard border
+        chat_of_tokens(half, 1),
+        chat_of_tokens(half, 2),  # one row, border at the shard border
+        chat_of_tokens(half + 8, 3),
+        chat_of_tokens(half - 8, 4),  # a sample across the shard border
         chat_of_tokens(seq_len, 5),  # exactly one row
         chat_of_tokens(seq_len + 17, 6),  # longer than a row
-        chat(2, 3, 7, system=True), chat(5, 2, 8, turns=2), chat(6, 9, 9), chat(4, 3, 10, turns=1, system=True),
+        chat(2, 3, 7, system=True),
+        chat(5, 2, 8, turns=2),
+        chat(6, 9, 9),
+        chat(4, 3, 10, turns=1, system=True),
     ]
 
 
@@ -56,6 +76,11 @@ def preference_records() -> list[dict[str, Any]]:
         prompt = chat(5 + 7 * i, 1, i, system=i % 2 == 0)["messages"][:-1]
         chosen = text_of_length(4 + 3 * i + (40 if i == 5 else 0), i + 1)  # the last chosen is the longest sequence
         rejected = text_of_length(9 + (5 * i) % 13, i + 2)
-        records.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": chosen}],
-                        "rejected": [{"role": "assistant", "content": rejected}]})
+        records.append(
+            {
+                "prompt": prompt,
+                "chosen": [{"role": "assistant", "content": chosen}],
+                "rejected": [{"role": "assistant", "content": rejected}],
+            }
+        )
     return records

@@ -123,8 +123,11 @@ def launch_to_exit(
         run = _run(target, world_size, args, Path(tmp), 1, "env", None, timeout, grace=None)
         results = [Path(tmp) / f"result{rank}.pt" for rank in range(world_size)]
         return [
-            RankExit(None if name in run.killed else proc.returncode, out,
-                     torch.load(result, weights_only=False) if result.is_file() else None)
+            RankExit(
+                None if name in run.killed else proc.returncode,
+                out,
+                torch.load(result, weights_only=False) if result.is_file() else None,
+            )
             for name, proc, out, result in zip(run.names, run.procs, run.outputs, results, strict=True)
         ]
 
@@ -138,8 +141,15 @@ class _Run:
 
 
 def _run(
-    target: str, world_size: int, args: dict[str, Any] | None, tmp_path: Path, num_nodes: int,
-    launcher: Launcher, extra_env: dict[str, str] | None, timeout: float, grace: float | None,
+    target: str,
+    world_size: int,
+    args: dict[str, Any] | None,
+    tmp_path: Path,
+    num_nodes: int,
+    launcher: Launcher,
+    extra_env: dict[str, str] | None,
+    timeout: float,
+    grace: float | None,
 ) -> _Run:
     per_node = world_size // num_nodes
     port = free_port()
@@ -149,19 +159,45 @@ def _run(
     if launcher == "torchrun":
         names = [f"node {node} (torchrun)" for node in range(num_nodes)]
         commands = [
-            ([sys.executable, "-m", "torch.distributed.run", f"--nnodes={num_nodes}", f"--node-rank={node}",
-              f"--nproc-per-node={per_node}", "--master-addr=127.0.0.1", f"--master-port={port}", *worker], env)
+            (
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    f"--nnodes={num_nodes}",
+                    f"--node-rank={node}",
+                    f"--nproc-per-node={per_node}",
+                    "--master-addr=127.0.0.1",
+                    f"--master-port={port}",
+                    *worker,
+                ],
+                env,
+            )
             for node in range(num_nodes)
         ]
     elif launcher == "slurm":
         names = [f"task {rank}" for rank in range(world_size)]
-        srun = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "ulysses-test", "SLURM_NNODES": str(num_nodes),
-                "SLURM_NTASKS": str(world_size), "SLURM_NTASKS_PER_NODE": str(per_node), "SLURM_NODELIST": "127.0.0.1",
-                "SLURM_CPUS_PER_TASK": "1"}
+        srun = {
+            "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NAME": "ulysses-test",
+            "SLURM_NNODES": str(num_nodes),
+            "SLURM_NTASKS": str(world_size),
+            "SLURM_NTASKS_PER_NODE": str(per_node),
+            "SLURM_NODELIST": "127.0.0.1",
+            "SLURM_CPUS_PER_TASK": "1",
+        }
         task_env = {key: value for key, value in env.items() if key != "MASTER_ADDR"}  # SLURM_NODELIST names it
         commands = [
-            ([sys.executable, *worker], {**task_env, **srun, "SLURM_PROCID": str(rank),
-                                         "SLURM_LOCALID": str(rank % per_node), "SLURM_NODEID": str(rank // per_node)})
+            (
+                [sys.executable, *worker],
+                {
+                    **task_env,
+                    **srun,
+                    "SLURM_PROCID": str(rank),
+                    "SLURM_LOCALID": str(rank % per_node),
+                    "SLURM_NODEID": str(rank // per_node),
+                },
+            )
             for rank in range(world_size)
         ]
     else:
@@ -174,11 +210,17 @@ def _run(
     for index, (command, process_env) in enumerate(commands):
         log = open(tmp_path / f"process{index}.log", "w+")
         logs.append(log)
-        procs.append(subprocess.Popen(
-            command, env=process_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-            start_new_session=True,  # one process group each: stopping a torchrun stops its ranks too
-            preexec_fn=die_with_parent,
-        ))
+        procs.append(
+            subprocess.Popen(
+                command,
+                env=process_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO_ROOT,
+                start_new_session=True,  # one process group each: stopping a torchrun stops its ranks too
+                preexec_fn=die_with_parent,
+            )
+        )
     count_world_start()
     try:
         killed = [names[i] for i in _wait_all(procs, timeout, grace)]

@@ -36,7 +36,13 @@ from typing import Any
 import torch
 
 from tests.launch import (
-    REPO_ROOT, check_ranks, count_world_start, die_with_parent, free_port, kill_group, rank_environment,
+    REPO_ROOT,
+    check_ranks,
+    count_world_start,
+    die_with_parent,
+    free_port,
+    kill_group,
+    rank_environment,
 )
 
 MAX_POOLED_PROCESSES = 6  # the least recently used world stops when a new one would exceed this (~0.5 GB a rank)
@@ -53,8 +59,13 @@ class _World:
         self.procs = [
             subprocess.Popen(
                 [sys.executable, "-m", "tests.launch", "--serve"],
-                env=rank_environment(world_size, num_nodes, rank, port=0), stdin=subprocess.PIPE, stdout=self.log,
-                stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True, preexec_fn=die_with_parent,
+                env=rank_environment(world_size, num_nodes, rank, port=0),
+                stdin=subprocess.PIPE,
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO_ROOT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
                 text=True,
             )
             for rank in range(world_size)
@@ -80,8 +91,10 @@ class _World:
                 self.stop()
                 raise
             # a rank without a status died (its exit code) or is late (None: killed now)
-            codes = [{"ok": 0, "failed": 1}.get(status, proc.poll())
-                     for status, proc in zip(statuses, self.procs, strict=True)]
+            codes = [
+                {"ok": 0, "failed": 1}.get(status, proc.poll())
+                for status, proc in zip(statuses, self.procs, strict=True)
+            ]
             killed = [name for name, code, status in zip(names, codes, statuses, strict=True) if code is None]
             died = any(code is not None and not status for code, status in zip(codes, statuses, strict=True))
             if any(code != 0 for code in codes):
@@ -176,11 +189,17 @@ class Baseline:
 
         self.cwd = os.getcwd()
         self.rng_state = torch.get_rng_state()
-        self.torch_state = (torch.get_default_dtype(), torch.get_num_threads(),
-                            torch.are_deterministic_algorithms_enabled())
+        self.torch_state = (
+            torch.get_default_dtype(),
+            torch.get_num_threads(),
+            torch.are_deterministic_algorithms_enabled(),
+        )
         self.module_globals = {
-            module: {name: value for name, value in vars(module).items()
-                     if not name.startswith("__") and (value is None or isinstance(value, dict) and not value)}
+            module: {
+                name: value
+                for name, value in vars(module).items()
+                if not name.startswith("__") and (value is None or isinstance(value, dict) and not value)
+            }
             for module in (deepspeed.utils.groups, deepspeed.comm.comm, deepspeed.runtime.zero.partition_parameters)
         }
         manager = logging.Logger.manager

@@ -20,13 +20,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_ulysses.attention import (
-    CORE_ATTENTION, Documents, documents_of, length_class, plan_packed, resolve_attn_implementation,
-    ring_attention, sdpa_attention, sink_attention, ulysses_attention,
+    CORE_ATTENTION,
+    Documents,
+    documents_of,
+    length_class,
+    plan_packed,
+    resolve_attn_implementation,
+    ring_attention,
+    sdpa_attention,
+    sink_attention,
+    ulysses_attention,
 )
 from lightning_ulysses.attention.backends import _REQUIRED_MODULE
 from lightning_ulysses.groups import SequenceParallelGroups
-from lightning_ulysses.strategy import compute_dtype
 from lightning_ulysses.heads import check_heads, plan_heads
+from lightning_ulysses.strategy import compute_dtype
 from tests.launch import launch
 
 pytestmark = pytest.mark.distributed
@@ -79,7 +87,10 @@ SP_SIZES = (4, 2)
 
 
 def reference_scores(
-    q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor | None, window: int | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    window: int | None = None,
     chunk: int | None = None,
 ) -> torch.Tensor:
     """``[B, H, N, N]`` scaled scores, -inf where an explicit dense mask forbids: independent of our backends."""
@@ -100,8 +111,13 @@ def reference_scores(
 
 
 def reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None, window: int | None = None,
-    chunk: int | None = None, sinks: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense masked attention; ``sinks`` as in transformers' gpt-oss eager attention: one more logit per head
     joins each query's softmax, and its probability is dropped."""
@@ -156,8 +172,14 @@ def attention_worker(args: dict[str, Any]) -> dict[tuple[str, int], float]:
         local = slice(sp_rank * q.shape[1] // sp, (sp_rank + 1) * q.shape[1] // sp)
         shards = [t[:, local].clone().requires_grad_() for t in (q, k, v)]
         rank_sinks = None if sinks is None else sinks.clone().requires_grad_()
-        out = ulysses_attention(*shards, group=groups[sp], attn_fn="sdpa", **_options(case), sinks=rank_sinks,
-                                position_ids=None if pos is None else pos[:, local])
+        out = ulysses_attention(
+            *shards,
+            group=groups[sp],
+            attn_fn="sdpa",
+            **_options(case),
+            sinks=rank_sinks,
+            position_ids=None if pos is None else pos[:, local],
+        )
         out.backward(grad[:, local])
         compared = [(out, expected[:, local])] + [(s.grad, f.grad[:, local]) for s, f in zip(shards, full)]
         if sinks is not None:  # each rank holds the gradient of the heads it attended: whole once summed
@@ -208,13 +230,13 @@ def test_sdpa_backend_matches_dense_reference(name: str, significant_bits: int |
     twice the length in padding). The log-sum-exp of every path (one document, windowed query blocks, classes) too."""
     case = CASES[name]
     q, k, v, _, pos = _tensors(case)
-    got, lse = sdpa_attention(q, k, v, _documents(case, pos), window=case.get("window"), return_lse=True,
-                              significant_bits=significant_bits)
+    got, lse = sdpa_attention(
+        q, k, v, _documents(case, pos), window=case.get("window"), return_lse=True, significant_bits=significant_bits
+    )
     torch.testing.assert_close(got, reference(q, k, v, pos, **_options(case)), rtol=1e-5, atol=1e-6)
     expected_lse = reference_scores(q, k, pos, **_options(case)).logsumexp(-1).transpose(1, 2)  # [B, N, H]
     torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-6)
-    plain = sdpa_attention(q, k, v, _documents(case, pos), window=case.get("window"),
-                           significant_bits=significant_bits)
+    plain = sdpa_attention(q, k, v, _documents(case, pos), window=case.get("window"), significant_bits=significant_bits)
     torch.testing.assert_close(plain, got, rtol=1e-5, atol=1e-6)
 
 
@@ -305,8 +327,14 @@ def test_length_classes() -> None:
     # a 128k row of 64-token documents is one batched call; lengths 3, 6, 4, 3, 4 and 12, 8: five classes
     row = Documents.from_position_ids((torch.arange(2**17) % 64)[None])
     assert [(c.length, c.gather.numel()) for c in plan_packed(row).classes] == [(64, 2**17)]
-    mixed = Documents.from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3],
-                                                      [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 0, 1, 2, 3, 4, 5, 6, 7]]))
+    mixed = Documents.from_position_ids(
+        torch.tensor(
+            [
+                [0, 1, 2, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3],
+                [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 0, 1, 2, 3, 4, 5, 6, 7],
+            ]
+        )
+    )
     plan = plan_packed(mixed)
     assert [c.length for c in plan.classes] == [3, 4, 6, 8, 12]
     assert sorted(torch.cat([c.gather[c.keep] for c in plan.classes]).tolist()) == list(range(40))
@@ -325,8 +353,16 @@ def _attend(backend: str, case: dict[str, Any], pos: torch.Tensor | None) -> Any
 
 
 @pytest.mark.parametrize(
-    "name", ["packed_documents", "packed_sliding_window", "heads6_mqa", "sliding_window", "chunked_packed",
-             *SINK_CASES, *MLA_CASES]
+    "name",
+    [
+        "packed_documents",
+        "packed_sliding_window",
+        "heads6_mqa",
+        "sliding_window",
+        "chunked_packed",
+        *SINK_CASES,
+        *MLA_CASES,
+    ],
 )
 def test_flex_backend_forward_on_cpu(name: str) -> None:
     """torch's flex attention has no CPU backward (torch 2.13 still refuses it); its forward (eager), log-sum-exp
@@ -335,8 +371,9 @@ def test_flex_backend_forward_on_cpu(name: str) -> None:
     q, k, v, _, pos = _tensors(case)
     with torch.no_grad():
         got = _attend("flex_attention", case, pos)(q, k, v, sink_logits(case))
-        _, lse = CORE_ATTENTION["flex_attention"](q, k, v, _documents(case, pos), window=case.get("window"),
-                                                  return_lse=True)
+        _, lse = CORE_ATTENTION["flex_attention"](
+            q, k, v, _documents(case, pos), window=case.get("window"), return_lse=True
+        )
     expected = reference(q, k, v, pos, **_options(case), sinks=sink_logits(case))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     expected_lse = reference_scores(q, k, pos, **_options(case)).logsumexp(-1).transpose(1, 2)
@@ -344,8 +381,14 @@ def test_flex_backend_forward_on_cpu(name: str) -> None:
 
 
 def _flash_stand_in(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float, causal: bool,
-    window_size: tuple[int, int], dropout_p: float = 0.0,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: float,
+    causal: bool,
+    window_size: tuple[int, int],
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """flash-attn's ``flash_attn_func`` (``[B, N, h, D]``, causal, ``window_size`` ``(left, 0)`` or ``(-1, -1)``) in
     plain torch, with its limit: one head size for the query, key and value."""
@@ -354,8 +397,9 @@ def _flash_stand_in(
     index = torch.arange(q.shape[1])
     distance = index[:, None] - index[None, :]
     allowed = (distance >= 0) & ((window_size[0] < 0) | (distance <= window_size[0]))
-    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=allowed,
-                                         scale=softmax_scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=allowed, scale=softmax_scale, enable_gqa=True
+    )
     return out.transpose(1, 2)
 
 
@@ -376,8 +420,10 @@ def test_flash_backends_run_value_heads_of_another_size(
     low = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
     got = CORE_ATTENTION[backend](*low, None, window=case.get("window"))
     assert got.shape == expected.shape
-    errors = _relative_errors([got.float(), *(g.float() for g in torch.autograd.grad(got, low, grad.bfloat16()))],
-                              [expected, *torch.autograd.grad(expected, full, grad)])
+    errors = _relative_errors(
+        [got.float(), *(g.float() for g in torch.autograd.grad(got, low, grad.bfloat16()))],
+        [expected, *torch.autograd.grad(expected, full, grad)],
+    )
     assert max(errors) < 2e-2, errors
 
 
@@ -462,16 +508,20 @@ def test_backend_choice_follows_device_and_dtype(monkeypatch: pytest.MonkeyPatch
     """``"auto"`` takes flash-attn 2 (installed or not, here it is pretended installed) only on CUDA in fp16/bf16; a
     flash backend asked for fp32 is refused with what to change, at set-up and by the kernel itself."""
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name.startswith("flash_attn") else
-                        find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name.startswith("flash_attn") else find_spec(name, *a)
+    )
     assert resolve_attn_implementation("auto", "cuda", compute_dtype("bf16-mixed")) == "flash_attention_2"
     assert resolve_attn_implementation("auto", "cuda", compute_dtype("16-mixed")) == "flash_attention_2"
     assert resolve_attn_implementation("auto", "cuda", compute_dtype("32-true")) == "sdpa"
     assert resolve_attn_implementation("auto", "cpu", torch.bfloat16) == "sdpa"
     for name in ("flash_attention_2", "flash_attention_3"):
         assert resolve_attn_implementation(name, "cuda", torch.bfloat16) == name
-        with pytest.raises(ValueError, match=f"attn_implementation='{name}' runs fp16 and bf16 only, and this run "
-                                             r"computes in torch.float32: train in bf16 \(Trainer\(precision='bf16-mixed'\)\)"):
+        with pytest.raises(
+            ValueError,
+            match=f"attn_implementation='{name}' runs fp16 and bf16 only, and this run "
+            r"computes in torch.float32: train in bf16 \(Trainer\(precision='bf16-mixed'\)\)",
+        ):
             resolve_attn_implementation(name, "cuda", compute_dtype("32-true"))
     with pytest.raises(ValueError, match="runs fp16 and bf16 only, and this run computes in torch.float32"):
         CORE_ATTENTION["flash_attention_2"](*_tensors(CASES["mha"])[:3], None)
@@ -517,8 +567,16 @@ def test_sliding_window_models_run_their_window(family: str) -> None:
 
     from lightning_ulysses import apply_ulysses_attention
 
-    common = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, sliding_window=5, attn_implementation="sdpa")
+    common = dict(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=5,
+        attn_implementation="sdpa",
+    )
     if family == "mistral":
         make = lambda: MistralForCausalLM(MistralConfig(**common))  # noqa: E731
     else:

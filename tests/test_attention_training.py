@@ -24,8 +24,15 @@ from torch.utils.data import DataLoader
 from lightning_ulysses import UlyssesStrategy
 from tests.launch import launch
 from tests.tiny import (
-    TinyCausalLM, collate, collate_padded, make_packed_samples, make_samples, reference_loss, reference_training,
-    relative_update_error, tiny_llama,
+    TinyCausalLM,
+    collate,
+    collate_padded,
+    make_packed_samples,
+    make_samples,
+    reference_loss,
+    reference_training,
+    relative_update_error,
+    tiny_llama,
 )
 
 pytestmark = pytest.mark.distributed
@@ -35,22 +42,58 @@ SIX_HEADS = dict(hidden_size=48, num_attention_heads=6, head_dim=8)
 # DeepSeek V3's proportions shrunk by 8: qk_nope 128 : qk_rope 64 : v 128 (query and key heads of 24, values of 16),
 # kv_lora_rank 4x and q_lora_rank 12x the nope dims, hidden 14x the kv rank, its yarn RoPE (whose mscale changes the
 # softmax scale), a dense layer and a routed-MoE one
-YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
-            beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=40.0,
+    original_max_position_embeddings=4096,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+)
 DEEPSEEK_V3 = dict(
-    model_type="deepseek_v3", hidden_size=896, intermediate_size=2304, moe_intermediate_size=256, num_attention_heads=4,
-    num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=64, q_lora_rank=192,
-    n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
-    max_position_embeddings=163840, rope_parameters=YARN,
+    model_type="deepseek_v3",
+    hidden_size=896,
+    intermediate_size=2304,
+    moe_intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    kv_lora_rank=64,
+    q_lora_rank=192,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    max_position_embeddings=163840,
+    rope_parameters=YARN,
 )
 # MiniCPM3-4B's proportions (qk_nope 64 : qk_rope 32 : v 64, kv_lora_rank 256, q_lora_rank 768, hidden 2560) shrunk by 4
 MINICPM3 = dict(
-    model_type="minicpm3", hidden_size=640, intermediate_size=1600, num_attention_heads=4, num_key_value_heads=4,
-    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=64, q_lora_rank=192, tie_word_embeddings=True,
+    model_type="minicpm3",
+    hidden_size=640,
+    intermediate_size=1600,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    kv_lora_rank=64,
+    q_lora_rank=192,
+    tie_word_embeddings=True,
 )
 # use_sliding_window=False: transformers sets sliding_window=0 and still builds a sliding mask of that window
 QWEN2_MOE_NO_WINDOW = dict(
-    model_type="qwen2_moe", use_sliding_window=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+    model_type="qwen2_moe",
+    use_sliding_window=False,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
     shared_expert_intermediate_size=16,
 )
 # name -> case: sp, ZeRO stage, model overrides, data ("uniform", "packed" with forced borders, "variable")
@@ -59,8 +102,9 @@ FOUR_RANKS: dict[str, dict[str, Any]] = {
     "sp4_heads6_mqa": dict(sp=4, stage=3, model=dict(SIX_HEADS, num_key_value_heads=1)),
     "sp4_packed": dict(sp=4, stage=2, data="packed", borders=(SEQ // 4, SEQ // 2)),
     # head_chunks (lightning_ulysses.attention.head_chunks): 6 heads, 1 K/V head on 4 ranks, chunks of one head
-    "sp4_heads6_mqa_head_chunks2": dict(sp=4, stage=3, model=dict(SIX_HEADS, num_key_value_heads=1),
-                                        strategy=dict(head_chunks=2)),
+    "sp4_heads6_mqa_head_chunks2": dict(
+        sp=4, stage=3, model=dict(SIX_HEADS, num_key_value_heads=1), strategy=dict(head_chunks=2)
+    ),
 }
 TWO_RANKS: dict[str, dict[str, Any]] = {
     "sp2_heads6_kv3": dict(sp=2, stage=1, model=dict(SIX_HEADS, num_key_value_heads=3)),
@@ -68,7 +112,10 @@ TWO_RANKS: dict[str, dict[str, Any]] = {
     "sp2_variable_batches": dict(sp=2, stage=2, data="variable"),
     "sp2_deepseek_v3_mla": dict(sp=2, stage=2, model=DEEPSEEK_V3),
     "sp2_deepseek_v3_mla_heads3_packed": dict(
-        sp=2, stage=3, model=dict(DEEPSEEK_V3, num_attention_heads=3, num_key_value_heads=3), data="packed",
+        sp=2,
+        stage=3,
+        model=dict(DEEPSEEK_V3, num_attention_heads=3, num_key_value_heads=3),
+        data="packed",
         borders=(SEQ // 2,),
     ),
     "sp2_minicpm3_mla": dict(sp=2, stage=1, model=MINICPM3),
@@ -77,14 +124,17 @@ TWO_RANKS: dict[str, dict[str, Any]] = {
     # window (Mistral), "auto" (6 heads, 3 K/V heads)
     "sp2_packed_head_chunks1": dict(sp=2, stage=3, data="packed", borders=(SEQ // 2,), strategy=dict(head_chunks=1)),
     "sp2_heads8_head_chunks2": dict(
-        sp=2, stage=2, model=dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8),
+        sp=2,
+        stage=2,
+        model=dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8),
         strategy=dict(head_chunks=2),
     ),
     "sp2_mistral_window_head_chunks2": dict(
         sp=2, stage=2, model=dict(model_type="mistral", sliding_window=7), strategy=dict(head_chunks=2)
     ),
-    "sp2_heads6_kv3_head_chunks_auto": dict(sp=2, stage=1, model=dict(SIX_HEADS, num_key_value_heads=3),
-                                            strategy=dict(head_chunks="auto")),
+    "sp2_heads6_kv3_head_chunks_auto": dict(
+        sp=2, stage=1, model=dict(SIX_HEADS, num_key_value_heads=3), strategy=dict(head_chunks="auto")
+    ),
 }
 # CUDA, 2+ GPUs: the packed sp=2 case with the GPU backends; flash-attn needs bf16 (looser tolerances)
 GPU_TWO_RANKS: dict[str, dict[str, Any]] = {
@@ -140,13 +190,23 @@ def _fit(case: dict[str, Any], world_size: int) -> dict[str, Any]:
     import deepspeed
 
     module = TinyCausalLMWithValidation(lr=LR, **case.get("model", {}))
-    strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation=case.get("attn", "sdpa"),
-                               **case.get("strategy", {}))
+    strategy = UlyssesStrategy(
+        sp_size=case["sp"],
+        stage=case["stage"],
+        attn_implementation=case.get("attn", "sdpa"),
+        **case.get("strategy", {}),
+    )
     validate = case.get("data") == "variable"
     trainer = L.Trainer(
-        accelerator=case.get("accelerator", "cpu"), devices=world_size, precision=case.get("precision", "32-true"),
-        strategy=strategy, max_steps=STEPS[case.get("data", "uniform")],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator=case.get("accelerator", "cpu"),
+        devices=world_size,
+        precision=case.get("precision", "32-true"),
+        strategy=strategy,
+        max_steps=STEPS[case.get("data", "uniform")],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     loader = DataLoader(_samples(case), batch_size=BATCH, collate_fn=_collate(case))
@@ -154,8 +214,13 @@ def _fit(case: dict[str, Any], world_size: int) -> dict[str, Any]:
     trainer.fit(module, loader, val_loader if validate else None)
     with deepspeed.zero.GatheredParameters(list(module.model.parameters()), enabled=case["stage"] == 3):
         state = {name: p.detach().float().cpu() for name, p in module.model.named_parameters()}
-    return {"losses": module.losses, "val_losses": module.val_losses, "params": state,
-            "batch_shapes": module.batch_shapes, "sp_rank": strategy.sp_rank}
+    return {
+        "losses": module.losses,
+        "val_losses": module.val_losses,
+        "params": state,
+        "batch_shapes": module.batch_shapes,
+        "sp_rank": strategy.sp_rank,
+    }
 
 
 def _check(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> None:
@@ -163,7 +228,11 @@ def _check(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> No
     overrides = case.get("model", {})
     samples = _samples(case)
     expected_losses, expected = reference_training(
-        samples, steps=STEPS[case.get("data", "uniform")], batch_size=BATCH, lr=LR, collate_fn=_collate(case),
+        samples,
+        steps=STEPS[case.get("data", "uniform")],
+        batch_size=BATCH,
+        lr=LR,
+        collate_fn=_collate(case),
         **overrides,
     )
     initial = {n: p.detach() for n, p in tiny_llama(**overrides).named_parameters()}
@@ -233,8 +302,11 @@ def test_four_ranks_equal_single_process(four_rank_results: list[dict[str, Any]]
 def gpu_two_rank_results() -> list[dict[str, Any]]:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
-    cases = {name: case for name, case in GPU_TWO_RANKS.items()
-             if case["attn"] != "flash_attention_2" or importlib.util.find_spec("flash_attn") is not None}
+    cases = {
+        name: case
+        for name, case in GPU_TWO_RANKS.items()
+        if case["attn"] != "flash_attention_2" or importlib.util.find_spec("flash_attn") is not None
+    }
     return launch("tests.test_attention_training:train_worker", 2, {"cases": cases})
 
 

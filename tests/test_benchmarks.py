@@ -3,8 +3,9 @@ gpu_long_context."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -12,8 +13,22 @@ from benchmarks import compare_alst, gpu_long_context, mixer_cost, ring
 from benchmarks.compare_alst import BenchmarkConfig
 from benchmarks.gpu_long_context import LongContextConfig, flops_per_token, llama_config, parameter_counts
 
-SHORT = ["--seq-len", "62", "--hidden", "32", "--heads", "2", "--intermediate", "48", "--vocab", "61", "--steps", "2",
-         "--timed-steps", "4"]
+SHORT = [
+    "--seq-len",
+    "62",
+    "--hidden",
+    "32",
+    "--heads",
+    "2",
+    "--intermediate",
+    "48",
+    "--vocab",
+    "61",
+    "--steps",
+    "2",
+    "--timed-steps",
+    "4",
+]
 
 
 def test_compare_alst_short_run(tmp_path: Path) -> None:
@@ -30,7 +45,9 @@ def test_compare_alst_short_run(tmp_path: Path) -> None:
         assert summary.median_step_time > 0 and summary.median_cpu_time > 0 and summary.peak_memory > 0, side
         assert summary.saved_for_backward > 0, side
     report = (tmp_path / "report.md").read_text()
-    assert "python -m benchmarks.compare_alst --seq-len 62" in report and "| median step time, wall clock (s) |" in report
+    assert (
+        "python -m benchmarks.compare_alst --seq-len 62" in report and "| median step time, wall clock (s) |" in report
+    )
 
 
 def test_ring_benchmark_counts_the_formulas() -> None:
@@ -114,6 +131,7 @@ def test_probe_reads_out_of_memory_as_a_miss_and_raises_anything_else(monkeypatc
     def launch_failing_with(message: str) -> Callable[..., list[Any]]:
         def launch(*args: Any, **kwargs: Any) -> list[Any]:
             raise AssertionError(f"benchmarks.gpu_long_context:probe_worker failed: {message}")
+
         return launch
 
     config = LongContextConfig(model="tiny")
@@ -126,9 +144,24 @@ def test_probe_reads_out_of_memory_as_a_miss_and_raises_anything_else(monkeypatc
 
 @pytest.mark.cuda
 def test_long_context_probe_on_gpu(tmp_path: Path) -> None:
-    rows = gpu_long_context.main([
-        "--model", "tiny", "--options", "zero3", "zero3+alst", "--start-seq-len", "1024", "--max-seq-len", "4096",
-        "--refine", "0", "--sp", "1", "--output", str(tmp_path / "report.md"),
-    ])
+    rows = gpu_long_context.main(
+        [
+            "--model",
+            "tiny",
+            "--options",
+            "zero3",
+            "zero3+alst",
+            "--start-seq-len",
+            "1024",
+            "--max-seq-len",
+            "4096",
+            "--refine",
+            "0",
+            "--sp",
+            "1",
+            "--output",
+            str(tmp_path / "report.md"),
+        ]
+    )
     for row in rows:
         assert row["seq_len"] == 4096 and row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1, row

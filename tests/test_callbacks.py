@@ -23,11 +23,22 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader
 
 from lightning_ulysses import (
-    IGNORE_INDEX, SequenceParallelMonitor, SequenceParallelParityCheck, TransformerFlops, UlyssesStrategy, dense_peak_flops,
+    IGNORE_INDEX,
+    SequenceParallelMonitor,
+    SequenceParallelParityCheck,
+    TransformerFlops,
+    UlyssesStrategy,
+    dense_peak_flops,
 )
 from lightning_ulysses.attention import collectives
 from lightning_ulysses.callbacks import (
-    GIB, available_flops, losses_agree, peak_memory, reset_peak_memory, summarize, token_imbalance,
+    GIB,
+    available_flops,
+    losses_agree,
+    peak_memory,
+    reset_peak_memory,
+    summarize,
+    token_imbalance,
 )
 from lightning_ulysses.hf.interface import LayerPlan
 from lightning_ulysses.hf.masks import MaskPattern
@@ -64,8 +75,15 @@ def test_flop_count_matches_hand_computation() -> None:
 def test_flop_count_reads_latent_attention_head_sizes() -> None:
     """MLA (MiniCPM3): ``q . k`` is 24 wide per head (nope 16 + rope 8; the config's head_dim is the rope part), ``p @ v``
     16: the attention term counts their mean, 20, per head."""
-    model = tiny_llama(model_type="minicpm3", num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                       v_head_dim=16, kv_lora_rank=32, q_lora_rank=48)
+    model = tiny_llama(
+        model_type="minicpm3",
+        num_key_value_heads=4,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+    )
     assert model.config.head_dim == 8
     assert TransformerFlops.from_model(model).attention_dim == 4 * (24 + 16) // 2
 
@@ -113,10 +131,13 @@ def test_token_imbalance_is_max_over_mean_of_the_worst_group() -> None:
 def test_summary_arithmetic_with_cuda_metrics() -> None:
     """Rates, per-device FLOP/s and MFU from a gathered table (dp=1, sp=2), as on CUDA; hand-computed."""
     # seconds, samples, positions, tokens, valid_tokens, flops, all_to_all_seconds, peak_memory, peak_reserved
-    table = torch.tensor([
-        [2.0, 4, 400, 300, 250, 8e12, 0.5, 3 * GIB, 4 * GIB],
-        [1.5, 0, 400, 400, 150, 8e12, 0.1, 5 * GIB, 6 * GIB],
-    ], dtype=torch.float64)
+    table = torch.tensor(
+        [
+            [2.0, 4, 400, 300, 250, 8e12, 0.5, 3 * GIB, 4 * GIB],
+            [1.5, 0, 400, 400, 150, 8e12, 0.1, 5 * GIB, 6 * GIB],
+        ],
+        dtype=torch.float64,
+    )
     metrics = summarize(table, 2, available_flops=1e13, count_flops=True, cuda=True, timed=True)
     assert metrics["tokens_per_sec"] == 700 / 2.0  # the slowest rank sets the step time
     assert metrics["tokens_per_sec_per_device"] == 700 / 2.0 / 2
@@ -158,9 +179,16 @@ def test_parity_agreement_counts_a_batch_non_finite_on_both_sides_as_agreeing() 
 
 
 def test_callbacks_refuse_other_strategies() -> None:
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-                        enable_checkpointing=False, enable_model_summary=False,
-                        callbacks=[SequenceParallelMonitor()])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[SequenceParallelMonitor()],
+    )
     loader = DataLoader(make_samples(2, 8), batch_size=2, collate_fn=collate)
     with pytest.raises(ValueError, match="UlyssesStrategy"):
         trainer.fit(TinyCausalLM(), loader)
@@ -192,15 +220,30 @@ class RecordingLogger(Logger):
         pass
 
 
-def _fit(data: dict[str, Any] | DataLoader, callbacks: list[L.Callback], *, devices: int, stage: int = 2,
-         loss_multiplier: float = 1.0, ckpt_path: str | None = None,
-         **trainer_kwargs: Any) -> tuple[TinyCausalLM, L.Trainer, RecordingLogger]:
+def _fit(
+    data: dict[str, Any] | DataLoader,
+    callbacks: list[L.Callback],
+    *,
+    devices: int,
+    stage: int = 2,
+    loss_multiplier: float = 1.0,
+    ckpt_path: str | None = None,
+    **trainer_kwargs: Any,
+) -> tuple[TinyCausalLM, L.Trainer, RecordingLogger]:
     module = TinyCausalLM(loss_multiplier=loss_multiplier)
     logger = RecordingLogger()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, max_epochs=1, log_every_n_steps=1, logger=logger,
-        strategy=UlyssesStrategy(sp_size=SP, stage=stage, attn_implementation="sdpa"), callbacks=callbacks,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=1,
+        log_every_n_steps=1,
+        logger=logger,
+        strategy=UlyssesStrategy(sp_size=SP, stage=stage, attn_implementation="sdpa"),
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
     )
     if isinstance(data, dict):
         data = DataLoader(make_samples(**data), batch_size=BATCH, collate_fn=collate)
@@ -239,9 +282,12 @@ def callbacks_worker(args: dict[str, Any]) -> dict[str, Any]:
     # one prepared batch per item: DeepSpeedStrategy requires a loader with a batch size
     batches = DataLoader(batches, batch_size=1, collate_fn=lambda one_batch: one_batch[0])
     _, trainer, logger = fit(batches, [monitor], use_distributed_sampler=False)
-    results["memory"] = {"history": logger.history, "summary": monitor.summary,
-                         "all_to_all_restored": collectives.all_to_all is untimed_all_to_all
-                         and trainer.strategy.groups.observer.all_to_all is None}
+    results["memory"] = {
+        "history": logger.history,
+        "summary": monitor.summary,
+        "all_to_all_restored": collectives.all_to_all is untimed_all_to_all
+        and trainer.strategy.groups.observer.all_to_all is None,
+    }
 
     monitor = SequenceParallelMonitor()
     _, _, logger = fit(MONITOR_DATA, [monitor])
@@ -263,8 +309,10 @@ def callbacks_worker(args: dict[str, Any]) -> dict[str, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, trainer, _ = fit(PARITY_DATA, [parity], loss_multiplier=SP, max_steps=2)
-    results["parity_warn"] = {"warnings": [str(w.message) for w in caught if "loss check failed" in str(w.message)],
-                              "steps": trainer.global_step}
+    results["parity_warn"] = {
+        "warnings": [str(w.message) for w in caught if "loss check failed" in str(w.message)],
+        "steps": trainer.global_step,
+    }
 
     # a hook error (a window the model does not have) that a reference run through the patched model would share
     parity = SequenceParallelParityCheck(on_mismatch="warn")
@@ -291,7 +339,9 @@ def dp2_sp2_worker(args: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     folder = str(tmp_path_factory.mktemp("callbacks"))
-    return launch("tests.test_callbacks:callbacks_worker", 2, {"folder": folder}, extra_env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+    return launch(
+        "tests.test_callbacks:callbacks_worker", 2, {"folder": folder}, extra_env={"MALLOC_MMAP_THRESHOLD_": "65536"}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -313,8 +363,8 @@ def expected_counts(batch: dict[str, torch.Tensor], sp: int) -> dict[str, Any]:
     has_target = torch.zeros(rows, padded, dtype=torch.bool)
     has_target[:, : seq_len - 1] = (labels[:, 1:] != IGNORE_INDEX) & real[:, 1:seq_len]
     shard = padded // sp
-    tokens = [int(real[:, r * shard:(r + 1) * shard].sum()) for r in range(sp)]
-    valid = [int(has_target[:, r * shard:(r + 1) * shard].sum()) for r in range(sp)]
+    tokens = [int(real[:, r * shard : (r + 1) * shard].sum()) for r in range(sp)]
+    valid = [int(has_target[:, r * shard : (r + 1) * shard].sum()) for r in range(sp)]
     # attention pairs of whole rows: one document of the real tokens, one of the padding after them
     pairs = sum(n * (n + 1) // 2 for length in real.sum(1).tolist() for n in (length, padded - length))
     return {"tokens": tokens, "valid": valid, "positions": rows * padded, "pairs": pairs, "seq_len": padded}
@@ -361,15 +411,18 @@ def test_monitor_summary_after_a_resume_inside_the_epoch_is_that_of_its_steps(re
     logged = _step_metrics(resumed["history"])
     assert len(logged) == 2  # the epoch's last 2 batches
     seconds = [metrics["sp/tokens"] / metrics["sp/tokens_per_sec"] for metrics in logged]
-    assert sum(seconds) < resumed["wall"], f"logged step times {seconds} exceed the resumed fit's {resumed['wall']:.2f} s"
+    assert sum(seconds) < resumed["wall"], (
+        f"logged step times {seconds} exceed the resumed fit's {resumed['wall']:.2f} s"
+    )
     summary = resumed["summary"]
     assert summary["tokens"] == sum(metrics["sp/tokens"] for metrics in logged)
     assert summary["tokens"] / summary["tokens_per_sec"] == pytest.approx(sum(seconds), rel=1e-4)
 
 
 def test_monitor_flops_count_attention_once_per_sp_group(results: list[dict[str, Any]]) -> None:
-    for metrics, batch in zip(_step_metrics(results[0]["monitor"]["history"]),
-                              dp_batches(make_samples(**MONITOR_DATA), BATCH)[0]):
+    for metrics, batch in zip(
+        _step_metrics(results[0]["monitor"]["history"]), dp_batches(make_samples(**MONITOR_DATA), BATCH)[0]
+    ):
         expected = expected_counts(batch, SP)
         flops = 6 * MATMUL_PARAMS * expected["positions"] + ATTENTION_FLOPS_PER_PAIR * expected["pairs"]
         # loggers receive float32 values
@@ -431,8 +484,9 @@ def test_dp2_sp2_counts_gather_every_sp_group(dp2_sp2_results: list[dict[str, An
         groups = [expected_counts(batches[step], SP) for batches in per_dp_rank]  # one SP group per DP rank
         assert metrics["sp/samples_per_sec"] > 0 and metrics["sp/seq_len"] == 24  # samples counted once per group
         assert metrics["sp/tokens"] == sum(sum(g["tokens"]) for g in groups)
-        assert [metrics[f"sp/valid_tokens_sp_rank_{r}"] for r in range(SP)] == [sum(g["valid"][r] for g in groups)
-                                                                                 for r in range(SP)]
+        assert [metrics[f"sp/valid_tokens_sp_rank_{r}"] for r in range(SP)] == [
+            sum(g["valid"][r] for g in groups) for r in range(SP)
+        ]
         worst = max(max(g["valid"]) / (sum(g["valid"]) / SP) for g in groups)
         assert metrics["sp/token_imbalance"] == pytest.approx(worst)
 

@@ -30,15 +30,27 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from lightning_ulysses import (
-    UlyssesStrategy, check_resumable, convert_checkpoint, export_hf_model, is_universal_checkpoint,
+    UlyssesStrategy,
+    check_resumable,
+    convert_checkpoint,
+    export_hf_model,
+    is_universal_checkpoint,
 )
+from lightning_ulysses.cli import main
 from lightning_ulysses.runtime.directory import UNTRAINED_STATE_FILE
 from lightning_ulysses.runtime.load import load_untrained_state
-from lightning_ulysses.cli import main
 from tests.launch import launch
 from tests.tiny import (
-    VOCAB, OptimizerName, SaveAndStop, TinyCausalLM, collate, gathered_parameters, make_samples,
-    reference_training, relative_update_error, tiny_llama,
+    VOCAB,
+    OptimizerName,
+    SaveAndStop,
+    TinyCausalLM,
+    collate,
+    gathered_parameters,
+    make_samples,
+    reference_training,
+    relative_update_error,
+    tiny_llama,
 )
 
 pytestmark = pytest.mark.distributed
@@ -54,8 +66,9 @@ CASES: dict[str, dict[str, Any]] = {
     "sp2_to_dp2_zero2": dict(stage=2, saved_steps=STEPS_PER_EPOCH, resume_sp=1, resume_batch=BATCH // 2),
     "sp2_to_dp2_zero3": dict(stage=3, saved_steps=STEPS_PER_EPOCH, resume_sp=1, resume_batch=BATCH // 2),
     # inside an epoch: the resumed run must go on at the next batch, not at the epoch's first
-    "sp2_zero2_mid_epoch_1": dict(stage=2, saved_steps=STEPS_PER_EPOCH + 1, resume_sp=2, resume_batch=BATCH,
-                                  uninterrupted=True),
+    "sp2_zero2_mid_epoch_1": dict(
+        stage=2, saved_steps=STEPS_PER_EPOCH + 1, resume_sp=2, resume_batch=BATCH, uninterrupted=True
+    ),
     "sp2_to_dp2_zero3_mid_epoch_0": dict(stage=3, saved_steps=2, resume_sp=1, resume_batch=BATCH // 2),
 }
 
@@ -83,15 +96,29 @@ def frozen_norm_module(norm_weight: float | None = None) -> TinyCausalLM:
 
 
 def _fit(
-    world_size: int, stage: int, sp: int, batch: int, max_steps: int = -1, ckpt_path: str | None = None,
-    optimizer: OptimizerName = "sgd", callbacks: list[L.Callback] = (), module: TinyCausalLM | None = None,
+    world_size: int,
+    stage: int,
+    sp: int,
+    batch: int,
+    max_steps: int = -1,
+    ckpt_path: str | None = None,
+    optimizer: OptimizerName = "sgd",
+    callbacks: list[L.Callback] = (),
+    module: TinyCausalLM | None = None,
 ) -> tuple[TinyCausalLM, L.Trainer]:
     lr = ADAMW_LR if optimizer == "adamw" else LR
     module = module or TinyCausalLM(lr=lr, momentum=MOMENTUM, optimizer=optimizer)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, max_epochs=EPOCHS, max_steps=max_steps, logger=False,
-        strategy=UlyssesStrategy(sp_size=sp, stage=stage, attn_implementation="sdpa"), enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
+        accelerator="cpu",
+        devices=world_size,
+        max_epochs=EPOCHS,
+        max_steps=max_steps,
+        logger=False,
+        strategy=UlyssesStrategy(sp_size=sp, stage=stage, attn_implementation="sdpa"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
     )
     trainer.fit(module, DataLoader(make_samples(**DATA), batch_size=batch, collate_fn=collate), ckpt_path=ckpt_path)
     return module, trainer
@@ -116,12 +143,17 @@ def resume_worker(args: dict[str, Any]) -> dict[str, Any]:
         first, saved = _fit_and_save(world_size, case["stage"], case["saved_steps"], path)
         result = {"saved": saved, "first_losses": first.losses}
         resumed, trainer = _fit(world_size, case["stage"], case["resume_sp"], case["resume_batch"], ckpt_path=path)
-        result.update(resumed_losses=resumed.losses, resumed=gathered_parameters(resumed.model, case["stage"] == 3),
-                      steps=trainer.global_step, path=path)
+        result.update(
+            resumed_losses=resumed.losses,
+            resumed=gathered_parameters(resumed.model, case["stage"] == 3),
+            steps=trainer.global_step,
+            path=path,
+        )
         if case.get("uninterrupted"):
             whole, _ = _fit(world_size, case["stage"], 2, BATCH)
-            result.update(uninterrupted_losses=whole.losses,
-                          uninterrupted=gathered_parameters(whole.model, case["stage"] == 3))
+            result.update(
+                uninterrupted_losses=whole.losses, uninterrupted=gathered_parameters(whole.model, case["stage"] == 3)
+            )
         results[name] = result
     try:  # a ZeRO-3 checkpoint on ZeRO-2: refused before DeepSpeed loads anything
         _fit(world_size, 2, 2, BATCH, ckpt_path=results["sp2_zero3"]["path"])
@@ -133,8 +165,9 @@ def resume_worker(args: dict[str, Any]) -> dict[str, Any]:
         resumed_losses=resumed.losses, resumed=gathered_parameters(resumed.model, True), steps=trainer.global_step
     )
     # the frozen norm (saved at 0.5) comes back although the new module holds 1 there; no step is trained
-    resumed, _ = _fit(world_size, 3, 2, BATCH, max_steps=1, ckpt_path=args["frozen_converted"],
-                      module=frozen_norm_module())
+    resumed, _ = _fit(
+        world_size, 3, 2, BATCH, max_steps=1, ckpt_path=args["frozen_converted"], module=frozen_norm_module()
+    )
     results["frozen_1_process_zero2_to_2_processes_zero3"] = gathered_parameters(resumed.model, True)
     return results
 
@@ -145,8 +178,11 @@ def save_single_process_worker(args: dict[str, Any]) -> dict[str, Any]:
     # and one step of a model with a frozen parameter, away from its initial value
     frozen, trainer = _fit(1, 2, 1, BATCH, max_steps=1, module=frozen_norm_module(0.5))
     trainer.save_checkpoint(args["frozen_path"])
-    return {"first_losses": first.losses, "saved": gathered_parameters(first.model, False),
-            "frozen_saved": gathered_parameters(frozen.model, False)}
+    return {
+        "first_losses": first.losses,
+        "saved": gathered_parameters(first.model, False),
+        "frozen_saved": gathered_parameters(frozen.model, False),
+    }
 
 
 class EvaluatedCausalLM(TinyCausalLM):
@@ -156,8 +192,13 @@ class EvaluatedCausalLM(TinyCausalLM):
 
 def resume_converted_worker(args: dict[str, Any]) -> dict[str, Any]:
     results = {}
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        strategy=UlyssesStrategy(sp_size=1, stage=2, attn_implementation="sdpa"))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        strategy=UlyssesStrategy(sp_size=1, stage=2, attn_implementation="sdpa"),
+    )
     loader = DataLoader(make_samples(**DATA), batch_size=BATCH, collate_fn=collate)
     try:  # DeepSpeed's universal loader restores training only
         trainer.validate(EvaluatedCausalLM(), loader, ckpt_path=next(iter(args["paths"].values())))
@@ -166,8 +207,10 @@ def resume_converted_worker(args: dict[str, Any]) -> dict[str, Any]:
     for name, case in args["cases"].items():
         resumed, trainer = _fit(1, case["stage"], 1, BATCH, ckpt_path=args["paths"][name])
         results[name] = dict(
-            resumed_losses=resumed.losses, resumed=gathered_parameters(resumed.model, case["stage"] == 3),
-            steps=trainer.global_step, epoch=trainer.current_epoch,
+            resumed_losses=resumed.losses,
+            resumed=gathered_parameters(resumed.model, case["stage"] == 3),
+            steps=trainer.global_step,
+            epoch=trainer.current_epoch,
         )
     return results
 
@@ -192,10 +235,16 @@ def single_process_adamw(directory: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results(directory: Path, single_process_adamw: dict[str, Any]) -> list[dict[str, Any]]:
-    return launch("tests.test_checkpoint:resume_worker", 2, {
-        "cases": CASES, "dir": str(directory), "adamw_converted": str(single_process_adamw["converted"]),
-        "frozen_converted": str(single_process_adamw["frozen_converted"]),
-    })
+    return launch(
+        "tests.test_checkpoint:resume_worker",
+        2,
+        {
+            "cases": CASES,
+            "dir": str(directory),
+            "adamw_converted": str(single_process_adamw["converted"]),
+            "frozen_converted": str(single_process_adamw["frozen_converted"]),
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -207,20 +256,25 @@ def converted_results(directory: Path, results: list[dict[str, Any]]) -> dict[st
         if "drop" in case:
             for dropped in paths[name].glob(f"*/zero/*/{case['drop']}"):
                 dropped.unlink()
-    return launch("tests.test_checkpoint:resume_converted_worker", 1,
-                  {"cases": CONVERTED_CASES, "paths": {name: str(path) for name, path in paths.items()}})[0]
+    return launch(
+        "tests.test_checkpoint:resume_converted_worker",
+        1,
+        {"cases": CONVERTED_CASES, "paths": {name: str(path) for name, path in paths.items()}},
+    )[0]
 
 
 @pytest.fixture(scope="module")
 def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    return reference_training(make_samples(**DATA), steps=STEPS_PER_EPOCH, batch_size=BATCH, lr=LR, momentum=MOMENTUM,
-                              epochs=EPOCHS)
+    return reference_training(
+        make_samples(**DATA), steps=STEPS_PER_EPOCH, batch_size=BATCH, lr=LR, momentum=MOMENTUM, epochs=EPOCHS
+    )
 
 
 @pytest.fixture(scope="module")
 def adamw_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    return reference_training(make_samples(**DATA), steps=STEPS_PER_EPOCH, batch_size=BATCH, lr=ADAMW_LR,
-                              epochs=EPOCHS, optimizer="adamw")
+    return reference_training(
+        make_samples(**DATA), steps=STEPS_PER_EPOCH, batch_size=BATCH, lr=ADAMW_LR, epochs=EPOCHS, optimizer="adamw"
+    )
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -236,16 +290,17 @@ def test_resume_equals_uninterrupted_single_process(results: list[dict[str, Any]
         got = result[name]
         saved_steps = case["saved_steps"]
         assert got["steps"] == EPOCHS * STEPS_PER_EPOCH
-        torch.testing.assert_close(torch.tensor(got["first_losses"]), torch.tensor(expected_losses[:saved_steps]),
-                                   rtol=1e-5, atol=0)
-        torch.testing.assert_close(resumed_losses[rank], torch.tensor(expected_losses[saved_steps:]),
-                                   rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(got["first_losses"]), torch.tensor(expected_losses[:saved_steps]), rtol=1e-5, atol=0
+        )
+        torch.testing.assert_close(resumed_losses[rank], torch.tensor(expected_losses[saved_steps:]), rtol=1e-5, atol=0)
         saved = got["saved"]
         error = relative_update_error(saved, expected, got["resumed"])
         assert error < 1e-4, f"{name} rank {rank}: resumed weights vs single process, relative error {error:.2e}"
         if case.get("uninterrupted"):
-            torch.testing.assert_close(torch.tensor(got["uninterrupted_losses"]), torch.tensor(expected_losses),
-                                       rtol=1e-5, atol=0)
+            torch.testing.assert_close(
+                torch.tensor(got["uninterrupted_losses"]), torch.tensor(expected_losses), rtol=1e-5, atol=0
+            )
             error = relative_update_error(saved, got["uninterrupted"], got["resumed"])
             assert error < 1e-4, f"{name} rank {rank}: resumed vs uninterrupted weights, relative error {error:.2e}"
             assert relative_update_error(initial, expected, got["uninterrupted"]) < 1e-4
@@ -263,8 +318,14 @@ def test_export_hf_model_loads_with_the_saved_logits(
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     expected = tiny_llama()
     expected.load_state_dict(results[0][name]["saved"])
-    assert relative_update_error({n: p.detach() for n, p in tiny_llama().named_parameters()},
-                                 results[0][name]["saved"], dict(loaded.named_parameters())) < 1e-6
+    assert (
+        relative_update_error(
+            {n: p.detach() for n, p in tiny_llama().named_parameters()},
+            results[0][name]["saved"],
+            dict(loaded.named_parameters()),
+        )
+        < 1e-6
+    )
     input_ids = torch.randint(1, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids).logits, expected(input_ids).logits, rtol=1e-5, atol=1e-6)
@@ -296,8 +357,9 @@ def test_converted_checkpoint_resumes_on_another_process_count_and_stage(
         assert error > 1e-2, f"{name}: a resume without the momentum still matches the reference ({error:.2e})"
         return
     saved_steps = CASES[CONVERTED_CASES[name]["source"]]["saved_steps"]
-    torch.testing.assert_close(torch.tensor(got["resumed_losses"]), torch.tensor(expected_losses[saved_steps:]),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(got["resumed_losses"]), torch.tensor(expected_losses[saved_steps:]), rtol=1e-5, atol=0
+    )
     assert error < 1e-4, f"{name}: resumed weights vs single process, relative error {error:.2e}"
 
 
@@ -305,13 +367,18 @@ def test_converted_single_process_adamw_resumes_on_two_processes_zero3(
     results: list[dict[str, Any]], single_process_adamw: dict[str, Any], adamw_reference: Any
 ) -> None:
     expected_losses, expected = adamw_reference
-    torch.testing.assert_close(torch.tensor(single_process_adamw["first_losses"]),
-                               torch.tensor(expected_losses[:STEPS_PER_EPOCH]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(single_process_adamw["first_losses"]),
+        torch.tensor(expected_losses[:STEPS_PER_EPOCH]),
+        rtol=1e-5,
+        atol=0,
+    )
     for rank, result in enumerate(results):
         got = result["adamw_1_process_zero2_to_2_processes_zero3"]
         assert got["steps"] == EPOCHS * STEPS_PER_EPOCH
-        torch.testing.assert_close(torch.tensor(got["resumed_losses"]), torch.tensor(expected_losses[STEPS_PER_EPOCH:]),
-                                   rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(got["resumed_losses"]), torch.tensor(expected_losses[STEPS_PER_EPOCH:]), rtol=1e-5, atol=0
+        )
         error = relative_update_error(single_process_adamw["saved"], expected, got["resumed"])
         assert error < 1e-4, f"rank {rank}: resumed AdamW weights vs single process, relative error {error:.2e}"
 

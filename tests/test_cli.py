@@ -28,10 +28,10 @@ import pytest
 import torch
 import yaml
 
-from lightning_ulysses.runtime.integrity import check_integrity
 from lightning_ulysses.cli import main
 from lightning_ulysses.cli.commands import build_from_config
 from lightning_ulysses.model import WarmupCosine
+from lightning_ulysses.runtime.integrity import check_integrity
 from tests.launch import REPO_ROOT
 
 pytestmark = pytest.mark.cli
@@ -56,7 +56,9 @@ def test_configs_exist() -> None:
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_config_parses_completely(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, path: Path) -> None:
+def test_config_parses_completely(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, path: Path
+) -> None:
     printed = print_config(capsys, monkeypatch, "--config", str(path))
     config = yaml.safe_load(printed)
     strategy = config["trainer"]["strategy"]
@@ -78,11 +80,21 @@ def test_default_config_is_complete(capsys: pytest.CaptureFixture, monkeypatch: 
     assert config["data"]["init_args"]["paths"] == ["stdlib"]
 
 
-def test_strategy_arguments_from_the_command_line(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    config = yaml.safe_load(print_config(
-        capsys, monkeypatch, "--config", str(REPO_ROOT / "configs/quickstart.yaml"), "--trainer.strategy.sp_size", "1",
-        "--trainer.strategy.stage", "3",
-    ))
+def test_strategy_arguments_from_the_command_line(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = yaml.safe_load(
+        print_config(
+            capsys,
+            monkeypatch,
+            "--config",
+            str(REPO_ROOT / "configs/quickstart.yaml"),
+            "--trainer.strategy.sp_size",
+            "1",
+            "--trainer.strategy.stage",
+            "3",
+        )
+    )
     assert config["trainer"]["strategy"]["init_args"]["sp_size"] == 1
     assert config["trainer"]["strategy"]["init_args"]["stage"] == 3
 
@@ -164,9 +176,12 @@ def test_a_resume_onto_a_new_schedule_length_changes_the_rate_at_the_resumed_ste
     trainer = SimpleNamespace(max_steps=20, estimated_stepping_batches=20)
     scheduler = resumed()
     assert scheduler.optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
-    with pytest.warns(UserWarning, match="decays over 10 optimizer steps; this run ends at step 20, so steps 10-19 run "
-                                         "at its final learning rate 0.2. To decay over 20 steps instead, add "
-                                         "--model.lr_schedule_steps 20"):
+    with pytest.warns(
+        UserWarning,
+        match="decays over 10 optimizer steps; this run ends at step 20, so steps 10-19 run "
+        "at its final learning rate 0.2. To decay over 20 steps instead, add "
+        "--model.lr_schedule_steps 20",
+    ):
         _reconcile_schedule(scheduler, None, trainer)
     assert scheduler.optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
     scheduler = resumed()
@@ -199,9 +214,15 @@ def test_progress_bar_unless_the_config_disables_or_names_one(monkeypatch: pytes
     monkeypatch.setattr(sys, "argv", ["lightning-ulysses"])
 
     def trainer(*args: str) -> L.Trainer:
-        return UlyssesCLI(L.LightningModule, L.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                          auto_configure_optimizers=False, run=False,
-                          args=["--config", str(REPO_ROOT / "configs/quickstart.yaml"), *args]).trainer
+        return UlyssesCLI(
+            L.LightningModule,
+            L.LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            auto_configure_optimizers=False,
+            run=False,
+            args=["--config", str(REPO_ROOT / "configs/quickstart.yaml"), *args],
+        ).trainer
 
     assert isinstance(trainer().progress_bar_callback, LogLines)  # stdout is not a terminal under pytest
     assert trainer("--trainer.enable_progress_bar", "false").progress_bar_callback is None
@@ -219,10 +240,16 @@ def run_cli(*args: str, cwd: Path = REPO_ROOT, env: dict[str, str] | None = None
     """``lightning-ulysses <args>`` as a user runs it (``env``: added to the environment); its stdout is not a
     terminal (plain progress lines)."""
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_ulysses", *args], cwd=cwd, env={**cli_env(), **(env or {})},
-        capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "lightning_ulysses", *args],
+        cwd=cwd,
+        env={**cli_env(), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
-    assert result.returncode == 0, f"lightning-ulysses {' '.join(args)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
+    assert result.returncode == 0, (
+        f"lightning-ulysses {' '.join(args)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
+    )
     return result
 
 
@@ -261,8 +288,15 @@ def test_bad_configs_are_refused_before_any_process_starts(
     assert "ckpt_path='no/such/checkpoint' does not exist" in line
     line = refusal(capsys, monkeypatch, *quickstart, "--ckpt_path", "configs/quickstart.yaml")  # not a checkpoint
     assert "ckpt_path='configs/quickstart.yaml': not a checkpoint" in line and "weights_only" not in line
-    line = refusal(capsys, monkeypatch, "test", "--config", str(REPO_ROOT / "configs/quickstart.yaml"),
-                   "--data", "tests.test_cli.TrainOnlyData")
+    line = refusal(
+        capsys,
+        monkeypatch,
+        "test",
+        "--config",
+        str(REPO_ROOT / "configs/quickstart.yaml"),
+        "--data",
+        "tests.test_cli.TrainOnlyData",
+    )
     assert "TrainOnlyData has no test_dataloader(), so it has no split for test" in line
     # the data module's own checks of its values: rows too short, paths and a tokenizer folder that are not there
     line = refusal(capsys, monkeypatch, *quickstart, "--data.seq_len", "1")
@@ -274,16 +308,38 @@ def test_bad_configs_are_refused_before_any_process_starts(
     assert "data.paths: 'no/such/chats.jsonl' does not exist" in line
     line = refusal(capsys, monkeypatch, *sft, "--data.val_paths", "[no/such/*.jsonl]")
     assert "data.val_paths: 'no/such/*.jsonl' does not exist" in line
-    line = refusal(capsys, monkeypatch, "fit", "--config", str(REPO_ROOT / "configs/dpo_quickstart.yaml"),
-                   "--data.tokenizer", "byte", "--data.seq_len", "3")
+    line = refusal(
+        capsys,
+        monkeypatch,
+        "fit",
+        "--config",
+        str(REPO_ROOT / "configs/dpo_quickstart.yaml"),
+        "--data.tokenizer",
+        "byte",
+        "--data.seq_len",
+        "3",
+    )
     assert "data.seq_len=3" in line and "4 (2 per sequence of a pair)" in line
 
 
 def test_a_missing_data_folder_is_refused_in_one_line_before_start_up(tmp_path: Path) -> None:
     """As a user types it: the whole output is the one line (it was two processes' tracebacks, 76 lines)."""
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_ulysses", "fit", "--config", "configs/quickstart.yaml", "--data.paths",
-         f"[{tmp_path / 'no-such-folder'}]"], cwd=REPO_ROOT, env=cli_env(), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "lightning_ulysses",
+            "fit",
+            "--config",
+            "configs/quickstart.yaml",
+            "--data.paths",
+            f"[{tmp_path / 'no-such-folder'}]",
+        ],
+        cwd=REPO_ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     output = (result.stdout + result.stderr).strip()
     assert result.returncode == 2 and output == (
@@ -292,22 +348,31 @@ def test_a_missing_data_folder_is_refused_in_one_line_before_start_up(tmp_path: 
     ), output
 
 
-def test_a_mistyped_key_gets_the_closest_valid_one(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch,
-                                                    tmp_path: Path) -> None:
+def test_a_mistyped_key_gets_the_closest_valid_one(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """Two lines instead of the usage (about 50 lines) and jsonargparse's report: the error with the closest key,
     and where every key is listed."""
     quickstart = ["fit", "--config", str(REPO_ROOT / "configs/quickstart.yaml")]
     (tmp_path / "typo.yaml").write_text("trainer:\n  max_stepz: 4\n")
     for args, expected in [
-        ([*quickstart, "--data.seq_lem", "512"], "unknown key --data.seq_lem: LongTextDataModule has no argument "
-                                                 "'seq_lem'; did you mean --data.seq_len?"),
+        (
+            [*quickstart, "--data.seq_lem", "512"],
+            "unknown key --data.seq_lem: LongTextDataModule has no argument 'seq_lem'; did you mean --data.seq_len?",
+        ),
         ([*quickstart, "--seq_len", "512"], "unknown key --seq_len; did you mean --data.seq_len?"),
-        ([*quickstart, "--trainer.max_stepz", "4"],
-         "unknown key --trainer.max_stepz; did you mean --trainer.max_steps?"),
-        ([*quickstart, "--trainer.strategy.init_args.sp_sise", "2"],
-         "did you mean --trainer.strategy.init_args.sp_size?"),
-        (["fit", "--config", str(REPO_ROOT / "configs/sft_quickstart.yaml"), "--data.truncaton", "drop"],
-         "SFTDataModule has no argument 'truncaton'; did you mean --data.truncation?"),
+        (
+            [*quickstart, "--trainer.max_stepz", "4"],
+            "unknown key --trainer.max_stepz; did you mean --trainer.max_steps?",
+        ),
+        (
+            [*quickstart, "--trainer.strategy.init_args.sp_sise", "2"],
+            "did you mean --trainer.strategy.init_args.sp_size?",
+        ),
+        (
+            ["fit", "--config", str(REPO_ROOT / "configs/sft_quickstart.yaml"), "--data.truncaton", "drop"],
+            "SFTDataModule has no argument 'truncaton'; did you mean --data.truncation?",
+        ),
         (["fit", "--config", str(tmp_path / "typo.yaml")], "'trainer.max_stepz'; did you mean trainer.max_steps?"),
         ([*quickstart, "--data.seq_len", "many"], "data.seq_len: Expected a <class 'int'>. Got value: many"),
         (["fitt"], "invalid choice: 'fitt'"),
@@ -342,11 +407,24 @@ def test_no_logger_writes_no_config_into_the_working_directory(
     config["trainer"]["callbacks"] = [c for c in callbacks if not c["class_path"].endswith("LearningRateMonitor")]
     (tmp_path / "no-lr-monitor.yaml").write_text(yaml.safe_dump(config))
     one_step = [
-        *no_logger, "--trainer.max_steps", "1", "--trainer.devices", "1", "--trainer.strategy.init_args.sp_size", "1",
-        "--trainer.limit_val_batches", "0", "--data.max_files", "20", "--data.seq_len", "128",
+        *no_logger,
+        "--trainer.max_steps",
+        "1",
+        "--trainer.devices",
+        "1",
+        "--trainer.strategy.init_args.sp_size",
+        "1",
+        "--trainer.limit_val_batches",
+        "0",
+        "--data.max_files",
+        "20",
+        "--data.seq_len",
+        "128",
     ]
     run_cli("fit", "--config", str(tmp_path / "no-lr-monitor.yaml"), *one_step, cwd=tmp_path)
-    assert not (tmp_path / "config.yaml").exists(), "a run without a logger wrote config.yaml into the working directory"
+    assert not (tmp_path / "config.yaml").exists(), (
+        "a run without a logger wrote config.yaml into the working directory"
+    )
 
 
 def readme_follow_up_block() -> list[str]:
@@ -362,15 +440,33 @@ def test_quickstart_commands_as_documented(
     # the README's follow-up block, in the order this test runs it: resume, then R is the resumed run for the rest
     block = readme_follow_up_block()
     assert [line.split()[:2] for line in block] == [
-        ["R=runs/quickstart/version_0"], ["lightning-ulysses", "fit"], ["R=runs/quickstart/version_1"],
-        ["lightning-ulysses", "validate"], ["lightning-ulysses", "predict"], ["lightning-ulysses", "export"],
-        ["lightning-ulysses", "convert-checkpoint"], ["lightning-ulysses", "fit"],
+        ["R=runs/quickstart/version_0"],
+        ["lightning-ulysses", "fit"],
+        ["R=runs/quickstart/version_1"],
+        ["lightning-ulysses", "validate"],
+        ["lightning-ulysses", "predict"],
+        ["lightning-ulysses", "export"],
+        ["lightning-ulysses", "convert-checkpoint"],
+        ["lightning-ulysses", "fit"],
     ], block
     assert all("$R/" in line or line.startswith(("R=", "lightning-ulysses export $R ")) for line in block), block
     shrink = [
-        "--trainer.max_steps", "8", "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "2",
-        "--trainer.log_every_n_steps", "1", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
-        "--data.max_files", "60", "--data.seq_len", "256", "--model.warmup_steps", "2",
+        "--trainer.max_steps",
+        "8",
+        "--trainer.val_check_interval",
+        "4",
+        "--trainer.limit_val_batches",
+        "2",
+        "--trainer.log_every_n_steps",
+        "1",
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path / "runs"),
+        "--data.max_files",
+        "60",
+        "--data.seq_len",
+        "256",
+        "--model.warmup_steps",
+        "2",
     ]
     # lightning-ulysses fit --config configs/quickstart.yaml --print_config > my.yaml; lightning-ulysses fit --config my.yaml
     printed = run_cli("fit", "--config", "configs/quickstart.yaml", *shrink, "--print_config").stdout
@@ -383,7 +479,9 @@ def test_quickstart_commands_as_documented(
     val_losses = [loss for _, loss in logged(run, "val_loss")]
     assert len(val_losses) == 2 and val_losses[1] < val_losses[0]
     # stdout is a pipe here: plain progress lines with the optimizer step out of max_steps, no "Epoch 0/-2", no v_num
-    assert re.search(r"^step 4/8 \| .*train_loss [0-9.]+ \| sp/tokens_per_sec", trained.stdout, re.MULTILINE), trained.stdout
+    assert re.search(r"^step 4/8 \| .*train_loss [0-9.]+ \| sp/tokens_per_sec", trained.stdout, re.MULTILINE), (
+        trained.stdout
+    )
     assert "validation at step 8 | val_loss" in trained.stdout and "v_num" not in trained.stdout
     assert_no_noise(trained)
     for kept in ("Total params", "Sequence-parallel training summary", "validation at step 8"):
@@ -393,8 +491,9 @@ def test_quickstart_commands_as_documented(
 
     # the README's resume, with a larger max_steps: the learning rate continues the schedule saved in the checkpoint
     # (which ended at step 8: its final rate), and the run says so. Rebuilt for 12 steps it would be 6.6e-4 at step 8.
-    resumed_run = run_cli("fit", "--config", str(run / "config.yaml"), "--ckpt_path", str(checkpoint),
-                          "--trainer.max_steps", "12")
+    resumed_run = run_cli(
+        "fit", "--config", str(run / "config.yaml"), "--ckpt_path", str(checkpoint), "--trainer.max_steps", "12"
+    )
     # it writes a new run folder and says which, at its start and its end; the README sets R to it
     said = re.findall(r"^.*Run folder (\S+): (.*)$", resumed_run.stdout + resumed_run.stderr, re.MULTILINE)
     assert len(said) == 2, said
@@ -410,11 +509,11 @@ def test_quickstart_commands_as_documented(
     assert "--model.lr_schedule_steps 12" in resumed_run.stderr
     assert "step 12/12" in resumed_run.stdout
     R, checkpoint = resumed, resumed / "checkpoints" / "last.ckpt"  # R=runs/quickstart/version_1
-    (_, resumed_val_loss), = logged(R, "val_loss")  # at step 12
+    ((_, resumed_val_loss),) = logged(R, "val_loss")  # at step 12
 
     # validate and predict from the resumed run's checkpoint write into its folder, not a new version_N
     assert_no_noise(run_cli("validate", "--config", str(R / "config.yaml"), "--ckpt_path", str(checkpoint)))
-    (_, validated), = logged(R / "validate", "val_loss")
+    ((_, validated),) = logged(R / "validate", "val_loss")
     assert validated == pytest.approx(resumed_val_loss, rel=1e-5)  # the step-12 validation, on the same weights
     predicted = run_cli("predict", "--config", str(R / "config.yaml"), "--ckpt_path", str(checkpoint))
     assert_no_noise(predicted)
@@ -435,12 +534,21 @@ def test_quickstart_commands_as_documented(
     main(["convert-checkpoint", str(checkpoint), str(universal)])
     assert f"Wrote {universal}: a universal copy of {checkpoint} (global step 12" in capsys.readouterr().out
     one_process = ["--trainer.devices", "1", "--trainer.strategy.init_args.sp_size", "1"]
-    line = refusal(capsys, monkeypatch, "fit", "--config", str(R / "config.yaml"), "--ckpt_path", str(universal),
-                   *one_process)  # the saved config's max_steps is reached: it says so and how to go on
+    line = refusal(
+        capsys, monkeypatch, "fit", "--config", str(R / "config.yaml"), "--ckpt_path", str(universal), *one_process
+    )  # the saved config's max_steps is reached: it says so and how to go on
     assert "saved at global step 12 and trainer.max_steps=12: nothing is left to train" in line
     assert "--trainer.max_steps 24" in line
-    run_cli("fit", "--config", str(R / "config.yaml"), "--ckpt_path", str(universal), *one_process,
-            "--trainer.max_steps", "14")
+    run_cli(
+        "fit",
+        "--config",
+        str(R / "config.yaml"),
+        "--ckpt_path",
+        str(universal),
+        *one_process,
+        "--trainer.max_steps",
+        "14",
+    )
     steps = [step for step, _ in logged(tmp_path / "runs" / "quickstart" / "version_2", "train_loss")]
     assert steps == [12, 13], f"the converted checkpoint did not continue at step 12 on one process: {steps}"
     folders = sorted(path.name for path in (tmp_path / "runs" / "quickstart").iterdir())
@@ -452,15 +560,35 @@ def test_quickstart_commands_as_documented(
     shard = next(damaged.glob("*/zero_pp_rank_1_mp_rank_00_optim_states.pt"))
     with open(shard, "r+b") as file:
         file.truncate(shard.stat().st_size // 2)
-    line = refusal(capsys, monkeypatch, "fit", "--config", str(R / "config.yaml"), "--ckpt_path", str(damaged),
-                   "--trainer.max_steps", "14")
+    line = refusal(
+        capsys,
+        monkeypatch,
+        "fit",
+        "--config",
+        str(R / "config.yaml"),
+        "--ckpt_path",
+        str(damaged),
+        "--trainer.max_steps",
+        "14",
+    )
     assert f"{shard}: truncated" in line
 
 
 NOISE = (
-    "Setting accelerator to CPU", "💡 Tip", "all_gather_into_tensor", "LeafSpec", "Total Flops", "Total FLOPs",
-    "nn.functional.all_gather", "Skipping setting a default", "Seed set to", "GPU available:", "TPU available:",
-    "initializing deepspeed distributed", "The dirpath has changed", "TokenCrossEntropy",
+    "Setting accelerator to CPU",
+    "💡 Tip",
+    "all_gather_into_tensor",
+    "LeafSpec",
+    "Total Flops",
+    "Total FLOPs",
+    "nn.functional.all_gather",
+    "Skipping setting a default",
+    "Seed set to",
+    "GPU available:",
+    "TPU available:",
+    "initializing deepspeed distributed",
+    "The dirpath has changed",
+    "TokenCrossEntropy",
 )
 """Lines that a run printed (most of them once per rank) and that say nothing its user needs."""
 
@@ -481,14 +609,23 @@ def assert_export_equals_the_run(exported: Path, run: Path, val_loss: float) -> 
     model = AutoModelForCausalLM.from_pretrained(exported)
     assert model.get_input_embeddings().num_embeddings == data.vocab_size
     module = CausalLM(model=str(exported), pretrained=True, vocab_size=data.vocab_size)
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, limit_val_batches=2, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        limit_val_batches=2,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     (metrics,) = trainer.validate(module, datamodule=data, verbose=False)
     assert metrics["val_loss"] == pytest.approx(val_loss, rel=1e-4)
     if hasattr(data.tokenizer, "save_pretrained"):  # the data module's tokenizer is saved with the model
         from transformers import AutoTokenizer
 
-        assert AutoTokenizer.from_pretrained(exported)("def f():")["input_ids"] == data.tokenizer("def f():")["input_ids"]
+        assert (
+            AutoTokenizer.from_pretrained(exported)("def f():")["input_ids"] == data.tokenizer("def f():")["input_ids"]
+        )
     assert_generation_stops_at(exported, data.tokenizer.eos_token_id)  # ByT5's </s>, 1
 
 
@@ -516,9 +653,20 @@ def test_sft_export_holds_what_the_dpo_quickstart_loads(capsys: pytest.CaptureFi
     """The fine-tuning commands of the README: the SFT quickstart (shrunk to 2 steps), then ``export`` of its run,
     which configs/dpo_quickstart.yaml loads as ``model.model`` (pretrained, every weight) and ``data.tokenizer``."""
     trained = run_cli(
-        "fit", "--config", "configs/sft_quickstart.yaml", "--trainer.max_steps", "2", "--trainer.val_check_interval",
-        "2", "--trainer.limit_val_batches", "1", "--data.seq_len", "256", "--trainer.logger.init_args.save_dir",
-        str(tmp_path / "runs"), env={"HF_DATASETS_CACHE": str(tmp_path / "datasets")},  # not cached: bars shown
+        "fit",
+        "--config",
+        "configs/sft_quickstart.yaml",
+        "--trainer.max_steps",
+        "2",
+        "--trainer.val_check_interval",
+        "2",
+        "--trainer.limit_val_batches",
+        "1",
+        "--data.seq_len",
+        "256",
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path / "runs"),
+        env={"HF_DATASETS_CACHE": str(tmp_path / "datasets")},  # not cached: bars shown
     )
     assert_no_noise(trained)
     # datasets' progress bars of one rank, not two ranks' interleaved
@@ -526,7 +674,8 @@ def test_sft_export_holds_what_the_dpo_quickstart_loads(capsys: pytest.CaptureFi
     run, exported = tmp_path / "runs" / "sft_quickstart" / "version_0", tmp_path / "sft_model"
     main(["export", str(run), str(exported)])
     assert f"Wrote {exported}: the model of {run / 'checkpoints' / 'last.ckpt'} (global step 2) and its tokenizer" in (
-        capsys.readouterr().out)
+        capsys.readouterr().out
+    )
     from lightning_ulysses import CausalLM
     from lightning_ulysses.finetune.tokenizer import load_tokenizer
 
@@ -559,12 +708,33 @@ def test_export_stops_generation_at_the_end_of_a_turn_that_is_not_eos() -> None:
 def test_ctrl_c_saves_a_checkpoint_that_the_printed_command_resumes(tmp_path: Path) -> None:
     """Ctrl-C as a terminal sends it (SIGINT to the whole process group) during a 2-process fit."""
     args = [
-        "fit", "--config", "configs/quickstart.yaml", "--trainer.max_steps", "200", "--trainer.val_check_interval", "100",
-        "--trainer.limit_val_batches", "1", "--trainer.log_every_n_steps", "1",
-        "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--data.max_files", "60", "--data.seq_len", "256",
+        "fit",
+        "--config",
+        "configs/quickstart.yaml",
+        "--trainer.max_steps",
+        "200",
+        "--trainer.val_check_interval",
+        "100",
+        "--trainer.limit_val_batches",
+        "1",
+        "--trainer.log_every_n_steps",
+        "1",
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path / "runs"),
+        "--data.max_files",
+        "60",
+        "--data.seq_len",
+        "256",
     ]
-    process = subprocess.Popen([sys.executable, "-m", "lightning_ulysses", *args], cwd=REPO_ROOT, env=cli_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lightning_ulysses", *args],
+        cwd=REPO_ROOT,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     output = []
     try:
         for line in process.stdout:
@@ -579,8 +749,11 @@ def test_ctrl_c_saves_a_checkpoint_that_the_printed_command_resumes(tmp_path: Pa
             os.killpg(process.pid, signal.SIGKILL)
     text = "".join(output)
     run = tmp_path / "runs" / "quickstart" / "version_0"
-    found = re.search(r"Interrupted \(Ctrl-C\): saved (\S+) at global step (\d+), before its next batch\. "
-                      r"Resume with: (lightning-ulysses fit .*)", text)
+    found = re.search(
+        r"Interrupted \(Ctrl-C\): saved (\S+) at global step (\d+), before its next batch\. "
+        r"Resume with: (lightning-ulysses fit .*)",
+        text,
+    )
     assert found, text[-6000:]
     path, step, command = Path(found[1]), int(found[2]), found[3].split()
     assert path == run / "checkpoints" / "interrupted.ckpt" and step >= 3
@@ -601,7 +774,10 @@ def test_strategy_names_are_registered_by_importing_the_package() -> None:
         "import lightning_ulysses\n"
         "print('after import:', type(L.Trainer(strategy='ulysses', accelerator='cpu', devices=1, logger=False).strategy).__name__)\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=cli_env(), capture_output=True, text=True,
-                            timeout=300)
-    assert "refused: You selected an invalid strategy name: `strategy='ulysses'`" in result.stdout, result.stdout + result.stderr
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, env=cli_env(), capture_output=True, text=True, timeout=300
+    )
+    assert "refused: You selected an invalid strategy name: `strategy='ulysses'`" in result.stdout, (
+        result.stdout + result.stderr
+    )
     assert "after import: UlyssesStrategy" in result.stdout, result.stdout + result.stderr

@@ -46,12 +46,19 @@ MODEL_FOLDER, TEXT_FOLDER = "<tiny Llama-3 folder>", "<text folder>"  # filled i
 VLM_FOLDER = "<tiny LLaVA-1.5 folder>"
 
 ON_CPU = {
-    "trainer.accelerator": "cpu", "trainer.precision": "32-true",
+    "trainer.accelerator": "cpu",
+    "trainer.precision": "32-true",
     "trainer.strategy.init_args.attn_implementation": "sdpa",
 }
 LLAMA_3_8B_SHRUNK = {
-    **ON_CPU, "trainer.devices": 2, "trainer.strategy.init_args.sp_size": 2, "trainer.limit_val_batches": 2,
-    "model.model": MODEL_FOLDER, "data.tokenizer": MODEL_FOLDER, "data.paths": [TEXT_FOLDER], "data.seq_len": 64,
+    **ON_CPU,
+    "trainer.devices": 2,
+    "trainer.strategy.init_args.sp_size": 2,
+    "trainer.limit_val_batches": 2,
+    "model.model": MODEL_FOLDER,
+    "data.tokenizer": MODEL_FOLDER,
+    "data.paths": [TEXT_FOLDER],
+    "data.seq_len": 64,
 }
 SFT_CHATS = ["examples/data/sft_arithmetic.jsonl"]  # relative to the repository, where the launch runs
 DPO_PAIRS = ["examples/data/dpo_arithmetic.jsonl"]
@@ -60,26 +67,47 @@ SHRINK: dict[str, dict[str, Any]] = {
     "quickstart": {"data.seq_len": 64, "data.max_files": 24, "trainer.limit_val_batches": 2},
     "sft_quickstart": {"data.init_args.seq_len": 256, "trainer.limit_val_batches": 2},
     "sft_8gpu": {
-        **ON_CPU, "trainer.devices": 2, "trainer.strategy.init_args.sp_size": 2, "trainer.limit_val_batches": 2,
-        "model.init_args.model": MODEL_FOLDER, "data.init_args.tokenizer": MODEL_FOLDER, "data.init_args.paths": SFT_CHATS,
-        "data.init_args.val_paths": SFT_CHATS, "data.init_args.seq_len": 512, "data.init_args.num_proc": None,
+        **ON_CPU,
+        "trainer.devices": 2,
+        "trainer.strategy.init_args.sp_size": 2,
+        "trainer.limit_val_batches": 2,
+        "model.init_args.model": MODEL_FOLDER,
+        "data.init_args.tokenizer": MODEL_FOLDER,
+        "data.init_args.paths": SFT_CHATS,
+        "data.init_args.val_paths": SFT_CHATS,
+        "data.init_args.seq_len": 512,
+        "data.init_args.num_proc": None,
     },
     "dpo_quickstart": {
-        "model.init_args.model": MODEL_FOLDER, "data.init_args.tokenizer": MODEL_FOLDER, "data.init_args.seq_len": 512,
+        "model.init_args.model": MODEL_FOLDER,
+        "data.init_args.tokenizer": MODEL_FOLDER,
+        "data.init_args.seq_len": 512,
         "trainer.limit_val_batches": 2,
     },
     "dpo_8gpu": {
-        **ON_CPU, "trainer.devices": 2, "trainer.strategy.init_args.sp_size": 2, "trainer.limit_val_batches": 2,
-        "model.init_args.model": MODEL_FOLDER, "data.init_args.tokenizer": MODEL_FOLDER, "data.init_args.paths": DPO_PAIRS,
-        "data.init_args.val_paths": DPO_PAIRS, "data.init_args.seq_len": 512, "data.init_args.num_proc": None,
+        **ON_CPU,
+        "trainer.devices": 2,
+        "trainer.strategy.init_args.sp_size": 2,
+        "trainer.limit_val_batches": 2,
+        "model.init_args.model": MODEL_FOLDER,
+        "data.init_args.tokenizer": MODEL_FOLDER,
+        "data.init_args.paths": DPO_PAIRS,
+        "data.init_args.val_paths": DPO_PAIRS,
+        "data.init_args.seq_len": 512,
+        "data.init_args.num_proc": None,
         # at DPO's 5e-7 two steps of weight decay are below fp32's resolution, and the check of decay would see none
         "model.init_args.learning_rate": 1.0e-04,
     },
     "vlm_sft_quickstart": {"trainer.limit_val_batches": 2},
     "vlm_sft_8gpu": {
-        **ON_CPU, "trainer.devices": 2, "trainer.strategy.init_args.sp_size": 2, "trainer.limit_val_batches": 2,
-        "model.init_args.model": VLM_FOLDER, "data.init_args.processor": VLM_FOLDER,
-        "data.init_args.paths": VISION_CHATS, "data.init_args.val_paths": VISION_CHATS,
+        **ON_CPU,
+        "trainer.devices": 2,
+        "trainer.strategy.init_args.sp_size": 2,
+        "trainer.limit_val_batches": 2,
+        "model.init_args.model": VLM_FOLDER,
+        "data.init_args.processor": VLM_FOLDER,
+        "data.init_args.paths": VISION_CHATS,
+        "data.init_args.val_paths": VISION_CHATS,
         "data.init_args.media_root": "examples/data/vlm",
         "data.init_args.seq_len": 512,
     },
@@ -93,10 +121,22 @@ OUTSIDE_THE_LOSS = {
     "vlm_sft_quickstart": ["model.vision_tower.post_layernorm.weight", "model.vision_tower.post_layernorm.bias"],
     # LLaVA-1.5 reads the second-to-last CLIP layer's output (vision_feature_layer -2): the last layer is unused
     "vlm_sft_8gpu": [
-        *(f"model.vision_tower.encoder.layers.2.{module}.{kind}"
-          for module in ("self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj", "self_attn.out_proj",
-                         "layer_norm1", "mlp.fc1", "mlp.fc2", "layer_norm2") for kind in ("weight", "bias")),
-        "model.vision_tower.post_layernorm.weight", "model.vision_tower.post_layernorm.bias",
+        *(
+            f"model.vision_tower.encoder.layers.2.{module}.{kind}"
+            for module in (
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "self_attn.q_proj",
+                "self_attn.out_proj",
+                "layer_norm1",
+                "mlp.fc1",
+                "mlp.fc2",
+                "layer_norm2",
+            )
+            for kind in ("weight", "bias")
+        ),
+        "model.vision_tower.post_layernorm.weight",
+        "model.vision_tower.post_layernorm.bias",
     ],
 }
 """Config name -> the weights that its model computes with outside the loss: no gradient, so unchanged by training."""
@@ -216,7 +256,8 @@ class RunRecorder(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         RECORDS[self.case].update(
-            final=gathered_parameters(pl_module.model, trainer.strategy.zero_stage_3), global_step=trainer.global_step,
+            final=gathered_parameters(pl_module.model, trainer.strategy.zero_stage_3),
+            global_step=trainer.global_step,
             checkpoint=trainer.checkpoint_callback.last_model_path,
         )
 
@@ -239,8 +280,11 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     root = tmp_path_factory.mktemp("configs")
-    texts = [path.read_text(encoding="utf-8", errors="replace")[:4000] for path in find_text_files(["stdlib"], "*.py")
-             if 8000 < path.stat().st_size < 30000][:8]
+    texts = [
+        path.read_text(encoding="utf-8", errors="replace")[:4000]
+        for path in find_text_files(["stdlib"], "*.py")
+        if 8000 < path.stat().st_size < 30000
+    ][:8]
     (root / "texts").mkdir()
     for i, text in enumerate(texts):
         (root / "texts" / f"document{i}.txt").write_text(text)
@@ -258,11 +302,25 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     # Llama-3.1-8B but for its sizes: 32 -> 8 query heads, 8 -> 2 key/value heads; wide enough that ZeRO-3 keeps most
     # matrices partitioned during training as in the full model (DeepSpeed keeps those under 1e5 weights whole)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=320, intermediate_size=1120, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        vocab_size=len(tokenizer),
+        hidden_size=320,
+        intermediate_size=1120,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(model_folder)
@@ -280,12 +338,31 @@ def _tiny_llava(root: Path) -> str:
     folder = root / "llava-1.5-7b-tiny"
     fields = save_llava_processor(folder)
     config = AutoConfig.for_model(
-        "llava", image_token_id=fields["image_token_id"], image_seq_length=16, vision_feature_layer=-2,
-        vision_feature_select_strategy="default", projector_hidden_act="gelu",
-        text_config=dict(model_type="llama", vocab_size=fields["vocab_size"], hidden_size=128, intermediate_size=344,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, pad_token_id=256),
-        vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=256, num_hidden_layers=3,
-                           num_attention_heads=2, image_size=8, patch_size=2),
+        "llava",
+        image_token_id=fields["image_token_id"],
+        image_seq_length=16,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+        text_config=dict(
+            model_type="llama",
+            vocab_size=fields["vocab_size"],
+            hidden_size=128,
+            intermediate_size=344,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            pad_token_id=256,
+        ),
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=64,
+            intermediate_size=256,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            image_size=8,
+            patch_size=2,
+        ),
     )
     torch.manual_seed(0)
     LlavaForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(folder)
@@ -311,8 +388,13 @@ class Runs:
         if "ranks" not in self.cases[case]:
             (launcher, num_nodes, devices), cases = next(item for item in self.launches.items() if case in item[1])
             files = [self.cases[c]["file"] for c in cases]
-            records = launch("tests.test_configs:fit_worker", num_nodes * devices, {"configs": files},
-                             num_nodes=num_nodes, launcher=launcher)
+            records = launch(
+                "tests.test_configs:fit_worker",
+                num_nodes * devices,
+                {"configs": files},
+                num_nodes=num_nodes,
+                launcher=launcher,
+            )
             for c in cases:
                 self.cases[c]["ranks"] = [rank_records[c] for rank_records in records]
         return self.cases[case]
@@ -368,8 +450,11 @@ def test_a_folder_missing_weights_is_refused(folders: dict[str, str], tmp_path: 
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="does not hold exactly the weights") as refusal:
         CausalLM(model=str(folder), pretrained=True).configure_model()
-    for key in ["model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight",
-                "model.layers.0.self_attn.q_proj.weights"]:
+    for key in [
+        "model.layers.1.mlp.up_proj.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.q_proj.weights",
+    ]:
         assert key in str(refusal.value)
 
 
@@ -396,8 +481,9 @@ def test_config_trains_two_steps(runs: Runs, folders: dict[str, str], case: str)
         if model["pretrained"]:
             placeholder = next(v for k, v in SHRINK[runs[case]["name"]].items() if k.split(".")[-1] == "model")
             module_class = _class_of(config["model"].get("class_path")) or CausalLM
-            check_pretrained(folders[placeholder], module_class.auto_class, initial, final, where,
-                             UNSEEN_TOKENS[placeholder])
+            check_pretrained(
+                folders[placeholder], module_class.auto_class, initial, final, where, UNSEEN_TOKENS[placeholder]
+            )
         else:  # transformers' initialisation, also when ZeRO-3 partitions the model as it is built
             std = build_config(model["model"]).get_text_config().initializer_range  # a composite's decoder's
             for name, p in initial.items():
@@ -410,8 +496,14 @@ UNSEEN_TOKENS = {MODEL_FOLDER: RESERVED_TOKENS, VLM_FOLDER: []}
 """Tokens of each folder's vocabulary that the data never holds (their embedding rows get no gradient)."""
 
 
-def check_pretrained(folder: str, auto_class: Any, initial: dict[str, torch.Tensor], final: dict[str, torch.Tensor],
-                     where: str, unseen_tokens: list[str]) -> None:
+def check_pretrained(
+    folder: str,
+    auto_class: Any,
+    initial: dict[str, torch.Tensor],
+    final: dict[str, torch.Tensor],
+    where: str,
+    unseen_tokens: list[str],
+) -> None:
     """Loaded and gathered before the first step: the saved (bf16) weights, in fp32 as ``precision: 32-true`` asks
     (the weights of ``auto_class.from_pretrained`` in one plain process, which maps the file's names to the
     model's). After 2 steps: the embedding rows of ``unseen_tokens``, which never occur and so get no gradient,

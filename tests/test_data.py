@@ -44,7 +44,23 @@ pytestmark = pytest.mark.distributed
 
 SEQ, LR, STEPS = 32, 0.5, 2
 BYTE_VOCAB = 259
-WORDS = "the quick brown fox jumps over a lazy dog while sequence parallel ranks exchange heads".split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "sequence",
+    "parallel",
+    "ranks",
+    "exchange",
+    "heads",
+]
 
 
 def write_corpus(folder: Path, num_files: int = 12) -> Path:
@@ -58,7 +74,12 @@ def write_corpus(folder: Path, num_files: int = 12) -> Path:
 
 def data_module(folder: Path | str, mode: str, batch_size: int) -> LongTextDataModule:
     return LongTextDataModule(
-        paths=[str(folder)], pattern="*.txt", seq_len=SEQ, mode=mode, batch_size=batch_size, val_fraction=0.25,
+        paths=[str(folder)],
+        pattern="*.txt",
+        seq_len=SEQ,
+        mode=mode,
+        batch_size=batch_size,
+        val_fraction=0.25,
     )
 
 
@@ -100,14 +121,17 @@ def test_split_and_pack_restart_positions_at_every_document() -> None:
 
 def test_packed_batch_ignores_the_label_across_document_borders() -> None:
     input_ids, position_ids = pack_documents([torch.arange(10, 13).numpy(), torch.arange(20, 25).numpy()], 8)
-    batch = collate_right_padded([{"input_ids": torch.from_numpy(input_ids[0]),
-                                   "position_ids": torch.from_numpy(position_ids[0])}])
+    batch = collate_right_padded(
+        [{"input_ids": torch.from_numpy(input_ids[0]), "position_ids": torch.from_numpy(position_ids[0])}]
+    )
     prepared = prepare_batch(batch, sp_size=2)
     assert prepared["shift_labels"][0].tolist() == [11, 12, IGNORE_INDEX, 21, 22, 23, 24, IGNORE_INDEX]
 
 
 def decode_all(dataset: Dataset) -> str:
-    return byte_tokenizer().decode([t for sample in dataset for t in sample["input_ids"].tolist()], skip_special_tokens=True)
+    return byte_tokenizer().decode(
+        [t for sample in dataset for t in sample["input_ids"].tolist()], skip_special_tokens=True
+    )
 
 
 def test_collate_pads_right_and_masks_padding() -> None:
@@ -142,9 +166,12 @@ def test_local_hugging_face_tokenizer(corpus: Path, tmp_path: Path) -> None:
     vocab = {word: i for i, word in enumerate(["[PAD]", "[UNK]", "[EOS]", *sorted(set(WORDS))])}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]").save_pretrained(tmp_path)
-    data = LongTextDataModule(paths=[str(corpus)], pattern="*.txt", tokenizer=str(tmp_path), seq_len=SEQ, mode="documents",
-                              val_fraction=0.25)
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]"
+    ).save_pretrained(tmp_path)
+    data = LongTextDataModule(
+        paths=[str(corpus)], pattern="*.txt", tokenizer=str(tmp_path), seq_len=SEQ, mode="documents", val_fraction=0.25
+    )
     data.setup("fit")
     assert data.vocab_size == len(vocab)
     ids = [t for sample in data.train_dataset for t in sample["input_ids"].tolist()]
@@ -173,7 +200,9 @@ def test_files_that_are_not_text_are_skipped_with_one_warning(tmp_path: Path) ->
 
 
 def test_warns_when_sp_size_leaves_ranks_without_a_token(corpus: Path, tmp_path: Path) -> None:
-    with pytest.warns(UserWarning, match=r"seq_len=5 split over sp_size=4 ranks .* SP rank\(s\) 3 hold no token.*e\.g\. 8"):
+    with pytest.warns(
+        UserWarning, match=r"seq_len=5 split over sp_size=4 ranks .* SP rank\(s\) 3 hold no token.*e\.g\. 8"
+    ):
         warn_on_empty_shards(5, 4)
     with pytest.warns(UserWarning, match=r"SP rank\(s\) 2-3 hold no token"):
         warn_on_empty_shards(2, 4)
@@ -216,11 +245,17 @@ def test_default_corpus_is_the_standard_library() -> None:
     top_level = {f.relative_to(root).parts[0].removesuffix(".py") for f in files}
     # besides the modules: the test suite, the frozen-module samples, the build's sysconfig data and Makefile folder
     extras = ("test", "__hello__", "__phello__")
-    not_modules = {name for name in top_level - set(sys.stdlib_module_names)
-                   if name not in extras and not name.startswith(("_sysconfigdata", "config-"))}
+    not_modules = {
+        name
+        for name in top_level - set(sys.stdlib_module_names)
+        if name not in extras and not name.startswith(("_sysconfigdata", "config-"))
+    }
     assert not not_modules, f"not standard-library modules: {sorted(not_modules)}"
-    with_sources = {name for name in sys.stdlib_module_names if (root / f"{name}.py").is_file()
-                    or (root / name / "__init__.py").is_file()}
+    with_sources = {
+        name
+        for name in sys.stdlib_module_names
+        if (root / f"{name}.py").is_file() or (root / name / "__init__.py").is_file()
+    }
     assert with_sources <= top_level, sorted(with_sources - top_level)
 
 
@@ -266,7 +301,9 @@ def test_causal_lm_outside_ulysses_keeps_packed_documents_apart(corpus: Path) ->
     module.model = fresh_model()
     with torch.no_grad():
         loss = module.training_step(dict(batch), 0)
-        samples = [{"input_ids": ids, "position_ids": pos} for ids, pos in zip(batch["input_ids"], batch["position_ids"])]
+        samples = [
+            {"input_ids": ids, "position_ids": pos} for ids, pos in zip(batch["input_ids"], batch["position_ids"])
+        ]
         expected = token_mean_loss(fresh_model(), samples)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
 
@@ -278,9 +315,15 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
         module = SGDCausalLM(model=TINY_LLAMA, vocab_size=BYTE_VOCAB)
         module.model = fresh_model()
         trainer = L.Trainer(
-            accelerator="cpu", devices=world_size, max_steps=STEPS, num_sanity_val_steps=0, logger=False,
+            accelerator="cpu",
+            devices=world_size,
+            max_steps=STEPS,
+            num_sanity_val_steps=0,
+            logger=False,
             strategy=UlyssesStrategy(sp_size=case["sp"], stage=2, attn_implementation="sdpa"),
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
         data = data_module(args["folder"], case["mode"], batch_size=case["batch_size"])
         if case["fit"]:
@@ -337,7 +380,9 @@ def reference(folder: Path, case: dict[str, Any]) -> tuple[float, float, dict[st
             optimizer.zero_grad()
     # every validation sample once: the repeats that even out the DP ranks do not count
     with torch.no_grad():
-        val_loss, test_loss = (token_mean_loss(model, list(dataset)).item() for dataset in (data.val_dataset, data.test_dataset))
+        val_loss, test_loss = (
+            token_mean_loss(model, list(dataset)).item() for dataset in (data.val_dataset, data.test_dataset)
+        )
     return val_loss, test_loss, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

@@ -24,7 +24,12 @@ from torch.utils.data import DataLoader
 from lightning_ulysses import UlyssesStrategy
 from tests.launch import launch
 from tests.tiny import (
-    TinyCausalLM, collate, make_samples, plain_lightning_training, reference_training, relative_update_error,
+    TinyCausalLM,
+    collate,
+    make_samples,
+    plain_lightning_training,
+    reference_training,
+    relative_update_error,
     tiny_llama,
 )
 
@@ -68,7 +73,10 @@ def train_worker(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fit(
-    case: dict[str, Any], devices: int, num_nodes: int = 1, module_class: type[TinyCausalLM] = TinyCausalLM,
+    case: dict[str, Any],
+    devices: int,
+    num_nodes: int = 1,
+    module_class: type[TinyCausalLM] = TinyCausalLM,
     strategy_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     import deepspeed
@@ -78,20 +86,34 @@ def _fit(
         sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa", **(strategy_kwargs or {})
     )
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy,
-        max_steps=-1 if "epochs" in case else STEPS, max_epochs=case.get("epochs"),
-        accumulate_grad_batches=case.get("accumulate", 1), logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        max_steps=-1 if "epochs" in case else STEPS,
+        max_epochs=case.get("epochs"),
+        accumulate_grad_batches=case.get("accumulate", 1),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     loader = DataLoader(make_samples(**_data(case)), batch_size=BATCH, collate_fn=collate)
     trainer.fit(module, loader)
     params = list(module.model.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=case["stage"] == 3):
         state = {name: p.detach().clone() for name, p in module.model.named_parameters()}
-    return {"losses": module.losses, "params": state, "sp_rank": strategy.sp_rank, "dp_rank": strategy.dp_rank,
-            "steps": trainer.global_step, "ring_size": strategy.ring_size, "sp_group_ranks": dist.get_process_group_ranks(strategy.sp_group),
-            "dp_group_ranks": dist.get_process_group_ranks(strategy.dp_group),
-            "cluster_environment": type(strategy.cluster_environment).__name__}
+    return {
+        "losses": module.losses,
+        "params": state,
+        "sp_rank": strategy.sp_rank,
+        "dp_rank": strategy.dp_rank,
+        "steps": trainer.global_step,
+        "ring_size": strategy.ring_size,
+        "sp_group_ranks": dist.get_process_group_ranks(strategy.sp_group),
+        "dp_group_ranks": dist.get_process_group_ranks(strategy.dp_group),
+        "cluster_environment": type(strategy.cluster_environment).__name__,
+    }
 
 
 def _check(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> None:
@@ -102,7 +124,12 @@ def _check(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> No
     dp_size = world_size // case["sp"]
     accumulate = case.get("accumulate", 1)
     expected_losses, expected = reference_training(
-        make_samples(**_data(case)), steps=STEPS, batch_size=BATCH, dp_size=dp_size, accumulate=accumulate, lr=LR,
+        make_samples(**_data(case)),
+        steps=STEPS,
+        batch_size=BATCH,
+        dp_size=dp_size,
+        accumulate=accumulate,
+        lr=LR,
         **case.get("model", {}),
     )
     initial = {n: p.detach() for n, p in tiny_llama(**case.get("model", {})).named_parameters()}
@@ -121,8 +148,12 @@ def _check_whole_epochs(results: list[dict[str, Any]], name: str, case: dict[str
     token counts, so its loss is the mean of the DP ranks' losses)."""
     dp_size = len(results) // case["sp"]
     expected_losses, expected, expected_steps = plain_lightning_training(
-        make_samples(**_data(case)), batch_size=BATCH, dp_size=dp_size, accumulate=case["accumulate"],
-        epochs=case["epochs"], lr=LR,
+        make_samples(**_data(case)),
+        batch_size=BATCH,
+        dp_size=dp_size,
+        accumulate=case["accumulate"],
+        epochs=case["epochs"],
+        lr=LR,
     )
     assert expected_steps == 3 * case["epochs"], "plain Lightning steps on each epoch's last, shorter window"
     initial = {n: p.detach() for n, p in tiny_llama().named_parameters()}

@@ -29,11 +29,16 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_ulysses import (
-    IGNORE_INDEX, Perplexity, TokenAccuracy, TokenCrossEntropy, UlyssesStrategy, token_log_probs,
+    IGNORE_INDEX,
+    Perplexity,
+    TokenAccuracy,
+    TokenCrossEntropy,
+    UlyssesStrategy,
+    token_log_probs,
 )
 from lightning_ulysses.logits import Logits
-from tests.launch import launch
 from lightning_ulysses.model import CausalLM
+from tests.launch import launch
 from tests.tiny import TINY_LLAMA, VOCAB, TinyCausalLM, collate, gathered_parameters, make_samples, tiny_llama
 
 pytestmark = pytest.mark.distributed
@@ -42,18 +47,28 @@ TRAIN = dict(num=8, seq_len=16, seed=1)
 EVAL = dict(num=12, seq_len=31, seed=2, masked_spans=[(0, 9)], padding=13)
 TRAIN_BATCH, EVAL_BATCH = 2, 3
 TWO_RANKS = {
-    "sp2_zero2": dict(sp=2, stage=2), "sp2_zero3": dict(sp=2, stage=3), "dp2_zero3": dict(sp=1, stage=3),
+    "sp2_zero2": dict(sp=2, stage=2),
+    "sp2_zero3": dict(sp=2, stage=3),
+    "dp2_zero3": dict(sp=1, stage=3),
     # evaluation and prediction through TiledLogits (5 tiles do not divide a rank's 3 x 16 tokens)
     "sp2_zero3_tiled_loss": dict(sp=2, stage=3, strategy=dict(tiled_loss=5)),
 }
 ODD_EVAL = {**EVAL, "num": 13}  # 7 samples on DP rank 0, 6 and a repeat on DP rank 1: 3 batches each
 FIVE_EVAL = {**EVAL, "num": 5}  # one sample a batch: DP rank 1's third batch is a repeat of sample 0 alone
 ODD_DP2 = {
-    "dp2_zero1": dict(sp=1, stage=1), "dp2_zero2": dict(sp=1, stage=2),
+    "dp2_zero1": dict(sp=1, stage=1),
+    "dp2_zero2": dict(sp=1, stage=2),
     # every parameter partitioned (the tiny model's are all below ZeRO-3's default persistence threshold)
-    "dp2_zero3": dict(sp=1, stage=3, strategy=dict(config={
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        "zero_allow_untested_optimizer": True})),
+    "dp2_zero3": dict(
+        sp=1,
+        stage=3,
+        strategy=dict(
+            config={
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                "zero_allow_untested_optimizer": True,
+            }
+        ),
+    ),
     "dp2_zero1_memory_options": dict(sp=1, stage=1, strategy=dict(tiled_mlp=True, activation_checkpointing=True)),
 }
 
@@ -64,17 +79,26 @@ class EvalCausalLM(TinyCausalLM):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.metrics = torch.nn.ModuleDict({
-            stage: torch.nn.ModuleDict({"loss": TokenCrossEntropy(), "ppl": Perplexity(), "acc": TokenAccuracy()})
-            for stage in ("val", "test")
-        })
+        self.metrics = torch.nn.ModuleDict(
+            {
+                stage: torch.nn.ModuleDict({"loss": TokenCrossEntropy(), "ppl": Perplexity(), "acc": TokenAccuracy()})
+                for stage in ("val", "test")
+            }
+        )
         vocab = tiny_llama().config.vocab_size
-        self.torchmetrics = torch.nn.ModuleDict({
-            stage: torch.nn.ModuleDict({
-                "ppl": torchmetrics.text.Perplexity(ignore_index=IGNORE_INDEX),
-                "acc": torchmetrics.classification.MulticlassAccuracy(vocab, average="micro", ignore_index=IGNORE_INDEX),
-            }) for stage in ("val", "test")
-        })
+        self.torchmetrics = torch.nn.ModuleDict(
+            {
+                stage: torch.nn.ModuleDict(
+                    {
+                        "ppl": torchmetrics.text.Perplexity(ignore_index=IGNORE_INDEX),
+                        "acc": torchmetrics.classification.MulticlassAccuracy(
+                            vocab, average="micro", ignore_index=IGNORE_INDEX
+                        ),
+                    }
+                )
+                for stage in ("val", "test")
+            }
+        )
         self.logits_kinds: set[str] = set()
 
     def _evaluate(self, batch: dict[str, Tensor], stage: str) -> None:
@@ -108,18 +132,28 @@ class EvalCausalLM(TinyCausalLM):
 
 
 def _trainer(case: dict[str, Any], world_size: int, **kwargs: Any) -> L.Trainer:
-    strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa",
-                               **copy.deepcopy(case.get("strategy", {})))  # Lightning fills in a DeepSpeed config
+    strategy = UlyssesStrategy(
+        sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa", **copy.deepcopy(case.get("strategy", {}))
+    )  # Lightning fills in a DeepSpeed config
     return L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, **kwargs,
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
     )
 
 
 def _metrics(trainer: L.Trainer, stage: str) -> dict[str, float]:
     names = ("loss", "ppl", "acc", "torchmetrics_ppl", "torchmetrics_acc")
-    return {name: trainer.callback_metrics[f"{stage}_{name}"].item() for name in names
-            if f"{stage}_{name}" in trainer.callback_metrics}
+    return {
+        name: trainer.callback_metrics[f"{stage}_{name}"].item()
+        for name in names
+        if f"{stage}_{name}" in trainer.callback_metrics
+    }
 
 
 def _indexed_loader(data: dict[str, Any]) -> DataLoader:
@@ -127,8 +161,9 @@ def _indexed_loader(data: dict[str, Any]) -> DataLoader:
     return DataLoader(samples, batch_size=EVAL_BATCH, collate_fn=collate)
 
 
-def _predict(trainer: L.Trainer, loader: DataLoader, seq_len: int, module: EvalCausalLM | None = None
-             ) -> dict[int, Tensor]:
+def _predict(
+    trainer: L.Trainer, loader: DataLoader, seq_len: int, module: EvalCausalLM | None = None
+) -> dict[int, Tensor]:
     """Each predicted sample's log-probabilities, without the padding to a multiple of sp; a repeat would raise."""
     predicted: dict[int, Tensor] = {}
     for output in trainer.predict(module or EvalCausalLM(), loader):
@@ -159,9 +194,11 @@ def odd_eval_worker(args: dict[str, Any]) -> dict[str, Any]:
             lm = CausalLM(model=TINY_LLAMA, vocab_size=VOCAB)
             trainer = _trainer(case, world_size)
             trainer.validate(lm, five, verbose=False)
-            result["five_causal_lm"] = {"loss": trainer.callback_metrics["val_loss"].item(),
-                                        "ppl": trainer.callback_metrics["val_ppl"].item(),
-                                        "params": gathered_parameters(lm.model, case["stage"] == 3)}
+            result["five_causal_lm"] = {
+                "loss": trainer.callback_metrics["val_loss"].item(),
+                "ppl": trainer.callback_metrics["val_ppl"].item(),
+                "params": gathered_parameters(lm.model, case["stage"] == 3),
+            }
         trainer = _trainer(case, world_size)
         trainer.validate(EvalCausalLM(), loader, verbose=False)
         result["validate"] = _metrics(trainer, "val")
@@ -187,9 +224,14 @@ def eval_worker(args: dict[str, Any]) -> dict[str, Any]:
         fresh.test(tested_module, eval_loader, verbose=False)
         tested = _metrics(fresh, "test")
         predicted = _predict(fresh, eval_loader, EVAL["seq_len"], predicted_module)
-        results[name] = {"in_fit": in_fit, "validate": after_fit, "fitted": fitted, "test": tested,
-                         "predict": predicted, "logits_kinds": [
-                             sorted(m.logits_kinds) for m in (module, tested_module, predicted_module)]}
+        results[name] = {
+            "in_fit": in_fit,
+            "validate": after_fit,
+            "fitted": fitted,
+            "test": tested,
+            "predict": predicted,
+            "logits_kinds": [sorted(m.logits_kinds) for m in (module, tested_module, predicted_module)],
+        }
     return results
 
 
@@ -276,7 +318,10 @@ def test_samples_that_do_not_divide_over_dp_ranks_count_once(odd_results: list[d
         got = result[name]
         checks = [("validate", initial)]
         if name == first:
-            checks += [("in_fit", with_torchmetrics(reference_metrics(result[name]["fitted"], ODD_EVAL))), ("test", initial)]
+            checks += [
+                ("in_fit", with_torchmetrics(reference_metrics(result[name]["fitted"], ODD_EVAL))),
+                ("test", initial),
+            ]
         for where, expected in checks:
             for metric, value in expected.items():
                 assert got[where][metric] == pytest.approx(value, rel=1e-5), (
@@ -300,7 +345,6 @@ def test_repeated_samples_weigh_nothing_in_per_batch_logs_and_the_lm_module(odd_
         expected = reference_metrics(got["five_causal_lm"]["params"], FIVE_EVAL)
         for metric in ("loss", "ppl"):
             assert got["five_causal_lm"][metric] == pytest.approx(expected[metric], rel=1e-5), f"rank {rank}: {metric}"
-
 
 
 def test_metrics_sum_tokens_across_uneven_shards() -> None:

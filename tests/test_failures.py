@@ -30,7 +30,13 @@ from lightning_ulysses.callbacks import format_summary
 from lightning_ulysses.runtime.failures import Heartbeat, NonFiniteLossGuard
 from tests.launch import RankExit, launch, launch_to_exit
 from tests.tiny import (
-    TinyCausalLM, collate, gathered_parameters, make_samples, reference_training, relative_update_error, tiny_llama,
+    TinyCausalLM,
+    collate,
+    gathered_parameters,
+    make_samples,
+    reference_training,
+    relative_update_error,
+    tiny_llama,
 )
 
 pytestmark = pytest.mark.distributed
@@ -61,8 +67,14 @@ class FailingCausalLM(TinyCausalLM):
 def _fit(mode: str, sp: int, world_size: int) -> None:
     strategy = UlyssesStrategy(sp_size=sp, stage=2, attn_implementation="sdpa", timeout=timedelta(seconds=PG_TIMEOUT_S))
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=4, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     loader = DataLoader(make_samples(num=16, seq_len=16), batch_size=2, collate_fn=collate)
     trainer.fit(FailingCausalLM(mode, fail_rank=1), loader)
@@ -89,8 +101,16 @@ class FailingOptimizerSetup(TinyCausalLM):
 
 def failing_setup_worker(args: dict[str, Any]) -> None:
     strategy = UlyssesStrategy(sp_size=2, stage=2, attn_implementation="sdpa", timeout=timedelta(seconds=PG_TIMEOUT_S))
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(FailingOptimizerSetup(), DataLoader(make_samples(num=4, seq_len=16), batch_size=2, collate_fn=collate))
 
 
@@ -109,18 +129,23 @@ def exits() -> list[RankExit]:
 
 def test_nonfinite_loss_stops_every_rank_naming_step_and_ranks(exits: list[RankExit]) -> None:
     for rank, exit in enumerate(exits):
-        assert NONFINITE_REPORTED + "Non-finite training loss at global step 1 (batch 1 of the epoch) on ranks [1]." in (
-            exit.output
+        assert (
+            NONFINITE_REPORTED + "Non-finite training loss at global step 1 (batch 1 of the epoch) on ranks [1]."
+            in (exit.output)
         ), f"rank {rank}:\n{exit.output[-3000:]}"
 
 
 def test_rank_stalling_then_raising_ends_every_rank_with_an_error(exits: list[RankExit]) -> None:
     for rank, exit in enumerate(exits):
-        assert exit.returncode is not None, f"rank {rank} was still running at the launcher's timeout:\n{exit.output[-3000:]}"
+        assert exit.returncode is not None, (
+            f"rank {rank} was still running at the launcher's timeout:\n{exit.output[-3000:]}"
+        )
         assert exit.returncode != 0, f"rank {rank} exited cleanly after its peer failed:\n{exit.output[-3000:]}"
     assert "RuntimeError: rank 1 fails on purpose at batch 1" in exits[1].output
     # rank 0 must not wait for rank 1's exit: its SP collective gives up after the strategy's timeout
-    assert "Timed out" in exits[0].output and "Connection closed by peer" not in exits[0].output, exits[0].output[-3000:]
+    assert "Timed out" in exits[0].output and "Connection closed by peer" not in exits[0].output, exits[0].output[
+        -3000:
+    ]
 
 
 def test_batch_that_cannot_be_sharded_is_refused_with_its_shape() -> None:
@@ -144,16 +169,25 @@ def skipping_worker(args: dict[str, Any]) -> dict[str, Any]:
         strategy = UlyssesStrategy(sp_size=2, stage=stage, attn_implementation="sdpa", nonfinite_loss="skip")
         monitor = SequenceParallelMonitor()
         trainer = L.Trainer(
-            accelerator="cpu", devices=world_size, strategy=strategy, max_steps=SKIP_STEPS, callbacks=[monitor],
-            accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            accelerator="cpu",
+            devices=world_size,
+            strategy=strategy,
+            max_steps=SKIP_STEPS,
+            callbacks=[monitor],
+            accumulate_grad_batches=accumulate,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
             enable_model_summary=False,
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer.fit(module, DataLoader(make_samples(**SKIP_DATA), batch_size=SKIP_BATCH, collate_fn=collate))
         results[f"zero{stage}_accumulate{accumulate}"] = dict(
-            losses=module.losses, weights=gathered_parameters(module.model, stage == 3),
-            skipped=strategy.nonfinite_loss.skipped_steps, steps=trainer.global_step,
+            losses=module.losses,
+            weights=gathered_parameters(module.model, stage == 3),
+            skipped=strategy.nonfinite_loss.skipped_steps,
+            steps=trainer.global_step,
             warnings=[str(w.message) for w in caught],
             summary=format_summary(monitor.summary, strategy, trainer.global_step),
         )
@@ -166,8 +200,16 @@ def skipping_worker(args: dict[str, Any]) -> dict[str, Any]:
 
 def _fit_stage_0_skip(world_size: int) -> None:
     strategy = UlyssesStrategy(sp_size=2, stage=0, attn_implementation="sdpa", nonfinite_loss="skip")
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(TinyCausalLM(), DataLoader(make_samples(**SKIP_DATA), batch_size=SKIP_BATCH, collate_fn=collate))
 
 
@@ -182,8 +224,13 @@ def test_nonfinite_loss_skips_the_step_leaving_weights_and_momentum(
 ) -> None:
     skipped_step = 1 // accumulate
     expected_losses, expected = reference_training(
-        make_samples(**SKIP_DATA), steps=SKIP_STEPS, batch_size=SKIP_BATCH, accumulate=accumulate, lr=SKIP_LR,
-        momentum=SKIP_MOMENTUM, skip_steps=(skipped_step,),
+        make_samples(**SKIP_DATA),
+        steps=SKIP_STEPS,
+        batch_size=SKIP_BATCH,
+        accumulate=accumulate,
+        lr=SKIP_LR,
+        momentum=SKIP_MOMENTUM,
+        skip_steps=(skipped_step,),
     )
     initial = {name: p.detach() for name, p in tiny_llama().named_parameters()}
     for rank, result in enumerate(skipped):
@@ -191,8 +238,10 @@ def test_nonfinite_loss_skips_the_step_leaving_weights_and_momentum(
         assert got["steps"] == SKIP_STEPS and got["skipped"] == [skipped_step]
         assert re.search(rf"skipped \(non-finite loss\) +1: steps \[{skipped_step}\]", got["summary"]), got["summary"]
         if rank == 0:  # a rank-zero warning
-            assert f"Skipped global step {skipped_step}: non-finite training loss at global step {skipped_step} " \
-                   f"(batch 1 of the epoch) on ranks [1]." in got["warnings"], got["warnings"]
+            assert (
+                f"Skipped global step {skipped_step}: non-finite training loss at global step {skipped_step} "
+                f"(batch 1 of the epoch) on ranks [1]." in got["warnings"]
+            ), got["warnings"]
         # every micro-batch loss as computed before rank 1 turns it into NaN
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected_losses), rtol=1e-5, atol=0)
         error = relative_update_error(initial, expected, got["weights"])
@@ -220,7 +269,9 @@ def test_skipping_stops_when_every_step_is_non_finite(one_process_group: None) -
     guard = NonFiniteLossGuard("skip", max_consecutive_skips=3)
     nan, finite = torch.tensor(float("nan")), torch.tensor(1.0)
     with pytest.warns(UserWarning, match="Skipped global step"):
-        for step, (loss, applied) in enumerate([(nan, False), (nan, False), (finite, True), (nan, False), (nan, False)]):
+        for step, (loss, applied) in enumerate(
+            [(nan, False), (nan, False), (finite, True), (nan, False), (nan, False)]
+        ):
             guard.check_loss(loss, step, batch_idx=step)
             guard.check_step(applied, step)  # a finite step in between starts the count again
     assert guard.skipped_steps == [0, 1, 3, 4]

@@ -37,7 +37,13 @@ from lightning_ulysses.runtime.integrity import CorruptCheckpointError, check_in
 from lightning_ulysses.runtime.save import CheckpointSaveError
 from tests.launch import RankExit, launch, launch_to_exit
 from tests.tiny import (
-    TinyCausalLM, collate, gathered_parameters, make_samples, reference_training, relative_update_error, tiny_llama,
+    TinyCausalLM,
+    collate,
+    gathered_parameters,
+    make_samples,
+    reference_training,
+    relative_update_error,
+    tiny_llama,
 )
 
 pytestmark = pytest.mark.distributed
@@ -48,12 +54,20 @@ PG_TIMEOUT_S = 30
 SAVED_STEP = 2
 
 
-def _fit(world_size: int, module: TinyCausalLM, ckpt_path: str | None = None,
-         callbacks: list[L.Callback] = ()) -> L.Trainer:
+def _fit(
+    world_size: int, module: TinyCausalLM, ckpt_path: str | None = None, callbacks: list[L.Callback] = ()
+) -> L.Trainer:
     strategy = UlyssesStrategy(sp_size=2, stage=2, attn_implementation="sdpa", timeout=timedelta(seconds=PG_TIMEOUT_S))
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=EPOCHS, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_epochs=EPOCHS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
     )
     trainer.fit(module, DataLoader(make_samples(**DATA), batch_size=BATCH, collate_fn=collate), ckpt_path=ckpt_path)
     return trainer
@@ -155,8 +169,9 @@ def faults_worker(args: dict[str, Any]) -> None:
     results: dict[str, Any] = {}
     first, module = SaveThenFillTheDisk(directory), _module()
     _fit(world_size, module, callbacks=[first])
-    results.update(first_losses=module.losses, saved=first.saved, full_disk_errors=first.errors,
-                   tag_folders=first.tag_folders)
+    results.update(
+        first_losses=module.losses, saved=first.saved, full_disk_errors=first.errors, tag_folders=first.tag_folders
+    )
     for name in ("truncated.ckpt", "flipped.ckpt"):
         module = _module()
         try:
@@ -183,15 +198,18 @@ def resume_worker(args: dict[str, Any]) -> dict[str, Any]:
 def faults(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     directory = tmp_path_factory.mktemp("faults")
     exits = launch_to_exit("tests.test_faults:faults_worker", 2, {"dir": str(directory)}, timeout=400)
-    results = [torch.load(path, weights_only=False) if (path := directory / f"results{rank}.pt").is_file() else None
-               for rank in range(2)]
+    results = [
+        torch.load(path, weights_only=False) if (path := directory / f"results{rank}.pt").is_file() else None
+        for rank in range(2)
+    ]
     return {"dir": directory, "exits": exits, "results": results}
 
 
 @pytest.fixture(scope="module")
 def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    return reference_training(make_samples(**DATA), steps=STEPS_PER_EPOCH, batch_size=BATCH, lr=LR, momentum=MOMENTUM,
-                              epochs=EPOCHS)
+    return reference_training(
+        make_samples(**DATA), steps=STEPS_PER_EPOCH, batch_size=BATCH, lr=LR, momentum=MOMENTUM, epochs=EPOCHS
+    )
 
 
 def _output(exit: RankExit) -> str:
@@ -242,13 +260,15 @@ def test_resuming_after_the_faults_equals_the_uninterrupted_run(faults: dict[str
     expected_losses, expected = reference
     resumed = launch("tests.test_faults:resume_worker", 2, {"path": str(faults["dir"] / "last.ckpt")})
     first = faults["results"][0]
-    torch.testing.assert_close(torch.tensor(first["first_losses"]), torch.tensor(expected_losses[:SAVED_STEP + 1]),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(first["first_losses"]), torch.tensor(expected_losses[: SAVED_STEP + 1]), rtol=1e-5, atol=0
+    )
     for rank, (results, got) in enumerate(zip(faults["results"], resumed)):
         # the resume before the kill and this one start at step 2: the failed saves changed nothing
         for losses in (results["resumed_losses"], got["losses"]):
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses[SAVED_STEP:][:len(losses)]),
-                                       rtol=1e-5, atol=0)
+            torch.testing.assert_close(
+                torch.tensor(losses), torch.tensor(expected_losses[SAVED_STEP:][: len(losses)]), rtol=1e-5, atol=0
+            )
         assert len(got["losses"]) == EPOCHS * STEPS_PER_EPOCH - SAVED_STEP
         error = relative_update_error(results["saved"], expected, got["params"])
         assert error < 1e-4, f"rank {rank}: weights resumed after the faults vs one process, relative error {error:.2e}"

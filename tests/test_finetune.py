@@ -53,13 +53,24 @@ def tokenizer_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
 def data_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("sft")
     val = [chat(4, 6, 20 + i, turns=1 + i % 2, system=i % 3 == 0) for i in range(5)]
-    return {"train": str(write_jsonl(root / "train.jsonl", sft_records(SEQ))),
-            "val": str(write_jsonl(root / "val.jsonl", val))}
+    return {
+        "train": str(write_jsonl(root / "train.jsonl", sft_records(SEQ))),
+        "val": str(write_jsonl(root / "val.jsonl", val)),
+    }
 
 
-def sft_data(files: dict[str, str], tokenizer: str, mode: str = "packed", batch_size: int = 64, **kwargs: Any) -> SFTDataModule:
-    return SFTDataModule(paths=[files["train"]], val_paths=[files["val"]], tokenizer=tokenizer, seq_len=SEQ, mode=mode,
-                         batch_size=batch_size, **kwargs)
+def sft_data(
+    files: dict[str, str], tokenizer: str, mode: str = "packed", batch_size: int = 64, **kwargs: Any
+) -> SFTDataModule:
+    return SFTDataModule(
+        paths=[files["train"]],
+        val_paths=[files["val"]],
+        tokenizer=tokenizer,
+        seq_len=SEQ,
+        mode=mode,
+        batch_size=batch_size,
+        **kwargs,
+    )
 
 
 def labelled_text(tokenizer: Any, ids: list[int], labels: list[int]) -> str:
@@ -90,8 +101,14 @@ def test_labels_are_the_assistant_tokens_of_the_template(tokenizer_folder: str) 
 def test_prompt_completion_records(tokenizer_folder: str) -> None:
     tokenizer = byte_chat_tokenizer()
     ids, labels = tokenize_record(tokenizer, {"prompt": "Q: 2+2?\nA:", "completion": " 4"})
-    assert tokenizer.decode(ids) == "Q: 2+2?\nA: 4<|im_end|>" and labelled_text(tokenizer, ids, labels) == " 4<|im_end|>"
-    prompt = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}]
+    assert (
+        tokenizer.decode(ids) == "Q: 2+2?\nA: 4<|im_end|>" and labelled_text(tokenizer, ids, labels) == " 4<|im_end|>"
+    )
+    prompt = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "bye"},
+    ]
     completion = [{"role": "assistant", "content": "ciao"}]
     ids, labels = tokenize_record(tokenizer, {"prompt": prompt, "completion": completion})
     assert labelled_text(tokenizer, ids, labels) == "ciao<|im_end|>\n"  # the prompt's assistant turn is not trained
@@ -112,16 +129,22 @@ def merging_tokenizer(template: str) -> Any:
 
 
 def test_templates_whose_assistant_tokens_cannot_be_located_are_refused() -> None:
-    plain = ("{% for m in messages %}{{ m.role }}>{{ m.content }}\n{% endfor %}"
-             "{% if add_generation_prompt %}assistant>{% endif %}")
+    plain = (
+        "{% for m in messages %}{{ m.role }}>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant>{% endif %}"
+    )
     messages = [{"role": "user", "content": "two plus two"}, {"role": "assistant", "content": "4"}]
     with pytest.raises(TemplateError, match="spans the border of an assistant turn"):
         tokenize_record(merging_tokenizer(plain), {"messages": messages})
-    ids, labels = tokenize_record(merging_tokenizer(plain), {"messages": [messages[0], {"role": "assistant", "content": "four"}]})
+    ids, labels = tokenize_record(
+        merging_tokenizer(plain), {"messages": [messages[0], {"role": "assistant", "content": "four"}]}
+    )
     assert labelled_text(merging_tokenizer(plain), ids, labels).replace(" ", "") == "four\n"
     # earlier answers rendered differently once a later turn follows: no prefix locates them
-    last_only = ("{% for m in messages %}{{ m.role }}>{% if m.role != 'assistant' or loop.last %}{{ m.content }}"
-                 "{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant>{% endif %}")
+    last_only = (
+        "{% for m in messages %}{{ m.role }}>{% if m.role != 'assistant' or loop.last %}{{ m.content }}"
+        "{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant>{% endif %}"
+    )
     turns = [*messages, {"role": "user", "content": "and three"}, {"role": "assistant", "content": "six"}]
     with pytest.raises(TemplateError, match="does not begin the rendering of the whole conversation"):
         tokenize_record(merging_tokenizer(last_only), {"messages": turns})
@@ -155,7 +178,8 @@ def test_a_sample_longer_than_seq_len_is_cut_dropped_or_refused(data_files: dict
     report = data.reports["training"]
     records = sft_records(SEQ)
     assert (report.records, report.truncated, report.dropped_too_long) == (
-        (len(records), 1, 0) if truncation == "truncate" else (len(records), 0, 1))
+        (len(records), 1, 0) if truncation == "truncate" else (len(records), 0, 1)
+    )
     rows = [data.train_dataset[i] for i in range(len(data.train_dataset))]
     samples = [split_row(row) for row in rows]
     got = sorted((ids.tolist(), labels.tolist()) for row in samples for ids, labels in row)
@@ -177,7 +201,10 @@ def split_row(row: dict[str, Tensor]) -> list[tuple[Tensor, Tensor]]:
 
 def test_samples_without_assistant_tokens_are_dropped_and_counted(tmp_path: Path) -> None:
     records = [chat_of_tokens(30, 1), {"messages": [{"role": "user", "content": "no answer"}]}, chat_of_tokens(50, 2)]
-    files = {"train": str(write_jsonl(tmp_path / "t.jsonl", records)), "val": str(write_jsonl(tmp_path / "v.jsonl", records[:1]))}
+    files = {
+        "train": str(write_jsonl(tmp_path / "t.jsonl", records)),
+        "val": str(write_jsonl(tmp_path / "v.jsonl", records[:1])),
+    }
     data = sft_data(files, "byte", mode="padded")
     data.setup("fit")
     report = data.reports["training"]
@@ -190,8 +217,11 @@ def test_parquet_and_arrow_files_give_the_same_rows(data_files: dict[str, str], 
     records.to_parquet(str(tmp_path / "train.parquet"))
     records.save_to_disk(str(tmp_path / "saved"))
     rows = {}
-    for name, path in (("jsonl", data_files["train"]), ("parquet", str(tmp_path / "train.parquet")),
-                       ("arrow", str(tmp_path / "saved" / "*.arrow"))):
+    for name, path in (
+        ("jsonl", data_files["train"]),
+        ("parquet", str(tmp_path / "train.parquet")),
+        ("arrow", str(tmp_path / "saved" / "*.arrow")),
+    ):
         data = sft_data({**data_files, "train": path}, "byte")
         data.setup("fit")
         rows[name] = [{k: v.tolist() for k, v in data.train_dataset[i].items()} for i in range(len(data.train_dataset))]
@@ -235,25 +265,38 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
         module = RecordingSGDCausalLM(model=TINY_LLAMA, vocab_size=data.vocab_size)
         module.model, module.losses = fresh_model(data.vocab_size), []
         trainer = L.Trainer(
-            accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, num_sanity_val_steps=0,
+            accelerator="cpu",
+            devices=world_size,
+            max_steps=STEPS,
+            logger=False,
+            num_sanity_val_steps=0,
             strategy=UlyssesStrategy(sp_size=2, stage=case["stage"], attn_implementation="sdpa"),
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
         trainer.fit(module, data)
         trainer.validate(module, data, verbose=False)
-        results[name] = {"losses": module.losses, "val_loss": trainer.callback_metrics["val_loss"].item(),
-                         "params": gathered_parameters(module.model, case["stage"] == 3)}
+        results[name] = {
+            "losses": module.losses,
+            "val_loss": trainer.callback_metrics["val_loss"].item(),
+            "params": gathered_parameters(module.model, case["stage"] == 3),
+        }
     return results
 
 
 @pytest.fixture(scope="module")
 def sp_results(data_files: dict[str, str], tokenizer_folder: str) -> list[dict[str, Any]]:
-    return launch("tests.test_finetune:sp_worker", 2, {"files": data_files, "tokenizer": tokenizer_folder, "cases": SP_CASES})
+    return launch(
+        "tests.test_finetune:sp_worker", 2, {"files": data_files, "tokenizer": tokenizer_folder, "cases": SP_CASES}
+    )
 
 
 @pytest.fixture(scope="module")
 def dp_sp_results(data_files: dict[str, str], tokenizer_folder: str) -> list[dict[str, Any]]:
-    return launch("tests.test_finetune:sp_worker", 4, {"files": data_files, "tokenizer": tokenizer_folder, "cases": DP_SP_CASES})
+    return launch(
+        "tests.test_finetune:sp_worker", 4, {"files": data_files, "tokenizer": tokenizer_folder, "cases": DP_SP_CASES}
+    )
 
 
 def reference_samples(path: str, tokenizer: Any) -> list[tuple[Tensor, Tensor]]:
@@ -282,13 +325,17 @@ def test_packed_rows_put_sample_borders_on_and_across_the_shard_border(data_file
     half = SEQ // 2
     assert max(len(row["input_ids"]) for row in rows) == SEQ
     assert any(len(row["position_ids"]) > half and row["position_ids"][half] == 0 for row in rows)
-    assert any(row["position_ids"][half] > 0 and (row["labels"][half - 1 : half + 1] != IGNORE_INDEX).all()
-               for row in rows if len(row["input_ids"]) > half)
+    assert any(
+        row["position_ids"][half] > 0 and (row["labels"][half - 1 : half + 1] != IGNORE_INDEX).all()
+        for row in rows
+        if len(row["input_ids"]) > half
+    )
 
 
 @pytest.mark.parametrize("name", SP_CASES)
-def test_sft_under_sp_equals_one_process(sp_results: list[dict[str, Any]], data_files: dict[str, str],
-                                         tokenizer_folder: str, name: str) -> None:
+def test_sft_under_sp_equals_one_process(
+    sp_results: list[dict[str, Any]], data_files: dict[str, str], tokenizer_folder: str, name: str
+) -> None:
     tokenizer = byte_chat_tokenizer()
     train, val = (reference_samples(data_files[split], tokenizer) for split in ("train", "val"))
     model = fresh_model(len(tokenizer))
@@ -344,15 +391,25 @@ def dpo_worker(args: dict[str, Any]) -> dict[str, Any]:
     results = {}
     for name, case in args["cases"].items():
         odd_val = name in DPO_ODD_VAL_CASES
-        data = PreferenceDataModule(paths=[args["train"]], val_paths=[args["odd_val" if odd_val else "val"]],
-                                    seq_len=SEQ * 4, batch_size=1 if odd_val else 64)
+        data = PreferenceDataModule(
+            paths=[args["train"]],
+            val_paths=[args["odd_val" if odd_val else "val"]],
+            seq_len=SEQ * 4,
+            batch_size=1 if odd_val else 64,
+        )
         module = SGDDPO(model=args["model"], pretrained=True, beta=BETA, vocab_size=data.vocab_size)
         trainer = L.Trainer(
-            accelerator="cpu", devices=world_size, max_steps=-1 if odd_val else STEPS,
-            max_epochs=1 if odd_val else None, logger=False,
+            accelerator="cpu",
+            devices=world_size,
+            max_steps=-1 if odd_val else STEPS,
+            max_epochs=1 if odd_val else None,
+            logger=False,
             strategy=UlyssesStrategy(sp_size=case.get("sp", 2), stage=case["stage"], attn_implementation="sdpa"),
-            limit_val_batches=None if odd_val else 0, num_sanity_val_steps=0, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False,
+            limit_val_batches=None if odd_val else 0,
+            num_sanity_val_steps=0,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
         trainer.fit(module, data)
         prefix = "val" if odd_val else "train"  # the validation at the epoch's end sees the final weights
@@ -377,7 +434,9 @@ def completion_log_prob(model: torch.nn.Module, ids: Tensor, labels: Tensor) -> 
     return log_probs[valid].gather(-1, labels[1:][valid, None]).sum()
 
 
-def reference_dpo(folder: str, records: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, Tensor], dict[str, Tensor]]:
+def reference_dpo(
+    folder: str, records: list[dict[str, Any]]
+) -> tuple[dict[str, float], dict[str, Tensor], dict[str, Tensor]]:
     """One process, plain transformers: each sequence alone, SGD on the mean DPO loss over every pair; the metrics of
     the last step, the initial and the final weights."""
     from transformers import AutoModelForCausalLM
@@ -393,22 +452,39 @@ def reference_dpo(folder: str, records: list[dict[str, Any]]) -> tuple[dict[str,
     return metrics, initial, {n: p.detach() for n, p in policy.named_parameters()}
 
 
-def dpo_metrics(policy: torch.nn.Module, reference: torch.nn.Module, records: list[dict[str, Any]]
-                ) -> tuple[Tensor, dict[str, float]]:
+def dpo_metrics(
+    policy: torch.nn.Module, reference: torch.nn.Module, records: list[dict[str, Any]]
+) -> tuple[Tensor, dict[str, float]]:
     """One process, each sequence alone: the mean DPO loss over every pair (differentiable) and the metrics."""
     tokenizer = byte_chat_tokenizer()
-    sequences = [[tuple(map(torch.tensor, tokenize_record(tokenizer, {"prompt": r["prompt"], "completion": r[side]})))
-                  for side in ("chosen", "rejected")] for r in records]
-    rewards = torch.stack([
-        torch.stack([BETA * (completion_log_prob(policy, ids, labels)
-                             - completion_log_prob(reference, ids, labels).detach()) for ids, labels in pair])
-        for pair in sequences
-    ])
+    sequences = [
+        [
+            tuple(map(torch.tensor, tokenize_record(tokenizer, {"prompt": r["prompt"], "completion": r[side]})))
+            for side in ("chosen", "rejected")
+        ]
+        for r in records
+    ]
+    rewards = torch.stack(
+        [
+            torch.stack(
+                [
+                    BETA
+                    * (completion_log_prob(policy, ids, labels) - completion_log_prob(reference, ids, labels).detach())
+                    for ids, labels in pair
+                ]
+            )
+            for pair in sequences
+        ]
+    )
     loss = -F.logsigmoid(rewards[:, 0] - rewards[:, 1]).mean()
     chosen, rejected = rewards.detach()[:, 0], rewards.detach()[:, 1]
-    return loss, {"loss": loss.item(), "rewards_chosen": chosen.mean().item(),
-                  "rewards_rejected": rejected.mean().item(), "rewards_margin": (chosen - rejected).mean().item(),
-                  "rewards_accuracy": (chosen > rejected).float().mean().item()}
+    return loss, {
+        "loss": loss.item(),
+        "rewards_chosen": chosen.mean().item(),
+        "rewards_rejected": rejected.mean().item(),
+        "rewards_margin": (chosen - rejected).mean().item(),
+        "rewards_accuracy": (chosen > rejected).float().mean().item(),
+    }
 
 
 def test_dpo_pairs_cross_the_shard_border(dpo_files: dict[str, str]) -> None:
@@ -424,7 +500,9 @@ def test_dpo_pairs_cross_the_shard_border(dpo_files: dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize("name", DPO_CASES)
-def test_dpo_under_sp_equals_one_process(dpo_results: list[dict[str, Any]], dpo_files: dict[str, str], name: str) -> None:
+def test_dpo_under_sp_equals_one_process(
+    dpo_results: list[dict[str, Any]], dpo_files: dict[str, str], name: str
+) -> None:
     metrics, initial, expected = reference_dpo(dpo_files["model"], preference_records())
     assert metrics["rewards_margin"] != 0 and metrics["loss"] != pytest.approx(torch.log(torch.tensor(2.0)).item())
     for rank, result in enumerate(dpo_results):
@@ -437,14 +515,16 @@ def test_dpo_under_sp_equals_one_process(dpo_results: list[dict[str, Any]], dpo_
         assert "train_loss" in got["console"], got["console"]
 
 
-def test_dpo_validation_counts_each_pair_once_over_dp_ranks(dpo_results: list[dict[str, Any]],
-                                                            dpo_files: dict[str, str]) -> None:
+def test_dpo_validation_counts_each_pair_once_over_dp_ranks(
+    dpo_results: list[dict[str, Any]], dpo_files: dict[str, str]
+) -> None:
     """dp=2, 5 validation pairs of one a batch: the repeat of pair 0 that evens out the DP ranks must not count (it
     would log a loss of log 2, zero rewards and a wrong preference)."""
     from transformers import AutoModelForCausalLM
 
-    policy, reference = (AutoModelForCausalLM.from_pretrained(dpo_files["model"], attn_implementation="sdpa")
-                         for _ in range(2))
+    policy, reference = (
+        AutoModelForCausalLM.from_pretrained(dpo_files["model"], attn_implementation="sdpa") for _ in range(2)
+    )
     for name in DPO_ODD_VAL_CASES:
         policy.load_state_dict(dpo_results[0][name]["params"])
         with torch.no_grad():
@@ -456,8 +536,9 @@ def test_dpo_validation_counts_each_pair_once_over_dp_ranks(dpo_results: list[di
 
 
 @pytest.mark.parametrize("name", DP_SP_CASES)
-def test_sft_under_dp_and_sp_equals_one_process(dp_sp_results: list[dict[str, Any]], data_files: dict[str, str],
-                                                name: str) -> None:
+def test_sft_under_dp_and_sp_equals_one_process(
+    dp_sp_results: list[dict[str, Any]], data_files: dict[str, str], name: str
+) -> None:
     """dp=2 x sp=2: each DP group trains on its half of the packed rows (the distributed sampler's order, one batch
     per epoch); the update is the mean of the two groups' assistant-token means, as DDP averages them."""
     data = sft_data(data_files, "byte", mode=DP_SP_CASES[name]["mode"])
@@ -468,8 +549,10 @@ def test_sft_under_dp_and_sp_equals_one_process(dp_sp_results: list[dict[str, An
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses: list[list[float]] = [[], []]
     for step in range(STEPS):
-        group_losses = [assistant_token_mean(model, [s for row in epoch_order(rows, 2, d, step) for s in split_row(row)])
-                        for d in range(2)]
+        group_losses = [
+            assistant_token_mean(model, [s for row in epoch_order(rows, 2, d, step) for s in split_row(row)])
+            for d in range(2)
+        ]
         for d, loss in enumerate(group_losses):
             losses[d].append(loss.item())
         torch.stack(group_losses).mean().backward()
@@ -488,18 +571,23 @@ def test_preference_rows_hold_the_pair_labelled_on_the_completions(dpo_files: di
     """Each row is prompt + chosen then prompt + rejected, labelled on the completions only; a sequence longer than
     seq_len / 2 is cut (with its labels), drops its pair, or is refused."""
     records, seq_len = preference_records(), 110
-    data = PreferenceDataModule(paths=[dpo_files["train"]], val_paths=[dpo_files["val"]], seq_len=seq_len,
-                                truncation=truncation)
+    data = PreferenceDataModule(
+        paths=[dpo_files["train"]], val_paths=[dpo_files["val"]], seq_len=seq_len, truncation=truncation
+    )
     if truncation == "refuse":
-        with pytest.raises(SampleTooLongError, match=rf"more than data.seq_len // 2 \(the chosen sequence of a pair\)={seq_len // 2}"):
+        with pytest.raises(
+            SampleTooLongError, match=rf"more than data.seq_len // 2 \(the chosen sequence of a pair\)={seq_len // 2}"
+        ):
             data.setup("fit")
         return
     data.setup("fit")
     tokenizer = data.tokenizer
     expected = []
     for record in records:
-        pair = [tokenize_record(tokenizer, {"prompt": record["prompt"], "completion": record[side]})
-                for side in ("chosen", "rejected")]
+        pair = [
+            tokenize_record(tokenizer, {"prompt": record["prompt"], "completion": record[side]})
+            for side in ("chosen", "rejected")
+        ]
         cut = [(ids[: seq_len // 2], labels[: seq_len // 2]) for ids, labels in pair]
         fits = all(len(ids) <= seq_len // 2 for ids, _ in pair)
         if (truncation == "truncate" or fits) and all(trained_tokens(labels) for _, labels in cut):
@@ -507,8 +595,12 @@ def test_preference_rows_hold_the_pair_labelled_on_the_completions(dpo_files: di
     got = []
     for i in range(len(data.train_dataset)):
         row = data.train_dataset[i]
-        got.append([(row["input_ids"][row["sequence_ids"] == s].tolist(), row["labels"][row["sequence_ids"] == s].tolist())
-                    for s in (0, 1)])
+        got.append(
+            [
+                (row["input_ids"][row["sequence_ids"] == s].tolist(), row["labels"][row["sequence_ids"] == s].tolist())
+                for s in (0, 1)
+            ]
+        )
     assert got == [cut for _, cut in expected] and 0 < len(expected) < len(records)
     report = data.reports["training"]
     assert report.kept + report.truncated == len(expected)

@@ -29,8 +29,16 @@ from torch.utils.data import DataLoader
 from lightning_ulysses import UlyssesStrategy
 from tests.launch import launch
 from tests.tiny import (
-    SaveAndStop, TinyCausalLM, collate, epoch_order, gathered_parameters, make_samples, reference_loss,
-    reference_training, relative_update_error, tiny_llama,
+    SaveAndStop,
+    TinyCausalLM,
+    collate,
+    epoch_order,
+    gathered_parameters,
+    make_samples,
+    reference_loss,
+    reference_training,
+    relative_update_error,
+    tiny_llama,
 )
 
 pytestmark = pytest.mark.distributed
@@ -48,11 +56,19 @@ CASES = {
 
 def _fit(case: dict[str, Any], world_size: int, callbacks: list[L.Callback], ckpt_path: str | None) -> TinyCausalLM:
     module = TinyCausalLM(lr=LR)
-    strategy = UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa",
-                               loss_normalization="global")
+    strategy = UlyssesStrategy(
+        sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa", loss_normalization="global"
+    )
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS, callbacks=callbacks,
-        accumulate_grad_batches=ACCUMULATE, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=STEPS,
+        callbacks=callbacks,
+        accumulate_grad_batches=ACCUMULATE,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
     )
     trainer.fit(module, DataLoader(make_samples(**DATA), batch_size=BATCH, collate_fn=collate), ckpt_path=ckpt_path)
@@ -71,15 +87,24 @@ class RecordingSamples(list):
         return super().__getitem__(index)
 
 
-def _fit_limited(world_size: int, max_epochs: int, callbacks: list[L.Callback] = (), ckpt_path: str | None = None
-                 ) -> tuple[TinyCausalLM, RecordingSamples]:
+def _fit_limited(
+    world_size: int, max_epochs: int, callbacks: list[L.Callback] = (), ckpt_path: str | None = None
+) -> tuple[TinyCausalLM, RecordingSamples]:
     """sp=2, ZeRO-2, 3 batches an epoch (limit_train_batches) of 2 micro-batches a step."""
     module, samples = TinyCausalLM(lr=LR), RecordingSamples(make_samples(**DATA))
     strategy = UlyssesStrategy(sp_size=2, stage=2, attn_implementation="sdpa", loss_normalization="global")
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=max_epochs,
-        limit_train_batches=LIMITED_BATCHES, accumulate_grad_batches=ACCUMULATE, callbacks=list(callbacks),
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_epochs=max_epochs,
+        limit_train_batches=LIMITED_BATCHES,
+        accumulate_grad_batches=ACCUMULATE,
+        callbacks=list(callbacks),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(module, DataLoader(samples, batch_size=BATCH, collate_fn=collate), ckpt_path=ckpt_path)
     return module, samples
@@ -90,14 +115,19 @@ def global_worker(args: dict[str, Any]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for epochs in LIMITED_EPOCHS:
         module, samples = _fit_limited(world_size, max_epochs=epochs)
-        results[f"limited_{epochs}_epochs"] = {"read": samples.read, "losses": module.losses,
-                                               "params": gathered_parameters(module.model, False)}
+        results[f"limited_{epochs}_epochs"] = {
+            "read": samples.read,
+            "losses": module.losses,
+            "params": gathered_parameters(module.model, False),
+        }
     for step in LIMITED_RESUMES:  # two epochs, interrupted after an optimizer step and resumed from its checkpoint
         ckpt_path = str(Path(args["dir"]) / f"limited_after_step_{step}")
         interrupted, _ = _fit_limited(world_size, 2, [SaveAndStop(step, ckpt_path, False)])
         module, _ = _fit_limited(world_size, 2, ckpt_path=ckpt_path)
-        results[f"limited_resumed_after_step_{step}"] = {"losses": interrupted.losses + module.losses,
-                                                         "params": gathered_parameters(module.model, False)}
+        results[f"limited_resumed_after_step_{step}"] = {
+            "losses": interrupted.losses + module.losses,
+            "params": gathered_parameters(module.model, False),
+        }
     for name, case in args["cases"].items():
         losses, ckpt_path = [], None
         if "resume_after" in case:
@@ -146,9 +176,12 @@ def test_global_normalization_equals_one_process_over_the_whole_step(results: li
     dp_size = 2 // CASES[name]["sp"]
     expected_losses, expected = reference_global_training(dp_size)
     initial = {n: p.detach() for n, p in tiny_llama().named_parameters()}
-    _, per_group_mean = reference_training(make_samples(**DATA), steps=STEPS, batch_size=BATCH, dp_size=dp_size,
-                                           accumulate=ACCUMULATE, lr=LR)
-    assert relative_update_error(initial, expected, per_group_mean) > 1e-2, "the data do not tell the two normalisations apart"
+    _, per_group_mean = reference_training(
+        make_samples(**DATA), steps=STEPS, batch_size=BATCH, dp_size=dp_size, accumulate=ACCUMULATE, lr=LR
+    )
+    assert relative_update_error(initial, expected, per_group_mean) > 1e-2, (
+        "the data do not tell the two normalisations apart"
+    )
     for rank, result in enumerate(results):
         got = result[name]
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected_losses), rtol=1e-5, atol=0)
@@ -165,15 +198,17 @@ def test_global_counts_never_read_past_the_batches_that_train(results: list[dict
     for rank, result in enumerate(results):
         got = result[f"limited_{epochs}_epochs"]
         assert len(got["read"]) == epochs * LIMITED_BATCHES * BATCH, (
-            f"rank {rank} read samples {got['read']}, beyond the {LIMITED_BATCHES} batches an epoch that train")
+            f"rank {rank} read samples {got['read']}, beyond the {LIMITED_BATCHES} batches an epoch that train"
+        )
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected_losses), rtol=1e-5, atol=0)
         error = relative_update_error(initial, expected, got["params"])
         assert error < 1e-4, f"rank {rank}: the optimizer steps vs one process, relative error {error:.2e}"
 
 
 @pytest.mark.parametrize("step", LIMITED_RESUMES)
-def test_a_run_resumed_around_a_short_step_equals_the_uninterrupted_one(results: list[dict[str, Any]],
-                                                                      step: int) -> None:
+def test_a_run_resumed_around_a_short_step_equals_the_uninterrupted_one(
+    results: list[dict[str, Any]], step: int
+) -> None:
     expected_losses, expected = reference_global_training(dp_size=1, batches=LIMITED_BATCHES, epochs=2)
     initial = {n: p.detach() for n, p in tiny_llama().named_parameters()}
     for rank, result in enumerate(results):

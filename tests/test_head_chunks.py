@@ -29,10 +29,20 @@ from tests.test_ring import _groups
 
 # packed documents, windows, chunked attention, sinks, GQA with replicated K/V (kv < sp), inert head slots (6 heads
 # on 4 ranks), MLA's value heads
-CASES = {name: ATTENTION_CASES[name] for name in (
-    "mha", "gqa_kv_divisible", "gqa_kv_replicated", "heads6_mqa", "heads6_kv2", "packed_sliding_window",
-    "chunked_packed", "sinks_heads6_kv2_packed_window", "mla_sinks_heads6_kv3_chunked_packed",
-)}
+CASES = {
+    name: ATTENTION_CASES[name]
+    for name in (
+        "mha",
+        "gqa_kv_divisible",
+        "gqa_kv_replicated",
+        "heads6_mqa",
+        "heads6_kv2",
+        "packed_sliding_window",
+        "chunked_packed",
+        "sinks_heads6_kv2_packed_window",
+        "mla_sinks_heads6_kv3_chunked_packed",
+    )
+}
 RING_CASES = ("gqa_kv_divisible", "packed_sliding_window", "sinks_heads6_kv2_packed_window")
 CHUNKINGS = ("heads", 2, 1, "auto")  # chunks of: all heads (one chunk), 2 heads, 1 head; "auto"
 
@@ -53,8 +63,14 @@ def _run(
     shards = [t[:, index].clone().requires_grad_() for t in (q, k, v)]
     rank_sinks = None if sinks is None else sinks.clone().requires_grad_()
     out = ulysses_attention(
-        *shards, group=group, attn_fn="sdpa", window=case.get("window"), chunk=case.get("chunk"), sinks=rank_sinks,
-        position_ids=None if pos is None else pos[:, index], head_chunks=head_chunks,
+        *shards,
+        group=group,
+        attn_fn="sdpa",
+        window=case.get("window"),
+        chunk=case.get("chunk"),
+        sinks=rank_sinks,
+        position_ids=None if pos is None else pos[:, index],
+        head_chunks=head_chunks,
     )
     out.backward(grad[:, index])
     results = [out.detach(), *(s.grad for s in shards)]
@@ -68,8 +84,9 @@ def _expected(case: dict[str, Any], index: torch.Tensor) -> list[torch.Tensor]:
     q, k, v, grad, pos = _tensors(case)
     sinks = sink_logits(case)
     full = [t.clone().requires_grad_() for t in (q, k, v) + (() if sinks is None else (sinks,))]
-    out = reference(*full[:3], pos, window=case.get("window"), chunk=case.get("chunk"),
-                    sinks=None if sinks is None else full[3])
+    out = reference(
+        *full[:3], pos, window=case.get("window"), chunk=case.get("chunk"), sinks=None if sinks is None else full[3]
+    )
     out.backward(grad)
     sink_grads = [] if sinks is None else [full[3].grad]
     return [out.detach()[:, index], *(f.grad[:, index] for f in full[:3]), *sink_grads]
@@ -220,8 +237,9 @@ def test_chunk_plans() -> None:
             assert sorted(s for c in plan for s in c.query) == list(range(layout.heads_per_rank))
             group = layout.heads_per_rank // layout.kv_heads_per_rank
             for chunk in plan:  # ordinary GQA inside a chunk: its query slots read its K/V slots in order
-                assert [s // group for s in chunk.query] == [chunk.kv[i * len(chunk.kv) // len(chunk.query)]
-                                                             for i in range(len(chunk.query))]
+                assert [s // group for s in chunk.query] == [
+                    chunk.kv[i * len(chunk.kv) // len(chunk.query)] for i in range(len(chunk.query))
+                ]
 
 
 def test_auto_chunks_fit_the_query_shard() -> None:

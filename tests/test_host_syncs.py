@@ -35,8 +35,14 @@ pytestmark = pytest.mark.distributed
 
 aten = torch.ops.aten
 SYNCING_OPS = {
-    aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.is_nonzero, aten.equal, aten._unique2,
-    aten.unique_dim, aten.unique_consecutive,
+    aten._local_scalar_dense,
+    aten.nonzero,
+    aten.masked_select,
+    aten.is_nonzero,
+    aten.equal,
+    aten._unique2,
+    aten.unique_dim,
+    aten.unique_consecutive,
 }
 """aten ops that copy a value or a data-dependent shape to the host (``item``, ``bool``, ``int`` and ``float`` of a
 tensor all run ``_local_scalar_dense``)."""
@@ -66,6 +72,7 @@ class HostSyncs(TorchDispatchMode):
             def method(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
                 self.counts[self.where, f"Tensor.{name}"] += 1
                 return originals[name](tensor, *args, **kwargs)
+
             return method
 
         try:
@@ -99,15 +106,23 @@ def sync_worker(args: dict[str, Any]) -> dict[str, Any]:
     # a hybrid: gated DeltaNet layers (convolution and delta rule run head-sharded, packed rows in length classes of
     # documents; under the ring the gathered sequence is put in sequence order and back)
     hybrid = tiny_recipe("qwen3_next").build("sdpa")
-    counts.update({(f"{where} (hybrid)", op): n for (where, op), n in
-                   _count_syncs(hybrid, group, args["backend"], ring_size, tiled_mlp=False).items()})
+    counts.update(
+        {
+            (f"{where} (hybrid)", op): n
+            for (where, op), n in _count_syncs(hybrid, group, args["backend"], ring_size, tiled_mlp=False).items()
+        }
+    )
     # token shifts (RWKV: a halo from the previous rank, reset at document starts; its WKV kernel head-sharded; ZAYA's
     # delayed values use the same shift, its convolutions the same core as the hybrid above: without syncs too, checked
     # once, left out here for the suite's time)
     for family in args.get("shifting", ()):
         model = tiny_recipe(family).build("eager")
-        counts.update({(f"{where} ({family})", op): n for (where, op), n in
-                       _count_syncs(model, group, args["backend"], ring_size, tiled_mlp=False).items()})
+        counts.update(
+            {
+                (f"{where} ({family})", op): n
+                for (where, op), n in _count_syncs(model, group, args["backend"], ring_size, tiled_mlp=False).items()
+            }
+        )
     dist.destroy_process_group()
     return dict(counts)
 
@@ -129,6 +144,7 @@ def _count_syncs(
     def enter(index: int) -> Any:
         def hook(*_: Any) -> None:
             counter.where = f"layer {index}"
+
         return hook
 
     def leave(*_: Any) -> None:
@@ -138,7 +154,10 @@ def _count_syncs(
         layer.register_forward_pre_hook(enter(index))
         layer.register_forward_hook(leave)
     with counter.methods_counted():
-        for lengths in [(5, 20, 3, 12, 8, 16), (10, 30, 24)]:  # packed rows; the second batch finds nothing of the first
+        for lengths in [
+            (5, 20, 3, 12, 8, 16),
+            (10, 30, 24),
+        ]:  # packed rows; the second batch finds nothing of the first
             positions = torch.cat([torch.arange(n) for n in lengths])[None].repeat(2, 1)
             counter.where = "before the layers"
             out = model(input_ids=input_ids[:, local], position_ids=positions[:, local], labels=input_ids[:, local])

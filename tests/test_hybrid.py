@@ -44,7 +44,12 @@ from lightning_ulysses.sharding import positions_within_runs, shard_index
 from lightning_ulysses.topology import SequenceParallelTopology
 from tests.launch import launch
 from tests.tiny import (
-    collate, epoch_order, gathered_parameters, make_packed_samples, reference_loss, relative_update_error,
+    collate,
+    epoch_order,
+    gathered_parameters,
+    make_packed_samples,
+    reference_loss,
+    relative_update_error,
 )
 from tests.zoo import LR, ZooModule, build_model
 from tests.zoo_configs import SEQ_LEN, TinyRecipe, tiny_recipe
@@ -74,42 +79,75 @@ TWO_RANKS: dict[str, dict[str, Any]] = {
     # ZAYA's CCA convolutions (10 heads) and its delayed values, next to its attention layers; with biases, the
     # delayed values of each document's first token are the bias; key scales of about 1 (0.02 at initialisation:
     # the queries and keys, which the convolutions compute, would barely matter)
-    "zaya_zero3_packed_bias": dict(family="zaya", sp=2, stage=3, borders=(SEQ_LEN // 2 - 1, SEQ_LEN // 2),
-                                   config=dict(attention_bias=True), scaled={"qk_norm.temp": 50.0},
-                                   attention_layers=2),
+    "zaya_zero3_packed_bias": dict(
+        family="zaya",
+        sp=2,
+        stage=3,
+        borders=(SEQ_LEN // 2 - 1, SEQ_LEN // 2),
+        config=dict(attention_bias=True),
+        scaled={"qk_norm.temp": 50.0},
+        attention_layers=2,
+    ),
 }
 FOUR_RANKS: dict[str, dict[str, Any]] = {
     # 70 channels over 4 ranks: 18 channel slots per rank, 2 of them inert (and 5 attention heads, 1 key/value head)
-    "lfm2_zero2_packed_70_channels": dict(family="lfm2", sp=4, stage=2, borders=(SEQ_LEN // 4, SEQ_LEN // 2),
-                                          config=dict(hidden_size=70, num_attention_heads=5, num_key_value_heads=1)),
+    "lfm2_zero2_packed_70_channels": dict(
+        family="lfm2",
+        sp=4,
+        stage=2,
+        borders=(SEQ_LEN // 4, SEQ_LEN // 2),
+        config=dict(hidden_size=70, num_attention_heads=5, num_key_value_heads=1),
+    ),
     # 2 heads over 4 ranks: two inert head slots
-    "mamba2_zero3_packed_2_heads": dict(family="mamba2", sp=4, stage=3, borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 4),
-                                        config=dict(num_heads=2, head_dim=64)),
+    "mamba2_zero3_packed_2_heads": dict(
+        family="mamba2", sp=4, stage=3, borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 4), config=dict(num_heads=2, head_dim=64)
+    ),
     "jamba_zero3_packed": dict(family="jamba", sp=4, stage=3, borders=(SEQ_LEN // 2, SEQ_LEN // 4 + 3)),
     "qwen3_next_dp2_sp2_zero3_packed": dict(family="qwen3_next", sp=2, dp=2, stage=3, borders=(SEQ_LEN // 2,)),
     # 6 value heads reading 3 key heads over 4 ranks: 2 value heads per rank, key heads split across ranks
-    "qwen3_next_zero2_packed_6_heads": dict(family="qwen3_next", sp=4, stage=2, borders=(SEQ_LEN // 4, SEQ_LEN // 2),
-                                            config=dict(linear_num_value_heads=6, linear_num_key_heads=3)),
+    "qwen3_next_zero2_packed_6_heads": dict(
+        family="qwen3_next",
+        sp=4,
+        stage=2,
+        borders=(SEQ_LEN // 4, SEQ_LEN // 2),
+        config=dict(linear_num_value_heads=6, linear_num_key_heads=3),
+    ),
     # Ulysses x Ring (zigzag shards, chunks of SEQ_LEN / 4): borders on a ring-chunk border and inside a chunk
-    "lfm2_ring2_ulysses2_zero2_packed": dict(family="lfm2", sp=4, ring=2, stage=2,
-                                             borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8)),
-    "qwen3_next_dp2_ring2_ulysses1_zero3_skewed_packing": dict(family="qwen3_next", sp=2, dp=2, ring=2, stage=3,
-                                                              lengths=(3, 3, 17, 3, 3, 3)),
+    "lfm2_ring2_ulysses2_zero2_packed": dict(
+        family="lfm2", sp=4, ring=2, stage=2, borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8)
+    ),
+    "qwen3_next_dp2_ring2_ulysses1_zero3_skewed_packing": dict(
+        family="qwen3_next", sp=2, dp=2, ring=2, stage=3, lengths=(3, 3, 17, 3, 3, 3)
+    ),
     "mamba2_ring2_ulysses2_zero3_packed": dict(family="mamba2", sp=4, ring=2, stage=3, borders=(SEQ_LEN // 2, 5)),
     "minimax_ring2_ulysses2_zero2": dict(family="minimax", sp=4, ring=2, stage=2, lengths=(SEQ_LEN,)),
     # 2 mLSTM heads over 4 ranks (two inert head slots), under the ring
-    "xlstm_ring2_ulysses2_zero2_packed_2_heads": dict(family="xlstm", sp=4, ring=2, stage=2,
-                                                      borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8), config=dict(num_heads=2)),
+    "xlstm_ring2_ulysses2_zero2_packed_2_heads": dict(
+        family="xlstm", sp=4, ring=2, stage=2, borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8), config=dict(num_heads=2)
+    ),
     # 3 RG-LRU heads (and 3 attention heads) over 4 ranks: one inert head slot
     "recurrent_gemma_ring2_ulysses2_zero2_packed_3_heads": dict(
-        family="recurrent_gemma", sp=4, ring=2, stage=2, borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8),
-        config=dict(num_attention_heads=3, num_key_value_heads=1, lru_width=48)),
+        family="recurrent_gemma",
+        sp=4,
+        ring=2,
+        stage=2,
+        borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8),
+        config=dict(num_attention_heads=3, num_key_value_heads=1, lru_width=48),
+    ),
     # the token before each zigzag shard lies on another ring rank (shards hold columns 0-7, 24-31, 8-15, 16-23)
-    "rwkv_ring2_ulysses2_zero2_packed": dict(family="rwkv", sp=4, ring=2, stage=2,
-                                             borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8 + 1)),
+    "rwkv_ring2_ulysses2_zero2_packed": dict(
+        family="rwkv", sp=4, ring=2, stage=2, borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8 + 1)
+    ),
     # 10 convolution heads over 4 ranks (3 slots each, 2 inert), attention over ring 2 x Ulysses 2
-    "zaya_ring2_ulysses2_zero2_packed": dict(family="zaya", sp=4, ring=2, stage=2, borders=(SEQ_LEN // 2, 7),
-                                             scaled={"qk_norm.temp": 50.0}, attention_layers=2),
+    "zaya_ring2_ulysses2_zero2_packed": dict(
+        family="zaya",
+        sp=4,
+        ring=2,
+        stage=2,
+        borders=(SEQ_LEN // 2, 7),
+        scaled={"qk_norm.temp": 50.0},
+        attention_layers=2,
+    ),
 }
 
 
@@ -219,6 +257,7 @@ class KernelTokens:
 
     def watch(self, model: torch.nn.Module, sp_size: int) -> None:
         """Start a new count at every call of a token mixer of ``model``: ``[B, N/sp, C]`` hidden states in."""
+
         def new_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             if not module.training:
                 self.calls.append(None)
@@ -254,8 +293,14 @@ def train_worker(args: dict[str, Any]) -> dict[str, Any]:
             sp_size=case["sp"], ring_size=case.get("ring", 1), stage=case["stage"], attn_implementation="sdpa"
         )
         trainer = L.Trainer(
-            accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            accelerator="cpu",
+            devices=world_size,
+            strategy=strategy,
+            max_steps=STEPS,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
         loader = DataLoader(packed_samples(case, recipe), batch_size=ROWS, collate_fn=collate, shuffle=False)
         try:
@@ -263,9 +308,12 @@ def train_worker(args: dict[str, Any]) -> dict[str, Any]:
         finally:
             counter.restore()
         results[name] = {
-            "losses": module.losses, "params": gathered_parameters(module.model, case["stage"] == 3),
-            "sharded_mixers": module.sharded_mixers, "flop_attention_layers": module.flop_attention_layers,
-            "dp_rank": strategy.dp_rank, "ring_size": strategy.ring_size,
+            "losses": module.losses,
+            "params": gathered_parameters(module.model, case["stage"] == 3),
+            "sharded_mixers": module.sharded_mixers,
+            "flop_attention_layers": module.flop_attention_layers,
+            "dp_rank": strategy.dp_rank,
+            "ring_size": strategy.ring_size,
             "kernel_tokens": [call for call in counter.calls if call is not None],
         }
     results["shift_errors"] = shift_errors(world_size)

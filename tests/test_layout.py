@@ -21,9 +21,21 @@ REMAINING_STATE: list[str] = []
 """None left: the ring layout, the per-batch cache of gathered position ids and the observer of the all-to-alls live
 on the parallel-groups object (``lightning_ulysses.groups.SequenceParallelGroups``)."""
 
-MUTATING_METHODS = frozenset({
-    "append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault", "add", "discard",
-})
+MUTATING_METHODS = frozenset(
+    {
+        "append",
+        "extend",
+        "insert",
+        "pop",
+        "popitem",
+        "remove",
+        "clear",
+        "update",
+        "setdefault",
+        "add",
+        "discard",
+    }
+)
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -134,11 +146,17 @@ def _mutable_state(name: str, tree: ast.Module, modules: dict[str, ast.Module]) 
             elif isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
                 targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
                 for target in targets:
-                    if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) \
-                            and target.value.id in containers:
+                    if (
+                        isinstance(target, ast.Subscript)
+                        and isinstance(target.value, ast.Name)
+                        and target.value.id in containers
+                    ):
                         problems.append(f"{where} {target.value.id}[...] changed")
-                    if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
-                            and target.value.id in imported_modules:
+                    if (
+                        isinstance(target, ast.Attribute)
+                        and isinstance(target.value, ast.Name)
+                        and target.value.id in imported_modules
+                    ):
                         problems.append(f"{where} {target.value.id}.{target.attr} assigned")
     return problems
 
@@ -158,5 +176,8 @@ def test_the_state_finder_finds_state() -> None:
     modules = {"lightning_ulysses.m": ast.parse(source), "lightning_ulysses.other": ast.parse("")}
     problems = _mutable_state("lightning_ulysses.m", modules["lightning_ulysses.m"], modules)
     assert sorted(problem.split(" ", 1)[1] for problem in problems) == [
-        "_CACHE.pop(...)", "_CACHE[...] changed", "global _last", "other.value assigned",
+        "_CACHE.pop(...)",
+        "_CACHE[...] changed",
+        "global _last",
+        "other.value assigned",
     ]

@@ -20,7 +20,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_ulysses import (
-    IGNORE_INDEX, Perplexity, TiledLogits, TokenAccuracy, TokenCrossEntropy, token_cross_entropy, token_log_probs,
+    IGNORE_INDEX,
+    Perplexity,
+    TiledLogits,
+    TokenAccuracy,
+    TokenCrossEntropy,
+    token_cross_entropy,
+    token_log_probs,
 )
 from lightning_ulysses.logits import Logits
 
@@ -32,7 +38,7 @@ class LargestTensor(TorchDispatchMode):
         super().__init__()
         self.numel = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, Tensor)]
         self.numel = max([self.numel, *sizes])
@@ -70,8 +76,9 @@ def test_tiled_values_equal_whole_logits(num_tiles: int) -> None:
     torch.testing.assert_close(got_log_probs, expected_log_probs, rtol=1e-5, atol=1e-6)
     assert (got_log_probs[labels == IGNORE_INDEX] == 0).all() and (got_log_probs[labels != IGNORE_INDEX] < 0).all()
     reference = torch.log_softmax(whole, -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
-    torch.testing.assert_close(got_log_probs[labels != IGNORE_INDEX], reference[labels != IGNORE_INDEX], rtol=1e-5,
-                               atol=1e-6)
+    torch.testing.assert_close(
+        got_log_probs[labels != IGNORE_INDEX], reference[labels != IGNORE_INDEX], rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["evaluation", "training"])

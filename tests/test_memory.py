@@ -30,7 +30,7 @@ from lightning_ulysses import (
 )
 from lightning_ulysses.memory import resolve_num_tiles
 from tests.launch import launch
-from tests.test_equivalence import BATCH, LR, STEPS, SEQ, _fit
+from tests.test_equivalence import BATCH, LR, SEQ, STEPS, _fit
 from tests.tiny import (
     VOCAB,
     TinyCausalLM,
@@ -56,7 +56,9 @@ CASES: dict[str, dict[str, Any]] = {
     "all_rank_without_valid_tokens": dict(sp=2, stage=2, memory=ALL, data=dict(masked_spans=[(SEQ // 2 - 1, SEQ)])),
     # 47 tokens -> 24 per rank, 48 per rank and batch: auto makes 2 tiles of hidden_size=32 tokens
     "all_auto_length_not_divisible": dict(
-        sp=2, stage=1, data=dict(seq_len=2 * SEQ - 1),
+        sp=2,
+        stage=1,
+        data=dict(seq_len=2 * SEQ - 1),
         memory=dict(tiled_mlp=True, tiled_loss=True, activation_checkpointing=True, offload_activations=True),
     ),
 }
@@ -235,7 +237,6 @@ def test_offload_moves_checkpointed_inputs_off_the_gpu() -> None:
 
 def test_benchmark_runs_in_quick_mode(tmp_path: Path) -> None:
     from benchmarks.memory import main
-
     from benchmarks.memory_model import BENCHMARK, peak_bytes_per_token
 
     peaks, longest = main(["--quick", "--out", str(tmp_path)])

@@ -37,8 +37,16 @@ SEQ = 40
 
 def tiny_model(model_type: str, attn_implementation: str = "sdpa", **overrides: Any) -> PreTrainedModel:
     """A seeded fp32 model of ``model_type`` with small sizes, in eval mode (no dropout)."""
-    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+    )
     fields.update(overrides)
     torch.manual_seed(0)
     config = AutoConfig.for_model(model_type, **fields)
@@ -115,8 +123,16 @@ def _patched_logits(model: PreTrainedModel, ids: Tensor, positions: Tensor) -> T
 
 def test_a_window_applied_only_through_the_mask_is_kept() -> None:
     # Qwen2-MoE passes no sliding_window to attention: the window lives in the mask transformers builds
-    model = tiny_model("qwen2_moe", use_sliding_window=True, sliding_window=5, max_window_layers=1, num_experts=4,
-                       num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    model = tiny_model(
+        "qwen2_moe",
+        use_sliding_window=True,
+        sliding_window=5,
+        max_window_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+    )
     assert model.config.layer_types == ["sliding_attention", "full_attention"]
     ids, positions = packed_ids_and_positions()
     expected = plain_logits(model, ids, positions)
@@ -131,8 +147,14 @@ def test_a_window_applied_only_through_the_mask_is_kept() -> None:
 
 def test_a_window_switched_off_is_no_window() -> None:
     # Qwen2-MoE with use_sliding_window=False holds sliding_window=0 and still builds a sliding mask of that window
-    model = tiny_model("qwen2_moe", use_sliding_window=False, num_experts=4, num_experts_per_tok=2,
-                       moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    model = tiny_model(
+        "qwen2_moe",
+        use_sliding_window=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+    )
     assert model.config.sliding_window == 0
     ids, positions = packed_ids_and_positions()
     expected = plain_logits(model, ids, positions)
@@ -154,8 +176,11 @@ def test_a_bias_added_through_the_mask_is_refused_and_the_model_left_plain() -> 
 @pytest.mark.parametrize(
     ("model_type", "overrides", "refusal"),
     [
-        ("gemma2", dict(head_dim=8, attn_logit_softcapping=50.0, attn_implementation="eager"),
-         r"Gemma2Attention\): passes softcap=50\.0"),
+        (
+            "gemma2",
+            dict(head_dim=8, attn_logit_softcapping=50.0, attn_implementation="eager"),
+            r"Gemma2Attention\): passes softcap=50\.0",
+        ),
         ("llama", dict(), None),
     ],
 )
@@ -168,10 +193,22 @@ def test_attention_arguments_that_change_the_result_are_refused(model_type, over
         apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
 
 
-GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=5,
-               layer_types=["sliding_attention", "full_attention"], attn_implementation="eager")
-LLAMA4 = dict(attention_chunk_size=6, num_local_experts=2, intermediate_size_mlp=48, head_dim=8,
-              layer_types=["chunked_attention", "full_attention"], no_rope_layers=[1, 0])
+GPT_OSS = dict(
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    head_dim=8,
+    sliding_window=5,
+    layer_types=["sliding_attention", "full_attention"],
+    attn_implementation="eager",
+)
+LLAMA4 = dict(
+    attention_chunk_size=6,
+    num_local_experts=2,
+    intermediate_size_mlp=48,
+    head_dim=8,
+    layer_types=["chunked_attention", "full_attention"],
+    no_rope_layers=[1, 0],
+)
 
 
 @pytest.mark.parametrize(
@@ -186,14 +223,18 @@ def test_sinks_and_chunks_run_exactly(model_type: str, overrides: dict[str, Any]
     ids, positions = packed_ids_and_positions()
     expected = plain_logits(model, ids, positions)
     got = _patched_logits(model, ids, positions)
-    assert [(m._ulysses_plan.pattern, m._ulysses_plan.sinks) for m in model.modules() if "_ulysses_plan" in m.__dict__] == plans
+    assert [
+        (m._ulysses_plan.pattern, m._ulysses_plan.sinks) for m in model.modules() if "_ulysses_plan" in m.__dict__
+    ] == plans
     assert relative_error(got, expected) < 1e-5
 
 
 def test_a_bidirectional_attention_layer_is_refused() -> None:
     model = tiny_model("llama")
     model.model.layers[1].self_attn.is_causal = False
-    with pytest.raises(UnsupportedModelError, match=r"layers\.1\.self_attn \(LlamaAttention\): attends bidirectionally"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"layers\.1\.self_attn \(LlamaAttention\): attends bidirectionally"
+    ):
         apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
 
 
@@ -227,8 +268,11 @@ def test_a_padding_mask_given_to_the_model_is_folded_or_refused() -> None:
     with pytest.raises(ValueError, match="masks tokens inside a document"):
         model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=inside_a_document)
     with pytest.raises(ValueError, match=r"attention_mask of shape \(2, 1, 12, 12\)"):
-        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-              attention_mask=torch.ones(2, 1, 12, 12, dtype=torch.bool))
+        model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            attention_mask=torch.ones(2, 1, 12, 12, dtype=torch.bool),
+        )
 
 
 def test_unpatched_runs_the_plain_model_and_restores_the_patch() -> None:
@@ -247,11 +291,23 @@ def test_unpatched_runs_the_plain_model_and_restores_the_patch() -> None:
 
 @pytest.mark.parametrize(
     ("model_type", "overrides"),
-    [("llama", dict()),
-     ("lfm2", dict(layer_types=["conv", "full_attention"])),  # a token mixer run head-sharded
-     ("qwen2_moe", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1, num_experts=4,
-                        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)),
-     ("doge", dict())],  # refused: the refusal undoes the patch
+    [
+        ("llama", dict()),
+        ("lfm2", dict(layer_types=["conv", "full_attention"])),  # a token mixer run head-sharded
+        (
+            "qwen2_moe",
+            dict(
+                use_sliding_window=True,
+                sliding_window=5,
+                max_window_layers=1,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=16,
+            ),
+        ),
+        ("doge", dict()),
+    ],  # refused: the refusal undoes the patch
 )
 def test_remove_restores_the_model_exactly(model_type: str, overrides: dict[str, Any]) -> None:
     model = tiny_model(model_type, **overrides)
@@ -323,12 +379,23 @@ def _llama_with_a_convolution() -> PreTrainedModel:
 
 
 SP_CASES: dict[str, Any] = {  # the sequence (SEQ=40) runs beyond the original maximum position (16) of both RoPEs
-    "dynamic_rope": lambda: tiny_model("llama", max_position_embeddings=16, rope_parameters={
-        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
-    "longrope": lambda: tiny_model("phi3", max_position_embeddings=64, original_max_position_embeddings=16,
-                                   rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 4,
-                                                    "long_factor": [3.0] * 4, "original_max_position_embeddings": 16,
-                                                    "rope_theta": 10000.0}),
+    "dynamic_rope": lambda: tiny_model(
+        "llama",
+        max_position_embeddings=16,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    ),
+    "longrope": lambda: tiny_model(
+        "phi3",
+        max_position_embeddings=64,
+        original_max_position_embeddings=16,
+        rope_parameters={
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 4,
+            "long_factor": [3.0] * 4,
+            "original_max_position_embeddings": 16,
+            "rope_theta": 10000.0,
+        },
+    ),
     "attention_sinks": lambda: tiny_model("gpt_oss", **GPT_OSS),
     "chunked_attention": lambda: tiny_model("llama4_text", **{**LLAMA4, "attn_temperature_tuning": False}),
     "local_index_scale": lambda: tiny_model("llama4_text", **LLAMA4),  # temperature tuning scales q by local index
@@ -343,8 +410,12 @@ SP_CASES: dict[str, Any] = {  # the sequence (SEQ=40) runs beyond the original m
     "padded_convolution_gathered": _llama_with_a_convolution,  # the gathered module returns N + 2 tokens too
     "padded_convolution_gathered_ring": _llama_with_a_convolution,
 }
-GATHERED = {"user_written_mixer_gathered", "user_written_mixer_gathered_ring", "padded_convolution_gathered",
-            "padded_convolution_gathered_ring"}  # sequence_mixers="gather"
+GATHERED = {
+    "user_written_mixer_gathered",
+    "user_written_mixer_gathered_ring",
+    "padded_convolution_gathered",
+    "padded_convolution_gathered_ring",
+}  # sequence_mixers="gather"
 RING = {"user_written_mixer_ring", "user_written_mixer_gathered_ring", "padded_convolution_gathered_ring"}  # ring 2
 # compared with each document on its own: mask no packed documents (gpt-oss, Llama4) or reset a mixer's state at them
 PER_DOCUMENT = {"attention_sinks", "chunked_attention", "local_index_scale", "short_convolution", "recurrent_block"}
@@ -426,17 +497,29 @@ def test_sinks_and_chunks_run_exactly_across_ranks(sp_results: list[dict[str, An
 @pytest.mark.parametrize(
     ("name", "refusal"),
     [
-        ("local_index_scale", r"model\.layers\.1\.self_attn \(Llama4TextAttention\): builds token indices from the "
-                              r"length of its input \(torch\.arange at modeling_llama4\.py:\d+\)"),
-        ("user_written_mixer", r"model\.layers\.1\.mlp\.1 \(CausalCumulativeMean\): changes its output when the "
-                               r"sequence is split"),
+        (
+            "local_index_scale",
+            r"model\.layers\.1\.self_attn \(Llama4TextAttention\): builds token indices from the "
+            r"length of its input \(torch\.arange at modeling_llama4\.py:\d+\)",
+        ),
+        (
+            "user_written_mixer",
+            r"model\.layers\.1\.mlp\.1 \(CausalCumulativeMean\): changes its output when the "
+            r"sequence is split",
+        ),
         # under Ulysses x Ring too (the zigzag shards), with the gather fallback suggested (it runs under the ring)
-        ("user_written_mixer_ring", r"model\.layers\.1\.mlp\.1 \(CausalCumulativeMean\): changes its output when the "
-                                    r"sequence is split(.|\n)*UlyssesStrategy\(sequence_mixers='gather'\) runs "
-                                    r"such layers"),
+        (
+            "user_written_mixer_ring",
+            r"model\.layers\.1\.mlp\.1 \(CausalCumulativeMean\): changes its output when the "
+            r"sequence is split(.|\n)*UlyssesStrategy\(sequence_mixers='gather'\) runs "
+            r"such layers",
+        ),
         # a gathered output longer than the sequence has no zigzag shard
-        ("padded_convolution_gathered_ring", r"The gathered token mixer CausalConvolution returns an output 2 tokens "
-                                             r"longer than the sequence(.|\n)*Use ring_size=1"),
+        (
+            "padded_convolution_gathered_ring",
+            r"The gathered token mixer CausalConvolution returns an output 2 tokens "
+            r"longer than the sequence(.|\n)*Use ring_size=1",
+        ),
     ],
 )
 def test_token_mixers_and_local_indices_are_refused_on_every_rank(
@@ -449,11 +532,13 @@ def test_token_mixers_and_local_indices_are_refused_on_every_rank(
 
 @pytest.mark.parametrize(
     ("name", "gathered"),
-    [("user_written_mixer_gathered", ["model.layers.1.mlp.1"]),
-     # the padded output: each rank keeps its rows and the 2 after them
-     ("padded_convolution_gathered", ["model.layers.1.mlp.1.module"]),
-     # zigzag shards: the gathered sequence in sequence order, each rank's zigzag shard of the outputs
-     ("user_written_mixer_gathered_ring", ["model.layers.1.mlp.1"])],
+    [
+        ("user_written_mixer_gathered", ["model.layers.1.mlp.1"]),
+        # the padded output: each rank keeps its rows and the 2 after them
+        ("padded_convolution_gathered", ["model.layers.1.mlp.1.module"]),
+        # zigzag shards: the gathered sequence in sequence order, each rank's zigzag shard of the outputs
+        ("user_written_mixer_gathered_ring", ["model.layers.1.mlp.1"]),
+    ],
 )
 def test_gathered_token_mixers_run_exactly(sp_results: list[dict[str, Any]], name: str, gathered: list[str]) -> None:
     for rank_results in sp_results:
@@ -464,8 +549,10 @@ def test_gathered_token_mixers_run_exactly(sp_results: list[dict[str, Any]], nam
 
 @pytest.mark.parametrize(
     ("name", "sharded"),
-    [("short_convolution", ["model.layers.0.conv"]),
-     ("recurrent_block", ["model.layers.0.temporal_block", "model.layers.1.temporal_block"])],
+    [
+        ("short_convolution", ["model.layers.0.conv"]),
+        ("recurrent_block", ["model.layers.0.temporal_block", "model.layers.1.temporal_block"]),
+    ],
 )
 def test_known_token_mixers_run_sharded(sp_results: list[dict[str, Any]], name: str, sharded: list[str]) -> None:
     """LFM2's short convolution and RecurrentGemma's recurrent blocks run head-sharded (not gathered), and reset at

@@ -46,15 +46,28 @@ def saved_step(path: Path) -> int:
     return torch.load(path, map_location="cpu", weights_only=False)["global_step"]
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"monitor": "val_loss", "save_last": True},  # as the quickstart configs: step 6's val_loss is not the best
-    {"monitor": "val_loss", "save_last": "link"},
-    {"every_n_train_steps": 4, "save_last": True},  # as the GPU configs: the fit ends between two multiples
-], ids=["monitor", "monitor-link", "every_n_train_steps"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"monitor": "val_loss", "save_last": True},  # as the quickstart configs: step 6's val_loss is not the best
+        {"monitor": "val_loss", "save_last": "link"},
+        {"every_n_train_steps": 4, "save_last": True},  # as the GPU configs: the fit ends between two multiples
+    ],
+    ids=["monitor", "monitor-link", "every_n_train_steps"],
+)
 def test_last_checkpoint_is_the_final_step(tmp_path: Path, kwargs: dict[str, Any]) -> None:
     callback = ModelCheckpoint(dirpath=tmp_path, **kwargs)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, val_check_interval=2, check_val_every_n_epoch=None,
-                        callbacks=[callback], logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+        callbacks=[callback],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(WorseningModule())
     assert trainer.global_step == 6
     assert saved_step(tmp_path / "last.ckpt") == 6, sorted(p.name for p in tmp_path.iterdir())
@@ -67,8 +80,20 @@ def test_the_cli_runs_lightnings_model_checkpoint_as_this_one(monkeypatch: pytes
     from lightning_ulysses.cli import UlyssesCLI
 
     monkeypatch.setattr(sys, "argv", ["lightning-ulysses"])
-    cli = UlyssesCLI(L.LightningModule, L.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                     auto_configure_optimizers=False, run=False,
-                     args=["--config", str(REPO_ROOT / "configs/dpo_quickstart.yaml"), "--model.model", "unused",
-                           "--data.tokenizer", "byte"])
+    cli = UlyssesCLI(
+        L.LightningModule,
+        L.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        auto_configure_optimizers=False,
+        run=False,
+        args=[
+            "--config",
+            str(REPO_ROOT / "configs/dpo_quickstart.yaml"),
+            "--model.model",
+            "unused",
+            "--data.tokenizer",
+            "byte",
+        ],
+    )
     assert type(cli.trainer.checkpoint_callback) is ModelCheckpoint and cli.trainer.checkpoint_callback.save_last

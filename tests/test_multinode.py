@@ -50,7 +50,10 @@ def two_node_worker(args: dict[str, Any]) -> dict[str, Any]:
 
 def _launch(cases: dict[str, dict[str, Any]], launcher: str) -> list[dict[str, Any]]:
     return launch(
-        "tests.test_multinode:two_node_worker", NUM_NODES * DEVICES_PER_NODE, {"cases": cases}, num_nodes=NUM_NODES,
+        "tests.test_multinode:two_node_worker",
+        NUM_NODES * DEVICES_PER_NODE,
+        {"cases": cases},
+        num_nodes=NUM_NODES,
         launcher=launcher,
     )
 

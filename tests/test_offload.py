@@ -74,7 +74,7 @@ class LogCopies(TorchDispatchMode):
         super().__init__()
         self.log = log
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.copy_.default:
             self.log.append(("copy",))
         return func(*args, **(kwargs or {}))
@@ -107,8 +107,15 @@ def test_copies_go_through_the_side_stream_in_order() -> None:
     expected = []
     for layer in range(3):  # one saved input per checkpointed layer: made, copied = event 2k+1, 2k+2
         made, copied = f"event{2 * layer + 1}", f"event{2 * layer + 2}"
-        expected += [("record", made, "compute"), ("wait", "side", made), ("enter", "side"), ("copy",),
-                     ("record", copied, "side"), ("exit", "side"), ("keep_for", "side")]
+        expected += [
+            ("record", made, "compute"),
+            ("wait", "side", made),
+            ("enter", "side"),
+            ("copy",),
+            ("record", copied, "side"),
+            ("exit", "side"),
+            ("keep_for", "side"),
+        ]
     assert forward_log == expected
     streams.log.clear()
     _grads(layers, x, loss)

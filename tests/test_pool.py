@@ -30,9 +30,13 @@ def state_worker(args: dict[str, Any]) -> dict[str, Any]:
     import transformers  # noqa: F401
 
     return {
-        "pid": os.getpid(), "cwd": os.getcwd(), "left_behind": os.environ.get("LEFT_BEHIND"),
-        "rank": os.environ["RANK"], "dtype": torch.get_default_dtype(),
-        "process_group": dist.is_initialized(), "lightning_level": logging.getLogger("lightning").level,
+        "pid": os.getpid(),
+        "cwd": os.getcwd(),
+        "left_behind": os.environ.get("LEFT_BEHIND"),
+        "rank": os.environ["RANK"],
+        "dtype": torch.get_default_dtype(),
+        "process_group": dist.is_initialized(),
+        "lightning_level": logging.getLogger("lightning").level,
         "warning_filters": len(warnings.filters),
     }
 
@@ -80,8 +84,11 @@ def test_a_call_starts_from_the_state_of_a_fresh_process(monkeypatch: pytest.Mon
 
 def test_a_failing_call_fails_with_every_rank_output_and_the_next_call_runs_in_a_new_world() -> None:
     pids = [result["pid"] for result in launch("tests.test_pool:state_worker", 2)]
-    with pytest.raises(AssertionError, match=r"(?s)\['rank 0 \(pooled\)', 'rank 1 \(pooled\)'\] failed.*"
-                                             r"rank 1 fails on purpose"):
+    with pytest.raises(
+        AssertionError,
+        match=r"(?s)\['rank 0 \(pooled\)', 'rank 1 \(pooled\)'\] failed.*"
+        r"rank 1 fails on purpose",
+    ):
         launch("tests.test_pool:failing_worker", 2)
     after = [result["pid"] for result in launch("tests.test_pool:state_worker", 2)]
     assert not set(after) & set(pids)
@@ -93,7 +100,6 @@ def test_a_hanging_call_is_stopped_at_its_timeout_and_the_next_call_runs_in_a_ne
         launch("tests.test_pool:sleeping_worker", 2, timeout=10)
     after = [result["pid"] for result in launch("tests.test_pool:state_worker", 2)]
     assert not set(after) & set(pids)
-
 
 
 class _Interrupted(Exception):
@@ -126,6 +132,7 @@ def test_a_call_interrupted_from_outside_stops_its_ranks(monkeypatch: pytest.Mon
 def _rank_processes() -> set[int]:
     """The live processes running ``tests.launch`` (ranks, pooled or fresh)."""
     return {
-        proc.pid for proc in psutil.process_iter(["cmdline", "status"])
+        proc.pid
+        for proc in psutil.process_iter(["cmdline", "status"])
         if "tests.launch" in " ".join(proc.info["cmdline"] or []) and proc.info["status"] != psutil.STATUS_ZOMBIE
     }

@@ -23,9 +23,10 @@ import os
 import random
 import signal
 import stat
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import lightning as L
 import pytest
@@ -38,7 +39,13 @@ from torch.utils.data import DataLoader
 from lightning_ulysses import UlyssesStrategy
 from tests.launch import launch_to_exit
 from tests.tiny import (
-    TinyCausalLM, collate, gathered_parameters, make_samples, reference_training, relative_update_error, tiny_llama,
+    TinyCausalLM,
+    collate,
+    gathered_parameters,
+    make_samples,
+    reference_training,
+    relative_update_error,
+    tiny_llama,
 )
 
 pytestmark = pytest.mark.distributed
@@ -51,10 +58,23 @@ SLURM_JOB_ID = "4242"
 # must resume at (the preemption checkpoint holds every step completed before the next step's start)
 LINKS: list[dict[str, Any]] = [
     dict(name="sigterm_before_backward", signal=signal.SIGTERM, rank=1, at=(0, 2), point="training_step", resumes=2),
-    dict(name="sigusr1_during_backward", signal=signal.SIGUSR1, rank=0, at=(0, 5), point="backward", slurm=True,
-         resumes=3),
-    dict(name="sigterm_after_backward_at_epoch_end", signal=signal.SIGTERM, rank=0, at=(0, 7), point="after_backward",
-         resumes=4),
+    dict(
+        name="sigusr1_during_backward",
+        signal=signal.SIGUSR1,
+        rank=0,
+        at=(0, 5),
+        point="backward",
+        slurm=True,
+        resumes=3,
+    ),
+    dict(
+        name="sigterm_after_backward_at_epoch_end",
+        signal=signal.SIGTERM,
+        rank=0,
+        at=(0, 7),
+        point="after_backward",
+        resumes=4,
+    ),
     dict(name="save_in_training_step_during_accumulation", at=(1, 1), point="training_step", resumes=4),
     dict(name="save_after_optimizer_step_on_dp2", at=(1, 3), point="optimizer_step", resumes=6, sp=1),
     dict(name="save_in_train_batch_end_during_accumulation", at=(1, 4), point="train_batch_end", resumes=6),
@@ -148,9 +168,15 @@ def fake_slurm_job(directory: Path, rank: int) -> Iterator[Path]:
     scontrol.write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
     scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
     variables = {
-        "SLURM_JOB_ID": SLURM_JOB_ID, "SLURM_JOB_NAME": "ulysses-test", "SLURM_NTASKS": "2",
-        "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
-        "SLURM_NODEID": "0", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "SLURM_JOB_ID": SLURM_JOB_ID,
+        "SLURM_JOB_NAME": "ulysses-test",
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_NNODES": "1",
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank),
+        "SLURM_NODEID": "0",
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
     }
     saved = {name: os.environ.get(name) for name in variables}
     os.environ.update(variables)
@@ -176,9 +202,16 @@ def chain_worker(args: dict[str, Any]) -> dict[str, Any]:
         outcome = "completed"
         with fake_slurm_job(directory, rank) if link.get("slurm") else nullcontext():
             trainer = L.Trainer(
-                accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=EPOCHS,
-                accumulate_grad_batches=ACCUMULATE, default_root_dir=str(directory), logger=False,
-                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                accelerator="cpu",
+                devices=world_size,
+                strategy=strategy,
+                max_epochs=EPOCHS,
+                accumulate_grad_batches=ACCUMULATE,
+                default_root_dir=str(directory),
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
                 plugins=[SLURMEnvironment(auto_requeue=True)] if link.get("slurm") else None,
             )
             loader = DataLoader(make_samples(**DATA), batch_size=BATCH * sp // 2, collate_fn=collate)
@@ -188,8 +221,17 @@ def chain_worker(args: dict[str, Any]) -> dict[str, Any]:
                 outcome, ckpt_path = "preempted", str(directory / "hpc_ckpt_1.ckpt")
             except Crash:
                 outcome, ckpt_path = "crashed after saving", module.path
-        links.append(dict(name=link["name"], outcome=outcome, start_step=module.start_step, losses=module.losses,
-                          dp=2 // sp, global_step=trainer.global_step, random_point=module.random_point))
+        links.append(
+            dict(
+                name=link["name"],
+                outcome=outcome,
+                start_step=module.start_step,
+                losses=module.losses,
+                dp=2 // sp,
+                global_step=trainer.global_step,
+                random_point=module.random_point,
+            )
+        )
         if outcome == "completed":
             break
     return {"links": links, "params": gathered_parameters(module.model, STAGE == 3)}
@@ -199,8 +241,9 @@ def chain_worker(args: dict[str, Any]) -> dict[str, Any]:
 def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     directory = tmp_path_factory.mktemp("preemption")
     seed = int.from_bytes(os.urandom(4), "little")  # the random layer differs from run to run; failures name the seed
-    exits = launch_to_exit("tests.test_preemption:chain_worker", 2,
-                           {"links": LINKS, "dir": str(directory), "seed": seed}, timeout=600)
+    exits = launch_to_exit(
+        "tests.test_preemption:chain_worker", 2, {"links": LINKS, "dir": str(directory), "seed": seed}, timeout=600
+    )
     return {"exits": exits, "dir": directory, "seed": seed}
 
 
@@ -210,13 +253,22 @@ def _outcome(link: dict[str, Any]) -> str:
 
 def test_every_rank_exits_by_itself(chain: dict[str, Any]) -> None:
     for rank, exit in enumerate(chain["exits"]):
-        assert exit.returncode == 0, f"rank {rank} exit {exit.returncode} (seed {chain['seed']}):\n{exit.output[-5000:]}"
+        assert exit.returncode == 0, (
+            f"rank {rank} exit {exit.returncode} (seed {chain['seed']}):\n{exit.output[-5000:]}"
+        )
 
 
 def test_each_fit_resumes_at_the_next_untrained_batch_and_trains_the_same_batches(chain: dict[str, Any]) -> None:
     results = [exit.result for exit in chain["exits"]]
-    expected_losses, _ = reference_training(make_samples(**DATA), steps=STEPS_PER_EPOCH, batch_size=BATCH,
-                                            accumulate=ACCUMULATE, lr=LR, momentum=MOMENTUM, epochs=EPOCHS)
+    expected_losses, _ = reference_training(
+        make_samples(**DATA),
+        steps=STEPS_PER_EPOCH,
+        batch_size=BATCH,
+        accumulate=ACCUMULATE,
+        lr=LR,
+        momentum=MOMENTUM,
+        epochs=EPOCHS,
+    )
     links = results[0]["links"]
     assert [link["name"] for link in links] == [link["name"] for link in LINKS]
     for index, link in enumerate(links):
@@ -229,14 +281,26 @@ def test_each_fit_resumes_at_the_next_untrained_batch_and_trains_the_same_batche
         if link["dp"] == 2:  # each rank holds half of every micro-batch, with the same number of tokens
             losses = losses.mean(dim=0, keepdim=True)
         for rank_losses in losses:
-            torch.testing.assert_close(rank_losses, torch.tensor(expected_losses[start:start + len(rank_losses)]),
-                                       rtol=1e-5, atol=0, msg=f"{where}: micro-batch losses from micro-batch {start}")
+            torch.testing.assert_close(
+                rank_losses,
+                torch.tensor(expected_losses[start : start + len(rank_losses)]),
+                rtol=1e-5,
+                atol=0,
+                msg=f"{where}: micro-batch losses from micro-batch {start}",
+            )
     assert links[-1]["global_step"] == EPOCHS * STEPS_PER_EPOCH
 
 
 def test_resumed_weights_equal_the_uninterrupted_run(chain: dict[str, Any]) -> None:
-    _, expected = reference_training(make_samples(**DATA), steps=STEPS_PER_EPOCH, batch_size=BATCH,
-                                     accumulate=ACCUMULATE, lr=LR, momentum=MOMENTUM, epochs=EPOCHS)
+    _, expected = reference_training(
+        make_samples(**DATA),
+        steps=STEPS_PER_EPOCH,
+        batch_size=BATCH,
+        accumulate=ACCUMULATE,
+        lr=LR,
+        momentum=MOMENTUM,
+        epochs=EPOCHS,
+    )
     initial = {name: p.detach() for name, p in tiny_llama().named_parameters()}
     for rank, exit in enumerate(chain["exits"]):
         error = relative_update_error(initial, expected, exit.result["params"])

@@ -31,7 +31,7 @@ SHRINK = {
 def readme_python_example() -> str:
     """The first Python block after the README's heading "Using it from Python"."""
     readme = (REPO_ROOT / "README.md").read_text()
-    section = readme[readme.index("## Using it from Python"):]
+    section = readme[readme.index("## Using it from Python") :]
     return re.search(r"```python\n(.*?)```", section, re.DOTALL)[1]
 
 
@@ -44,10 +44,12 @@ def shrunk(code: str, folders: dict[str, str]) -> str:
 
 def readme_worker(args: dict[str, Any]) -> dict[str, Any]:
     namespace: dict[str, Any] = {"__name__": "readme"}
-    exec(compile(args["code"], "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
+    exec(compile(args["code"], "README.md", "exec"), namespace)
     trainer = namespace["trainer"]
-    return {"global_step": trainer.global_step,
-            **{key: float(value) for key, value in trainer.callback_metrics.items()}}
+    return {
+        "global_step": trainer.global_step,
+        **{key: float(value) for key, value in trainer.callback_metrics.items()},
+    }
 
 
 def test_the_readme_python_example_trains(tmp_path: Path) -> None:

@@ -17,20 +17,24 @@ from lightning_ulysses.runtime.resume import ResumableLoader, is_resumable, resu
 DATASET = list(range(24))
 
 
-def fit_loop(epoch: int, steps: int, epoch_batches: float = float("inf"), accumulate: int = 1,
-             step_schedulers: int = 0) -> SimpleNamespace:
+def fit_loop(
+    epoch: int, steps: int, epoch_batches: float = float("inf"), accumulate: int = 1, step_schedulers: int = 0
+) -> SimpleNamespace:
     """The parts of Lightning's fit loop that the loader and the rewind read: ``steps`` optimizer steps completed in
     ``epoch`` (automatic optimization), ``step_schedulers`` LR schedulers stepped every optimizer step."""
     trainer = SimpleNamespace(
-        lightning_module=SimpleNamespace(automatic_optimization=True), accumulate_grad_batches=accumulate,
-        global_step=steps, lr_scheduler_configs=[SimpleNamespace(interval="step")] * step_schedulers,
+        lightning_module=SimpleNamespace(automatic_optimization=True),
+        accumulate_grad_batches=accumulate,
+        global_step=steps,
+        lr_scheduler_configs=[SimpleNamespace(interval="step")] * step_schedulers,
     )
     step = SimpleNamespace(current=SimpleNamespace(completed=steps))
     return SimpleNamespace(
         trainer=trainer,
         epoch_progress=SimpleNamespace(current=SimpleNamespace(processed=epoch)),
-        epoch_loop=SimpleNamespace(automatic_optimization=SimpleNamespace(
-            optim_progress=SimpleNamespace(optimizer=SimpleNamespace(step=step)))),
+        epoch_loop=SimpleNamespace(
+            automatic_optimization=SimpleNamespace(optim_progress=SimpleNamespace(optimizer=SimpleNamespace(step=step)))
+        ),
         max_batches=epoch_batches,
     )
 
@@ -53,7 +57,7 @@ def test_resumed_ranks_load_the_rest_of_the_epoch(saved_dp: int, resumed_dp: int
     state = saved.state_dict()
     assert state == {"epoch": epoch, "batches": batches_done, "global_batch_size": global_batch}
 
-    rest = epoch_permutation(epoch)[batches_done * global_batch:]
+    rest = epoch_permutation(epoch)[batches_done * global_batch :]
     for rank in range(resumed_dp):
         resumed = loader(resumed_dp, rank, global_batch // resumed_dp, fit_loop(0, 0))
         resumed.load_state_dict(state)  # sets the sampler's epoch itself, before Lightning does
@@ -106,9 +110,11 @@ def test_only_loaders_batched_by_torchs_batch_sampler_are_wrapped() -> None:
 
 def saved_loop_state(ready: int, started: int, processed: int, completed: int, steps: int) -> dict:
     """``checkpoint["loops"]["fit_loop"]`` as Lightning saves it, with 10 batches and 4 steps of earlier epochs."""
+
     def counters(offset: int) -> dict:
-        return dict(ready=ready + offset, started=started + offset, processed=processed + offset,
-                    completed=completed + offset)
+        return dict(
+            ready=ready + offset, started=started + offset, processed=processed + offset, completed=completed + offset
+        )
 
     step = {"total": dict(ready=steps + 4, completed=steps + 4), "current": dict(ready=steps, completed=steps)}
     return {
@@ -141,11 +147,14 @@ def test_a_checkpoint_inside_optimizer_step_counts_the_applied_step() -> None:
     rewind_to_step_boundary(state, loop, step_in_flight=True)
     assert state["epoch_loop.batch_progress"]["current"] == dict(ready=4, started=4, processed=4, completed=4)
     assert state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"] == {
-        "total": dict(ready=6, completed=6), "current": dict(ready=2, completed=2)}
+        "total": dict(ready=6, completed=6),
+        "current": dict(ready=2, completed=2),
+    }
     assert state["epoch_loop.state_dict"]["_batches_that_stepped"] == 6
     with pytest.raises(RuntimeError, match="between the optimizer step and the learning-rate scheduler's step"):
-        rewind_to_step_boundary(saved_loop_state(4, 4, 3, 3, steps=1), fit_loop(0, 1, accumulate=2, step_schedulers=1),
-                                step_in_flight=True)
+        rewind_to_step_boundary(
+            saved_loop_state(4, 4, 3, 3, steps=1), fit_loop(0, 1, accumulate=2, step_schedulers=1), step_in_flight=True
+        )
 
 
 def test_the_shorter_last_window_of_an_epoch_is_a_step_that_ends_the_epoch() -> None:
@@ -157,4 +166,5 @@ def test_the_shorter_last_window_of_an_epoch_is_a_step_that_ends_the_epoch() -> 
     assert state["epoch_loop.batch_progress"]["current"] == dict(ready=5, started=5, processed=5, completed=5)
     assert state["epoch_loop.batch_progress"]["is_last_batch"] is True
     assert state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["current"] == dict(
-        ready=3, completed=3)
+        ready=3, completed=3
+    )

@@ -7,25 +7,23 @@ on shard borders inside a ring rank and inside chunks; windows shorter than a ch
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_ulysses.attention import gather_sequence, ulysses_attention
-from lightning_ulysses.attention.documents import Documents
 from lightning_ulysses import strategy as strategy_module
-from lightning_ulysses.attention import ring, ring_blocks
+from lightning_ulysses.attention import gather_sequence, ring, ring_blocks, ulysses_attention
+from lightning_ulysses.attention.documents import Documents
 from lightning_ulysses.attention.ring import classify_pair, plan_ring
 from lightning_ulysses.attention.ring_blocks import check_block_kernels
 from lightning_ulysses.attention.ulysses import check_ring_supported
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.sharding import shard_index, shard_multiple, zigzag_order
 from lightning_ulysses.topology import SequenceParallelTopology
-from tests.test_attention import reference, sink_logits
 from tests.launch import launch
+from tests.test_attention import reference, sink_logits
 
 pytestmark = pytest.mark.distributed
 
@@ -100,8 +98,13 @@ def ring_worker(args: dict[str, Any]) -> dict[Any, Any]:
             shards = [t[:, index].clone().requires_grad_() for t in (q, k, v)]
             rank_sinks = None if sinks is None else sinks.clone().requires_grad_()
             out = ulysses_attention(
-                *shards, group=groups, attn_fn="sdpa", window=case.get("window"), chunk=case.get("chunk"),
-                position_ids=None if pos is None else pos[:, index], sinks=rank_sinks,
+                *shards,
+                group=groups,
+                attn_fn="sdpa",
+                window=case.get("window"),
+                chunk=case.get("chunk"),
+                position_ids=None if pos is None else pos[:, index],
+                sinks=rank_sinks,
             )
             out.backward(grad[:, index])
             compared = [(out, expected[:, index])] + [(s.grad, f.grad[:, index]) for s, f in zip(shards, full)]
@@ -133,20 +136,38 @@ def _window_models(groups: SequenceParallelGroups) -> dict[str, float]:
     a full one, MoE) against its eager attention: the logits, and the gradients summed over the SP group (each rank's
     loss is its tokens' share)."""
     from transformers import (
-        GptOssConfig, GptOssForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+        GptOssConfig,
+        GptOssForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
     )
 
     from lightning_ulysses import apply_ulysses_attention
 
-    common = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, sliding_window=3, attn_implementation="sdpa")
+    common = dict(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=3,
+        attn_implementation="sdpa",
+    )
     makers = {
         "mistral": lambda: MistralForCausalLM(MistralConfig(**common)),
         "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True, max_window_layers=1)),
-        "gpt_oss": lambda: GptOssForCausalLM(GptOssConfig(
-            **{**common, "attn_implementation": "eager"}, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
-            layer_types=["sliding_attention", "full_attention"],
-        )),
+        "gpt_oss": lambda: GptOssForCausalLM(
+            GptOssConfig(
+                **{**common, "attn_implementation": "eager"},
+                head_dim=8,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                layer_types=["sliding_attention", "full_attention"],
+            )
+        ),
     }
     seq, sp = 24, dist.get_world_size(groups.sp)
     index = shard_index(seq, dist.get_rank(groups.sp), sp, ring_size=2)
@@ -166,10 +187,11 @@ def _window_models(groups: SequenceParallelGroups) -> dict[str, float]:
         dist.all_reduce(grads, group=groups.sp)
         expected_grads = torch.cat([p.grad.flatten() for p in reference_model.parameters()])
         logits = gather_sequence(got.detach(), groups)
-        errors[family] = max(((logits - expected).norm() / expected.norm()).item(),
-                             ((grads - expected_grads).norm() / expected_grads.norm()).item())
+        errors[family] = max(
+            ((logits - expected).norm() / expected.norm()).item(),
+            ((grads - expected_grads).norm() / expected_grads.norm()).item(),
+        )
     return errors
-
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +221,9 @@ def test_sliding_window_models_under_the_ring(ring_results: list[dict[Any, Any]]
 def test_attention_dropout_is_refused_at_set_up_under_the_ring(ring_results: list[dict[Any, Any]]) -> None:
     for results in ring_results:
         message = results["dropout_refusal"]
-        assert "model.layers.0.self_attn" in message and "uses attention dropout, which Ulysses x Ring" in message, message
+        assert "model.layers.0.self_attn" in message and "uses attention dropout, which Ulysses x Ring" in message, (
+            message
+        )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[f"ring{r}_ulysses{u}" for r, u in LAYOUTS])
@@ -241,7 +265,13 @@ def test_ring_step_memory_does_not_grow_with_the_ring_size(monkeypatch: pytest.M
 def test_shard_multiple() -> None:
     """Two equal chunks per ring rank, their concatenation split evenly over its Ulysses group; no more padding."""
     assert [shard_multiple(sp, ring) for sp, ring in [(4, 1), (2, 2), (4, 2), (6, 2), (8, 4), (16, 2)]] == [
-        4, 4, 4, 12, 8, 16]
+        4,
+        4,
+        4,
+        12,
+        8,
+        16,
+    ]
 
 
 def test_zigzag_order() -> None:
@@ -264,6 +294,7 @@ def test_zigzag_balances_causal_work() -> None:
 
 def test_blocks_with_no_allowed_pair_are_skipped() -> None:
     """Documents and windows decide on the host which chunk pairs run, and how."""
+
     def same(answer: str):
         return lambda x, y: answer
 
@@ -300,8 +331,12 @@ def test_masked_pairs_never_build_a_chunk_by_chunk_mask() -> None:
     documents = Documents.from_position_ids(torch.tensor(rows))
     for window, largest in ((None, tile * seq // (2 * ring_size)), (16, tile * (tile + 16))):
         tiles = [
-            t for rank in range(ring_size) for step in plan_ring(documents, 2, seq, ring_size, rank, window, tile).steps
-            for pair in step if pair.kind == "masked" for t in pair.tiles
+            t
+            for rank in range(ring_size)
+            for step in plan_ring(documents, 2, seq, ring_size, rank, window, tile).steps
+            for pair in step
+            if pair.kind == "masked"
+            for t in pair.tiles
         ]
         masked = [t for t in tiles if t.kind == "masked"]
         assert masked and max((t.q_hi - t.q_lo) * (t.k_hi - t.k_lo) for t in masked) <= largest, window
@@ -327,8 +362,9 @@ def test_a_ring_of_one_matches_dense_attention(name: str, dtype: torch.dtype, de
     expected.backward(grad)
     low = [t.to(device, dtype).requires_grad_() for t in (q, k, v, *sinks)]
     documents = None if pos is None else Documents.from_position_ids(pos.to(device))
-    out = ring.ring_attention(*low[:3], documents, None, 1, 0, window=case.get("window"),
-                              sinks=low[3] if sinks else None)
+    out = ring.ring_attention(
+        *low[:3], documents, None, 1, 0, window=case.get("window"), sinks=low[3] if sinks else None
+    )
     out.backward(grad.to(device, dtype))
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for got, want in [(out, expected)] + [(t.grad, f.grad) for t, f in zip(low, full)]:
@@ -394,6 +430,7 @@ def test_inexact_block_kernels_are_refused_at_set_up(monkeypatch: pytest.MonkeyP
     """A kernel off anywhere (a doubled dK, a causal block run full, a wrong scale) fails the set-up check, and the
     strategy refuses the ring on that device, naming what differs and ring_size=1."""
     forward, backward = ring_blocks.block_forward, ring_blocks.block_backward
+
     def doubled_key_gradient(*args: Any) -> tuple:
         dq, dk, dv = backward(*args)
         return dq, 2 * dk, dv
@@ -402,11 +439,15 @@ def test_inexact_block_kernels_are_refused_at_set_up(monkeypatch: pytest.MonkeyP
     assert check_block_kernels(torch.device("cpu"), torch.float32) == [
         "torch.float32 dK: relative error 1.0e+00 > 1e-04"
     ]
-    with pytest.raises(ValueError, match=r"ring_size=2\): the ring's block kernels on cpu do not compute attention "
-                                         r"exactly here \(.*torch.float32 dK: relative error .*Use ring_size=1"):
+    with pytest.raises(
+        ValueError,
+        match=r"ring_size=2\): the ring's block kernels on cpu do not compute attention "
+        r"exactly here \(.*torch.float32 dK: relative error .*Use ring_size=1",
+    ):
         strategy_module._check_ring_kernels(torch.device("cpu"), torch.bfloat16, 2)
     monkeypatch.setattr(ring_blocks, "block_backward", backward)
     for wrong in (dict(kind="full"), dict(scale=0.25)):
+
         def wrong_forward(q, k, v, kind, mask, scale, wrong=wrong):
             return forward(q, k, v, wrong.get("kind", kind), mask, wrong.get("scale", scale))
 
@@ -418,6 +459,9 @@ def test_inexact_block_kernels_are_refused_at_set_up(monkeypatch: pytest.MonkeyP
 def test_what_the_ring_does_not_run_is_refused() -> None:
     """Other core backends and dropout: refused, naming each and what to do."""
     check_ring_supported("sdpa", 0.0)
-    with pytest.raises(ValueError, match=r"does not support the attention backend 'flex_attention'"
-                                         r" .* or attention dropout \(dropout_p=0.1\). Use ring_size=1"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not support the attention backend 'flex_attention'"
+        r" .* or attention dropout \(dropout_p=0.1\). Use ring_size=1",
+    ):
         check_ring_supported("flex_attention", 0.1)

@@ -18,8 +18,15 @@ from torch.utils.data import DataLoader
 from lightning_ulysses import UlyssesStrategy, token_log_probs
 from tests.launch import launch
 from tests.tiny import (
-    SaveAndStop, TinyCausalLM, collate, make_packed_samples, make_samples, reference_loss, reference_training,
-    relative_update_error, tiny_llama,
+    SaveAndStop,
+    TinyCausalLM,
+    collate,
+    make_packed_samples,
+    make_samples,
+    reference_loss,
+    reference_training,
+    relative_update_error,
+    tiny_llama,
 )
 
 pytestmark = pytest.mark.distributed
@@ -77,8 +84,14 @@ def _evaluate_and_reload(devices: int, checkpoint: str) -> dict[str, Any]:
 
     def trainer(ring_size: int, max_steps: int) -> L.Trainer:
         return L.Trainer(
-            accelerator="cpu", devices=devices, max_steps=max_steps, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+            accelerator="cpu",
+            devices=devices,
+            max_steps=max_steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
             strategy=UlyssesStrategy(sp_size=4, ring_size=ring_size, stage=3, attn_implementation="sdpa"),
         )
 
@@ -94,8 +107,12 @@ def _evaluate_and_reload(devices: int, checkpoint: str) -> dict[str, Any]:
     trainer(ring_size=1, max_steps=STEPS + 1).fit(resumed, train_loader(), ckpt_path=checkpoint)
     with deepspeed.zero.GatheredParameters(list(resumed.model.parameters())):
         params = {name: p.detach().clone() for name, p in resumed.model.named_parameters()}
-    return {"val_losses": module.val_losses, "log_probs": module.val_log_probs, "resumed_losses": resumed.losses,
-            "resumed_params": params}
+    return {
+        "val_losses": module.val_losses,
+        "log_probs": module.val_log_probs,
+        "resumed_losses": resumed.losses,
+        "resumed_params": params,
+    }
 
 
 def _val_loader() -> DataLoader:
@@ -110,14 +127,24 @@ def _fit(case: dict[str, Any], devices: int) -> dict[str, Any]:
         sp_size=case["sp"], ring_size=2, stage=case["stage"], attn_implementation="sdpa", **case.get("strategy", {})
     )
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(module, DataLoader(_samples(case), batch_size=BATCH, collate_fn=collate))
     with deepspeed.zero.GatheredParameters(list(module.model.parameters()), enabled=case["stage"] == 3):
         state = {name: p.detach().clone() for name, p in module.model.named_parameters()}
-    return {"losses": module.losses, "params": state, "dp_rank": strategy.dp_rank,
-            "layout": (strategy.dp_size, strategy.ring_size, strategy.sp_size // strategy.ring_size)}
+    return {
+        "losses": module.losses,
+        "params": state,
+        "dp_rank": strategy.dp_rank,
+        "layout": (strategy.dp_size, strategy.ring_size, strategy.sp_size // strategy.ring_size),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +182,10 @@ def test_evaluation_and_checkpoints_do_not_depend_on_the_ring(results: list[dict
     with torch.no_grad():
         expected_losses = [reference_loss(model, batch).item() for batch in val]
         expected_log_probs = [
-            torch.log_softmax(model(input_ids=b["input_ids"]).logits[:, :-1], -1)
-            .gather(-1, b["input_ids"][:, 1:, None])[..., 0] for b in val
+            torch.log_softmax(model(input_ids=b["input_ids"]).logits[:, :-1], -1).gather(
+                -1, b["input_ids"][:, 1:, None]
+            )[..., 0]
+            for b in val
         ]
     for rank, result in enumerate(results):
         got = result["evaluation"]
@@ -165,7 +194,8 @@ def test_evaluation_and_checkpoints_do_not_depend_on_the_ring(results: list[dict
             n = expected.shape[1]  # the whole rows: N - 1 labelled tokens, then the last token and the padding
             torch.testing.assert_close(log_probs[:, :n], expected, rtol=1e-5, atol=1e-6)
             assert not log_probs[:, n:].any()
-        torch.testing.assert_close(torch.tensor(got["resumed_losses"]), torch.tensor(third_losses[STEPS:]), rtol=1e-5,
-                                   atol=0)
+        torch.testing.assert_close(
+            torch.tensor(got["resumed_losses"]), torch.tensor(third_losses[STEPS:]), rtol=1e-5, atol=0
+        )
         error = relative_update_error(trained, third, got["resumed_params"])
         assert error < 1e-4, f"rank {rank}: relative weight-update error of the resumed step {error:.2e}"

@@ -35,8 +35,15 @@ pytestmark = pytest.mark.distributed
 
 SEQ, NUM, BATCH, STEPS, LR = 16, 16, 2, 2, 0.5
 WORLD_SIZE = 4
-COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "all_to_all_single",
-               "reduce_scatter_tensor", "barrier")
+COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "broadcast",
+    "all_to_all_single",
+    "reduce_scatter_tensor",
+    "barrier",
+)
 
 
 class RecordingLM(TinyCausalLM):
@@ -77,7 +84,7 @@ class RankSharded(IterableDataset):
     """Every ``world_size``-th sample from the global rank on: a shard per rank, as for DDP."""
 
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
-        yield from make_samples(NUM, SEQ)[dist.get_rank()::dist.get_world_size()]
+        yield from make_samples(NUM, SEQ)[dist.get_rank() :: dist.get_world_size()]
 
 
 class MyDistributedSampler(DistributedSampler):
@@ -128,9 +135,15 @@ class CollectiveCounter:
             if self.inside:
                 tensor = args[1] if name == "all_gather" else (args[0] if args else None)
                 group = kwargs.get("group")
-                self.calls[-1].append((name, tensor.numel() if isinstance(tensor, Tensor) else 0,
-                                       dist.get_process_group_ranks(group) if group is not None else []))
+                self.calls[-1].append(
+                    (
+                        name,
+                        tensor.numel() if isinstance(tensor, Tensor) else 0,
+                        dist.get_process_group_ranks(group) if group is not None else [],
+                    )
+                )
             return self.originals[name](*args, **kwargs)
+
         return collective
 
     def restore(self) -> None:
@@ -164,8 +177,11 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
             counter.restore()
             result["collectives"] = counter.calls
         result[f"sp{sp}"] = {
-            "losses": module.losses, "params": {n: p.detach().clone() for n, p in module.model.named_parameters()},
-            "val_rows": module.val_rows, "dp_rank": strategy.dp_rank, "sp_rank": strategy.sp_rank,
+            "losses": module.losses,
+            "params": {n: p.detach().clone() for n, p in module.model.named_parameters()},
+            "val_rows": module.val_rows,
+            "dp_rank": strategy.dp_rank,
+            "sp_rank": strategy.sp_rank,
             "sp_group": dist.get_process_group_ranks(strategy.sp_group),
             "messages": [m for m in messages.messages if "DistributedSampler" in m],
         }
@@ -177,8 +193,9 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     result["iterable_by_rank"] = _error(lambda: _trainer(WORLD_SIZE, strategy, max_steps=STEPS).fit(module, sharded))
     result["iterable_by_rank_steps"] = len(module.losses)
     samples = _indexed_samples()
-    subclassed = DataLoader(samples, batch_size=BATCH, collate_fn=collate,
-                            sampler=MyDistributedSampler(samples, shuffle=False))
+    subclassed = DataLoader(
+        samples, batch_size=BATCH, collate_fn=collate, sampler=MyDistributedSampler(samples, shuffle=False)
+    )
     strategy = UlyssesStrategy(sp_size=2, stage=2, attn_implementation="sdpa")
     module = RecordingLM()
     trainer = _trainer(WORLD_SIZE, strategy)
@@ -204,8 +221,9 @@ def results() -> list[dict[str, Any]]:
 @pytest.mark.parametrize("sp", [2, 4])
 def test_a_world_distributed_sampler_is_replaced_by_the_dp_one(results: list[dict[str, Any]], sp: int) -> None:
     dp = WORLD_SIZE // sp
-    expected_losses, expected = reference_training(make_samples(NUM, SEQ), steps=STEPS, batch_size=BATCH, dp_size=dp,
-                                                   lr=LR)
+    expected_losses, expected = reference_training(
+        make_samples(NUM, SEQ), steps=STEPS, batch_size=BATCH, dp_size=dp, lr=LR
+    )
     initial = {n: p.detach() for n, p in tiny_llama().named_parameters()}
     for rank, result in enumerate(results):
         got = result[f"sp{sp}"]

@@ -38,8 +38,14 @@ class NoPositionsLM(TinyCausalLM):
 
 def _trainer(world_size: int, strategy: UlyssesStrategy, **kwargs: Any) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, **kwargs,
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
     )
 
 
@@ -58,7 +64,9 @@ def strategy_worker(args: dict[str, Any]) -> dict[str, Any]:
     # errors raised at set-up, before any training step, identically on every rank
     def fit(module: L.LightningModule, sp_size: int) -> None:
         loader = DataLoader(make_samples(8, 12), batch_size=BATCH, collate_fn=collate)
-        _trainer(world_size, UlyssesStrategy(sp_size=sp_size, attn_implementation="sdpa"), max_steps=1).fit(module, loader)
+        _trainer(world_size, UlyssesStrategy(sp_size=sp_size, attn_implementation="sdpa"), max_steps=1).fit(
+            module, loader
+        )
 
     result["world_not_divisible"] = _error(lambda: fit(TinyCausalLM(), sp_size=3))
     result["missing_position_ids"] = _error(lambda: fit(NoPositionsLM(), sp_size=2))
@@ -114,7 +122,9 @@ def test_unsupported_attention_backends_are_refused_at_construction() -> None:
 
 
 def test_impossible_ring_layouts_are_refused_at_construction() -> None:
-    with pytest.raises(ValueError, match=r"ring_size=3 does not divide sp_size=4.*Valid ring_size values .*\[1, 2, 4\]"):
+    with pytest.raises(
+        ValueError, match=r"ring_size=3 does not divide sp_size=4.*Valid ring_size values .*\[1, 2, 4\]"
+    ):
         UlyssesStrategy(sp_size=4, ring_size=3)
     with pytest.raises(ValueError, match="ring_size must be a positive integer or 'auto', got 0"):
         UlyssesStrategy(sp_size=4, ring_size=0)

@@ -25,7 +25,9 @@ def test_sp_groups_stay_inside_nodes() -> None:
 
 
 def test_world_size_not_divisible_lists_valid_sizes() -> None:
-    with pytest.raises(ValueError, match=r"world size \(6 processes.*sp_size=4.*Valid sp_size values .*: \[1, 2, 3, 6\]"):
+    with pytest.raises(
+        ValueError, match=r"world size \(6 processes.*sp_size=4.*Valid sp_size values .*: \[1, 2, 3, 6\]"
+    ):
         SequenceParallelTopology(world_size=6, sp_size=4, rank=0)
     with pytest.raises(ValueError, match="positive"):
         SequenceParallelTopology(world_size=4, sp_size=0, rank=0)
@@ -38,7 +40,10 @@ def test_ulysses_x_ring_grid() -> None:
     assert grid[0].ring_group_ranks == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
     for t in grid:
         assert t.sp_rank == t.ring_rank * t.ulysses_size + t.ulysses_rank
-        assert t.rank in t.ulysses_group_ranks[t.rank // 4] and t.ulysses_group_ranks[t.rank // 4][t.ulysses_rank] == t.rank
+        assert (
+            t.rank in t.ulysses_group_ranks[t.rank // 4]
+            and t.ulysses_group_ranks[t.rank // 4][t.ulysses_rank] == t.rank
+        )
         ring = next(r for r in t.ring_group_ranks if t.rank in r)
         assert ring[t.ring_rank] == t.rank and set(ring) <= set(t.sp_group_ranks[t.dp_rank])
     # a ring across nodes keeps the all-to-alls inside them: sp=16 on 2 nodes of 8
@@ -54,7 +59,9 @@ def test_auto_ring_size() -> None:
 
 
 def test_impossible_ring_layouts_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"ring_size=3 does not divide sp_size=4.*Valid ring_size values .*\[1, 2, 4\]"):
+    with pytest.raises(
+        ValueError, match=r"ring_size=3 does not divide sp_size=4.*Valid ring_size values .*\[1, 2, 4\]"
+    ):
         SequenceParallelTopology(world_size=8, sp_size=4, rank=0, ring_size=3)
     with pytest.raises(ValueError, match="ring_size must be a positive integer"):
         SequenceParallelTopology(world_size=8, sp_size=4, rank=0, ring_size=0)

@@ -131,7 +131,10 @@ def test_mrope_positions_of_unpacked_rows_are_get_rope_index_of_the_whole_batch(
     batch = family_batch(family)
     inputs = _plain_inputs(family, batch)
     expected, _ = model.model.get_rope_index(
-        inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"], inputs["video_grid_thw"],
+        inputs["input_ids"],
+        inputs["mm_token_type_ids"],
+        inputs["image_grid_thw"],
+        inputs["video_grid_thw"],
         attention_mask=inputs["attention_mask"],
     )
     got = prepare_vision_batch(batch, vision_family(model), model.model)["mrope_position_ids"].permute(2, 0, 1)
@@ -145,12 +148,26 @@ def test_refused_families_name_the_reason(model_type: str) -> None:
 
     config = AutoConfig.for_model(model_type)
     text = config.text_config
-    for key, value in dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                           num_key_value_heads=1, head_dim=16, vocab_size=300).items():
+    for key, value in dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=300,
+    ).items():
         setattr(text, key, value)
     vision = config.vision_config
-    for key, value in dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=1, num_attention_heads=2,
-                           num_heads=2, out_hidden_size=32).items():
+    for key, value in dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        depth=1,
+        num_attention_heads=2,
+        num_heads=2,
+        out_hidden_size=32,
+    ).items():
         if hasattr(vision, key):
             setattr(vision, key, value)
     with torch.device("meta"):
@@ -200,8 +217,10 @@ def case_batches(case: dict[str, Any]) -> list[dict[str, Any]]:
     """Item ``d + dp * s`` is DP rank ``d``'s batch of step ``s`` (Lightning's sampler, moved onto the DP ranks);
     with ``text_only_rank``, that DP rank's batches hold no image."""
     dp, text_only = case.get("dp", 1), case.get("text_only_rank")
-    return [family_batch(case["family"], case.get("packed", False), seed=i, text_only=i % dp == text_only)
-            for i in range(STEPS * dp)]
+    return [
+        family_batch(case["family"], case.get("packed", False), seed=i, text_only=i % dp == text_only)
+        for i in range(STEPS * dp)
+    ]
 
 
 def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
@@ -216,18 +235,28 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
     world_size = int(os.environ["WORLD_SIZE"])
     results = {}
     for name, case in args["cases"].items():
-        module = SGDVisionLanguageModel(model=CONFIGS[case["family"]], vision_encoding=case.get("encoding", "shard"),
-                                        gradient_checkpointing=case.get("checkpointing", False))
+        module = SGDVisionLanguageModel(
+            model=CONFIGS[case["family"]],
+            vision_encoding=case.get("encoding", "shard"),
+            gradient_checkpointing=case.get("checkpointing", False),
+        )
         module.model, module.losses = tiny_model(case["family"]), []
         if module.hparams.gradient_checkpointing:
             module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             module.configure_model()  # the vision tower stays unchecked
         loader = DataLoader(case_batches(case), batch_size=1, collate_fn=lambda items: items[0])
         trainer = L.Trainer(
-            accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, num_sanity_val_steps=0,
-            strategy=UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa",
-                                     ring_size=case.get("ring", 1)),
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            accelerator="cpu",
+            devices=world_size,
+            max_steps=STEPS,
+            logger=False,
+            num_sanity_val_steps=0,
+            strategy=UlyssesStrategy(
+                sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa", ring_size=case.get("ring", 1)
+            ),
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
         trainer.fit(module, loader)
         results[name] = {"losses": module.losses, "params": gathered_parameters(module.model, case["stage"] == 3)}
@@ -256,7 +285,8 @@ FOUR_PROCESS_CASES = {
     # one video for 4 ranks: 3 of them encode a blank one
     "qwen2_5_vl_exchange_sp4_zero3": dict(family="qwen2_5_vl", sp=4, stage=3, encoding="exchange"),
     "qwen2_vl_exchange_packed_dp2_sp2_zero3_text_only_rank": dict(
-        family="qwen2_vl", sp=2, dp=2, stage=3, packed=True, encoding="exchange", text_only_rank=1),
+        family="qwen2_vl", sp=2, dp=2, stage=3, packed=True, encoding="exchange", text_only_rank=1
+    ),
 }
 
 
@@ -301,8 +331,9 @@ def check_against_reference(name: str, case: dict[str, Any], results: list[dict[
     # which DP group trains which of a step's batches is the sampler's choice: compare each step's losses as a set
     got_losses = torch.tensor([result[name]["losses"] for result in results]).view(dp, sp, STEPS)
     torch.testing.assert_close(got_losses, got_losses[:, :1].expand_as(got_losses), rtol=0, atol=0)  # one SP group
-    torch.testing.assert_close(got_losses[:, 0].sort(dim=0).values, torch.tensor(losses).sort(dim=0).values,
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        got_losses[:, 0].sort(dim=0).values, torch.tensor(losses).sort(dim=0).values, rtol=1e-5, atol=0
+    )
     for rank, result in enumerate(results):
         got = result[name]
         error = relative_update_error(initial, expected, got["params"])
@@ -315,8 +346,9 @@ def test_sp2_equals_one_process_of_the_plain_model(two_process_results: list[dic
 
 
 @pytest.mark.parametrize("name", FOUR_PROCESS_CASES)
-def test_sp4_and_dp_x_sp_equal_one_process_of_the_plain_model(four_process_results: list[dict[str, Any]],
-                                                              name: str) -> None:
+def test_sp4_and_dp_x_sp_equal_one_process_of_the_plain_model(
+    four_process_results: list[dict[str, Any]], name: str
+) -> None:
     check_against_reference(name, FOUR_PROCESS_CASES[name], four_process_results)
 
 
@@ -337,8 +369,15 @@ def chat_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def chat_data(files: dict[str, Any], mode: str, batch_size: int = 2) -> Any:
     from lightning_ulysses.finetune import VisionChatDataModule
 
-    data = VisionChatDataModule([files["chats"]], files["processor"], media_root=files["media"], seq_len=256,
-                                mode=mode, batch_size=batch_size, val_fraction=0.3)
+    data = VisionChatDataModule(
+        [files["chats"]],
+        files["processor"],
+        media_root=files["media"],
+        seq_len=256,
+        mode=mode,
+        batch_size=batch_size,
+        val_fraction=0.3,
+    )
     data.setup("fit")
     return data
 
@@ -409,8 +448,9 @@ def test_exchange_balances_the_items_over_the_ranks() -> None:
     loads = {}
     for sp in (1, 2, 4):
         owners = owners_by_modality({"image": rows, "video": [8]}, sp)
-        loads[sp] = [sum(r for r, o in zip([*rows, 8], [*owners["image"], *owners["video"]]) if o == rank)
-                     for rank in range(sp)]
+        loads[sp] = [
+            sum(r for r, o in zip([*rows, 8], [*owners["image"], *owners["video"]]) if o == rank) for rank in range(sp)
+        ]
     assert loads == {1: [22], 2: [11, 11], 4: [8, 6, 4, 4]}
     generator = torch.Generator().manual_seed(0)
     for _ in range(200):
@@ -433,8 +473,10 @@ def test_shard_encoding_runs_the_vision_tower_on_the_items_of_each_shard() -> No
     visual_forward = model.model.visual.forward
     model.model.visual.forward = lambda pixels, **kw: seen.append(pixels.shape[0]) or visual_forward(pixels, **kw)
     ids = prepare_batch(batch, 4)["input_ids"]
-    patches = {"image": batch["vision"]["image_grid_thw"].prod(-1).tolist(),
-               "video": batch["vision"]["video_grid_thw"].prod(-1).tolist()}
+    patches = {
+        "image": batch["vision"]["image_grid_thw"].prod(-1).tolist(),
+        "video": batch["vision"]["video_grid_thw"].prod(-1).tolist(),
+    }
     total = sum(map(sum, patches.values()))
     for encoding, sp in (("shard", 4), ("all", 4), ("shard", 2)):
         module.hparams.vision_encoding = encoding

@@ -14,7 +14,16 @@ from __future__ import annotations
 import pytest
 
 from tests.zoo import (
-    CONTROL_ENTRIES, FAIL, GATHER, PASS, REFUSED, SHARDED_MIXER_FAMILIES, Outcome, format_table, run_zoo, zoo_entries,
+    CONTROL_ENTRIES,
+    FAIL,
+    GATHER,
+    PASS,
+    REFUSED,
+    SHARDED_MIXER_FAMILIES,
+    Outcome,
+    format_table,
+    run_zoo,
+    zoo_entries,
 )
 
 pytestmark = [pytest.mark.distributed, pytest.mark.zoo]

@@ -14,8 +14,18 @@ from transformers import PreTrainedConfig
 from tests.zoo import CONTROL_ENTRIES, zoo_entries
 from tests.zoo_configs import FAMILY_FIXES, TinyRecipe, decoder_config, default_text_config, tiny_recipe
 from tests.zoo_proportions import (
-    HEAD_COUNTS, HEAD_FIELDS, HIDDEN_FIELDS, INPUT_CHANNELS, KV_HEAD_FIELDS, MAX_TINY_HEADS, PER_HEAD_DIMS, WIDTH_ALIGN,
-    WIDTHS, effective_head_dim, first_int, partial_rotary_factors,
+    HEAD_COUNTS,
+    HEAD_FIELDS,
+    HIDDEN_FIELDS,
+    INPUT_CHANNELS,
+    KV_HEAD_FIELDS,
+    MAX_TINY_HEADS,
+    PER_HEAD_DIMS,
+    WIDTH_ALIGN,
+    WIDTHS,
+    effective_head_dim,
+    first_int,
+    partial_rotary_factors,
 )
 
 pytestmark = pytest.mark.zoo
@@ -87,8 +97,11 @@ def test_tiny_config_keeps_the_default_proportions(family: str, recipes: dict) -
     # widths (hidden, FFN, expert and low-rank sizes, ...) keep their ratios to the hidden size, up to rounding to a
     # multiple of WIDTH_ALIGN
     hidden, tiny_hidden = first_int(default, HIDDEN_FIELDS, _read), first_int(tiny, HIDDEN_FIELDS, _read)
-    widths = {name: v for name, v in _ints(default, family, WIDTHS).items()  # the rules' order: other kinds first
-              if not any(kind.fullmatch(name) for kind in (INPUT_CHANNELS, PER_HEAD_DIMS, HEAD_COUNTS))}
+    widths = {
+        name: v
+        for name, v in _ints(default, family, WIDTHS).items()  # the rules' order: other kinds first
+        if not any(kind.fullmatch(name) for kind in (INPUT_CHANNELS, PER_HEAD_DIMS, HEAD_COUNTS))
+    }
     if hidden and tiny_hidden and "hidden_size" not in FAMILY_FIXES.get(family, {}):
         for name, value in widths.items():
             got, want = _read(tiny, name), value * tiny_hidden / hidden

@@ -19,8 +19,14 @@ from lightning_ulysses.sharding import positions_within_runs
 VOCAB = 61
 OptimizerName = Literal["sgd", "adamw"]
 TINY_LLAMA = dict(  # CausalLM(model=...): tiny_llama's shape as a config dict (vocabulary set by the data)
-    model_type="llama", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+    model_type="llama",
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
 )
 
 
@@ -28,8 +34,15 @@ def tiny_llama(seed: int = 0, model_type: str = "llama", **overrides: Any) -> Pr
     """A seeded fp32 tiny Llama, or a causal LM of another ``model_type`` with the same sizes (``overrides`` on top:
     a family's own fields, such as DeepSeek's MLA head sizes)."""
     config = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, attn_implementation="sdpa",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
     )
     config.update(overrides)
     torch.manual_seed(seed)
@@ -44,8 +57,10 @@ def make_optimizer(
     vectors (norms)."""
     if name == "adamw":
         params = list(params)
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         return torch.optim.AdamW(groups, lr=lr)
     return torch.optim.SGD(params, lr=lr, momentum=momentum)
 
@@ -53,8 +68,14 @@ def make_optimizer(
 class TinyCausalLM(UlyssesLossMixin, L.LightningModule):
     """A causal LM step in its plainest form: forward with position ids, token-weighted loss, SGD or AdamW."""
 
-    def __init__(self, lr: float = 0.5, loss_multiplier: float = 1.0, momentum: float = 0.0,
-                 optimizer: OptimizerName = "sgd", **model_overrides: Any) -> None:
+    def __init__(
+        self,
+        lr: float = 0.5,
+        loss_multiplier: float = 1.0,
+        momentum: float = 0.0,
+        optimizer: OptimizerName = "sgd",
+        **model_overrides: Any,
+    ) -> None:
         super().__init__()
         self.model = tiny_llama(**model_overrides)
         self.lr = lr
@@ -88,8 +109,9 @@ class SaveAndStop(L.Callback):
             trainer.should_stop = True
 
 
-def make_samples(num: int, seq_len: int, seed: int = 1, masked_spans: list[tuple[int, int]] = (),
-                 padding: int = 0) -> list[dict[str, Tensor]]:
+def make_samples(
+    num: int, seq_len: int, seed: int = 1, masked_spans: list[tuple[int, int]] = (), padding: int = 0
+) -> list[dict[str, Tensor]]:
     """Random token rows; ``masked_spans`` set labels to -100; the last ``padding`` columns of odd rows are padding."""
     g = torch.Generator().manual_seed(seed)
     samples = []
@@ -104,7 +126,7 @@ def make_samples(num: int, seq_len: int, seed: int = 1, masked_spans: list[tuple
         if padding:
             mask = torch.ones(seq_len, dtype=torch.long)
             if i % 2:
-                mask[seq_len - padding:] = 0
+                mask[seq_len - padding :] = 0
             sample["attention_mask"] = mask
         samples.append(sample)
     return samples
@@ -126,10 +148,12 @@ def make_packed_samples(
         cuts += [c for c in (torch.randperm(seq_len - 1, generator=g) + 1).tolist() if c not in cuts]
         starts = torch.zeros(seq_len, dtype=torch.bool)
         starts[[0, *cuts[: num_documents - 1]]] = True
-        samples.append({
-            "input_ids": torch.randint(1, VOCAB, (seq_len,), generator=g),
-            "position_ids": positions_within_runs(starts[None])[0],
-        })
+        samples.append(
+            {
+                "input_ids": torch.randint(1, VOCAB, (seq_len,), generator=g),
+                "position_ids": positions_within_runs(starts[None])[0],
+            }
+        )
     return samples
 
 
@@ -185,13 +209,23 @@ def dp_batches(
     DistributedSampler that Lightning puts on a training loader (shuffled, seed 0); the last batch of an epoch
     may be smaller, as with ``drop_last=False``."""
     per_rank = [epoch_order(samples, dp_size, d, epoch) for d in range(dp_size)]
-    return [[collate_fn(rank[i:i + batch_size]) for i in range(0, len(rank), batch_size)] for rank in per_rank]
+    return [[collate_fn(rank[i : i + batch_size]) for i in range(0, len(rank), batch_size)] for rank in per_rank]
 
 
 def reference_training(
-    samples: list[dict[str, Tensor]], *, steps: int, batch_size: int, dp_size: int = 1, accumulate: int = 1,
-    lr: float = 0.5, momentum: float = 0.0, epochs: int = 1, collate_fn: Collate = collate,
-    optimizer: OptimizerName = "sgd", skip_steps: tuple[int, ...] = (), **model_overrides: Any,
+    samples: list[dict[str, Tensor]],
+    *,
+    steps: int,
+    batch_size: int,
+    dp_size: int = 1,
+    accumulate: int = 1,
+    lr: float = 0.5,
+    momentum: float = 0.0,
+    epochs: int = 1,
+    collate_fn: Collate = collate,
+    optimizer: OptimizerName = "sgd",
+    skip_steps: tuple[int, ...] = (),
+    **model_overrides: Any,
 ) -> tuple[list[float], dict[str, Tensor]]:
     """SGD (or AdamW) as DDP over ``dp_size`` ranks would run it, one process, whole sequences.
 
@@ -276,14 +310,20 @@ class DPStepSampler(Sampler[int]):
             per_rank.append(list(sampler))
         for start in range(0, len(per_rank[0]), self.batch_size):
             for rank in per_rank:
-                yield from rank[start:start + self.batch_size]
+                yield from rank[start : start + self.batch_size]
 
     def __len__(self) -> int:
         return -(-self.num // self.dp_size) * self.dp_size
 
 
 def plain_lightning_training(
-    samples: list[dict[str, Tensor]], *, batch_size: int, dp_size: int, accumulate: int, epochs: int, lr: float,
+    samples: list[dict[str, Tensor]],
+    *,
+    batch_size: int,
+    dp_size: int,
+    accumulate: int,
+    epochs: int,
+    lr: float,
 ) -> tuple[list[float], dict[str, Tensor], int]:
     """One process, plain Lightning (no strategy, no DistributedSampler): each micro-batch holds the rows that the
     ``dp_size`` DP ranks train on together, every epoch to its end (the last accumulation window may be shorter).
@@ -293,8 +333,14 @@ def plain_lightning_training(
     """
     module = PlainCausalLM(lr)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_epochs=epochs, accumulate_grad_batches=accumulate, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     sampler = DPStepSampler(len(samples), dp_size, batch_size)
     trainer.fit(module, DataLoader(samples, batch_size=batch_size * dp_size, sampler=sampler, collate_fn=collate))

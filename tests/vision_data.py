@@ -22,30 +22,80 @@ IMAGE, VIDEO, START, END = 120, 121, 122, 123
 TEXT_IDS = 100  # text tokens are drawn from [0, 100)
 
 QWEN_TEXT = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    initializer_range=0.2,
     rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 100.0},
 )
 TOKENS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
 CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2_vl": dict(
-        model_type="qwen2_vl", text_config=QWEN_TEXT, **TOKENS,
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=2, spatial_merge_size=2,
-                           temporal_patch_size=2),
+        model_type="qwen2_vl",
+        text_config=QWEN_TEXT,
+        **TOKENS,
+        vision_config=dict(
+            depth=2,
+            embed_dim=32,
+            hidden_size=64,
+            num_heads=2,
+            patch_size=2,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
     ),
     "qwen2_5_vl": dict(
-        model_type="qwen2_5_vl", text_config=QWEN_TEXT, **TOKENS,
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=2,
-                           patch_size=2, spatial_merge_size=2, temporal_patch_size=2, window_size=8,
-                           fullatt_block_indexes=[1], tokens_per_second=2),
+        model_type="qwen2_5_vl",
+        text_config=QWEN_TEXT,
+        **TOKENS,
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            out_hidden_size=64,
+            num_heads=2,
+            patch_size=2,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=8,
+            fullatt_block_indexes=[1],
+            tokens_per_second=2,
+        ),
     ),
     "llava": dict(
-        model_type="llava", image_token_id=IMAGE, vision_feature_layer=-1, image_seq_length=16,
-        text_config=dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, head_dim=16,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2),
-        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=2, image_size=8, patch_size=2),
+        model_type="llava",
+        image_token_id=IMAGE,
+        vision_feature_layer=-1,
+        image_seq_length=16,
+        text_config=dict(
+            model_type="llama",
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            head_dim=16,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            initializer_range=0.2,
+        ),
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=8,
+            patch_size=2,
+        ),
     ),
 }
 PATCH_VALUES = 3 * 2 * 2 * 2  # channels x temporal patch x patch x patch
@@ -112,16 +162,22 @@ def qwen_batch(rows: list[list[list[Any]]], seed: int = 0, packed: bool = False)
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention_mask[row, : len(ids)] = 1
         position_ids[row, : len(ids)] = torch.tensor(positions)
-        position_ids[row, len(ids):] = torch.arange(length - len(ids))
+        position_ids[row, len(ids) :] = torch.arange(length - len(ids))
     vision: dict[str, Tensor] = {}
-    for kind, pixels_key, grid_key in (("image", "pixel_values", "image_grid_thw"),
-                                       ("video", "pixel_values_videos", "video_grid_thw")):
+    for kind, pixels_key, grid_key in (
+        ("image", "pixel_values", "image_grid_thw"),
+        ("video", "pixel_values_videos", "video_grid_thw"),
+    ):
         chosen = [(grid, pixels) for k, grid, pixels in items if k == kind]
         if chosen:
             vision[pixels_key] = torch.cat([pixels for _, pixels in chosen])
             vision[grid_key] = torch.stack([grid for grid, _ in chosen])
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "vision": vision,
-             "labels": plain_labels(input_ids, attention_mask)}
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "vision": vision,
+        "labels": plain_labels(input_ids, attention_mask),
+    }
     if packed:
         batch["position_ids"] = position_ids
     return batch
@@ -147,8 +203,12 @@ def llava_batch(rows: list[list[Any]], seed: int = 0) -> dict[str, Any]:
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention_mask[row, : len(ids)] = 1
     vision = {"pixel_values": torch.randn(images, 3, 8, 8, generator=generator)} if images else {}
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "vision": vision,
-            "labels": plain_labels(input_ids, attention_mask)}
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "vision": vision,
+        "labels": plain_labels(input_ids, attention_mask),
+    }
 
 
 def plain_labels(input_ids: Tensor, attention_mask: Tensor) -> Tensor:
@@ -191,8 +251,10 @@ def split_documents(family: str, batch: dict[str, Any]) -> list[dict[str, Any]]:
         for start, end in zip(starts[:-1], starts[1:], strict=True):
             doc = ids[row, start:end][None]
             doc_vision = {}
-            for kind, token, pixels_key, grid_key in (("image", IMAGE, "pixel_values", "image_grid_thw"),
-                                                      ("video", VIDEO, "pixel_values_videos", "video_grid_thw")):
+            for kind, token, pixels_key, grid_key in (
+                ("image", IMAGE, "pixel_values", "image_grid_thw"),
+                ("video", VIDEO, "pixel_values_videos", "video_grid_thw"),
+            ):
                 is_kind = doc[0] == token
                 runs = int((is_kind[1:] & ~is_kind[:-1]).sum() + is_kind[0])
                 if runs:
@@ -204,8 +266,9 @@ def split_documents(family: str, batch: dict[str, Any]) -> list[dict[str, Any]]:
                     taken[kind] += runs
                     taken[f"{kind}_patch"] += patches
             mask = torch.ones_like(doc)
-            documents.append({"input_ids": doc, "attention_mask": mask, "vision": doc_vision,
-                              "labels": plain_labels(doc, mask)})
+            documents.append(
+                {"input_ids": doc, "attention_mask": mask, "vision": doc_vision, "labels": plain_labels(doc, mask)}
+            )
     return documents
 
 
@@ -228,8 +291,9 @@ def save_tiny_chats(folder: Any, records: int = 6, seed: int = 0) -> str:
         if r % 3 == 1:
             user.append({"type": "image", "image": f"image{(r + 1) % 4}.png"})
         answer = [{"type": "text", "text": f"Noise number {r}, {'two pictures' if r % 3 == 1 else 'colourful'}."}]
-        lines.append(json.dumps({"messages": [{"role": "user", "content": user},
-                                              {"role": "assistant", "content": answer}]}))
+        lines.append(
+            json.dumps({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]})
+        )
     path = folder / "chats.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return str(path)

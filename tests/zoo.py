@@ -63,7 +63,9 @@ SEED = 0
 PERTURBATION = 0.02  # std of the noise added to every initial weight
 LOSS_RTOL = 1e-5
 UPDATE_TOLERANCE = 1e-4
-KERNEL_NOISE_FACTOR = 10  # the SP update may differ from the reference by 10x the plain model's eager-vs-SDPA difference
+KERNEL_NOISE_FACTOR = (
+    10  # the SP update may differ from the reference by 10x the plain model's eager-vs-SDPA difference
+)
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # an entry that fails on one rank only frees the others after this
 HARNESS_TIMEOUT = timedelta(minutes=10)
 LAUNCH_TIMEOUT_S = 1800.0
@@ -85,9 +87,33 @@ class ZooEntry:
 
 # the families whose token mixers outside attention run head-sharded (checked against the sp=2 run), also run at sp=4
 SHARDED_MIXER_FAMILIES = [
-    "bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear", "lara_mini",
-    "lfm2", "lfm2_moe", "lfm3", "mamba", "mamba2", "minimax", "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
-    "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2", "zaya",
+    "bailing_hybrid",
+    "bamba",
+    "falcon_h1",
+    "falcon_mamba",
+    "granitemoehybrid",
+    "jamba",
+    "kimi_linear",
+    "lara_mini",
+    "lfm2",
+    "lfm2_moe",
+    "lfm3",
+    "mamba",
+    "mamba2",
+    "minimax",
+    "nemotron_h",
+    "olmo_hybrid",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "qwen3_5_text",
+    "qwen3_next",
+    "recurrent_gemma",
+    "rwkv",
+    "xlstm",
+    "zamba",
+    "zamba2",
+    "zaya",
 ]
 VARIANT_ENTRIES = [("llama", "rope=dynamic"), ("phi3", "rope=longrope")]
 # entries that check the harness: families known to match must PASS, a wrong SP loss must FAIL
@@ -112,7 +138,9 @@ class Outcome:
     features: str = ""
     seconds: float = 0.0
     missing_package: bool = False  # NOT BUILT for want of an optional package (the environment's, not the harness's)
-    sharded_mixers: int = 0  # token mixers whose kernels ran head-sharded (lightning_ulysses.hf.mixers.shard_token_mixers)
+    sharded_mixers: int = (
+        0  # token mixers whose kernels ran head-sharded (lightning_ulysses.hf.mixers.shard_token_mixers)
+    )
 
 
 @dataclass
@@ -187,8 +215,9 @@ def reference_step(model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Te
     """One SGD step of the plain model on whole sequences: token-mean next-token cross entropy; the loss and the
     updated parameters."""
     logits = model(input_ids=batch["input_ids"]).logits
-    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
-                           ignore_index=IGNORE_INDEX)
+    loss = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE_INDEX
+    )
     loss.backward()
     torch.optim.SGD(model.parameters(), lr=LR).step()
     return loss.detach(), {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -242,7 +271,11 @@ def sp_run(entry: ZooEntry, prepared: Prepared, world_size: int, sequence_mixers
     that is exact."""
     assert prepared.recipe is not None
     strategy = UlyssesStrategy(
-        sp_size=world_size, stage=2, attn_implementation="sdpa", timeout=COLLECTIVE_TIMEOUT, sequence_mixers=sequence_mixers
+        sp_size=world_size,
+        stage=2,
+        attn_implementation="sdpa",
+        timeout=COLLECTIVE_TIMEOUT,
+        sequence_mixers=sequence_mixers,
     )
     module: ZooModule | None = None
     refused: Outcome | None = None
@@ -251,8 +284,14 @@ def sp_run(entry: ZooEntry, prepared: Prepared, world_size: int, sequence_mixers
         model.load_state_dict(prepared.initial)
         module = ZooModule(model, entry.sp_loss_scale)
         trainer = L.Trainer(
-            accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            accelerator="cpu",
+            devices=world_size,
+            strategy=strategy,
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
         trainer.fit(module, DataLoader(make_samples(prepared.recipe.token_ids), batch_size=ROWS, collate_fn=collate))
     except UnsupportedModelError as exc:
@@ -352,7 +391,10 @@ class _World:
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size, self.generation = rank, size, 0
         self.store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, is_master=rank == 0,
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            size,
+            is_master=rank == 0,
             timeout=HARNESS_TIMEOUT,
         )
         self.harness = self._connect()
@@ -388,9 +430,14 @@ def merge(outcomes: list[Outcome]) -> Outcome:
     reasons.sort(key=lambda reason: "Timed out" in reason)
     errors = [o for o in outcomes if o.loss_error is not None]
     return Outcome(
-        worst.verdict, " | ".join(reasons),
-        max((o.loss_error for o in errors), default=None), max((o.update_error for o in errors), default=None),
-        worst.features, max(o.seconds for o in outcomes), worst.missing_package, max(o.sharded_mixers for o in outcomes),
+        worst.verdict,
+        " | ".join(reasons),
+        max((o.loss_error for o in errors), default=None),
+        max((o.update_error for o in errors), default=None),
+        worst.features,
+        max(o.seconds for o in outcomes),
+        worst.missing_package,
+        max(o.sharded_mixers for o in outcomes),
     )
 
 
@@ -423,8 +470,10 @@ def format_table(results: dict[str, Outcome]) -> str:
         for name, o in results.items()
     ]
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header) - 1)]
-    lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1]
-             for row in [header, *rows]]
+    lines = [
+        "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1]
+        for row in [header, *rows]
+    ]
     return "\n".join([*lines, "", _counts(results)])
 
 
@@ -433,34 +482,36 @@ def markdown_page(results: dict[str, Outcome]) -> str:
     controls = {entry.name for entry in CONTROL_ENTRIES}
     shown = {name: outcome for name, outcome in results.items() if name not in controls}
     rows = [f"| `{name}` | {o.features} | {o.verdict} | {_page_reason(o)} |" for name, o in shown.items()]
-    return "\n".join([
-        "# Model support",
-        "",
-        "Generated by the model-zoo test (`tests/zoo.py`); do not edit by hand. Regenerate with",
-        "",
-        f"```bash\n{REGENERATE}\n```",
-        "",
-        f"Every causal-LM family that transformers {transformers.__version__} registers, as a tiny seeded model with "
-        "the proportions of its default config (usually the flagship checkpoint's: head counts, per-head dims and "
-        "widths each shrunk by one factor, so distinct dims stay distinct) and its features on (sliding windows, MoE, "
-        "MLA, ...; `tests/zoo_configs.py`), trained one step with "
-        "`UlyssesStrategy(sp_size=2)` and compared with one process of the plain model on the whole sequence. "
-        "**PASS**: same loss (rtol 1e-5) and same weight update (relative error < 1e-4, or 10x the plain model's own "
-        "eager-vs-SDPA difference where that is larger: deep Gemma 4 stacks amplify float rounding to 9e-5); the "
-        "hybrid families whose token mixers run head-sharded (`docs/hybrid-models.md`) pass at sp_size=4 too. "
-        "**GATHER**: refused by default for token mixers outside attention that have no sharded form, and exact "
-        "with `UlyssesStrategy(sequence_mixers=\"gather\")`, which runs those layers on the whole "
-        "sequence on every rank (sp_size times their compute). "
-        "**REFUSED**: the strategy refuses the model at set-up, for the reason given (the layer, then why). "
-        "Anything else is a bug.",
-        "",
-        _counts(shown),
-        "",
-        "| family | features | verdict | reason |",
-        "|---|---|---|---|",
-        *rows,
-        "",
-    ])
+    return "\n".join(
+        [
+            "# Model support",
+            "",
+            "Generated by the model-zoo test (`tests/zoo.py`); do not edit by hand. Regenerate with",
+            "",
+            f"```bash\n{REGENERATE}\n```",
+            "",
+            f"Every causal-LM family that transformers {transformers.__version__} registers, as a tiny seeded model with "
+            "the proportions of its default config (usually the flagship checkpoint's: head counts, per-head dims and "
+            "widths each shrunk by one factor, so distinct dims stay distinct) and its features on (sliding windows, MoE, "
+            "MLA, ...; `tests/zoo_configs.py`), trained one step with "
+            "`UlyssesStrategy(sp_size=2)` and compared with one process of the plain model on the whole sequence. "
+            "**PASS**: same loss (rtol 1e-5) and same weight update (relative error < 1e-4, or 10x the plain model's own "
+            "eager-vs-SDPA difference where that is larger: deep Gemma 4 stacks amplify float rounding to 9e-5); the "
+            "hybrid families whose token mixers run head-sharded (`docs/hybrid-models.md`) pass at sp_size=4 too. "
+            "**GATHER**: refused by default for token mixers outside attention that have no sharded form, and exact "
+            'with `UlyssesStrategy(sequence_mixers="gather")`, which runs those layers on the whole '
+            "sequence on every rank (sp_size times their compute). "
+            "**REFUSED**: the strategy refuses the model at set-up, for the reason given (the layer, then why). "
+            "Anything else is a bug.",
+            "",
+            _counts(shown),
+            "",
+            "| family | features | verdict | reason |",
+            "|---|---|---|---|",
+            *rows,
+            "",
+        ]
+    )
 
 
 def _page_reason(outcome: Outcome) -> str:

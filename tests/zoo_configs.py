@@ -34,7 +34,13 @@ from transformers.initialization import no_init_weights
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from tests.zoo_proportions import (
-    HEAD_COUNTS, INPUT_CHANNELS, KV_HEAD_FIELDS, PER_HEAD_DIMS, WIDTHS, Proportions, proportions,
+    HEAD_COUNTS,
+    INPUT_CHANNELS,
+    KV_HEAD_FIELDS,
+    PER_HEAD_DIMS,
+    WIDTHS,
+    Proportions,
+    proportions,
 )
 
 SEQ_LEN = 32
@@ -48,11 +54,16 @@ CHUNK = 8  # chunked attention, shorter than a shard
 MIN_LAYERS = 2
 MAX_LAYERS = 24  # a layer pattern that needs more is cut here (and its missing layer kinds are reported)
 
-_QSA_INDEXER = {f"indexer_{k}": v for k, v in
-                dict(n_heads=4, kv_heads=1, head_dim=16, budget=8, compress_ratio=2).items()}
+_QSA_INDEXER = {
+    f"indexer_{k}": v for k, v in dict(n_heads=4, kv_heads=1, head_dim=16, budget=8, compress_ratio=2).items()
+}
 
-_DRAFTER = {"text_config.hidden_size_per_layer_input": 0, "text_config.vocab_size_per_layer_input": 0,
-            "text_config.num_hidden_layers": 2, "text_config.num_kv_shared_layers": 2}
+_DRAFTER = {
+    "text_config.hidden_size_per_layer_input": 0,
+    "text_config.vocab_size_per_layer_input": 0,
+    "text_config.num_hidden_layers": 2,
+    "text_config.num_kv_shared_layers": 2,
+}
 
 # Per-family config fixes, keyed by model_type: {field: value} applied last to the config that the family's causal-LM
 # class takes ("a.b": field b of its sub-config a). A fix of the depth field pins the layer pattern to the fix's.
@@ -87,7 +98,9 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
     "dory": {"num_hidden_layers": 4, "n_input_layers": 1, "n_recurrent_layers": 2, "n_output_layers": 1},
     # the last layers reuse the key-value states of earlier ones (num_kv_shared_layers of 35)
     "gemma3n_text": {
-        "num_hidden_layers": 4, "num_kv_shared_layers": 2, "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "num_hidden_layers": 4,
+        "num_kv_shared_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
         "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
     },
     # --- inputs ---
@@ -95,7 +108,10 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
     "musicgen_melody": {"num_codebooks": 2},
     "reformer": {  # axial position embeddings must factor the sequence (4 x 8 = 32) and add up to the hidden size,
         # which the shrink factor leaves no whole parts of (256 = 64 + 192 to 43)
-        "attn_layers": ["local", "lsh"], "axial_pos_shape": [4, 8], "axial_pos_embds_dim": [32, 32], "hidden_size": 64,
+        "attn_layers": ["local", "lsh"],
+        "axial_pos_shape": [4, 8],
+        "axial_pos_embds_dim": [32, 32],
+        "hidden_size": 64,
     },
 }
 
@@ -109,6 +125,7 @@ def _is_int(value: Any) -> bool:
 
 def _at_most(limit: int) -> Rule:
     """At most ``limit`` (also for each entry of a per-layer list); None and 0 (feature off) stay."""
+
     def rule(value: Any, scale: Proportions) -> Any:
         if isinstance(value, list):
             return [rule(v, scale) for v in value]
@@ -125,6 +142,7 @@ def _at_most_or(limit: int) -> Rule:
 def _scaled(divide: Callable[[Proportions, int], int], where_none: Callable[[Proportions], Any] | None = None) -> Rule:
     """``divide(scale, value)`` for a positive int (also each entry of a per-layer list); 0 (feature off) stays; None
     stays, or becomes ``where_none(scale)``."""
+
     def rule(value: Any, scale: Proportions) -> Any:
         if isinstance(value, list):
             return [rule(v, scale) for v in value]
@@ -191,8 +209,11 @@ _RULES: list[tuple[str | re.Pattern, Rule]] = [
     (INPUT_CHANNELS, lambda value, scale: value),
     (WIDTHS, _scaled(Proportions.width)),
     # depth (of sub-configs: the decoder's depth follows its layer pattern, see tiny_recipe)
-    (r"(num_hidden_layers|n_layer|num_layers|n_layers|encoder_layers|decoder_layers|depth|num_decoder_layers"
-     r"|num_encoder_layers|.*_num_hidden_layers)", _at_most(MIN_LAYERS)),
+    (
+        r"(num_hidden_layers|n_layer|num_layers|n_layers|encoder_layers|decoder_layers|depth|num_decoder_layers"
+        r"|num_encoder_layers|.*_num_hidden_layers)",
+        _at_most(MIN_LAYERS),
+    ),
 ]
 _COMPILED_RULES = [(re.compile(pattern), rule) for pattern, rule in _RULES]
 _DEPTH_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "num_decoder_layers")
@@ -344,11 +365,16 @@ def _module_fingerprint(layer: nn.Module) -> tuple:
     """What tells a decoder layer's kind: its modules' classes, parameter shapes and plain attributes."""
     parts = []
     for name, module in layer.named_modules():
-        attributes = tuple(sorted(
-            (key, value) for key, value in vars(module).items()
-            if isinstance(value, _KIND_VALUES) and not key.startswith("_") and key != "training"
-            and not _NOT_A_KIND.search(key)
-        ))
+        attributes = tuple(
+            sorted(
+                (key, value)
+                for key, value in vars(module).items()
+                if isinstance(value, _KIND_VALUES)
+                and not key.startswith("_")
+                and key != "training"
+                and not _NOT_A_KIND.search(key)
+            )
+        )
         shapes = tuple((key, tuple(p.shape)) for key, p in module.named_parameters(recurse=False))
         parts.append((name, type(module).__name__, attributes, shapes))
     return tuple(parts)
@@ -400,9 +426,11 @@ def _longrope(config: PreTrainedConfig) -> dict[str, Any]:
     """LongRoPE: the long factors apply once the sequence is longer than the original maximum."""
     pairs = _rotary_pairs(config)
     rope = {
-        "rope_type": "longrope", "rope_theta": config.rope_parameters["rope_theta"],
+        "rope_type": "longrope",
+        "rope_theta": config.rope_parameters["rope_theta"],
         "partial_rotary_factor": config.rope_parameters.get("partial_rotary_factor", 1.0),
-        "short_factor": [1.0] * pairs, "long_factor": [1.0 + 3.0 * i / pairs for i in range(pairs)],
+        "short_factor": [1.0] * pairs,
+        "long_factor": [1.0 + 3.0 * i / pairs for i in range(pairs)],
         "original_max_position_embeddings": ORIGINAL_MAX_POSITIONS,
     }
     overrides: dict[str, Any] = {"max_position_embeddings": 4 * ORIGINAL_MAX_POSITIONS, "rope_parameters": rope}
@@ -462,8 +490,9 @@ def tiny_recipe(model_type: str, variant: str | None = None) -> TinyRecipe:
 class _Decoder:
     """Chooses the depth of the tiny decoder: the fewest layers that hold every kind of layer of the full stack."""
 
-    def __init__(self, root: PreTrainedConfig, model_class: type[PreTrainedModel], fixes: dict[str, Any],
-                 variant: str | None) -> None:
+    def __init__(
+        self, root: PreTrainedConfig, model_class: type[PreTrainedModel], fixes: dict[str, Any], variant: str | None
+    ) -> None:
         self.model_class, self.fixes, self.variant = model_class, fixes, variant
         self.default = root
         self.spec = _shrunk_spec(root, _TokenIds())
@@ -619,8 +648,14 @@ def features(recipe: TinyRecipe, model: nn.Module) -> str:
         found.append("+".join(kind.removesuffix("_attention") for kind in kinds))
     decoder = model.get_decoder()  # the language model of a vision-language model, not its towers
     layers = [m for name in _decoder_stacks(decoder, depth or 0) for m in decoder.get_submodule(name).modules()]
-    windows = sorted({value for m in [text, *layers] for key, value in vars(m).items()
-                      if _WINDOW_ATTRIBUTE.fullmatch(key) and _is_int(value) and value > 0})
+    windows = sorted(
+        {
+            value
+            for m in [text, *layers]
+            for key, value in vars(m).items()
+            if _WINDOW_ATTRIBUTE.fullmatch(key) and _is_int(value) and value > 0
+        }
+    )
     found += [f"window {w}" for w in windows]
     if _is_int(chunk := _field_value(text, "attention_chunk_size")):
         found.append(f"chunk {chunk}")
@@ -635,8 +670,11 @@ def features(recipe: TinyRecipe, model: nn.Module) -> str:
     found += _rope_features(text)
     if any(_field_value(text, name) not in (None, _MISSING) for name in ("attn_logit_softcapping", "logits_soft_cap")):
         found.append("softcap")
-    found += [name.removesuffix("_config") for name in config.sub_configs
-              if name != _text_config_path(config) and getattr(config, name, None) is not None]
+    found += [
+        name.removesuffix("_config")
+        for name in config.sub_configs
+        if name != _text_config_path(config) and getattr(config, name, None) is not None
+    ]
     if recipe.lost_layer_kinds:
         found.append(f"{recipe.lost_layer_kinds} layer kinds of the full stack missing")
     return ", ".join(found)

@@ -38,7 +38,11 @@ _FACTORS = [2**i for i in range(8)]
 
 HEAD_FIELDS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads", "decoder_attention_heads")
 KV_HEAD_FIELDS = (
-    "num_key_value_heads", "num_kv_heads", "kv_n_heads", "swa_num_key_value_heads", "num_query_groups",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "kv_n_heads",
+    "swa_num_key_value_heads",
+    "num_query_groups",
     "multi_query_group_num",
 )
 HIDDEN_FIELDS = ("hidden_size", "d_model", "n_embd", "emb_dim", "embed_dim", "embedding_dim")

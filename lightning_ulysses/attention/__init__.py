@@ -22,20 +22,41 @@ the per-batch planning).
 
 from lightning_ulysses.attention.backends import CORE_ATTENTION, prepare_plans, resolve_attn_implementation
 from lightning_ulysses.attention.collectives import (
-    all_to_all, gather_sequence, heads_to_sequence, sequence_to_heads,
+    all_to_all,
+    gather_sequence,
+    heads_to_sequence,
+    sequence_to_heads,
 )
 from lightning_ulysses.attention.core import CoreAttention
 from lightning_ulysses.attention.documents import Documents, documents_of
 from lightning_ulysses.attention.flash import flash_attention_2, flash_attention_3
 from lightning_ulysses.attention.flex import flex_attention
-from lightning_ulysses.attention.sdpa import SIGNIFICANT_BITS, length_class, plan_packed, sdpa_attention, sdpa_with_lse
 from lightning_ulysses.attention.ring import ring_attention
+from lightning_ulysses.attention.sdpa import SIGNIFICANT_BITS, length_class, plan_packed, sdpa_attention, sdpa_with_lse
 from lightning_ulysses.attention.sinks import sink_attention
 from lightning_ulysses.attention.ulysses import plan_batch, ulysses_attention
 
 __all__ = [
-    "CORE_ATTENTION", "SIGNIFICANT_BITS", "CoreAttention", "Documents", "all_to_all", "documents_of",
-    "flash_attention_2", "flash_attention_3", "flex_attention", "gather_sequence", "heads_to_sequence",
-    "length_class", "plan_batch", "plan_packed", "prepare_plans", "resolve_attn_implementation", "ring_attention",
-    "sdpa_attention", "sdpa_with_lse", "sequence_to_heads", "sink_attention", "ulysses_attention",
+    "CORE_ATTENTION",
+    "SIGNIFICANT_BITS",
+    "CoreAttention",
+    "Documents",
+    "all_to_all",
+    "documents_of",
+    "flash_attention_2",
+    "flash_attention_3",
+    "flex_attention",
+    "gather_sequence",
+    "heads_to_sequence",
+    "length_class",
+    "plan_batch",
+    "plan_packed",
+    "prepare_plans",
+    "resolve_attn_implementation",
+    "ring_attention",
+    "sdpa_attention",
+    "sdpa_with_lse",
+    "sequence_to_heads",
+    "sink_attention",
+    "ulysses_attention",
 ]

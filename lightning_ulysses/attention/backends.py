@@ -9,7 +9,10 @@ import torch
 from lightning_ulysses.attention.core import CoreAttention
 from lightning_ulysses.attention.documents import Documents
 from lightning_ulysses.attention.flash import (
-    FLASH_DTYPES, flash_attention_2, flash_attention_3, refuse_unsupported_dtype,
+    FLASH_DTYPES,
+    flash_attention_2,
+    flash_attention_3,
+    refuse_unsupported_dtype,
 )
 from lightning_ulysses.attention.flex import document_block_mask, flex_attention
 from lightning_ulysses.attention.sdpa import packed_plan, sdpa_attention
@@ -34,10 +37,13 @@ def resolve_attn_implementation(name: str, device_type: str, dtype: torch.dtype 
         runs_flash = dtype in FLASH_DTYPES and importlib.util.find_spec("flash_attn") is not None
         return "flash_attention_2" if device_type == "cuda" and runs_flash else "sdpa"
     if name not in CORE_ATTENTION:
-        refused = " Eager attention materialises a [N, N] mask per head and is not supported." if name == "eager" else ""
+        refused = (
+            " Eager attention materialises a [N, N] mask per head and is not supported." if name == "eager" else ""
+        )
         raise ValueError(
             f"Unsupported attn_implementation {name!r}.{refused} Choose one of: 'auto', "
-            + ", ".join(repr(k) for k in CORE_ATTENTION) + "."
+            + ", ".join(repr(k) for k in CORE_ATTENTION)
+            + "."
         )
     module = _REQUIRED_MODULE.get(name)
     if module is not None and importlib.util.find_spec(module) is None:

@@ -43,7 +43,11 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int,
+        ctx: Any,
+        x: Tensor,
+        group: ProcessGroup,
+        scatter_dim: int,
+        gather_dim: int,
         observer: CollectiveObserver | None,
     ) -> Tensor:
         ctx.group, ctx.scatter_dim, ctx.gather_dim, ctx.observer = group, scatter_dim, gather_dim, observer

@@ -19,8 +19,16 @@ class CoreAttention(Protocol):
     ``[B, N, h]`` fp32. ``scale=None`` is ``D ** -0.5``."""
 
     def __call__(
-        self, query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, *, scale: float | None,
-        dropout_p: float, window: int | None, return_lse: bool = False,
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        documents: Documents | None,
+        *,
+        scale: float | None,
+        dropout_p: float,
+        window: int | None,
+        return_lse: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]: ...
 
 

@@ -41,7 +41,7 @@ class Documents:
     _plans: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def from_position_ids(cls, position_ids: Tensor, chunk: int | None = None) -> "Documents":
+    def from_position_ids(cls, position_ids: Tensor, chunk: int | None = None) -> Documents:
         """The documents of whole ``[B, N]`` rows of position ids (one host sync); with ``chunk``, every position id
         divisible by it also starts one, so that a token attends only inside its chunk (Llama 4's chunked attention)."""
         starts = document_starts(position_ids)
@@ -67,7 +67,7 @@ class Documents:
         """``[B, N]`` long: the index of each token's document inside its row."""
         return self.starts.long().cumsum(dim=1)
 
-    def plan(self, key: Hashable, build: Callable[["Documents"], PlanT]) -> PlanT:
+    def plan(self, key: Hashable, build: Callable[[Documents], PlanT]) -> PlanT:
         """``build(self)``, built once per ``key`` (a backend's plan for these documents) and kept with them."""
         if key not in self._plans:
             self._plans[key] = build(self)
@@ -110,6 +110,7 @@ def whole_position_ids(position_ids: Tensor, group: SequenceParallelGroup) -> Te
 
 def _gathered(position_ids: Tensor, group: SequenceParallelGroup) -> _GatheredPositions:
     """The whole rows of ``position_ids``, from ``group``'s cache when it has one."""
+
     def gather() -> _GatheredPositions:
         return _GatheredPositions(gather_sequence(position_ids, group))
 

@@ -30,8 +30,14 @@ def _flash_window(window: int | None) -> tuple[int, int]:
 
 
 def _flash(
-    functions: tuple[Any, Any], query: Tensor, key: Tensor, value: Tensor, documents: Documents | None,
-    return_lse: bool, scale: float | None, **options: Any,
+    functions: tuple[Any, Any],
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    documents: Documents | None,
+    return_lse: bool,
+    scale: float | None,
+    **options: Any,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """flash-attn 2 or 3 (``functions``: its ``flash_attn_func`` and ``flash_attn_varlen_func``): one batched call,
     or the varlen kernel over the flattened tokens of packed rows with ``cu_seqlens``. A value head size other than
@@ -47,8 +53,11 @@ def _flash(
     else:
         result = varlen_func(
             *(t.flatten(0, 1) for t in (query, key, value)),
-            cu_seqlens_q=documents.cu_seqlens, cu_seqlens_k=documents.cu_seqlens,
-            max_seqlen_q=documents.max_seqlen, max_seqlen_k=documents.max_seqlen, **options,
+            cu_seqlens_q=documents.cu_seqlens,
+            cu_seqlens_k=documents.cu_seqlens,
+            max_seqlen_q=documents.max_seqlen,
+            max_seqlen_k=documents.max_seqlen,
+            **options,
         )
     out, lse = result[:2] if isinstance(result, tuple) else (result, None)  # early FA3 releases always return lse
     out = out.view_as(query)[..., :value_dim]  # [B, N, h, D_v]
@@ -60,8 +69,15 @@ def _flash(
 
 
 def flash_attention_2(
-    query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, *, scale: float | None = None,
-    dropout_p: float = 0.0, window: int | None = None, return_lse: bool = False,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    documents: Documents | None,
+    *,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    window: int | None = None,
+    return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """flash-attn 2 (CUDA, fp16/bf16); packed rows use the varlen kernel with ``cu_seqlens``."""
     refuse_unsupported_dtype("flash_attention_2", query.dtype)
@@ -69,14 +85,29 @@ def flash_attention_2(
 
     refuse_dropout_with_lse(return_lse, dropout_p)
     return _flash(
-        (flash_attn.flash_attn_func, flash_attn.flash_attn_varlen_func), query, key, value,
-        documents, return_lse, scale, dropout_p=dropout_p, causal=True, window_size=_flash_window(window),
+        (flash_attn.flash_attn_func, flash_attn.flash_attn_varlen_func),
+        query,
+        key,
+        value,
+        documents,
+        return_lse,
+        scale,
+        dropout_p=dropout_p,
+        causal=True,
+        window_size=_flash_window(window),
     )
 
 
 def flash_attention_3(
-    query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, *, scale: float | None = None,
-    dropout_p: float = 0.0, window: int | None = None, return_lse: bool = False,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    documents: Documents | None,
+    *,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    window: int | None = None,
+    return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """flash-attn 3 (Hopper, ``flash_attn_interface``, fp16/bf16); no dropout."""
     refuse_unsupported_dtype("flash_attention_3", query.dtype)
@@ -86,5 +117,12 @@ def flash_attention_3(
         raise ValueError("flash_attention_3 has no attention dropout; set the model's attention_dropout to 0.")
     return _flash(
         (flash_attn_interface.flash_attn_func, flash_attn_interface.flash_attn_varlen_func),
-        query, key, value, documents, return_lse, scale, causal=True, window_size=_flash_window(window),
+        query,
+        key,
+        value,
+        documents,
+        return_lse,
+        scale,
+        causal=True,
+        window_size=_flash_window(window),
     )

@@ -46,8 +46,10 @@ def block_mask(document_ids: Tensor | None, seq_len: int, window: int | None, de
 
 def document_block_mask(documents: Documents, window: int | None) -> Any:
     """The :func:`block_mask` of ``documents`` and ``window``, built once and kept with the documents."""
-    return documents.plan(("flex", window), lambda d: block_mask(
-        None if d.one_per_row else d.document_ids, d.starts.shape[1], window, d.starts.device))
+    return documents.plan(
+        ("flex", window),
+        lambda d: block_mask(None if d.one_per_row else d.document_ids, d.starts.shape[1], window, d.starts.device),
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -56,8 +58,15 @@ def _rows_block_mask(seq_len: int, window: int | None, device: torch.device) -> 
 
 
 def flex_attention(
-    query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, *, scale: float | None = None,
-    dropout_p: float = 0.0, window: int | None = None, return_lse: bool = False,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    documents: Documents | None,
+    *,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    window: int | None = None,
+    return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Compiled ``flex_attention`` with a causal document block mask; its log-sum-exp is differentiable.
 
@@ -82,8 +91,13 @@ def flex_attention(
     # inductor's CPU flex kernel is inference-only and has no log-sum-exp: there (sinks on CPU) flex runs eagerly
     eager = query.device.type == "cpu" and return_lse
     result = (eager_flex if eager else compiled_flex()[1])(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), block_mask=mask, scale=scale,
-        enable_gqa=query.shape[2] != key.shape[2], **options,
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        block_mask=mask,
+        scale=scale,
+        enable_gqa=query.shape[2] != key.shape[2],
+        **options,
     )
     if return_lse:
         out, aux = result

@@ -131,12 +131,19 @@ def _routes(layout: HeadLayout, chunks: int, device: torch.device) -> tuple[_Rou
         kv_slots = [r * layout.kv_heads_per_rank + s for r in range(layout.sp_size) for s in chunk.kv]
         position = {slot: i for i, slot in enumerate(query_slots)}
         heads = [h for h, slot in enumerate(layout.output_slots) if slot in position]
-        routes.append(_Routes(*(
-            torch.tensor(x, dtype=torch.long, device=device) for x in (
-                [layout.query_slots[s] for s in query_slots], [layout.kv_slots[s] for s in kv_slots], heads,
-                [position[layout.output_slots[h]] for h in heads],
+        routes.append(
+            _Routes(
+                *(
+                    torch.tensor(x, dtype=torch.long, device=device)
+                    for x in (
+                        [layout.query_slots[s] for s in query_slots],
+                        [layout.kv_slots[s] for s in kv_slots],
+                        heads,
+                        [position[layout.output_slots[h]] for h in heads],
+                    )
+                )
             )
-        )))
+        )
     return tuple(routes)
 
 
@@ -203,8 +210,17 @@ class _ChunkedUlysses(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, query: Tensor, key: Tensor, value: Tensor, sinks: Tensor | None, layout: HeadLayout, chunks: int,
-        group: ProcessGroup, attend: Attend, rank: int, random: bool,
+        ctx: Any,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        sinks: Tensor | None,
+        layout: HeadLayout,
+        chunks: int,
+        group: ProcessGroup,
+        attend: Attend,
+        rank: int,
+        random: bool,
     ) -> Tensor:
         routes = _routes(layout, chunks, query.device)
         sp, overlap = layout.sp_size, query.is_cuda
@@ -299,9 +315,7 @@ def _place(out: Tensor, back: _Exchange, r: _Routes, value: Tensor, sp: int) -> 
     out.index_copy_(2, r.output_heads, slots.index_select(2, r.output_slots))
 
 
-def _accumulate(
-    grads: list[Tensor | None], back: _Exchange, r: _Routes, inputs: Sequence[Tensor], sp: int
-) -> None:
+def _accumulate(grads: list[Tensor | None], back: _Exchange, r: _Routes, inputs: Sequence[Tensor], sp: int) -> None:
     """Add a chunk's returned query, key and value gradients into the input gradients (replicated slots sum)."""
     received = _received_slots(back.take(), _widths(r, inputs[0], inputs[2], sp))
     for i, (heads, part) in enumerate(zip((r.query_heads, r.kv_heads, r.kv_heads), received, strict=True)):
@@ -355,8 +369,16 @@ def _autocast_state(device: torch.device) -> dict[str, Any]:
 
 
 def chunked_ulysses(
-    query: Tensor, key: Tensor, value: Tensor, sinks: Tensor | None, layout: HeadLayout, group: ProcessGroup,
-    attend: Attend, head_chunks: HeadChunks, *, random: bool = False,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    sinks: Tensor | None,
+    layout: HeadLayout,
+    group: ProcessGroup,
+    attend: Attend,
+    head_chunks: HeadChunks,
+    *,
+    random: bool = False,
 ) -> Tensor:
     """Ulysses attention over ``group`` in chunks of heads (see the module docstring).
 

@@ -130,14 +130,23 @@ def classify_pair(
     if key_chunk > query_chunk:
         return None
     return classify_span(
-        query_chunk * chunk, (query_chunk + 1) * chunk - 1, key_chunk * chunk, (key_chunk + 1) * chunk - 1, window,
+        query_chunk * chunk,
+        (query_chunk + 1) * chunk - 1,
+        key_chunk * chunk,
+        (key_chunk + 1) * chunk - 1,
+        window,
         same_document,
     )
 
 
 def plan_tiles(
-    query_chunk: int, key_chunk: int, chunk: int, window: int | None, same_document: SameDocument,
-    first_column: Callable[[int], int], tile: int,
+    query_chunk: int,
+    key_chunk: int,
+    chunk: int,
+    window: int | None,
+    same_document: SameDocument,
+    first_column: Callable[[int], int],
+    tile: int,
 ) -> tuple[Tile, ...]:
     """The kernel calls of a masked chunk pair: each tile of ``tile`` queries against the keys it may read from the
     first column of its first query's document (``first_column``, over all rows) or its window on, split into the
@@ -150,7 +159,9 @@ def plan_tiles(
         q_first, q_last = q_base + lo, q_base + hi - 1
         earliest = first_column(q_first) if window is None else max(first_column(q_first), q_first - window + 1)
         k_first = max(k_base, earliest)
-        spans = [(k_first, q_first - 1), (q_first, q_last)] if key_chunk == query_chunk else [(k_first, k_base + chunk - 1)]
+        spans = (
+            [(k_first, q_first - 1), (q_first, q_last)] if key_chunk == query_chunk else [(k_first, k_base + chunk - 1)]
+        )
         for first, last in spans:
             if first <= last and (kind := classify_span(q_first, q_last, first, last, window, same_document)):
                 tiles.append(Tile(lo, hi, first - k_base, last + 1 - k_base, kind))
@@ -158,13 +169,19 @@ def plan_tiles(
 
 
 def plan_ring(
-    documents: Documents | None, batch: int, seq_len: int, ring_size: int, ring_rank: int, window: int | None,
+    documents: Documents | None,
+    batch: int,
+    seq_len: int,
+    ring_size: int,
+    ring_rank: int,
+    window: int | None,
     tile: int = MASK_TILE,
 ) -> RingPlan:
     """The :class:`RingPlan` of ring rank ``ring_rank`` for rows of ``seq_len`` whole-sequence tokens (host work on
     ``documents.offsets``; no host sync); masked pairs cut into query tiles of ``tile``."""
     chunk = seq_len // (2 * ring_size)
     if documents is None or documents.one_per_row:
+
         def same_document(x: int, y: int) -> str:
             return "all"
 
@@ -181,7 +198,9 @@ def plan_ring(
             return "all" if all(same) else "some" if any(same) else "none"
 
         def first_column(x: int) -> int:
-            return min(offsets[bisect.bisect_right(offsets, row * seq_len + x) - 1] - row * seq_len for row in range(batch))
+            return min(
+                offsets[bisect.bisect_right(offsets, row * seq_len + x) - 1] - row * seq_len for row in range(batch)
+            )
 
     own = (ring_rank, 2 * ring_size - 1 - ring_rank)
     steps = []
@@ -234,8 +253,15 @@ def _pair_forward(
 
 
 def _pair_backward(
-    grad: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, pair: BlockPair,
-    plan: RingPlan, scale: float,
+    grad: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    pair: BlockPair,
+    plan: RingPlan,
+    scale: float,
 ) -> tuple[list[tuple[slice, Tensor]], list[tuple[slice, Tensor, Tensor]]]:
     """The gradients of one chunk pair: ``(query rows, dQ)`` and ``(key rows, dK, dV)`` per kernel call."""
     if pair.kind != "masked":
@@ -246,8 +272,15 @@ def _pair_backward(
         rows, columns = slice(tile.q_lo, tile.q_hi), slice(tile.k_lo, tile.k_hi)
         mask = plan.mask(pair, tile, query.device) if tile.kind == "masked" else None
         dq, dk, dv = block_backward(
-            grad[:, rows], query[:, rows], key[:, columns], value[:, columns], out[:, rows], lse[:, rows], tile.kind,
-            mask, scale,
+            grad[:, rows],
+            query[:, rows],
+            key[:, columns],
+            value[:, columns],
+            out[:, rows],
+            lse[:, rows],
+            tile.kind,
+            mask,
+            scale,
         )
         grad_queries.append((rows, dq))
         grad_keys.append((columns, dk, dv))
@@ -255,7 +288,11 @@ def _pair_backward(
 
 
 def _attend_step(
-    queries: tuple[Tensor, Tensor], kv: list[Tensor], pairs: tuple[BlockPair, ...], plan: RingPlan, scale: float,
+    queries: tuple[Tensor, Tensor],
+    kv: list[Tensor],
+    pairs: tuple[BlockPair, ...],
+    plan: RingPlan,
+    scale: float,
     acc: list[tuple[Tensor, Tensor] | None],
 ) -> None:
     """Forward of one ring step: merge this rank's query chunks' attention to the K/V block ``kv`` into ``acc``.
@@ -267,7 +304,11 @@ def _attend_step(
 
 
 def _gradient_step(
-    split: list[tuple[Tensor, Tensor]], kv: list[Tensor], pairs: tuple[BlockPair, ...], plan: RingPlan, scale: float,
+    split: list[tuple[Tensor, Tensor]],
+    kv: list[Tensor],
+    pairs: tuple[BlockPair, ...],
+    plan: RingPlan,
+    scale: float,
     grad_queries: tuple[Tensor, Tensor],
 ) -> list[Tensor]:
     """Backward of one ring step: add the query gradients into ``grad_queries``; return this rank's fp32 share of the
@@ -307,7 +348,13 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, query: Tensor, key: Tensor, value: Tensor, sinks: Tensor | None, plan: RingPlan, group: ProcessGroup,
+        ctx: Any,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        sinks: Tensor | None,
+        plan: RingPlan,
+        group: ProcessGroup,
         scale: float,
     ) -> Tensor:
         queries = query.chunk(2, dim=1)
@@ -363,8 +410,17 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(
-    query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, group: ProcessGroup, ring_size: int,
-    ring_rank: int, *, scale: float | None = None, window: int | None = None, sinks: Tensor | None = None,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    documents: Documents | None,
+    group: ProcessGroup,
+    ring_size: int,
+    ring_rank: int,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of this ring rank's zigzag chunks against the whole sequence, exact (see the module docstring).
 

@@ -54,8 +54,15 @@ def block_forward(
 
 
 def block_backward(
-    grad: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, kind: BlockKind,
-    mask: Tensor | None, scale: float,
+    grad: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    kind: BlockKind,
+    mask: Tensor | None,
+    scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of one block's ``query``, ``key`` and ``value`` (their layouts) for the output gradient ``grad``,
     given the merged ``out [b, n, h, D_v]`` and ``lse [b, n, h]`` of the queries over all blocks (then each block's
@@ -95,11 +102,26 @@ def _cpu_forward(
 
 
 def _cpu_backward(
-    g: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, kind: BlockKind, mask: Tensor | None,
+    g: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    kind: BlockKind,
+    mask: Tensor | None,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        g, q, k, v, o, lse, 0.0, kind == "causal", attn_mask=None if mask is None else _bias(mask, q.dtype),
+        g,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        0.0,
+        kind == "causal",
+        attn_mask=None if mask is None else _bias(mask, q.dtype),
         scale=scale,
     )
 
@@ -135,7 +157,14 @@ def _cuda_forward(
 
 
 def _cuda_backward(
-    g: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, kind: BlockKind, mask: Tensor | None,
+    g: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    kind: BlockKind,
+    mask: Tensor | None,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     batch, heads, n = q.shape[:3]
@@ -144,8 +173,19 @@ def _cuda_backward(
     lse = torch.nn.functional.pad(lse, (0, padded - n))  # the layout the forward handed out
     no_dropout = torch.empty((), dtype=torch.long)  # the philox seed and offset, unread without dropout
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        g.contiguous(), q, _expand_heads(k, heads), _expand_heads(v, heads), bias, o.contiguous(), lse, no_dropout,
-        no_dropout, 0.0, [True, True, True, False], kind == "causal", scale=scale,
+        g.contiguous(),
+        q,
+        _expand_heads(k, heads),
+        _expand_heads(v, heads),
+        bias,
+        o.contiguous(),
+        lse,
+        no_dropout,
+        no_dropout,
+        0.0,
+        [True, True, True, False],
+        kind == "causal",
+        scale=scale,
     )
     kv_heads = k.shape[1]
     if kv_heads != heads:  # each K/V head's gradient is the sum over the query heads of its group
@@ -219,8 +259,14 @@ def _dense_attention(
 
 
 def _blockwise_attention(
-    query: Tensor, keys: Tensor, values: Tensor, blocks: list[tuple[BlockKind, Tensor | None]], scale: float,
-    grad: Tensor, device: torch.device, dtype: torch.dtype,
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    blocks: list[tuple[BlockKind, Tensor | None]],
+    scale: float,
+    grad: Tensor,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> tuple[Tensor, ...]:
     """The same as :func:`_dense_attention`, block by block as the ring runs it (the keys cut into ``len(blocks)``
     equal blocks), on ``device`` in ``dtype``."""

@@ -142,8 +142,15 @@ def run_packed(
 
 
 def sdpa_attention(
-    query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, *, scale: float | None = None,
-    dropout_p: float = 0.0, window: int | None = None, return_lse: bool = False,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    documents: Documents | None,
+    *,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    window: int | None = None,
+    return_lse: bool = False,
     significant_bits: int | None = SIGNIFICANT_BITS,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Causal attention with ``torch.nn.functional.scaled_dot_product_attention``.

@@ -45,8 +45,15 @@ class _ExactLogSumExp(torch.autograd.Function):
 
 
 def sink_attention(
-    core: CoreAttention, query: Tensor, key: Tensor, value: Tensor, documents: Documents | None, sinks: Tensor, *,
-    scale: float | None = None, window: int | None = None,
+    core: CoreAttention,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    documents: Documents | None,
+    sinks: Tensor,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """Attention with sinks (gpt-oss, transformers' ``s_aux``): each query's softmax also runs over one logit
     ``sinks[h]`` whose value is zero, so ``out' = out * sigmoid(lse - sinks[h])``.

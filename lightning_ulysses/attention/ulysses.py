@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
@@ -156,8 +155,15 @@ def _sinks_of_rank(sinks: Tensor | None, layout: HeadLayout, group: ProcessGroup
 
 
 def _ulysses_x_ring(
-    query: Tensor, key: Tensor, value: Tensor, groups: SequenceParallelGroups, documents: Documents | None,
-    scale: float | None, window: int | None, sinks: Tensor | None, head_chunks: HeadChunks | None = None,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    groups: SequenceParallelGroups,
+    documents: Documents | None,
+    scale: float | None,
+    window: int | None,
+    sinks: Tensor | None,
+    head_chunks: HeadChunks | None = None,
 ) -> Tensor:
     """Ulysses inside ``groups.ulysses`` (all-to-alls to the ring rank's two zigzag chunks, its share of the heads),
     ring attention across ``groups.ring``, and back: ``[B, N/P, H, D]`` queries and keys, ``[B, N/P, H, D_v]`` values
@@ -165,17 +171,35 @@ def _ulysses_x_ring(
     ulysses, ring, observer = groups.ulysses, groups.ring, groups.observer
     layout = plan_heads(query.shape[2], key.shape[2], dist.get_world_size(ulysses))
     if head_chunks is not None:
+
         def attend(q: Tensor, k: Tensor, v: Tensor, head_sinks: Tensor | None) -> Tensor:
             return ring_attention(
-                q, k, v, documents, ring, groups.ring_size, dist.get_rank(ring), scale=scale, window=window,
+                q,
+                k,
+                v,
+                documents,
+                ring,
+                groups.ring_size,
+                dist.get_rank(ring),
+                scale=scale,
+                window=window,
                 sinks=head_sinks,
             )
+
         return chunked_ulysses(query, key, value, sinks, layout, ulysses, attend, head_chunks)
     sinks = _sinks_of_rank(sinks, layout, ulysses)
     query = sequence_to_heads(select_heads(query, layout.query_slots), ulysses, observer)  # [B, N/R, h, D]
     key, value = (sequence_to_heads(select_heads(t, layout.kv_slots), ulysses, observer) for t in (key, value))
     out = ring_attention(
-        query, key, value, documents, ring, groups.ring_size, dist.get_rank(ring), scale=scale, window=window,
+        query,
+        key,
+        value,
+        documents,
+        ring,
+        groups.ring_size,
+        dist.get_rank(ring),
+        scale=scale,
+        window=window,
         sinks=sinks,
     )
     return select_heads(heads_to_sequence(out, ulysses, observer), layout.output_slots)  # [B, N/P, H, D_v]

@@ -43,8 +43,14 @@ from lightning_ulysses.prediction import PredictionWriter
 from lightning_ulysses.progress import progress_bar
 
 DEFAULT_MODEL = {
-    "model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048, "tie_word_embeddings": True,
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": True,
 }
 """A small Llama-style model that trains in minutes on CPU (the model of ``configs/quickstart.yaml``)."""
 
@@ -68,18 +74,22 @@ class UlyssesCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         link_vocabulary(parser)
         # classes, not the name "ulysses", so that --trainer.strategy.sp_size works without a config file
-        parser.set_defaults({
-            "trainer.strategy": {"class_path": "lightning_ulysses.UlyssesStrategy"},
-            "model": {"class_path": "lightning_ulysses.CausalLM", "init_args": {"model": DEFAULT_MODEL}},
-            "data": {"class_path": "lightning_ulysses.LongTextDataModule"},
-        })
+        parser.set_defaults(
+            {
+                "trainer.strategy": {"class_path": "lightning_ulysses.UlyssesStrategy"},
+                "model": {"class_path": "lightning_ulysses.CausalLM", "init_args": {"model": DEFAULT_MODEL}},
+                "data": {"class_path": "lightning_ulysses.LongTextDataModule"},
+            }
+        )
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         super()._add_subcommands(parser, **kwargs)
         for choice in parser._subcommands_action._choices_actions:  # Lightning's are cut mid-sentence
             choice.help = COMMAND_HELP.get(choice.dest, choice.help)
         for name, function in COMMANDS.items():  # listed in --help; main() runs them without LightningCLI
-            parser._subcommands_action.add_subcommand(name, command_parser(name, function), help=function.__doc__.splitlines()[0])
+            parser._subcommands_action.add_subcommand(
+                name, command_parser(name, function), help=function.__doc__.splitlines()[0]
+            )
 
     def _parse_ckpt_path(self) -> None:
         """Lightning unpickles a file ``ckpt_path`` here for its hyperparameters, before any check: a file that is
@@ -142,11 +152,20 @@ def main(args: ArgsType = None) -> None:
         return
     try:
         UlyssesCLI(
-            L.LightningModule, L.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, args=args,
-            auto_configure_optimizers=False, save_config_callback=SaveRunConfig, save_config_kwargs={"overwrite": True},
+            L.LightningModule,
+            L.LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=args,
+            auto_configure_optimizers=False,
+            save_config_callback=SaveRunConfig,
+            save_config_kwargs={"overwrite": True},
             parser_class=UlyssesArgumentParser,
             parser_kwargs={
-                "prog": PROG, "description": DESCRIPTION, "formatter_class": HelpFormatter, **subcommand_kwargs(),
+                "prog": PROG,
+                "description": DESCRIPTION,
+                "formatter_class": HelpFormatter,
+                **subcommand_kwargs(),
             },
         )
     except ConfigError as error:

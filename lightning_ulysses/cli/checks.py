@@ -69,7 +69,12 @@ def run_folder_of(ckpt_path: str | None) -> Path | None:
     return folder.parent if folder.name == "checkpoints" and (folder.parent / "config.yaml").is_file() else None
 
 
-LOADERS = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
+LOADERS = {
+    "fit": "train_dataloader",
+    "validate": "val_dataloader",
+    "test": "test_dataloader",
+    "predict": "predict_dataloader",
+}
 
 
 def _check_split(subcommand: str | None, data: Any) -> None:

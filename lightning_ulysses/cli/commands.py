@@ -79,8 +79,11 @@ def _set_special_token_ids(model: Any, tokenizer: Any) -> None:
     a list of end ids."""
     from lightning_ulysses.finetune.templates import turn_end_token_id
 
-    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-           "pad_token_id": tokenizer.pad_token_id}
+    ids = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
     generation = getattr(model, "generation_config", None)  # None for a model that cannot generate
     for key, value in ids.items():
         for config in (model.config, generation):
@@ -96,7 +99,9 @@ def _run_and_checkpoint(path: Path) -> tuple[Path, Path]:
     if (path / "config.yaml").is_file():
         run, ckpt = path, path / "checkpoints" / "last.ckpt"
         if not ckpt.exists():
-            raise FileNotFoundError(f"The run {path} has no checkpoints/last.ckpt; give the checkpoint to export instead.")
+            raise FileNotFoundError(
+                f"The run {path} has no checkpoints/last.ckpt; give the checkpoint to export instead."
+            )
         return run, ckpt
     run = path.parent.parent
     if path.parent.name != "checkpoints" or not (run / "config.yaml").is_file():

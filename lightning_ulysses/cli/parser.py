@@ -125,13 +125,20 @@ def short_error(message: str, argv: list[str], parser: ArgumentParser) -> str:
         return message + _did_you_mean(choice[1], re.findall(r"'([^']+)'", choice[2]))
     key = re.match(r'Parser key "([^"]+)":', message)
     problem = re.search(
-        r"Problem with given class_path '([^']+)':\n(.*?)(?=\n\s*- |\n\s*Given value|\Z)", message, re.S)
+        r"Problem with given class_path '([^']+)':\n(.*?)(?=\n\s*- |\n\s*Given value|\Z)", message, re.S
+    )
     if key and problem:
         inner = " ".join(line.strip() for line in problem[2].splitlines())
         option = re.fullmatch(r"Option '([^']+)' is not accepted", inner)
         if option:
-            typed = next((arg.split("=")[0] for arg in argv if re.fullmatch(
-                rf"--{re.escape(key[1])}(\.init_args)?\.{re.escape(option[1])}(=.*)?", arg)), f"{key[1]}.{option[1]}")
+            typed = next(
+                (
+                    arg.split("=")[0]
+                    for arg in argv
+                    if re.fullmatch(rf"--{re.escape(key[1])}(\.init_args)?\.{re.escape(option[1])}(=.*)?", arg)
+                ),
+                f"{key[1]}.{option[1]}",
+            )
             prefix = typed[: -len(option[1])]
             names = [prefix + name for name in _init_argument_names(problem[1])]
             cls = problem[1].rpartition(".")[2]
@@ -139,7 +146,7 @@ def short_error(message: str, argv: list[str], parser: ArgumentParser) -> str:
         nested = re.match(r'Parser key "([^"]+)": (.*)', inner)
         return f"{key[1]}.{nested[1]}: {nested[2]}" if nested else f"{key[1]}: {inner}"
     one_line = " ".join(line.strip() for line in message.splitlines())
-    return f"{key[1]}: {one_line[key.end():].strip()}" if key else one_line
+    return f"{key[1]}: {one_line[key.end() :].strip()}" if key else one_line
 
 
 def _did_you_mean(typed: str, valid: Sequence[str]) -> str:

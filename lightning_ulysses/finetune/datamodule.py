@@ -52,8 +52,17 @@ class RecordsDataModule(L.LightningDataModule):
     """``(samples, pad_token_id) -> batch``: how the loaders batch this module's samples."""
 
     def __init__(
-        self, paths: Sequence[str], tokenizer: str, seq_len: int, truncation: Truncation, batch_size: int,
-        val_paths: Sequence[str] | None, val_fraction: float, num_proc: int | None, num_workers: int, seed: int,
+        self,
+        paths: Sequence[str],
+        tokenizer: str,
+        seq_len: int,
+        truncation: Truncation,
+        batch_size: int,
+        val_paths: Sequence[str] | None,
+        val_fraction: float,
+        num_proc: int | None,
+        num_workers: int,
+        seed: int,
     ) -> None:
         super().__init__()
         check_sample_shape(seq_len, batch_size)
@@ -63,7 +72,12 @@ class RecordsDataModule(L.LightningDataModule):
             raise ValueError(f"data.val_fraction must be between 0 and 1 (exclusive), got {val_fraction}.")
         self.paths, self.val_paths = list(paths), list(val_paths or [])
         self.tokenizer = load_tokenizer(tokenizer)
-        self.seq_len, self.truncation, self.batch_size, self.val_fraction = seq_len, truncation, batch_size, val_fraction
+        self.seq_len, self.truncation, self.batch_size, self.val_fraction = (
+            seq_len,
+            truncation,
+            batch_size,
+            val_fraction,
+        )
         self.num_proc, self.num_workers, self.seed = num_proc, num_workers, seed
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
@@ -105,7 +119,10 @@ class RecordsDataModule(L.LightningDataModule):
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__}.setup() must run before its dataloaders are requested.")
         return DataLoader(
-            dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
             collate_fn=functools.partial(self.collate, pad_token_id=self.tokenizer.pad_token_id or 0),
             persistent_workers=self.num_workers > 0,
         )

@@ -68,8 +68,18 @@ class DPO(CausalLM):
         gradient_checkpointing: bool = False,
         lr_schedule_steps: int | None = None,
     ) -> None:
-        super().__init__(model, pretrained, vocab_size, learning_rate, weight_decay, betas, warmup_steps, min_lr_ratio,
-                         gradient_checkpointing, lr_schedule_steps)
+        super().__init__(
+            model,
+            pretrained,
+            vocab_size,
+            learning_rate,
+            weight_decay,
+            betas,
+            warmup_steps,
+            min_lr_ratio,
+            gradient_checkpointing,
+            lr_schedule_steps,
+        )
         if reference is None and not pretrained:
             raise ValueError(
                 "DPO needs a reference model: a pretrained model.model folder (the reference is then the same folder) "
@@ -121,8 +131,11 @@ class DPO(CausalLM):
         losses, rewards = dpo_loss(policy, reference, self.hparams.beta)
         chosen, rejected = rewards[:, CHOSEN], rewards[:, REJECTED]
         per_pair = {
-            "loss": losses.detach(), "rewards_chosen": chosen, "rewards_rejected": rejected,
-            "rewards_margin": chosen - rejected, "rewards_accuracy": (chosen > rejected).float(),
+            "loss": losses.detach(),
+            "rewards_chosen": chosen,
+            "rewards_rejected": rejected,
+            "rewards_margin": chosen - rejected,
+            "rewards_accuracy": (chosen > rejected).float(),
         }
         counted = self._counted_pairs(len(losses))
         pairs = int(counted.sum())

@@ -124,7 +124,9 @@ class PreferenceDataModule(RecordsDataModule):
         seed: int = 0,
     ) -> None:
         check_pair_length(seq_len)
-        super().__init__(paths, tokenizer, seq_len, truncation, batch_size, val_paths, val_fraction, num_proc, num_workers, seed)
+        super().__init__(
+            paths, tokenizer, seq_len, truncation, batch_size, val_paths, val_fraction, num_proc, num_workers, seed
+        )
 
     @classmethod
     def check_arguments(cls, args: Mapping[str, Any]) -> None:
@@ -134,18 +136,25 @@ class PreferenceDataModule(RecordsDataModule):
     def build(self, records: datasets.Dataset, name: str) -> PreferenceDataset:
         missing = {"prompt", "chosen", "rejected"} - set(records.column_names)
         if missing:
-            raise ValueError(f"Preference records need 'prompt', 'chosen' and 'rejected'; the {name} files lack {sorted(missing)}.")
+            raise ValueError(
+                f"Preference records need 'prompt', 'chosen' and 'rejected'; the {name} files lack {sorted(missing)}."
+            )
         transform = functools.partial(
             tokenize_pair, tokenizer=self.tokenizer, max_len=self.seq_len // 2, truncation=self.truncation
         )
         pairs = records.map(
-            transform, with_indices=True, remove_columns=records.column_names, num_proc=self.num_proc,
+            transform,
+            with_indices=True,
+            remove_columns=records.column_names,
+            num_proc=self.num_proc,
             desc=f"Tokenizing the {name} pairs",
         )
         statuses, all_lengths = list(pairs["status"]), list(pairs["length"])
         kept = [i for i, status in enumerate(statuses) if status in (KEPT, TRUNCATED)]
         if not kept:
-            raise ValueError(f"No {name} pair is left to train on. Check the records, data.seq_len and data.truncation.")
+            raise ValueError(
+                f"No {name} pair is left to train on. Check the records, data.seq_len and data.truncation."
+            )
         lengths = [all_lengths[i] for i in kept]
         self.reports[name] = DataReport.of(statuses, lengths, sum(list(pairs["trained"])), len(kept), self.seq_len)
         rank_zero_info(f"DPO {name} data (records are pairs, a row holds one pair): {self.reports[name]}")

@@ -30,7 +30,12 @@ def trained_tokens(labels: Sequence[int]) -> int:
 
 
 def fit_length(
-    input_ids: list[int], labels: list[int], seq_len: int, truncation: Truncation, index: int, limit: str = "data.seq_len"
+    input_ids: list[int],
+    labels: list[int],
+    seq_len: int,
+    truncation: Truncation,
+    index: int,
+    limit: str = "data.seq_len",
 ) -> tuple[list[int], list[int], str]:
     """``(input_ids, labels, status)`` of sample ``index`` after the policy; status is one of :data:`KEPT`,
     :data:`TRUNCATED`, :data:`TOO_LONG`, :data:`NO_LABELS` (nothing to train on, also after a cut). ``limit`` names
@@ -85,8 +90,15 @@ class DataReport:
     def of(cls, statuses: Sequence[str], lengths: Sequence[int], trained: int, rows: int, seq_len: int) -> DataReport:
         counts = Counter(statuses)
         return cls(
-            records=len(statuses), kept=counts[KEPT], truncated=counts[TRUNCATED], dropped_too_long=counts[TOO_LONG],
-            dropped_no_labels=counts[NO_LABELS], rows=rows, tokens=sum(lengths), trained_tokens=trained, seq_len=seq_len,
+            records=len(statuses),
+            kept=counts[KEPT],
+            truncated=counts[TRUNCATED],
+            dropped_too_long=counts[TOO_LONG],
+            dropped_no_labels=counts[NO_LABELS],
+            rows=rows,
+            tokens=sum(lengths),
+            trained_tokens=trained,
+            seq_len=seq_len,
         )
 
     @property

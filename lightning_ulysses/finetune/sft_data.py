@@ -19,7 +19,15 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from lightning_ulysses.finetune.datamodule import RecordsDataModule
-from lightning_ulysses.finetune.packing import KEPT, TRUNCATED, DataReport, Truncation, fit_length, pack_rows, trained_tokens
+from lightning_ulysses.finetune.packing import (
+    KEPT,
+    TRUNCATED,
+    DataReport,
+    Truncation,
+    fit_length,
+    pack_rows,
+    trained_tokens,
+)
 from lightning_ulysses.finetune.templates import TemplateError, tokenize_record
 from lightning_ulysses.finetune.tokenizer import BYTE
 
@@ -99,7 +107,9 @@ class SFTDataModule(RecordsDataModule):
     ) -> None:
         if mode not in ("packed", "padded"):
             raise ValueError(f"data.mode must be 'packed' or 'padded', got {mode!r}.")
-        super().__init__(paths, tokenizer, seq_len, truncation, batch_size, val_paths, val_fraction, num_proc, num_workers, seed)
+        super().__init__(
+            paths, tokenizer, seq_len, truncation, batch_size, val_paths, val_fraction, num_proc, num_workers, seed
+        )
         self.mode = mode
 
     def build(self, records: datasets.Dataset, name: str) -> SFTDataset:
@@ -107,7 +117,10 @@ class SFTDataModule(RecordsDataModule):
             tokenize_and_fit, tokenizer=self.tokenizer, seq_len=self.seq_len, truncation=self.truncation
         )
         samples = records.map(
-            transform, with_indices=True, remove_columns=records.column_names, num_proc=self.num_proc,
+            transform,
+            with_indices=True,
+            remove_columns=records.column_names,
+            num_proc=self.num_proc,
             desc=f"Tokenizing the {name} records",
         )
         statuses, all_lengths = list(samples["status"]), list(samples["length"])

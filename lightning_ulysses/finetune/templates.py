@@ -65,7 +65,9 @@ def tokenize_conversation(
     return ids, labels
 
 
-def tokenize_prompt_completion(tokenizer: PreTrainedTokenizerBase, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+def tokenize_prompt_completion(
+    tokenizer: PreTrainedTokenizerBase, prompt: str, completion: str
+) -> tuple[list[int], list[int]]:
     """``prompt + completion`` with the tokenizer's special tokens, then EOS; labelled from the completion's first token."""
     text = prompt + completion
     ids = tokenizer(text, add_special_tokens=True)["input_ids"]
@@ -115,7 +117,9 @@ def assistant_character_spans(
         from transformers.utils.chat_template_utils import render_jinja_template
 
         rendered, indices = render_jinja_template(
-            conversations=[messages], chat_template=template, return_assistant_tokens_mask=True,
+            conversations=[messages],
+            chat_template=template,
+            return_assistant_tokens_mask=True,
             **tokenizer.special_tokens_map,
         )
         if rendered[0] != text:
@@ -150,7 +154,7 @@ def _rendered_prefix(
     if not text.startswith(prefix):
         raise TemplateError(
             f"The chat template renders the first {len(messages)} messages as {prefix[-80:]!r}, which does not begin "
-            f"the rendering of the whole conversation (... {text[max(len(prefix) - 80, 0):len(prefix)]!r}): earlier "
+            f"the rendering of the whole conversation (... {text[max(len(prefix) - 80, 0) : len(prefix)]!r}): earlier "
             "turns change once later turns follow (e.g. reasoning dropped from earlier turns), so the assistant's "
             "tokens cannot be located by prefix. Add {% generation %} markers around the assistant's part of the "
             "template."
@@ -167,8 +171,8 @@ def _token_border(
     head = tokenizer(text[:border], add_special_tokens=add_special_tokens)["input_ids"]
     if ids[: len(head)] != head:
         raise TemplateError(
-            f"A token of the conversation spans the border of an assistant turn at {text[max(border - 40, 0):border]!r}"
-            f" | {text[border:border + 40]!r}: the text before it tokenizes differently alone. The labels would not "
+            f"A token of the conversation spans the border of an assistant turn at {text[max(border - 40, 0) : border]!r}"
+            f" | {text[border : border + 40]!r}: the text before it tokenizes differently alone. The labels would not "
             "fall on the assistant's tokens exactly. Put a separator the tokenizer does not merge (e.g. a special "
             "token or a newline) at the border in the chat template."
         )

@@ -43,7 +43,10 @@ def byte_chat_tokenizer() -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<|pad|>", eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"],
+        tokenizer_object=backend,
+        pad_token="<|pad|>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
     )
     tokenizer.chat_template = CHATML
     return tokenizer

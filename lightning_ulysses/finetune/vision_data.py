@@ -57,7 +57,8 @@ def _clean(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Messages as JSON gave them: ``datasets`` fills the fields a part lacks with None (its Arrow schema)."""
     return [
         {**message, "content": [{k: v for k, v in part.items() if v is not None} for part in message["content"]]}
-        if isinstance(message.get("content"), list) else dict(message)
+        if isinstance(message.get("content"), list)
+        else dict(message)
         for message in messages
     ]
 
@@ -76,8 +77,10 @@ def process_record(processor: Any, messages: list[dict[str, Any]], root: Path) -
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        start, end = (_prefix_length(encode(messages[:j], prompt)["input_ids"][0], ids, i)
-                      for j, prompt in ((i, True), (i + 1, False)))
+        start, end = (
+            _prefix_length(encode(messages[:j], prompt)["input_ids"][0], ids, i)
+            for j, prompt in ((i, True), (i + 1, False))
+        )
         labels[start:end] = ids[start:end]
     sample = {"input_ids": ids, "labels": labels}
     sample.update({key: whole[key] for key in VISION_INPUTS if key in whole})
@@ -115,8 +118,9 @@ class VisionChatDataset(Dataset):
 
 
 def _concatenated(samples: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
-    return {key: torch.cat([s[key] for s in samples if key in s]) for key in VISION_INPUTS
-            if any(key in s for s in samples)}
+    return {
+        key: torch.cat([s[key] for s in samples if key in s]) for key in VISION_INPUTS if any(key in s for s in samples)
+    }
 
 
 def collate_vision_chats(rows: list[dict[str, Any]], pad_token_id: int = 0) -> dict[str, Any]:
@@ -166,8 +170,9 @@ class VisionChatDataModule(RecordsDataModule):
         if mode not in ("packed", "padded"):
             raise ValueError(f"data.mode must be 'packed' or 'padded', got {mode!r}.")
         if truncation not in ("drop", "refuse"):
-            raise ValueError(f"data.truncation must be 'drop' or 'refuse' (a cut could fall inside an image), got "
-                             f"{truncation!r}.")
+            raise ValueError(
+                f"data.truncation must be 'drop' or 'refuse' (a cut could fall inside an image), got {truncation!r}."
+            )
         super().__init__(
             paths, processor, seq_len, truncation, batch_size, val_paths, val_fraction, None, num_workers, seed
         )
@@ -184,8 +189,10 @@ class VisionChatDataModule(RecordsDataModule):
                 raise TemplateError(f"Record {index}: {error}") from error
             length = len(sample["input_ids"])
             if length > self.seq_len and self.truncation == "refuse":
-                raise ValueError(f"{name} record {index} has {length} tokens, more than data.seq_len={self.seq_len}. "
-                                 "Raise data.seq_len, or set data.truncation to 'drop'.")
+                raise ValueError(
+                    f"{name} record {index} has {length} tokens, more than data.seq_len={self.seq_len}. "
+                    "Raise data.seq_len, or set data.truncation to 'drop'."
+                )
             status = TOO_LONG if length > self.seq_len else NO_LABELS if not trained_tokens(sample["labels"]) else KEPT
             statuses.append(status)
             if status == KEPT:

@@ -39,8 +39,11 @@ def guarded_forward(model: PreTrainedModel, state: PatchState) -> Any:
         kwargs["use_cache"] = False
         if state.depth == 0:
             _read_batch_layout(kwargs, state, model)
-        elif takes_position_ids and kwargs.get("position_ids") is None and _tokens(args, kwargs) == _tokens((), {
-            "input_ids": state.position_ids}):
+        elif (
+            takes_position_ids
+            and kwargs.get("position_ids") is None
+            and _tokens(args, kwargs) == _tokens((), {"input_ids": state.position_ids})
+        ):
             kwargs["position_ids"] = state.position_ids  # an outer model that does not pass them on (transformers
             # would number this shard's tokens from 0)
         if not takes_position_ids:
@@ -103,7 +106,8 @@ def _layer_patterns(model: PreTrainedModel) -> set[tuple[int | None, int | None]
     """The ``(chunk, window)`` of every attention layer that the set-up check planned (none before it ran)."""
     return {
         (plan.pattern.chunk, plan.pattern.window)
-        for module in model.modules() if (plan := module.__dict__.get("_ulysses_plan")) is not None
+        for module in model.modules()
+        if (plan := module.__dict__.get("_ulysses_plan")) is not None
     }
 
 

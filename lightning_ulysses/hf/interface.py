@@ -25,10 +25,21 @@ ULYSSES_ATTN_IMPLEMENTATION = "ulysses"
 HANDLED_KWARGS = frozenset({"sliding_window", "position_ids", "is_causal", "s_aux"})
 """Keyword arguments whose meaning the plan carries (or that are read from the batch instead)."""
 
-INERT_KWARGS = frozenset({
-    "layer_idx", "use_cache", "output_attentions", "return_dict", "cache", "past_key_values", "cache_position",
-    "position_embeddings", "target_dtype", "layer_type", "logits_to_keep",
-})
+INERT_KWARGS = frozenset(
+    {
+        "layer_idx",
+        "use_cache",
+        "output_attentions",
+        "return_dict",
+        "cache",
+        "past_key_values",
+        "cache_position",
+        "position_embeddings",
+        "target_dtype",
+        "layer_type",
+        "logits_to_keep",
+    }
+)
 """Keyword arguments that models pass along but that do not change what attention computes here (no KV cache
 runs under sequence parallelism)."""
 
@@ -42,7 +53,8 @@ def read_layer_call(
     if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
         problems.append("attends bidirectionally (Ulysses attention here is causal)")
     unknown = sorted(
-        name for name, value in kwargs.items()
+        name
+        for name, value in kwargs.items()
         if name not in HANDLED_KWARGS | INERT_KWARGS and value is not None and value is not False
     )
     for name in unknown:
@@ -54,8 +66,9 @@ def read_layer_call(
     if sinks is not None and dropout:
         problems.append("combines attention sinks with attention dropout, which Ulysses attention does not implement")
     if ring and dropout:
-        problems.append("uses attention dropout, which Ulysses x Ring (ring_size > 1) does not implement yet "
-                        "(ring_size=1 does)")
+        problems.append(
+            "uses attention dropout, which Ulysses x Ring (ring_size > 1) does not implement yet (ring_size=1 does)"
+        )
     window = no_window_if_off(kwargs.get("sliding_window"))
     if pattern is not None and window is not None and pattern.window != window:
         problems.append(
@@ -108,9 +121,17 @@ def _hf_ulysses_attention(
             "pass padding in the batch (attention_mask / position_ids), not as a tensor to the model."
         )
     out = ulysses_attention(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-        group=state.group, attn_fn=state.core, position_ids=state.position_ids, scale=scaling, dropout_p=dropout,
-        window=plan.pattern.window, chunk=plan.pattern.chunk, sinks=kwargs["s_aux"] if plan.sinks else None,
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        group=state.group,
+        attn_fn=state.core,
+        position_ids=state.position_ids,
+        scale=scaling,
+        dropout_p=dropout,
+        window=plan.pattern.window,
+        chunk=plan.pattern.chunk,
+        sinks=kwargs["s_aux"] if plan.sinks else None,
         head_chunks=state.head_chunks,
     )
     return out.contiguous(), None  # as transformers' kernels return it: models .view() it

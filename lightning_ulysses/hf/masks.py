@@ -59,7 +59,11 @@ class MaskPattern:
 
 
 def identify_pattern(
-    mask: Tensor, mask_function: MaskFunction, local_size: int | None, q_offset: int, kv_offset: int,
+    mask: Tensor,
+    mask_function: MaskFunction,
+    local_size: int | None,
+    q_offset: int,
+    kv_offset: int,
     index_based: bool,
 ) -> MaskPattern | None:
     """The :class:`MaskPattern` that transformers' materialised ``mask`` ``[B, 1, q, kv]`` and its
@@ -93,7 +97,7 @@ def _index_pairs_around(size: int, device: torch.device) -> tuple[Tensor, Tensor
     pairs = []
     for q in (size - 1, size, size + 1, 2 * size - 1, 2 * size, 2 * size + 1, 3 * size + 2):
         for kv in (q + 1, q, q - 1, q - size + 2, q - size + 1, q - size, q - size - 1, q - 2 * size, 0):
-            if 0 <= kv and 0 <= q:
+            if kv >= 0 and q >= 0:
                 pairs.append((q, kv))
     index = torch.tensor(pairs, device=device)
     return index[:, 0], index[:, 1]
@@ -130,15 +134,31 @@ def recording_mask_interface(recorded: RecordedMasks) -> Callable[..., Tensor]:
     """A transformers mask interface that materialises the mask as SDPA's does and records its pattern."""
 
     def interface(
-        batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-        mask_function: MaskFunction | None = None, attention_mask: Tensor | None = None,
-        local_size: int | None = None, use_vmap: bool = False, device: Any = "cpu", **kwargs: Any,
+        batch_size: int,
+        q_length: int,
+        kv_length: int,
+        q_offset: int = 0,
+        kv_offset: int = 0,
+        mask_function: MaskFunction | None = None,
+        attention_mask: Tensor | None = None,
+        local_size: int | None = None,
+        use_vmap: bool = False,
+        device: Any = "cpu",
+        **kwargs: Any,
     ) -> Tensor:
         options = dict(mask_function=mask_function) if mask_function is not None else {}
         mask = sdpa_mask(
-            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
-            attention_mask=attention_mask, local_size=local_size, allow_is_causal_skip=False, use_vmap=use_vmap,
-            device=device, **options,
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            attention_mask=attention_mask,
+            local_size=local_size,
+            allow_is_causal_skip=False,
+            use_vmap=use_vmap,
+            device=device,
+            **options,
         )
         function = mask_function if mask_function is not None else (lambda b, h, q, kv: kv <= q)
         index_based = not use_vmap and attention_mask is None

@@ -59,9 +59,10 @@ def apply_ulysses_attention(
         if patch_of(hf_model) is not None:
             continue
         _log_head_layout(hf_model, sp_size // ring_size_of(group))
-        patch = Patch(hf_model, PatchState(
-            group, core, sp_size, gather_mixers=sequence_mixers == "gather", head_chunks=head_chunks
-        ))
+        patch = Patch(
+            hf_model,
+            PatchState(group, core, sp_size, gather_mixers=sequence_mixers == "gather", head_chunks=head_chunks),
+        )
         try:
             outcome = check_model(hf_model, patch.state, patch.realize)
         except BaseException:

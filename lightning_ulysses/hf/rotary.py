@@ -26,7 +26,8 @@ from lightning_ulysses.hf.state import PatchState
 def position_ids_index(module: nn.Module) -> int | None:
     """Where ``position_ids`` sits among the positional arguments of ``module.forward`` (None: keyword only)."""
     names = [
-        name for name, p in inspect.signature(module.forward).parameters.items()
+        name
+        for name, p in inspect.signature(module.forward).parameters.items()
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
     return names.index("position_ids") if "position_ids" in names else None

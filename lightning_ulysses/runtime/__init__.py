@@ -26,7 +26,15 @@ from lightning_ulysses.runtime.load import check_resumable, load_checkpoint
 from lightning_ulysses.runtime.save import CheckpointSaveError, save_checkpoint
 
 __all__ = [
-    "CheckpointSaveError", "CorruptCheckpointError", "check_integrity", "check_resumable", "convert_checkpoint",
-    "export_hf_model", "is_universal_checkpoint", "load_checkpoint", "save_checkpoint", "saved_global_step",
+    "CheckpointSaveError",
+    "CorruptCheckpointError",
+    "check_integrity",
+    "check_resumable",
+    "convert_checkpoint",
+    "export_hf_model",
+    "is_universal_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+    "saved_global_step",
     "saved_layout",
 ]

@@ -88,9 +88,14 @@ def convert_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path, overw
         if step is not None:
             torch.save(step, zero_dir / name / "step.pt")
     # read by the ZeRO 1/2 loader ("param_groups", "ds_version") and the ZeRO-3 one ("optimizer_state_dict")
-    torch.save({**global_state, "param_groups": param_groups,
-                "optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": param_groups}},
-               zero_dir / "optimizer_state.pt")
+    torch.save(
+        {
+            **global_state,
+            "param_groups": param_groups,
+            "optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": param_groups},
+        },
+        zero_dir / "optimizer_state.pt",
+    )
     # the Lightning state and DeepSpeed's counters, under the file name of either engine (ZeRO 1/2 and ZeRO-3)
     client_state = {k: v for k, v in model_state.items() if k not in ("module", "optimizer")}
     for file_name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
@@ -154,8 +159,13 @@ def _zero12_partitions(flat_state: dict[str, Any], base_state: dict[str, Any]) -
                 yield name, key, flat.narrow(0, address.start, address.numel)
 
 
-def _zero3_partitions(flat_state: dict[str, Any], base_state: dict[str, Any], param_shapes: list[dict[str, Any]],
-                      rank: int, num_ranks: int) -> Iterator[tuple[str, str, Tensor]]:
+def _zero3_partitions(
+    flat_state: dict[str, Any],
+    base_state: dict[str, Any],
+    param_shapes: list[dict[str, Any]],
+    rank: int,
+    num_ranks: int,
+) -> Iterator[tuple[str, str, Tensor]]:
     """As :func:`_zero12_partitions` under ZeRO-3: each parameter of a sub-group holds ``ceil(numel / ranks)``
     elements of each rank's flat partition, in order, the last rank's padded."""
     if flat_state["partition_count"] != num_ranks:

@@ -82,7 +82,7 @@ class MarkDuplicates:
             seen += rows
             if duplicate.any():
                 if isinstance(batch_sampler, _IndexBatchSamplerWrapper):
-                    del batch_sampler.seen_batch_indices[index][rows - int(duplicate.sum()):]
+                    del batch_sampler.seen_batch_indices[index][rows - int(duplicate.sum()) :]
                 batch = {**batch, DUPLICATES_KEY: duplicate}
             yield batch
 
@@ -90,6 +90,7 @@ class MarkDuplicates:
 def drop_rows(data: Any, keep: Tensor) -> Any:
     """``data`` with every tensor whose first dimension is the batch (``len(keep)``) cut to the rows in ``keep``
     (``[B]`` bool); other values as they are. Dict batches are changed in place (later hooks see the same dict)."""
+
     def cut(tensor: Tensor) -> Tensor:
         return tensor[keep.to(tensor.device)] if tensor.dim() and len(tensor) == len(keep) else tensor
 

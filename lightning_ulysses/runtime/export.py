@@ -47,7 +47,7 @@ def export_hf_model(
         state_dict = _universal_fp32_state_dict(Path(checkpoint_dir))
     else:
         state_dict = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir))
-    weights = {key[len(prefix):]: value for key, value in state_dict.items() if key.startswith(prefix)}
+    weights = {key[len(prefix) :]: value for key, value in state_dict.items() if key.startswith(prefix)}
     if not weights:
         top_level = sorted({key.split(".")[0] for key in state_dict})
         raise ValueError(
@@ -63,7 +63,8 @@ def _universal_fp32_state_dict(checkpoint_dir: Path) -> dict[str, Tensor]:
     folder = tag_dir(checkpoint_dir)
     state_dict = {
         parameter.name: torch.load(parameter / "fp32.pt", map_location="cpu", weights_only=True)["param"]
-        for parameter in (folder / "zero").iterdir() if parameter.is_dir()
+        for parameter in (folder / "zero").iterdir()
+        if parameter.is_dir()
     }
     model_state = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
     for tied, source in model_state.get("shared_params", {}).items():

@@ -178,18 +178,25 @@ class Heartbeat:
         before = [self.store.add(self.key(rank), 0) for rank in range(self.world_size)]
         time.sleep(2.5 * self.period)
         after = [self.store.add(self.key(rank), 0) for rank in range(self.world_size)]
-        return [rank for rank in range(self.world_size)
-                if rank != self.rank and after[rank] == before[rank] and not self.store.check([self.left_key(rank)])]
+        return [
+            rank
+            for rank in range(self.world_size)
+            if rank != self.rank and after[rank] == before[rank] and not self.store.check([self.left_key(rank)])
+        ]
 
     def dead_ranks_report(self) -> str | None:
         """A sentence naming the ranks that vanished, for an error that a collective raised; None if none did."""
         try:
             silent = self.silent_ranks()
         except Exception as error:
-            return (f"the job's rendezvous store stopped answering ({type(error).__name__}: {error}): the process that "
-                    "hosts it (rank 0, unless torchrun hosts it) has exited or died; see its log")
+            return (
+                f"the job's rendezvous store stopped answering ({type(error).__name__}: {error}): the process that "
+                "hosts it (rank 0, unless torchrun hosts it) has exited or died; see its log"
+            )
         if not silent:
             return None
-        return (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped: no heartbeat for "
-                f"{2.5 * self.period:g} s, so the process died without a Python error (killed, e.g. by kill -9 or the "
-                "out-of-memory killer, or crashed); see its log and the system's (dmesg)")
+        return (
+            f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped: no heartbeat for "
+            f"{2.5 * self.period:g} s, so the process died without a Python error (killed, e.g. by kill -9 or the "
+            "out-of-memory killer, or crashed); see its log and the system's (dmesg)"
+        )

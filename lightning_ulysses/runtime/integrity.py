@@ -23,8 +23,9 @@ class CorruptCheckpointError(ValueError):
     """A checkpoint directory whose pointer or files are missing, truncated or corrupted; raised before loading."""
 
 
-def integrity_problems(checkpoint_dir: str | Path, pointer: str = POINTER, rank: int = 0,
-                       world_size: int = 1) -> list[str]:
+def integrity_problems(
+    checkpoint_dir: str | Path, pointer: str = POINTER, rank: int = 0, world_size: int = 1
+) -> list[str]:
     """What would stop ``checkpoint_dir`` from loading whole: a missing pointer or tag folder (checked by every
     rank), and the files of the tag folder, every ``world_size``-th one from ``rank`` on, that are truncated or
     fail their CRC-32 check. Each problem names its file."""
@@ -32,8 +33,10 @@ def integrity_problems(checkpoint_dir: str | Path, pointer: str = POINTER, rank:
     if not (checkpoint_dir / pointer).is_file():
         if (checkpoint_dir.parent / pointer).is_file():
             return [f"{checkpoint_dir} is a tag folder inside the checkpoint {checkpoint_dir.parent}: pass that one"]
-        return [f"{checkpoint_dir / pointer} is missing, so no save into this directory completed (a save that was "
-                "interrupted before its commit, or not a DeepSpeed checkpoint directory)"]
+        return [
+            f"{checkpoint_dir / pointer} is missing, so no save into this directory completed (a save that was "
+            "interrupted before its commit, or not a DeepSpeed checkpoint directory)"
+        ]
     tag_dir = checkpoint_dir / read_pointer(checkpoint_dir, pointer)
     files = sorted(path for path in tag_dir.rglob("*") if path.is_file())
     if not files:

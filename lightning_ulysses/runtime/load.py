@@ -43,8 +43,9 @@ from lightning_ulysses.runtime.integrity import check_integrity
 _ZERO3_UNIVERSAL_STATE = {"fp32", "exp_avg", "exp_avg_sq", "step"}
 
 
-def load_checkpoint(engine: Any, checkpoint_dir: str | Path, num_processes: int, zero_stage: int, *, fitting: bool,
-                    strict: bool = True) -> dict[str, Any]:
+def load_checkpoint(
+    engine: Any, checkpoint_dir: str | Path, num_processes: int, zero_stage: int, *, fitting: bool, strict: bool = True
+) -> dict[str, Any]:
     """Restore DeepSpeed ``engine`` from ``checkpoint_dir`` and return Lightning's part of the checkpoint.
 
     Refuses, before anything is loaded, a damaged directory (:func:`~.integrity.check_integrity`), a layout it
@@ -73,7 +74,10 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | Path, num_processes: int,
     engine._config.load_universal_checkpoint = universal
     # as DeepSpeedStrategy loads, without its check for a tag folder named "checkpoint" (ours are checkpoint-<id>)
     _, checkpoint = engine.load_checkpoint(
-        checkpoint_dir, load_optimizer_states=fitting, load_lr_scheduler_states=False, load_module_strict=strict,
+        checkpoint_dir,
+        load_optimizer_states=fitting,
+        load_lr_scheduler_states=False,
+        load_module_strict=strict,
     )
     if universal:
         load_untrained_state(engine.module, checkpoint_dir)

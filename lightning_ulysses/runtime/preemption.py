@@ -98,10 +98,15 @@ class PreemptionSignals(_SignalConnector):
             self._save_and_interrupt(trainer)
         path = preemption_checkpoint_path(trainer)
         trainer.save_checkpoint(path)
-        signals = ", ".join(f"{name} on ranks {ranks}" for name, ranks in
-                            (("the requeue signal", requeue_ranks), ("SIGTERM", stop_ranks)) if ranks)
-        rank_zero_info(f"Preempted ({signals}): saved {path} at global step {trainer.global_step}, before its next "
-                       f"batch; resume with ckpt_path={path!r} (on SLURM, Lightning resumes it by itself).")
+        signals = ", ".join(
+            f"{name} on ranks {ranks}"
+            for name, ranks in (("the requeue signal", requeue_ranks), ("SIGTERM", stop_ranks))
+            if ranks
+        )
+        rank_zero_info(
+            f"Preempted ({signals}): saved {path} at global step {trainer.global_step}, before its next "
+            f"batch; resume with ckpt_path={path!r} (on SLURM, Lightning resumes it by itself)."
+        )
         if requeue_ranks and trainer.is_global_zero:
             requeue_slurm_job()
         raise SIGTERMException
@@ -114,10 +119,15 @@ class PreemptionSignals(_SignalConnector):
         path = folder / INTERRUPTED_CHECKPOINT
         config = Path(trainer.log_dir or ".") / "config.yaml"  # log_dir: a collective, on every rank
         trainer.save_checkpoint(path)
-        resume = (f"lightning-ulysses fit --config {config} --ckpt_path {path}" if config.is_file()
-                  else f"ckpt_path={str(path)!r}")
-        rank_zero_info(f"Interrupted (Ctrl-C): saved {path} at global step {trainer.global_step}, before its next "
-                       f"batch. Resume with: {resume}")
+        resume = (
+            f"lightning-ulysses fit --config {config} --ckpt_path {path}"
+            if config.is_file()
+            else f"ckpt_path={str(path)!r}"
+        )
+        rank_zero_info(
+            f"Interrupted (Ctrl-C): saved {path} at global step {trainer.global_step}, before its next "
+            f"batch. Resume with: {resume}"
+        )
         raise KeyboardInterrupt
 
 
@@ -139,4 +149,3 @@ def requeue_slurm_job() -> None:
         log.info(f"Requeued SLURM job {job_id}")
     else:
         log.warning(f"Requeuing SLURM job {job_id} failed with exit status {result}")
-

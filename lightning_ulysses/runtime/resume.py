@@ -141,8 +141,9 @@ class ResumableLoader:
     sampler's epoch and sizes the epoch.
     """
 
-    def __init__(self, loader: DataLoader, fit_loop: Any, dp_size: int,
-                 step_in_flight: Callable[[], bool] = lambda: False) -> None:
+    def __init__(
+        self, loader: DataLoader, fit_loop: Any, dp_size: int, step_in_flight: Callable[[], bool] = lambda: False
+    ) -> None:
         assert is_resumable(loader)
         batch_sampler = cast(BatchSampler, loader.batch_sampler)
         sampler = cast(Sampler[int], batch_sampler.sampler)  # a DataLoader's index sampler

@@ -47,8 +47,15 @@ class CheckpointSaveError(RuntimeError):
     """A save that failed on some rank; raised on every rank, the previous checkpoint at that path intact."""
 
 
-def save_checkpoint(engine: Any, checkpoint: dict[str, Any], filepath: str | Path, fit_loop: Any | None = None,
-                    step_in_flight: bool = False, *, exclude_frozen_parameters: bool = False) -> None:
+def save_checkpoint(
+    engine: Any,
+    checkpoint: dict[str, Any],
+    filepath: str | Path,
+    fit_loop: Any | None = None,
+    step_in_flight: bool = False,
+    *,
+    exclude_frozen_parameters: bool = False,
+) -> None:
     """Save Lightning's ``checkpoint`` as DeepSpeed ``engine``'s checkpoint directory ``filepath``, atomically.
 
     The weights and optimizer state are the engine's (``checkpoint``'s ``state_dict`` and ``optimizer_states`` are
@@ -62,8 +69,9 @@ def save_checkpoint(engine: Any, checkpoint: dict[str, Any], filepath: str | Pat
     save_atomically(engine, filepath, client_state, exclude_frozen_parameters=exclude_frozen_parameters)
 
 
-def save_atomically(engine: Any, filepath: str | Path, client_state: dict[str, Any], *,
-                    exclude_frozen_parameters: bool = False) -> None:
+def save_atomically(
+    engine: Any, filepath: str | Path, client_state: dict[str, Any], *, exclude_frozen_parameters: bool = False
+) -> None:
     """Save DeepSpeed ``engine``'s checkpoint (with Lightning's ``client_state``) to the directory ``filepath``,
     committed on every rank or not at all (see the module docstring). A collective: every rank calls it."""
     if engine.checkpoint_engine.is_decoupled():
@@ -80,8 +88,13 @@ def save_atomically(engine: Any, filepath: str | Path, client_state: dict[str, A
         raise CheckpointSaveError(f"Cannot save the checkpoint {target}: {error}")
     writes = _Writes()
     with writes.recorded(engine):
-        engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False,
-                               exclude_frozen_parameters=exclude_frozen_parameters)
+        engine.save_checkpoint(
+            str(save_dir),
+            tag=tag,
+            client_state=client_state,
+            save_latest=False,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
     writes.flush()
     failures: list[Any] = [None] * world_size
     dist.all_gather_object(failures, writes.failures)
@@ -92,8 +105,9 @@ def save_atomically(engine: Any, filepath: str | Path, client_state: dict[str, A
             shutil.rmtree(save_dir / tag if save_dir == target else save_dir, ignore_errors=True)  # free the space
     dist.broadcast_object_list(committed)
     if committed[0]:
-        failed = "; ".join(f"rank {r}: {failure}" for r, rank_failures in enumerate(failures)
-                           for failure in rank_failures)
+        failed = "; ".join(
+            f"rank {r}: {failure}" for r, rank_failures in enumerate(failures) for failure in rank_failures
+        )
         raise CheckpointSaveError(
             f"Saving the checkpoint {target} failed ({failed or committed[0]}). Nothing was committed: "
             f"{'the checkpoint already at that path is intact' if save_dir == target else 'the path was not created'}, "

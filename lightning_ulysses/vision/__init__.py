@@ -11,6 +11,13 @@ from lightning_ulysses.vision.families import SUPPORTED, VisionFamily, vision_fa
 from lightning_ulysses.vision.module import VisionLanguageModel
 
 __all__ = [
-    "MROPE_KEY", "ROWS_KEY", "SUPPORTED", "VISION_KEY", "VisionFamily", "VisionLanguageModel", "merged_inputs_embeds",
-    "prepare_vision_batch", "vision_family",
+    "MROPE_KEY",
+    "ROWS_KEY",
+    "SUPPORTED",
+    "VISION_KEY",
+    "VisionFamily",
+    "VisionLanguageModel",
+    "merged_inputs_embeds",
+    "prepare_vision_batch",
+    "vision_family",
 ]

@@ -77,8 +77,9 @@ def _modality_types(input_ids: Tensor, family: VisionFamily) -> Tensor:
     return types
 
 
-def mrope_positions(batch: Mapping[str, Any], vision: Mapping[str, Any], family: VisionFamily,
-                    inner: nn.Module) -> Tensor:
+def mrope_positions(
+    batch: Mapping[str, Any], vision: Mapping[str, Any], family: VisionFamily, inner: nn.Module
+) -> Tensor:
     """``[B, N, 3]`` long: each document's multimodal RoPE positions (0 on padding). Documents restart where the
     given ``position_ids`` are 0; padding is where ``attention_mask`` is 0."""
     input_ids = batch["input_ids"]

@@ -92,8 +92,13 @@ def encoded_items(rows: Tensor, feature_rows: list[int], encode: Literal["shard"
     return needed or [min(range(len(feature_rows)), key=feature_rows.__getitem__)]
 
 
-def merged_inputs_embeds(model: nn.Module, family: VisionFamily, batch: Mapping[str, Any],
-                         encode: VisionEncoding = "shard", group: ProcessGroup | None = None) -> Tensor:
+def merged_inputs_embeds(
+    model: nn.Module,
+    family: VisionFamily,
+    batch: Mapping[str, Any],
+    encode: VisionEncoding = "shard",
+    group: ProcessGroup | None = None,
+) -> Tensor:
     """``[B, N/sp, hidden]``: the embeddings of the shard's ``input_ids``, each placeholder replaced by its item's
     embedding row (see the module docstring); ``group``: the SP group (``"exchange"`` only; ``None`` or one rank:
     as ``"all"``)."""
@@ -114,8 +119,9 @@ def merged_inputs_embeds(model: nn.Module, family: VisionFamily, batch: Mapping[
         rows = torch.where(placeholders, all_rows, 0)
         if encode == "exchange":
             assert group is not None
-            items, features = _exchanged(model, family, vision, modality, feature_rows, owners[modality.name], embeds,
-                                         group)
+            items, features = _exchanged(
+                model, family, vision, modality, feature_rows, owners[modality.name], embeds, group
+            )
         else:
             items = encoded_items(rows, feature_rows, encode)
             with unpatched(model):
@@ -139,8 +145,14 @@ def merged_inputs_embeds(model: nn.Module, family: VisionFamily, batch: Mapping[
 
 
 def _exchanged(
-    model: nn.Module, family: VisionFamily, vision: Mapping[str, Any], modality: Any, feature_rows: list[int],
-    owners: list[int], embeds: Tensor, group: ProcessGroup,
+    model: nn.Module,
+    family: VisionFamily,
+    vision: Mapping[str, Any],
+    modality: Any,
+    feature_rows: list[int],
+    owners: list[int],
+    embeds: Tensor,
+    group: ProcessGroup,
 ) -> tuple[list[int], Tensor]:
     """``encode="exchange"``: this rank encodes the items it owns, and every rank gets every item's rows. Returns the
     items in the order of the gathered rows (rank by rank) and the rows ``[sum of rows, hidden]``."""

@@ -58,13 +58,20 @@ class VisionFamily:
         """``[sum of the items' rows, hidden]``: the embeddings of ``items``, in order."""
         raise NotImplementedError
 
-    def blank_vision(self, inner: nn.Module, modality: Modality, device: torch.device,
-                     dtype: torch.dtype) -> dict[str, Tensor]:
+    def blank_vision(
+        self, inner: nn.Module, modality: Modality, device: torch.device, dtype: torch.dtype
+    ) -> dict[str, Tensor]:
         """The vision inputs of one smallest item of ``modality``, all zeros."""
         raise NotImplementedError
 
-    def rope_index(self, inner: nn.Module, input_ids: Tensor, token_types: Tensor, vision: Mapping[str, Any],
-                   items: Mapping[str, list[int]]) -> Tensor:
+    def rope_index(
+        self,
+        inner: nn.Module,
+        input_ids: Tensor,
+        token_types: Tensor,
+        vision: Mapping[str, Any],
+        items: Mapping[str, list[int]],
+    ) -> Tensor:
         """``[3, n]`` multimodal RoPE positions of one document ``input_ids [n]`` holding ``items`` of each modality."""
         raise NotImplementedError
 
@@ -100,17 +107,26 @@ class QwenVLFamily(VisionFamily):
         features = inner.get_image_features if modality.name == "image" else inner.get_video_features
         return torch.cat(list(features(pixels, grids, return_dict=True).pooler_output))
 
-    def blank_vision(self, inner: nn.Module, modality: Modality, device: torch.device,
-                     dtype: torch.dtype) -> dict[str, Tensor]:
+    def blank_vision(
+        self, inner: nn.Module, modality: Modality, device: torch.device, dtype: torch.dtype
+    ) -> dict[str, Tensor]:
         """One ``[1, merge, merge]`` grid: ``merge ** 2`` patches, one embedding row."""
         config = inner.config.vision_config
         values = config.in_channels * config.temporal_patch_size * config.patch_size**2
         assert modality.grid_key is not None
-        return {modality.pixels_key: torch.zeros(self.merge**2, values, device=device, dtype=dtype),
-                modality.grid_key: torch.tensor([[1, self.merge, self.merge]], device=device)}
+        return {
+            modality.pixels_key: torch.zeros(self.merge**2, values, device=device, dtype=dtype),
+            modality.grid_key: torch.tensor([[1, self.merge, self.merge]], device=device),
+        }
 
-    def rope_index(self, inner: nn.Module, input_ids: Tensor, token_types: Tensor, vision: Mapping[str, Any],
-                   items: Mapping[str, list[int]]) -> Tensor:
+    def rope_index(
+        self,
+        inner: nn.Module,
+        input_ids: Tensor,
+        token_types: Tensor,
+        vision: Mapping[str, Any],
+        items: Mapping[str, list[int]],
+    ) -> Tensor:
         grids = {
             f"{m.name}_grid_thw": self._grids(vision, m)[items[m.name]] if items.get(m.name) else None
             for m in self.modalities
@@ -136,19 +152,24 @@ class LlavaFamily(VisionFamily):
     def feature_rows(self, vision: Mapping[str, Any], modality: Modality, placeholders: int) -> list[int]:
         images = vision[modality.pixels_key].shape[0]
         if placeholders % images:
-            raise ValueError(f"The batch has {placeholders} image tokens for {images} images: LLaVA gives every image "
-                             "the same number; build the batch with the model's processor.")
+            raise ValueError(
+                f"The batch has {placeholders} image tokens for {images} images: LLaVA gives every image "
+                "the same number; build the batch with the model's processor."
+            )
         return [placeholders // images] * images
 
     def encode(self, inner: nn.Module, vision: Mapping[str, Any], modality: Modality, items: Sequence[int]) -> Tensor:
         out = inner.get_image_features(
-            pixel_values=self.item_pixels(vision, modality, items), vision_feature_layer=self.feature_layer,
-            vision_feature_select_strategy=self.select_strategy, return_dict=True,
+            pixel_values=self.item_pixels(vision, modality, items),
+            vision_feature_layer=self.feature_layer,
+            vision_feature_select_strategy=self.select_strategy,
+            return_dict=True,
         )
         return torch.cat([feature.reshape(-1, feature.shape[-1]) for feature in out.pooler_output])
 
-    def blank_vision(self, inner: nn.Module, modality: Modality, device: torch.device,
-                     dtype: torch.dtype) -> dict[str, Tensor]:
+    def blank_vision(
+        self, inner: nn.Module, modality: Modality, device: torch.device, dtype: torch.dtype
+    ) -> dict[str, Tensor]:
         config = inner.config.vision_config
         size = (1, config.num_channels, config.image_size, config.image_size)
         return {modality.pixels_key: torch.zeros(size, device=device, dtype=dtype)}
@@ -158,13 +179,13 @@ SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "llava")
 
 REFUSED = {
     "gemma3": "lets the tokens of an image attend to each other bidirectionally (its token_type_ids mask), which "
-              "Ulysses attention (causal within each document) does not implement",
+    "Ulysses attention (causal within each document) does not implement",
     "gemma3n": "lets the tokens of an image attend to each other bidirectionally, which Ulysses attention (causal "
-               "within each document) does not implement",
+    "within each document) does not implement",
     "qwen3_vl": "adds vision features to the hidden states of its first decoder layers (DeepStack), which the "
-                "sequence-sharded language model does not receive yet",
+    "sequence-sharded language model does not receive yet",
     "qwen3_vl_moe": "adds vision features to the hidden states of its first decoder layers (DeepStack), which the "
-                    "sequence-sharded language model does not receive yet",
+    "sequence-sharded language model does not receive yet",
 }
 
 
@@ -176,7 +197,9 @@ def vision_family(model: nn.Module) -> VisionFamily:
     if model_type in REFUSED or model_type not in SUPPORTED:
         reason = REFUSED.get(model_type) or (
             "is no vision-language family that lightning-ulysses knows how to feed images"
-            if getattr(config, "vision_config", None) is not None else "has no vision tower")
+            if getattr(config, "vision_config", None) is not None
+            else "has no vision tower"
+        )
         raise UnsupportedModelError(
             f"{type(model).__name__} ({model_type}) {reason}. Vision inputs run under sequence parallelism for "
             f"{', '.join(SUPPORTED)}; train this model on text (CausalLM) or with sp_size=1 outside lightning-ulysses."

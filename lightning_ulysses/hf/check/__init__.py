@@ -56,9 +56,7 @@ PROBE_TOKENS_PER_RANK = 11
 """Tokens per rank in the probe: an odd count, so that the sequence dimension is told from model dimensions."""
 
 
-def check_model(
-    model: PreTrainedModel, state: PatchState, realize: Callable[[ModelPlan], None]
-) -> ModelPlan | Refusal:
+def check_model(model: PreTrainedModel, state: PatchState, realize: Callable[[ModelPlan], None]) -> ModelPlan | Refusal:
     """Check a patched ``model`` (see the module docstring): its plan, or the refusal that names every layer that
     would not run exactly. ``realize`` brings the model to each plan tried on the way. Collective over
     ``state.group``."""
@@ -101,7 +99,9 @@ def probe_ids(model: PreTrainedModel, length: int, device: torch.device) -> Tens
     embeddings = model.get_input_embeddings()
     vocab_size = getattr(embeddings, "num_embeddings", None) or model.config.get_text_config().vocab_size
     special = {
-        value for config in model_configs(model) for key, value in config.to_dict().items()
+        value
+        for config in model_configs(model)
+        for key, value in config.to_dict().items()
         if "token" in key and isinstance(value, int)
     }
     ordinary = [i for i in range(min(vocab_size, 4096)) if i not in special]

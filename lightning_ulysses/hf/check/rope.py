@@ -22,7 +22,11 @@ from lightning_ulysses.hf.state import PatchState, model_configs
 
 
 def check_rotary(
-    model: PreTrainedModel, state: PatchState, whole: WholeRun, shard: Shard, plan: ModelPlan,
+    model: PreTrainedModel,
+    state: PatchState,
+    whole: WholeRun,
+    shard: Shard,
+    plan: ModelPlan,
     realize: Callable[[ModelPlan], None],
 ) -> tuple[list[Finding], ModelPlan]:
     """Step 3: the rotary modules whose outputs depend on the sequence length, planned (and realised) as
@@ -49,8 +53,11 @@ def check_rotary(
     flags = torch.tensor([length_dependent(m, call) for m, call in rotary if m in dependent], dtype=torch.int32)
     inexact = [m for m, flag in zip(dependent, any_rank(flags, state), strict=True) if flag]
     return [
-        Finding(module_label(names, m), "computes rotary frequencies from the sequence length in a way that giving it "
-                "the whole sequence's largest position does not make exact")
+        Finding(
+            module_label(names, m),
+            "computes rotary frequencies from the sequence length in a way that giving it "
+            "the whole sequence's largest position does not make exact",
+        )
         for m in inexact
     ], plan
 
@@ -63,7 +70,8 @@ def is_rotary(module: nn.Module, call: Call) -> bool:
         return False
     positions = bound.arguments.get("position_ids")
     return (
-        isinstance(positions, Tensor) and len(call.outputs) == 2
+        isinstance(positions, Tensor)
+        and len(call.outputs) == 2
         and all(t.dim() >= 2 and t.shape[-2] == positions.shape[-1] for t in call.outputs)
         and next(module.parameters(), None) is None
     )

@@ -23,8 +23,14 @@ from lightning_ulysses.hf.state import PatchState
 
 
 def run_as_in_training(
-    model: PreTrainedModel, state: PatchState, input_ids: Tensor, position_ids: Tensor, whole: WholeRun,
-    shard: Shard, plan: ModelPlan, realize: Callable[[ModelPlan], None],
+    model: PreTrainedModel,
+    state: PatchState,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    whole: WholeRun,
+    shard: Shard,
+    plan: ModelPlan,
+    realize: Callable[[ModelPlan], None],
 ) -> tuple[list[Finding], ModelPlan]:
     """Step 4; with ``state.gather_mixers``, each module found mixing tokens is planned (and realised) to run on the
     whole sequence and the step repeated (a mixer hides the ones after it), until the model is exact or a finding
@@ -44,10 +50,14 @@ def run_as_in_training(
             names = [name for name, _ in levels]
             tried = next((g.module for g in plan.gathered if finding.mixer in (g.mixer, g.module)), None)
             later = names.index(tried) + 1 if tried in names else 0
-            choice = next((
-                Gathered(finding.mixer, name, dims) for name, dims in levels[later:]
-                if dims is not None and not any(a == name or a.startswith(name + ".") for a in attention)
-            ), None)
+            choice = next(
+                (
+                    Gathered(finding.mixer, name, dims)
+                    for name, dims in levels[later:]
+                    if dims is not None and not any(a == name or a.startswith(name + ".") for a in attention)
+                ),
+                None,
+            )
             if choice is None:
                 return findings, plan
             plan = plan.with_gathered(choice)  # a sharded mixer inside runs as it is: its kernels did not make it exact
@@ -59,7 +69,11 @@ def run_as_in_training(
 
 
 def training_run(
-    model: PreTrainedModel, state: PatchState, input_ids: Tensor, position_ids: Tensor, whole: WholeRun,
+    model: PreTrainedModel,
+    state: PatchState,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    whole: WholeRun,
     shard: Shard,
 ) -> list[Finding]:
     """The forward as training runs it: this rank's shard (the whole sequence at ``sp_size=1``), the real SP group,
@@ -71,8 +85,8 @@ def training_run(
         "changes its output when the sequence is split: it mixes information between tokens outside attention (a "
         "convolution over the sequence, a recurrent, linear-attention or state-space layer), computes from local token "
         "indices, or reads the attention mask outside attention. Only softmax attention runs across the shards"
-        if state.sp_size > 1 else
-        "reads the [N, N] attention mask outside attention (its output changes when transformers builds none, as under "
+        if state.sp_size > 1
+        else "reads the [N, N] attention mask outside attention (its output changes when transformers builds none, as under "
         "sequence parallelism)"
     )
 
@@ -94,7 +108,12 @@ def training_run(
                 culprits.append(Finding(module_label(names, module), differs, mixer, dims))
 
     def attention(
-        module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, scaling: float | None,
+        module: nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Any,
+        scaling: float | None,
         kwargs: dict[str, Any],
     ) -> Tensor:
         return token_local_attention(query, key, value, scaling)
@@ -105,8 +124,13 @@ def training_run(
         with probe_attention(state, attention), hooks(model, compare), trap as local_indices:
             output = model(input_ids=shard.of(input_ids), position_ids=shard.of(position_ids))
     except Exception as error:  # noqa: BLE001 - the reason to refuse, with its text
-        return [Finding(type(model).__name__, "fails when run as under sequence parallelism, where transformers builds "
-                        f"no attention mask ({type(error).__name__}: {error})")]
+        return [
+            Finding(
+                type(model).__name__,
+                "fails when run as under sequence parallelism, where transformers builds "
+                f"no attention mask ({type(error).__name__}: {error})",
+            )
+        ]
     if culprits or local_indices or shard.agree(whole.output, first_tensor(output)):
         return culprits + local_indices
     return [Finding(type(model).__name__, differs)]
@@ -125,14 +149,20 @@ def local_index_trap(model: nn.Module, length: int) -> Iterator[list[Finding]]:
 
     def arange(*args: Any, **kwargs: Any) -> Tensor:
         result = original(*args, **kwargs)
-        if running and result.dim() == 1 and result.numel() == length and bool(
-            (result == original(length, device=result.device, dtype=result.dtype)).all()
+        if (
+            running
+            and result.dim() == 1
+            and result.numel() == length
+            and bool((result == original(length, device=result.device, dtype=result.dtype)).all())
         ):
             caller = sys._getframe(1)
             where = f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno}"
-            finding = Finding(module_label(names, running[-1]), f"builds token indices from the length of its input "
-                              f"(torch.arange at {where}), which under SP is one shard's: local indices, not global "
-                              "ones")
+            finding = Finding(
+                module_label(names, running[-1]),
+                f"builds token indices from the length of its input "
+                f"(torch.arange at {where}), which under SP is one shard's: local indices, not global "
+                "ones",
+            )
             if finding not in found:
                 found.append(finding)
         return result
@@ -144,7 +174,8 @@ def local_index_trap(model: nn.Module, length: int) -> Iterator[list[Finding]]:
         running.pop()
 
     handles = [
-        handle for module in model.modules()
+        handle
+        for module in model.modules()
         for handle in (module.register_forward_pre_hook(enter), module.register_forward_hook(leave))
     ]
     torch.arange = arange

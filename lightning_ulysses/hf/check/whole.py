@@ -44,18 +44,28 @@ def whole_sequence_run(
     run = WholeRun()
 
     def attention(
-        module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, scaling: float | None,
+        module: nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Any,
+        scaling: float | None,
         kwargs: dict[str, Any],
     ) -> Tensor:
         tokens = input_ids.shape[1]
         if query.dim() != 4 or query.shape[2] != tokens or query.shape[0] != input_ids.shape[0]:
-            findings[module] = Finding(module_label(names, module), f"passes attention tensors shaped "
-                                       f"{tuple(query.shape)}, not [batch, heads, tokens={tokens}, dim] as "
-                                       "transformers' attention interface does")
+            findings[module] = Finding(
+                module_label(names, module),
+                f"passes attention tensors shaped "
+                f"{tuple(query.shape)}, not [batch, heads, tokens={tokens}, dim] as "
+                "transformers' attention interface does",
+            )
             return torch.zeros_like(query)
         if key.shape[2] != tokens:  # keys of its own (compressed, memory, ...): no stand-in attention here
-            findings[module] = Finding(module_label(names, module), f"attends to {key.shape[2]} keys from {tokens} "
-                                       "queries: keys other than the sequence's tokens")
+            findings[module] = Finding(
+                module_label(names, module),
+                f"attends to {key.shape[2]} keys from {tokens} queries: keys other than the sequence's tokens",
+            )
             return query.new_zeros(*query.shape[:2], tokens, value.shape[-1]).transpose(1, 2)
         if module not in findings:
             pattern, why = recorded.pattern_of(attention_mask)
@@ -72,8 +82,12 @@ def whole_sequence_run(
         run.calls.setdefault(names[module], []).append(Call(inputs, outputs, args, kwargs))
 
     try:
-        with mask_interface(recording_mask_interface(recorded)), probe_attention(state, attention), \
-                sequence_parallel_disabled(model), hooks(model, record):
+        with (
+            mask_interface(recording_mask_interface(recorded)),
+            probe_attention(state, attention),
+            sequence_parallel_disabled(model),
+            hooks(model, record),
+        ):
             output = model(input_ids=input_ids, position_ids=position_ids)
     except Exception as error:  # noqa: BLE001 - any failure of the plain forward is a reason to refuse, with its text
         problem = f"cannot be called with input_ids and position_ids alone ({error})"
@@ -101,9 +115,14 @@ def check_position_numbering(model: PreTrainedModel, input_ids: Tensor, position
         own = first_tensor(model(input_ids=input_ids, use_cache=False))
     if given is None or own is None or close(own, given):
         return []
-    return [Finding(type(model).__name__, "numbers its positions other than 0, 1, 2, ... (its output changes when "
-                    "given those position ids; e.g. RoBERTa counts from padding_idx + 1), and sequence parallelism "
-                    "must give each shard its global position ids")]
+    return [
+        Finding(
+            type(model).__name__,
+            "numbers its positions other than 0, 1, 2, ... (its output changes when "
+            "given those position ids; e.g. RoBERTa counts from padding_idx + 1), and sequence parallelism "
+            "must give each shard its global position ids",
+        )
+    ]
 
 
 @contextmanager

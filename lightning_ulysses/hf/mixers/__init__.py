@@ -25,6 +25,14 @@ from lightning_ulysses.hf.mixers.shift import shift_sequence
 from lightning_ulysses.hf.plan import TokenDims
 
 __all__ = [
-    "KERNELS", "KernelSpec", "TokenDims", "gather_whole_sequence", "is_token_mixer", "kernels_called",
-    "plan_document_rows", "register_mixer_weights_for_zero3", "sharded_mixer_forward", "shift_sequence",
+    "KERNELS",
+    "KernelSpec",
+    "TokenDims",
+    "gather_whole_sequence",
+    "is_token_mixer",
+    "kernels_called",
+    "plan_document_rows",
+    "register_mixer_weights_for_zero3",
+    "sharded_mixer_forward",
+    "shift_sequence",
 ]

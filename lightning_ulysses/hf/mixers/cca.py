@@ -33,8 +33,19 @@ from lightning_ulysses.groups import SequenceParallelGroup
 from lightning_ulysses.hf.mixers.core import ShardedCore
 from lightning_ulysses.hf.mixers.shift import shift_sequence
 
-_PARTS = ("q_proj", "k_proj", "v_proj_current", "v_proj_delayed", "conv_qk_depthwise", "conv_qk_grouped",
-          "conv_kernel_size", "num_attention_heads", "num_key_value_heads", "num_key_value_groups", "head_dim")
+_PARTS = (
+    "q_proj",
+    "k_proj",
+    "v_proj_current",
+    "v_proj_delayed",
+    "conv_qk_depthwise",
+    "conv_qk_grouped",
+    "conv_kernel_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_key_value_groups",
+    "head_dim",
+)
 
 
 def is_cca_projection(module: nn.Module) -> bool:
@@ -47,10 +58,13 @@ def is_cca_projection(module: nn.Module) -> bool:
     heads = module.num_attention_heads + module.num_key_value_heads
     channels = heads * module.head_dim
     return (
-        isinstance(depthwise, nn.Conv1d) and isinstance(grouped, nn.Conv1d)
+        isinstance(depthwise, nn.Conv1d)
+        and isinstance(grouped, nn.Conv1d)
         and depthwise.in_channels == depthwise.out_channels == depthwise.groups == channels
-        and grouped.in_channels == grouped.out_channels == channels and grouped.groups == heads
-        and depthwise.padding == grouped.padding == (0,) and depthwise.stride == grouped.stride == (1,)
+        and grouped.in_channels == grouped.out_channels == channels
+        and grouped.groups == heads
+        and depthwise.padding == grouped.padding == (0,)
+        and depthwise.stride == grouped.stride == (1,)
         and depthwise.dilation == grouped.dilation == (1,)
         and depthwise.kernel_size[0] + grouped.kernel_size[0] - 2 == module.conv_kernel_size
     )
@@ -87,8 +101,10 @@ def sharded_cca_forward(
         key_residual = query_residual.view(batch, seq_len, -1, module.num_key_value_groups, head_dim).mean(dim=-2)
 
         core = ShardedCore(group(), heads, heads, documents())
-        weights = [core.local(_per_head(p, heads)) if p is not None else None
-                   for p in (depthwise.weight, depthwise.bias, grouped.weight, grouped.bias)]
+        weights = [
+            core.local(_per_head(p, heads)) if p is not None else None
+            for p in (depthwise.weight, depthwise.bias, grouped.weight, grouped.bias)
+        ]
         local_heads = weights[0].shape[0]
 
         def convolutions(qk: Tensor) -> tuple[Tensor, None]:  # [b, n, h, D]: this rank's heads, whole rows

@@ -77,9 +77,9 @@ def sharded_mixer_forward(module: nn.Module, state: PatchState) -> Callable[...,
     if form is not None:
         return _while_sharded(module, state, form(module, _group(state), _documents(state)))
     if sequence_shift_of(module) is not None:
-        return _while_sharded(module, state, sharded_shift_forward(
-            module, _group(state), _documents(state), lambda: _local_tokens(state)
-        ))
+        return _while_sharded(
+            module, state, sharded_shift_forward(module, _group(state), _documents(state), lambda: _local_tokens(state))
+        )
     raise ValueError(f"{type(module).__name__} is no token mixer with a head-sharded form.")
 
 
@@ -120,9 +120,7 @@ def _sharded_forward(module: nn.Module, kernels: dict[str, Any], state: PatchSta
     """The module's own forward, with its kernels pointing at their sharded forms while it runs."""
     forward = module.forward
     namespace = inspect.unwrap(type(module).forward).__globals__
-    sharded = {
-        name: sharded_kernel(name, kernel, _group(state), _documents(state)) for name, kernel in kernels.items()
-    }
+    sharded = {name: sharded_kernel(name, kernel, _group(state), _documents(state)) for name, kernel in kernels.items()}
 
     def with_sharded_kernels(*args: Any, **kwargs: Any) -> Any:
         with _pointing(namespace, sharded):

@@ -62,35 +62,57 @@ class KernelSpec:
 KERNELS: dict[str, KernelSpec] = {
     # depthwise causal convolution over [B, C, N], one channel per head (LFM2, Mamba's x|B|C, DeltaNet's q|k|v)
     "causal_conv1d_fn": KernelSpec(
-        heads={"hidden_states": "BHN"}, output="BHN", head_count=("hidden_states", 1), weights=("weight", "bias"),
+        heads={"hidden_states": "BHN"},
+        output="BHN",
+        head_count=("hidden_states", 1),
+        weights=("weight", "bias"),
     ),
     # Mamba2's chunked SSD scan: x [B, N, H, P], dt [B, N, H]; B, C [B, N, G, S] shared by H / G heads
     "mamba2_chunk_scan": KernelSpec(
-        heads={"hidden_states": "BNHD", "dt": "BNH", "z": "BNHD"}, output="BNHD", head_count=("hidden_states", 2),
-        grouped={"B": "BNHD", "C": "BNHD"}, group_count=("B", 2), weights=("A", "D", "dt_bias"),
+        heads={"hidden_states": "BNHD", "dt": "BNH", "z": "BNHD"},
+        output="BNHD",
+        head_count=("hidden_states", 2),
+        grouped={"B": "BNHD", "C": "BNHD"},
+        group_count=("B", 2),
+        weights=("A", "D", "dt_bias"),
         no_state=("initial_states", "return_final_states"),
     ),
     # Mamba's selective scan: x, dt, z [B, I, N], one channel per head; B, C [B, S, N] shared by every channel
     "mamba_selective_scan": KernelSpec(
-        heads={"hidden_states": "BHN", "dt": "BHN", "z": "BHN"}, output="BHN", head_count=("hidden_states", 1),
-        grouped={"B": "BDN", "C": "BDN"}, weights=("A", "D", "delta_bias"), no_state=("return_last_state",),
+        heads={"hidden_states": "BHN", "dt": "BHN", "z": "BHN"},
+        output="BHN",
+        head_count=("hidden_states", 1),
+        grouped={"B": "BDN", "C": "BDN"},
+        weights=("A", "D", "delta_bias"),
+        no_state=("return_last_state",),
     ),
     # gated delta rule: q, k [B, N, H_k, D_k] shared by H_v / H_k value heads; v [B, N, H_v, D_v]; g, beta [B, N, H_v]
     "torch_chunk_gated_delta_rule": KernelSpec(
-        heads={"value": "BNHD", "g": "BNH", "beta": "BNH"}, output="BNHD", head_count=("value", 2),
-        grouped={"query": "BNHD", "key": "BNHD"}, group_count=("key", 2),
-        no_state=("initial_state", "output_final_state"), returns_state=True,
+        heads={"value": "BNHD", "g": "BNH", "beta": "BNH"},
+        output="BNHD",
+        head_count=("value", 2),
+        grouped={"query": "BNHD", "key": "BNHD"},
+        group_count=("key", 2),
+        no_state=("initial_state", "output_final_state"),
+        returns_state=True,
     ),
     # Kimi delta attention (Kimi-Linear, Bailing hybrid): q, k, v [B, N, H, D], a decay per head and key channel
     # g [B, N, H, D_k], beta [B, N, H]
     "chunk_kimi_delta_attention": KernelSpec(
-        heads={"query": "BNHD", "key": "BNHD", "value": "BNHD", "g": "BNHD", "beta": "BNH"}, output="BNHD",
-        head_count=("value", 2), no_state=("initial_state", "output_final_state"), returns_state=True,
+        heads={"query": "BNHD", "key": "BNHD", "value": "BNHD", "g": "BNHD", "beta": "BNH"},
+        output="BNHD",
+        head_count=("value", 2),
+        no_state=("initial_state", "output_final_state"),
+        returns_state=True,
     ),
     # RWKV's WKV: key, value [B, N, C], one decay and one bonus per channel (time_decay, time_first [C])
     "rwkv_linear_attention": KernelSpec(
-        heads={"key": "BNH", "value": "BNH"}, output="BNH", head_count=("key", 2),
-        weights=("time_decay", "time_first"), no_state=("state", "return_state"), returns_state=True,
+        heads={"key": "BNH", "value": "BNH"},
+        output="BNH",
+        head_count=("key", 2),
+        weights=("time_decay", "time_first"),
+        no_state=("state", "return_state"),
+        returns_state=True,
     ),
 }
 
@@ -108,7 +130,9 @@ def _no_fused_layer(*args: Any, **kwargs: Any) -> None:
 
 
 def sharded_kernel(
-    name: str, kernel: Callable[..., Any], group: Callable[[], SequenceParallelGroup],
+    name: str,
+    kernel: Callable[..., Any],
+    group: Callable[[], SequenceParallelGroup],
     documents: Callable[[], Documents | None],
 ) -> Callable[..., Any]:
     """``kernel`` (the function transformers calls as ``name``) taking this rank's shard of the sequence; ``group``
@@ -134,7 +158,9 @@ def sharded_kernel(
         extra = {key: value for key, value in extra.items() if value is not None}
         core = ShardedCore(group(), *_head_counts(spec, arguments), documents())
         layouts = {
-            key: layout for streams in (spec.heads, spec.grouped) for key, layout in streams.items()
+            key: layout
+            for streams in (spec.heads, spec.grouped)
+            for key, layout in streams.items()
             if isinstance(arguments.get(key), Tensor)
         }
         streams = [core.scatter(_TO_CORE[layouts[key]](arguments[key]), key in spec.grouped) for key in layouts]

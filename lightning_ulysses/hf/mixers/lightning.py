@@ -22,8 +22,20 @@ from lightning_ulysses.attention import Documents
 from lightning_ulysses.groups import SequenceParallelGroup
 from lightning_ulysses.hf.mixers.core import ShardedCore
 
-_PARTS = ("qkv_proj", "output_gate", "out_proj", "norm", "act_fn", "slope_rate", "query_decay", "key_decay",
-          "diagonal_decay", "block_size", "num_attention_heads", "head_dim")
+_PARTS = (
+    "qkv_proj",
+    "output_gate",
+    "out_proj",
+    "norm",
+    "act_fn",
+    "slope_rate",
+    "query_decay",
+    "key_decay",
+    "diagonal_decay",
+    "block_size",
+    "num_attention_heads",
+    "head_dim",
+)
 
 
 def is_lightning_attention(module: nn.Module) -> bool:
@@ -34,7 +46,8 @@ def is_lightning_attention(module: nn.Module) -> bool:
         return False
     heads, block = module.num_attention_heads, module.block_size
     return (
-        tuple(module.slope_rate.shape) == (heads, 1, 1) and tuple(module.query_decay.shape) == (heads, block, 1)
+        tuple(module.slope_rate.shape) == (heads, 1, 1)
+        and tuple(module.query_decay.shape) == (heads, block, 1)
         and tuple(module.diagonal_decay.shape[-3:]) == (heads, block, block)
     )
 
@@ -69,7 +82,10 @@ def sharded_lightning_forward(
     (``None`` for packed rows, which run as one row per document)."""
 
     def forward(
-        hidden_states: Tensor, position_embeddings: Any = None, attention_mask: Tensor | None = None, cache: Any = None,
+        hidden_states: Tensor,
+        position_embeddings: Any = None,
+        attention_mask: Tensor | None = None,
+        cache: Any = None,
         **kwargs: Any,
     ) -> tuple[Tensor, Tensor | None]:
         if cache is not None or (attention_mask is not None and attention_mask.dim() == 2):

@@ -37,10 +37,15 @@ from lightning_ulysses.attention import Documents
 from lightning_ulysses.groups import SequenceParallelGroup
 from lightning_ulysses.hf.mixers.core import ShardedCore
 
-MLSTM_KERNELS = frozenset({
-    "mlstm_chunkwise_native_autograd", "mlstm_recurrent_sequence_native", "mlstm_recurrent_step_native",
-    "wrap_chunkwise_pad_zeros", "wrap_chunkwise_arbitrary_sequence_length",
-})
+MLSTM_KERNELS = frozenset(
+    {
+        "mlstm_chunkwise_native_autograd",
+        "mlstm_recurrent_sequence_native",
+        "mlstm_recurrent_step_native",
+        "wrap_chunkwise_pad_zeros",
+        "wrap_chunkwise_arbitrary_sequence_length",
+    }
+)
 """transformers' mLSTM kernel functions (``models/xlstm/modeling_xlstm.py``)."""
 
 STREAMS = ("query", "key", "value", "igate", "fgate")
@@ -114,4 +119,3 @@ def sharded_mlstm_forward(
         return h, None if state is None else tuple(core.gather_state(s) for s in state)
 
     return sharded
-

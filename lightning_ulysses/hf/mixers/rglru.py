@@ -37,8 +37,16 @@ from lightning_ulysses.groups import SequenceParallelGroup
 from lightning_ulysses.hf.mixers.core import ShardedCore
 
 _BLOCK_PARTS = ("linear_x", "linear_y", "linear_out", "act_fn", "conv_1d", "rg_lru")
-_RG_LRU_PARTS = ("recurrent_param", "input_gate_weight", "input_gate_bias", "recurrent_gate_weight",
-                 "recurrent_gate_bias", "num_attention_heads", "block_width", "_rnn_scan")
+_RG_LRU_PARTS = (
+    "recurrent_param",
+    "input_gate_weight",
+    "input_gate_bias",
+    "recurrent_gate_weight",
+    "recurrent_gate_bias",
+    "num_attention_heads",
+    "block_width",
+    "_rnn_scan",
+)
 
 
 def is_recurrent_block(module: nn.Module) -> bool:
@@ -55,8 +63,11 @@ def is_recurrent_block(module: nn.Module) -> bool:
     heads, block = lru.num_attention_heads, lru.block_width
     forward = inspect.unwrap(type(lru).forward)
     return (
-        conv.out_channels == conv.groups == channels == heads * block and conv.stride == (1,)
-        and conv.dilation == (1,) and conv.padding == (width - 1,) and conv.padding_mode == "zeros"
+        conv.out_channels == conv.groups == channels == heads * block
+        and conv.stride == (1,)
+        and conv.dilation == (1,)
+        and conv.padding == (width - 1,)
+        and conv.padding_mode == "zeros"
         and _shape(lru.recurrent_param) == (channels,)
         and _shape(lru.input_gate_weight) == _shape(lru.recurrent_gate_weight) == (heads, block, block)
         and _shape(lru.input_gate_bias) == _shape(lru.recurrent_gate_bias) == (heads, block)

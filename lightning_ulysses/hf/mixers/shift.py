@@ -110,8 +110,11 @@ def shift_sequence(
     tails = [x[:, start + length - shift : start + length] for start, _, length in shards[rank]]
     tails += [tails[0]] * (slots - len(tails))  # equal shapes on every rank; the copies are never read
     halo = _GatherTails.apply(torch.cat(tails, dim=1), group)  # [P, B, slots * shift, ...]
-    ends = {column + length: (owner, slot) for owner, pieces in enumerate(shards)
-            for slot, (_, column, length) in enumerate(pieces)}
+    ends = {
+        column + length: (owner, slot)
+        for owner, pieces in enumerate(shards)
+        for slot, (_, column, length) in enumerate(pieces)
+    }
     shifted = []
     for start, column, length in shards[rank]:
         # the row's first tokens read any halo slot, replaced by the fill below: every rank reads the halo, so
@@ -126,7 +129,12 @@ def shift_sequence(
 
 
 def _same_document(
-    seq_len: int, shift: int, rank: int, sp_size: int, ring_size: int, documents: Documents | None,
+    seq_len: int,
+    shift: int,
+    rank: int,
+    sp_size: int,
+    ring_size: int,
+    documents: Documents | None,
     device: torch.device,
 ) -> Tensor:
     """``[B, N/P]`` (``[1, N/P]`` without documents) bool: this rank's tokens whose source ``shift`` tokens earlier
@@ -153,7 +161,9 @@ def sequence_shift_of(module: nn.Module) -> int | None:
 
 
 def sharded_shift_forward(
-    module: nn.Module, group: Callable[[], SequenceParallelGroup], documents: Callable[[], Documents | None],
+    module: nn.Module,
+    group: Callable[[], SequenceParallelGroup],
+    documents: Callable[[], Documents | None],
     local_tokens: Callable[[], int | None],
 ) -> Callable[[Tensor], Tensor]:
     """The shift module's forward on this rank's ``[B, N/P, C]`` tokens (:func:`shift_sequence`, filled with the
