@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,7 @@ def worker(args: dict[str, Any]) -> dict[tuple[str, int], int]:
             generator = torch.Generator().manual_seed(seq_len)
             batch = {"input_ids": torch.randint(1, MODEL["vocab_size"], (1, seq_len), generator=generator)}
             shard = {k: v.to(device) for k, v in shard_batch(prepare_batch(batch, sp_size), sp_rank, sp_size).items()}
-            peaks[name, seq_len] = _peak_bytes(device, lambda: _train_step(model, shard, options))
+            peaks[name, seq_len] = _peak_bytes(device, partial(_train_step, model, shard, options))
         remove_memory_options(model)
     dist.destroy_process_group()
     return peaks
@@ -170,7 +171,7 @@ def plot(
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(sp_sizes), figsize=(5 * len(sp_sizes), 4), sharey=True, squeeze=False)
-    for ax, sp in zip(axes[0], sp_sizes):
+    for ax, sp in zip(axes[0], sp_sizes, strict=True):
         for config in configs:
             ax.plot(seq_lens, [results[config, sp, n] / MiB for n in seq_lens], marker="o", label=config)
         ax.set(xscale="log", yscale="log", xlabel="sequence length N", title=f"sp={sp}")

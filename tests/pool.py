@@ -55,7 +55,8 @@ class _World:
 
     def __init__(self, world_size: int, num_nodes: int) -> None:
         self.world_size = world_size
-        self.log = tempfile.TemporaryFile("w+")  # the ranks' output outside the calls (start-up, crashes)
+        # the ranks' output outside the calls (start-up, crashes), closed with the world
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115
         self.procs = [
             subprocess.Popen(
                 [sys.executable, "-m", "tests.launch", "--serve"],
@@ -275,7 +276,7 @@ def _call(target: str, folder: Path, env: dict[str, str], log_path: Path, baseli
             torch.save(result, folder / f"result{env['RANK']}.pt")
             baseline.restore()
             return True
-        except BaseException:  # noqa: B036 - whatever ends the call (SystemExit included) fails it, as a fresh rank
+        except BaseException:  # noqa: B036, BLE001 - whatever ends the call (SystemExit included) fails it, as a fresh rank
             traceback.print_exc()
             return False
         finally:

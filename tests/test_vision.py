@@ -440,8 +440,8 @@ def test_a_chat_batch_trains_as_the_plain_model(chat_files: dict[str, Any]) -> N
 def test_exchange_balances_the_items_over_the_ranks() -> None:
     """``balanced_owners`` on the test batches and on many random ones: every item owned once, and no rank more
     than the largest item above the least loaded one (largest-first greedy). Measured on QWEN_ROWS (images of 4, 6,
-    1 and 3 rows, a video of 8): rows per rank [22] at sp=1, [11, 11] at sp=2, [8, 6, 4, 4] at sp=4 (patches: x4; images and video through
-    the same tower, balanced together)."""
+    1 and 3 rows, a video of 8): rows per rank [22] at sp=1, [11, 11] at sp=2, [8, 6, 4, 4] at sp=4 (patches: x4;
+    images and video through the same tower, balanced together)."""
     from lightning_ulysses.vision.embed import balanced_owners, owners_by_modality
 
     rows = [4, 6, 1, 3]  # QWEN_ROWS' images (grids / 4); its video (8 rows) is a modality of its own
@@ -449,7 +449,8 @@ def test_exchange_balances_the_items_over_the_ranks() -> None:
     for sp in (1, 2, 4):
         owners = owners_by_modality({"image": rows, "video": [8]}, sp)
         loads[sp] = [
-            sum(r for r, o in zip([*rows, 8], [*owners["image"], *owners["video"]]) if o == rank) for rank in range(sp)
+            sum(r for r, o in zip([*rows, 8], [*owners["image"], *owners["video"]], strict=True) if o == rank)
+            for rank in range(sp)
         ]
     assert loads == {1: [22], 2: [11, 11], 4: [8, 6, 4, 4]}
     generator = torch.Generator().manual_seed(0)
