@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +45,7 @@ class TiledLogits:
     num_tiles: int
 
 
-Logits = Union[Tensor, TiledLogits]
+Logits = Tensor | TiledLogits
 """``[B, n, V]`` logits, whole or as :class:`TiledLogits`."""
 
 
@@ -60,6 +59,7 @@ def per_token(logits: Logits, labels: Tensor, fn: TokenFunction) -> Tensor:
     tiles = zip(
         logits.hidden_states.reshape(-1, logits.hidden_states.shape[-1]).tensor_split(logits.num_tiles),
         labels.reshape(-1).tensor_split(logits.num_tiles),
+        strict=True,
     )
     return torch.cat([run(hidden, target) for hidden, target in tiles]).view(labels.shape)
 
