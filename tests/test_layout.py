@@ -1,4 +1,5 @@
-"""The package's shape, read from its source: no import circles and no module-level mutable state.
+"""The package's shape, read from its source: layers that import only downwards, no import circles and no
+module-level mutable state.
 
 An import circle (function-level imports included: they only hide one) means two modules that cannot be read,
 changed or tested apart; module-level mutable state means a result that depends on what ran before in the process.
@@ -13,6 +14,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_ulysses"
+HOW_IT_WORKS = PACKAGE.parent / "docs" / "how-it-works.md"
 
 REMAINING_CIRCLES: list[list[str]] = []
 """None left: the loss reads the context the strategy publishes (``LossContext``), not the strategy."""
@@ -181,3 +183,48 @@ def test_the_state_finder_finds_state() -> None:
         "global _last",
         "other.value assigned",
     ]
+
+
+def _layers(markdown: str) -> list[list[str]]:
+    """The rows of the table under ``## Layers`` in docs/how-it-works.md, top layer first: each row's modules (the
+    first part of a module's name below ``lightning_ulysses``; ``__init__`` for the package itself)."""
+    section = markdown.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "`" in line]
+    return [[cell.strip(" `") for cell in row.split("|")[2].split(",")] for row in rows]
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _upward_imports(graph: dict[str, set[str]], layers: list[list[str]]) -> list[str]:
+    """Every import of a module from a layer above its own (``layers`` top first)."""
+    height = {unit: len(layers) - i for i, row in enumerate(layers) for unit in row}
+    return sorted(
+        f"{name} imports {target}"
+        for name, targets in graph.items()
+        for target in targets
+        if height[_unit(target)] > height[_unit(name)]
+    )
+
+
+def test_every_module_has_one_layer() -> None:
+    layers = _layers(HOW_IT_WORKS.read_text())
+    placed = [unit for row in layers for unit in row]
+    units = {_unit(name) for name in _modules()}
+    assert sorted(placed) == sorted(set(placed)), "a module is in two layers"
+    assert units == set(placed), f"without a layer: {units - set(placed)}; no such module: {set(placed) - units}"
+
+
+def test_imports_go_down_the_layers() -> None:
+    modules = _modules()
+    graph = {name: _imports(name, tree, modules) for name, tree in modules.items()}
+    assert _upward_imports(graph, _layers(HOW_IT_WORKS.read_text())) == []
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    layers = _layers("\n## Layers\n\n| layer | modules |\n|---|---|\n| top | `b` |\n| bottom | `a`, `c` |\n")
+    assert layers == [["b"], ["a", "c"]]
+    graph = {"lightning_ulysses.a": {"lightning_ulysses.b.x"}, "lightning_ulysses.b.x": {"lightning_ulysses.c"}}
+    assert _upward_imports(graph, layers) == ["lightning_ulysses.a imports lightning_ulysses.b.x"]
