@@ -107,9 +107,10 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         options = {"attn_implementation": "sdpa", "dtype": torch.get_default_dtype()}
         with _transformers_zero3(self._trainer.strategy if self._trainer is not None else None):
             if hp.pretrained:
-                model = self.model = _load_pretrained(hp.model, self.auto_class, **options)
+                model = _load_pretrained(hp.model, self.auto_class, **options)
             else:
-                model = self.model = self.auto_class.from_config(build_config(hp.model, hp.vocab_size), **options)
+                model = self.auto_class.from_config(build_config(hp.model, hp.vocab_size), **options)
+            self.model = model
         if hp.pretrained:
             model_vocab = model.get_input_embeddings().num_embeddings
             if hp.vocab_size is not None and hp.vocab_size > model_vocab:

@@ -99,8 +99,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
             zigzag shards (causal work balanced over the ring); batches, ``gather_sequence`` and the loss keep
             whole-sequence order. Runs torch's SDPA kernels on each block (the flash kernel for CPU, the
             memory-efficient one on CUDA; ``attn_implementation`` ``"auto"`` or ``"sdpa"``), without attention dropout;
-            the
-            kernels of the device are checked against float64 at set-up (refused where they are not exact).
+            the kernels of the device are checked against float64 at set-up (refused where they are not exact).
         attn_implementation: core attention kernel run on the gathered sequence: ``"auto"`` (flash-attn 2
             on CUDA for fp16/bf16 when installed, else SDPA), ``"sdpa"``, ``"flash_attention_2"``,
             ``"flash_attention_3"`` or ``"flex_attention"``.
