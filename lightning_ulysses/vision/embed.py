@@ -27,6 +27,7 @@ implementation on whole images, never sequence-sharded.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -92,6 +93,19 @@ def encoded_items(rows: Tensor, feature_rows: list[int], encode: Literal["shard"
     return needed or [min(range(len(feature_rows)), key=feature_rows.__getitem__)]
 
 
+@dataclass
+class MergedInputs:
+    """A shard's language-model inputs from :func:`merged_inputs`."""
+
+    embeds: Tensor
+    """``[B, N/sp, hidden]``: the input embeddings, each placeholder replaced by its item's row."""
+    visual_mask: Tensor | None = None
+    """DeepStack families: ``[B, N/sp]`` bool, the shard's placeholders of every modality."""
+    deepstack: list[Tensor] = field(default_factory=list)
+    """DeepStack families: per layer ``[placeholders of the shard, hidden]``, in the shard's token order: what that
+    decoder layer adds to its output at ``visual_mask`` (transformers' ``deepstack_visual_embeds``, on the shard)."""
+
+
 def merged_inputs_embeds(
     model: nn.Module,
     family: VisionFamily,
@@ -99,13 +113,28 @@ def merged_inputs_embeds(
     encode: VisionEncoding = "shard",
     group: ProcessGroup | None = None,
 ) -> Tensor:
-    """``[B, N/sp, hidden]``: the embeddings of the shard's ``input_ids``, each placeholder replaced by its item's
-    embedding row (see the module docstring); ``group``: the SP group (``"exchange"`` only; ``None`` or one rank:
-    as ``"all"``)."""
+    """``[B, N/sp, hidden]``: :attr:`MergedInputs.embeds` of :func:`merged_inputs`."""
+    return merged_inputs(model, family, batch, encode, group).embeds
+
+
+def merged_inputs(
+    model: nn.Module,
+    family: VisionFamily,
+    batch: Mapping[str, Any],
+    encode: VisionEncoding = "shard",
+    group: ProcessGroup | None = None,
+) -> MergedInputs:
+    """The embeddings of the shard's ``input_ids``, each placeholder replaced by its item's embedding row (see the
+    module docstring), and for DeepStack families the rows its first decoder layers add at the shard's placeholders;
+    ``group``: the SP group (``"exchange"`` only; ``None`` or one rank: as ``"all"``)."""
     if encode == "exchange" and (group is None or dist.get_world_size(group) == 1):
         encode = "all"
     input_ids, all_rows, vision = batch["input_ids"], batch[ROWS_KEY], batch[VISION_KEY]
     embeds = model.get_input_embeddings()(input_ids)
+    hidden = embeds.shape[-1]
+    # DeepStack rows of every token [B, N/sp, layers * hidden]: zero on text, the item's rows on placeholders
+    stacked = embeds.new_zeros(*embeds.shape[:-1], family.deepstack_layers * hidden)
+    visual_mask = torch.zeros_like(input_ids, dtype=torch.bool)
     inner = model.model
     if encode == "exchange":
         assert group is not None
@@ -137,11 +166,15 @@ def merged_inputs_embeds(
         index = local[(rows - 1).clamp(min=0)]
         if bool((placeholders & (index < 0)).any()):
             raise RuntimeError(f"A {modality.name} token of this shard has no encoded item (internal error).")
-        merged = features[index.clamp(min=0)]
-        embeds = torch.where(placeholders[..., None], merged, embeds)
+        merged = features[index.clamp(min=0)]  # [B, N/sp, (1 + deepstack layers) * hidden]
+        embeds = torch.where(placeholders[..., None], merged[..., :hidden], embeds)
+        stacked = torch.where(placeholders[..., None], merged[..., hidden:], stacked)
+        visual_mask = visual_mask | placeholders
         if not bool(placeholders.any()):
             embeds = embeds + 0.0 * features.sum()  # keeps the vision tower in this rank's backward
-    return embeds
+    if not family.deepstack_layers:
+        return MergedInputs(embeds)
+    return MergedInputs(embeds, visual_mask, list(stacked[visual_mask].split(hidden, dim=-1)))
 
 
 def _exchanged(
