@@ -281,6 +281,8 @@ TWO_PROCESS_CASES = {
     "qwen2_5_vl_checkpointed_sp2_zero3": dict(family="qwen2_5_vl", sp=2, stage=3, checkpointing=True),
     "qwen2_vl_exchange_sp2_zero2": dict(family="qwen2_vl", sp=2, stage=2, encoding="exchange"),
     "llava_exchange_sp2_zero3": dict(family="llava", sp=2, stage=3, encoding="exchange"),
+    "qwen3_vl_sp2_zero2": dict(family="qwen3_vl", sp=2, stage=2),
+    "qwen3_vl_packed_exchange_sp2_zero3": dict(family="qwen3_vl", sp=2, stage=3, packed=True, encoding="exchange"),
 }
 FOUR_PROCESS_CASES = {
     "qwen2_vl_sp4_zero2": dict(family="qwen2_vl", sp=4, stage=2),
@@ -294,6 +296,11 @@ FOUR_PROCESS_CASES = {
     "qwen2_5_vl_exchange_sp4_zero3": dict(family="qwen2_5_vl", sp=4, stage=3, encoding="exchange"),
     "qwen2_vl_exchange_packed_dp2_sp2_zero3_text_only_rank": dict(
         family="qwen2_vl", sp=2, dp=2, stage=3, packed=True, encoding="exchange", text_only_rank=1
+    ),
+    "qwen3_vl_sp4_zero3": dict(family="qwen3_vl", sp=4, stage=3),
+    "qwen3_vl_exchange_sp4_zero2": dict(family="qwen3_vl", sp=4, stage=2, encoding="exchange"),
+    "qwen3_vl_packed_dp2_sp2_zero3_text_only_rank": dict(
+        family="qwen3_vl", sp=2, dp=2, stage=3, packed=True, text_only_rank=1
     ),
 }
 
