@@ -63,6 +63,7 @@ CASES = [
     ("qwen2_5_vl", True),
     ("qwen3_vl", False),
     ("qwen3_vl", True),
+    ("qwen3_vl_moe", False),
     ("llava", False),
 ]
 
@@ -283,6 +284,7 @@ TWO_PROCESS_CASES = {
     "llava_exchange_sp2_zero3": dict(family="llava", sp=2, stage=3, encoding="exchange"),
     "qwen3_vl_sp2_zero2": dict(family="qwen3_vl", sp=2, stage=2),
     "qwen3_vl_packed_exchange_sp2_zero3": dict(family="qwen3_vl", sp=2, stage=3, packed=True, encoding="exchange"),
+    "qwen3_vl_moe_sp2_zero3": dict(family="qwen3_vl_moe", sp=2, stage=3),
 }
 FOUR_PROCESS_CASES = {
     "qwen2_vl_sp4_zero2": dict(family="qwen2_vl", sp=4, stage=2),
