@@ -33,11 +33,15 @@ QWEN_PACKED_ROWS = [
     [[4, ("image", (1, 2, 2)), 6], [7]],
 ]
 LLAVA_ROWS = [[3, "image", 2, "image", 4], [6, "image", 5]]
+# packed: row 0's second document starts at column 21 and its image crosses the sp=2 border (column 32)
+LLAVA_PACKED_ROWS = [[[2, "image", 3], [4, "image", 2, "image", 3]], [[5, "image", 4], [9]]]
 TEXT_ONLY_ROWS = {"qwen": [[[21]], [[9]]], "llava": [[14], [5, 3]]}  # a batch of chats without any image
 
 
 def family_batch(family: str, packed: bool = False, seed: int = 0, text_only: bool = False) -> dict[str, Any]:
     if family == "llava":
+        if packed and not text_only:
+            return llava_batch(LLAVA_PACKED_ROWS, seed, packed=True)
         return llava_batch(TEXT_ONLY_ROWS["llava"] if text_only else LLAVA_ROWS, seed)
     rows = TEXT_ONLY_ROWS["qwen"] if text_only else QWEN_PACKED_ROWS if packed else QWEN_ROWS
     return qwen_batch(rows, seed, packed=packed, frames=family.startswith("qwen3"))
@@ -65,6 +69,7 @@ CASES = [
     ("qwen3_vl", True),
     ("qwen3_vl_moe", False),
     ("llava", False),
+    ("llava", True),
 ]
 
 
@@ -285,6 +290,7 @@ TWO_PROCESS_CASES = {
     "qwen3_vl_sp2_zero2": dict(family="qwen3_vl", sp=2, stage=2),
     "qwen3_vl_packed_exchange_sp2_zero3": dict(family="qwen3_vl", sp=2, stage=3, packed=True, encoding="exchange"),
     "qwen3_vl_moe_sp2_zero3": dict(family="qwen3_vl_moe", sp=2, stage=3),
+    "llava_packed_sp2_zero2": dict(family="llava", sp=2, stage=2, packed=True),
 }
 FOUR_PROCESS_CASES = {
     "qwen2_vl_sp4_zero2": dict(family="qwen2_vl", sp=4, stage=2),
@@ -301,6 +307,7 @@ FOUR_PROCESS_CASES = {
     ),
     "qwen3_vl_sp4_zero3": dict(family="qwen3_vl", sp=4, stage=3),
     "qwen3_vl_exchange_sp4_zero2": dict(family="qwen3_vl", sp=4, stage=2, encoding="exchange"),
+    "llava_packed_exchange_dp2_sp2_zero3": dict(family="llava", sp=2, dp=2, stage=3, packed=True, encoding="exchange"),
     "qwen3_vl_packed_dp2_sp2_zero3_text_only_rank": dict(
         family="qwen3_vl", sp=2, dp=2, stage=3, packed=True, text_only_rank=1
     ),
@@ -457,8 +464,8 @@ def test_a_chat_batch_trains_as_the_plain_model(chat_files: dict[str, Any]) -> N
 def test_exchange_balances_the_items_over_the_ranks() -> None:
     """``balanced_owners`` on the test batches and on many random ones: every item owned once, and no rank more
     than the largest item above the least loaded one (largest-first greedy). Measured on QWEN_ROWS (images of 4, 6,
-    1 and 3 rows, a video of 8): rows per rank [22] at sp=1, [11, 11] at sp=2, [8, 6, 4, 4] at sp=4 (patches: x4; images and video through
-    the same tower, balanced together)."""
+    1 and 3 rows, a video of 8): rows per rank [22] at sp=1, [11, 11] at sp=2, [8, 6, 4, 4] at sp=4 (patches: x4;
+    images and video through the same tower, balanced together)."""
     from lightning_ulysses.vision.embed import balanced_owners, owners_by_modality
 
     rows = [4, 6, 1, 3]  # QWEN_ROWS' images (grids / 4); its video (8 rows) is a modality of its own
@@ -466,7 +473,8 @@ def test_exchange_balances_the_items_over_the_ranks() -> None:
     for sp in (1, 2, 4):
         owners = owners_by_modality({"image": rows, "video": [8]}, sp)
         loads[sp] = [
-            sum(r for r, o in zip([*rows, 8], [*owners["image"], *owners["video"]]) if o == rank) for rank in range(sp)
+            sum(r for r, o in zip([*rows, 8], [*owners["image"], *owners["video"]], strict=True) if o == rank)
+            for rank in range(sp)
         ]
     assert loads == {1: [22], 2: [11, 11], 4: [8, 6, 4, 4]}
     generator = torch.Generator().manual_seed(0)

@@ -271,32 +271,44 @@ def qwen_batch(
     return batch
 
 
-def llava_batch(rows: list[list[Any]], seed: int = 0) -> dict[str, Any]:
-    """``rows``: per row, ints (text tokens) and "image" (16 placeholders); right-padded; ``[images, 3, 8, 8]``."""
+def llava_batch(rows: list[list[Any]], seed: int = 0, packed: bool = False) -> dict[str, Any]:
+    """``rows``: per row, ints (text tokens) and "image" (16 placeholders); right-padded; ``[images, 3, 8, 8]``.
+    ``packed``: per row, several such documents, ``position_ids`` restarting per document."""
     generator = torch.Generator().manual_seed(seed)
-    id_rows, images = [], 0
-    for layout in rows:
+    id_rows, position_rows, images = [], [], 0
+    for documents in rows:
         ids: list[int] = []
-        for part in layout:
-            if part == "image":
-                ids += [IMAGE] * 16
-                images += 1
-            else:
-                ids += _text(generator, part)
+        positions: list[int] = []
+        for layout in documents if packed else [documents]:
+            start = len(ids)
+            for part in layout:
+                if part == "image":
+                    ids += [IMAGE] * 16
+                    images += 1
+                else:
+                    ids += _text(generator, part)
+            positions += list(range(len(ids) - start))
         id_rows.append(ids)
+        position_rows.append(positions)
     length = max(map(len, id_rows))
     input_ids = torch.zeros(len(rows), length, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
-    for row, ids in enumerate(id_rows):
+    position_ids = torch.zeros_like(input_ids)
+    for row, (ids, positions) in enumerate(zip(id_rows, position_rows, strict=True)):
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention_mask[row, : len(ids)] = 1
+        position_ids[row, : len(ids)] = torch.tensor(positions)
+        position_ids[row, len(ids) :] = torch.arange(length - len(ids))
     vision = {"pixel_values": torch.randn(images, 3, 8, 8, generator=generator)} if images else {}
-    return {
+    batch = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "vision": vision,
         "labels": plain_labels(input_ids, attention_mask),
     }
+    if packed:
+        batch["position_ids"] = position_ids
+    return batch
 
 
 def plain_labels(input_ids: Tensor, attention_mask: Tensor) -> Tensor:
@@ -328,8 +340,14 @@ def plain_loss_sum(family: str, model: torch.nn.Module, batch: dict[str, Any]) -
     return total, count
 
 
+QWEN_ITEMS = (
+    ("image", IMAGE, "pixel_values", "image_grid_thw"),
+    ("video", VIDEO, "pixel_values_videos", "video_grid_thw"),
+)
+
+
 def split_documents(family: str, batch: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each packed document of a Qwen batch as a batch of its own, with its items' pixels and grids."""
+    """Each packed document of a batch as a batch of its own, with its items' pixels (and grids)."""
     ids, real, positions = batch["input_ids"], batch["attention_mask"].bool(), batch["position_ids"]
     vision = batch["vision"]
     taken = {"image": 0, "video": 0, "image_patch": 0, "video_patch": 0}
@@ -339,10 +357,13 @@ def split_documents(family: str, batch: dict[str, Any]) -> list[dict[str, Any]]:
         for start, end in zip(starts[:-1], starts[1:], strict=True):
             doc = ids[row, start:end][None]
             doc_vision = {}
-            for kind, token, pixels_key, grid_key in (
-                ("image", IMAGE, "pixel_values", "image_grid_thw"),
-                ("video", VIDEO, "pixel_values_videos", "video_grid_thw"),
-            ):
+            if family == "llava":
+                images = int((doc == IMAGE).sum()) // 16
+                if images:
+                    doc_vision["pixel_values"] = vision["pixel_values"][taken["image"] : taken["image"] + images]
+                    taken["image"] += images
+            qwen_items = () if family == "llava" else QWEN_ITEMS
+            for kind, token, pixels_key, grid_key in qwen_items:
                 is_kind = doc[0] == token
                 runs = int((is_kind[1:] & ~is_kind[:-1]).sum() + is_kind[0])
                 if runs:

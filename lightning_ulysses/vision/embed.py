@@ -20,6 +20,10 @@ the tower's weights collectively, over DP ranks whose batches differ too: a rank
 a modality encodes the batch's smallest item of it, and a batch without any item of a modality encodes a blank one
 (:meth:`~lightning_ulysses.vision.families.VisionFamily.blank_vision`); either is added times zero.
 
+DeepStack families (Qwen3-VL) encode each row as ``[(1 + layers) * hidden]``: the input embedding, then the rows
+that the first decoder layers add to their output at the placeholders. They are selected, gathered and
+back-propagated with the embedding; :class:`MergedInputs` hands the shard's part to the language model.
+
 The vision tower runs unpatched (:func:`~lightning_ulysses.hf.patching.unpatched`): its own attention
 implementation on whole images, never sequence-sharded.
 """
