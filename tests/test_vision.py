@@ -191,6 +191,17 @@ def test_refused_families_name_the_reason(model_type: str) -> None:
         vision_family(model)
 
 
+def test_a_document_holding_part_of_a_qwen3_video_is_refused() -> None:
+    """Qwen3-VL lays a video out as one run per frame: a document boundary between two frames is refused."""
+    model = tiny_model("qwen3_vl")
+    batch = qwen_batch([[[3, ("video", (2, 2, 4)), 5]]], frames=True, packed=True)
+    video = (batch["input_ids"][0] == 121).nonzero()[:, 0]
+    second_frame = int(video[video.diff(prepend=video[:1]) > 1][0])  # first column of the second frame's run
+    batch["position_ids"][0, second_frame:] -= batch["position_ids"][0, second_frame].clone()
+    with pytest.raises(ValueError, match="part of a video"):
+        prepare_vision_batch(batch, vision_family(model), model.model)
+
+
 def test_a_text_model_is_refused() -> None:
     from transformers import AutoModelForCausalLM
 
