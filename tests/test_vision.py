@@ -33,19 +33,24 @@ QWEN_PACKED_ROWS = [
     [[4, ("image", (1, 2, 2)), 6], [7]],
 ]
 LLAVA_ROWS = [[3, "image", 2, "image", 4], [6, "image", 5]]
+# packed: row 0's second document starts at column 21 and its image crosses the sp=2 border (column 32)
+LLAVA_PACKED_ROWS = [[[2, "image", 3], [4, "image", 2, "image", 3]], [[5, "image", 4], [9]]]
 TEXT_ONLY_ROWS = {"qwen": [[[21]], [[9]]], "llava": [[14], [5, 3]]}  # a batch of chats without any image
 
 
 def family_batch(family: str, packed: bool = False, seed: int = 0, text_only: bool = False) -> dict[str, Any]:
     if family == "llava":
+        if packed and not text_only:
+            return llava_batch(LLAVA_PACKED_ROWS, seed, packed=True)
         return llava_batch(TEXT_ONLY_ROWS["llava"] if text_only else LLAVA_ROWS, seed)
     rows = TEXT_ONLY_ROWS["qwen"] if text_only else QWEN_PACKED_ROWS if packed else QWEN_ROWS
-    return qwen_batch(rows, seed, packed=packed)
+    return qwen_batch(rows, seed, packed=packed, frames=family.startswith("qwen3"))
 
 
 def vision_module(family: str, model: torch.nn.Module, encoding: str = "shard") -> VisionLanguageModel:
     module = VisionLanguageModel(model=CONFIGS[family], vision_encoding=encoding)
-    module.model, module.family = model, vision_family(model)
+    module.model = model
+    module.configure_model()  # the family, and DeepStack's feeding of the language model
     return module
 
 
@@ -55,7 +60,17 @@ def sp_prepared(module: VisionLanguageModel, batch: dict[str, Any], sp: int, ran
     return shard_batch(prepare_batch(whole, 4), rank, sp)
 
 
-CASES = [("qwen2_vl", False), ("qwen2_vl", True), ("qwen2_5_vl", False), ("qwen2_5_vl", True), ("llava", False)]
+CASES = [
+    ("qwen2_vl", False),
+    ("qwen2_vl", True),
+    ("qwen2_5_vl", False),
+    ("qwen2_5_vl", True),
+    ("qwen3_vl", False),
+    ("qwen3_vl", True),
+    ("qwen3_vl_moe", False),
+    ("llava", False),
+    ("llava", True),
+]
 
 
 def patched_loss_sum(module, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +157,7 @@ def test_mrope_positions_of_unpacked_rows_are_get_rope_index_of_the_whole_batch(
     assert torch.equal(got[:, real], expected[:, real])
 
 
-@pytest.mark.parametrize("model_type", ["gemma3", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["gemma3"])
 def test_refused_families_name_the_reason(model_type: str) -> None:
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -172,9 +187,19 @@ def test_refused_families_name_the_reason(model_type: str) -> None:
             setattr(vision, key, value)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
-    reason = {"gemma3": "bidirectionally", "qwen3_vl": "DeepStack"}[model_type]
-    with pytest.raises(UnsupportedModelError, match=reason):
+    with pytest.raises(UnsupportedModelError, match="bidirectionally"):
         vision_family(model)
+
+
+def test_a_document_holding_part_of_a_qwen3_video_is_refused() -> None:
+    """Qwen3-VL lays a video out as one run per frame: a document boundary between two frames is refused."""
+    model = tiny_model("qwen3_vl")
+    batch = qwen_batch([[[3, ("video", (2, 2, 4)), 5]]], frames=True, packed=True)
+    video = (batch["input_ids"][0] == 121).nonzero()[:, 0]
+    second_frame = int(video[video.diff(prepend=video[:1]) > 1][0])  # first column of the second frame's run
+    batch["position_ids"][0, second_frame:] -= batch["position_ids"][0, second_frame].clone()
+    with pytest.raises(ValueError, match="part of a video"):
+        prepare_vision_batch(batch, vision_family(model), model.model)
 
 
 def test_a_text_model_is_refused() -> None:
@@ -273,6 +298,10 @@ TWO_PROCESS_CASES = {
     "qwen2_5_vl_checkpointed_sp2_zero3": dict(family="qwen2_5_vl", sp=2, stage=3, checkpointing=True),
     "qwen2_vl_exchange_sp2_zero2": dict(family="qwen2_vl", sp=2, stage=2, encoding="exchange"),
     "llava_exchange_sp2_zero3": dict(family="llava", sp=2, stage=3, encoding="exchange"),
+    "qwen3_vl_sp2_zero2": dict(family="qwen3_vl", sp=2, stage=2),
+    "qwen3_vl_packed_exchange_sp2_zero3": dict(family="qwen3_vl", sp=2, stage=3, packed=True, encoding="exchange"),
+    "qwen3_vl_moe_sp2_zero3": dict(family="qwen3_vl_moe", sp=2, stage=3),
+    "llava_packed_sp2_zero2": dict(family="llava", sp=2, stage=2, packed=True),
 }
 FOUR_PROCESS_CASES = {
     "qwen2_vl_sp4_zero2": dict(family="qwen2_vl", sp=4, stage=2),
@@ -286,6 +315,12 @@ FOUR_PROCESS_CASES = {
     "qwen2_5_vl_exchange_sp4_zero3": dict(family="qwen2_5_vl", sp=4, stage=3, encoding="exchange"),
     "qwen2_vl_exchange_packed_dp2_sp2_zero3_text_only_rank": dict(
         family="qwen2_vl", sp=2, dp=2, stage=3, packed=True, encoding="exchange", text_only_rank=1
+    ),
+    "qwen3_vl_sp4_zero3": dict(family="qwen3_vl", sp=4, stage=3),
+    "qwen3_vl_exchange_sp4_zero2": dict(family="qwen3_vl", sp=4, stage=2, encoding="exchange"),
+    "llava_packed_exchange_dp2_sp2_zero3": dict(family="llava", sp=2, dp=2, stage=3, packed=True, encoding="exchange"),
+    "qwen3_vl_packed_dp2_sp2_zero3_text_only_rank": dict(
+        family="qwen3_vl", sp=2, dp=2, stage=3, packed=True, text_only_rank=1
     ),
 }
 

@@ -68,6 +68,79 @@ CONFIGS: dict[str, dict[str, Any]] = {
             tokens_per_second=2,
         ),
     ),
+    # Qwen3-VL-4B: text hidden 2560, 32 heads of 128 (not hidden / heads = 80), 8 key/value heads, mrope_section
+    # [24, 20, 20] interleaved; vision depth 24 with DeepStack at blocks [5, 11, 17] into the first 3 decoder layers
+    "qwen3_vl": dict(
+        model_type="qwen3_vl",
+        text_config=dict(
+            hidden_size=80,
+            intermediate_size=160,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            vocab_size=VOCAB,
+            pad_token_id=0,
+            initializer_range=0.2,
+            rope_parameters={
+                "rope_type": "default",
+                "mrope_section": [6, 5, 5],
+                "mrope_interleaved": True,
+                "rope_theta": 100.0,
+            },
+        ),
+        **TOKENS,
+        vision_config=dict(
+            depth=4,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=80,
+            patch_size=2,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[1, 2],
+        ),
+    ),
+    # Qwen3-VL-30B-A3B: text hidden 2048, 32 heads of 128 (hidden / heads = 64), 4 key/value heads, 128 experts
+    # of 768, 8 per token; its vision tower is Qwen3-VL's
+    "qwen3_vl_moe": dict(
+        model_type="qwen3_vl_moe",
+        text_config=dict(
+            hidden_size=128,
+            intermediate_size=256,
+            moe_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_hidden_layers=3,
+            num_attention_heads=8,
+            num_key_value_heads=1,
+            head_dim=32,
+            vocab_size=VOCAB,
+            pad_token_id=0,
+            initializer_range=0.2,
+            rope_parameters={
+                "rope_type": "default",
+                "mrope_section": [6, 5, 5],
+                "mrope_interleaved": True,
+                "rope_theta": 100.0,
+            },
+        ),
+        **TOKENS,
+        vision_config=dict(
+            depth=4,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=128,
+            patch_size=2,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[1, 2],
+        ),
+    ),
     "llava": dict(
         model_type="llava",
         image_token_id=IMAGE,
@@ -116,16 +189,25 @@ def tiny_model(family: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     for key, value in overrides.items():
         setattr(config, key, value)
     torch.manual_seed(seed)
-    return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa")
+    model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa")
+    if family.startswith("qwen3"):  # DeepStack's projections at std 0.2 (as the decoder's): they move the loss by 1 %
+        with torch.no_grad():
+            for merger in model.model.visual.deepstack_merger_list:
+                for linear in (merger.linear_fc1, merger.linear_fc2):
+                    linear.weight.normal_(0.0, 0.2)
+    return model
 
 
 def _text(generator: torch.Generator, n: int) -> list[int]:
     return torch.randint(3, TEXT_IDS, (n,), generator=generator).tolist()
 
 
-def qwen_document(layout: list[Any], generator: torch.Generator) -> tuple[list[int], list[Tensor], list[Tensor]]:
+def qwen_document(
+    layout: list[Any], generator: torch.Generator, frames: bool = False
+) -> tuple[list[int], list[Tensor], list[Tensor]]:
     """Token ids of one document from ``layout`` (ints: that many text tokens; ("image" | "video", (t, h, w))),
-    and the items' ``(kind, grid, pixels)``."""
+    and the items' ``(kind, grid, pixels)``. ``frames`` (Qwen3-VL): each of a video's ``t`` frames is a run of its
+    own behind 2 timestamp tokens, as its processor lays them out."""
     ids: list[int] = []
     items = []
     for part in layout:
@@ -134,21 +216,27 @@ def qwen_document(layout: list[Any], generator: torch.Generator) -> tuple[list[i
             continue
         kind, grid = part
         rows = grid[0] * grid[1] * grid[2] // 4
-        ids += [START, *[IMAGE if kind == "image" else VIDEO] * rows, END]
+        if kind == "video" and frames:
+            for _ in range(grid[0]):
+                ids += [*_text(generator, 2), START, *[VIDEO] * (rows // grid[0]), END]
+        else:
+            ids += [START, *[IMAGE if kind == "image" else VIDEO] * rows, END]
         pixels = torch.randn(grid[0] * grid[1] * grid[2], PATCH_VALUES, generator=generator)
         items.append((kind, torch.tensor(grid), pixels))
     return ids, items
 
 
-def qwen_batch(rows: list[list[list[Any]]], seed: int = 0, packed: bool = False) -> dict[str, Any]:
+def qwen_batch(
+    rows: list[list[list[Any]]], seed: int = 0, packed: bool = False, frames: bool = False
+) -> dict[str, Any]:
     """A right-padded batch (``packed``: several documents per row, ``position_ids`` restarting per document) with
-    ``vision`` holding the items' pixels and grids in batch order."""
+    ``vision`` holding the items' pixels and grids in batch order (``frames``: see :func:`qwen_document`)."""
     generator = torch.Generator().manual_seed(seed)
     id_rows, position_rows, items = [], [], []
     for documents in rows:
         ids, positions = [], []
         for layout in documents:
-            doc_ids, doc_items = qwen_document(layout, generator)
+            doc_ids, doc_items = qwen_document(layout, generator, frames)
             ids += doc_ids
             positions += list(range(len(doc_ids)))
             items += doc_items
@@ -183,32 +271,44 @@ def qwen_batch(rows: list[list[list[Any]]], seed: int = 0, packed: bool = False)
     return batch
 
 
-def llava_batch(rows: list[list[Any]], seed: int = 0) -> dict[str, Any]:
-    """``rows``: per row, ints (text tokens) and "image" (16 placeholders); right-padded; ``[images, 3, 8, 8]``."""
+def llava_batch(rows: list[list[Any]], seed: int = 0, packed: bool = False) -> dict[str, Any]:
+    """``rows``: per row, ints (text tokens) and "image" (16 placeholders); right-padded; ``[images, 3, 8, 8]``.
+    ``packed``: per row, several such documents, ``position_ids`` restarting per document."""
     generator = torch.Generator().manual_seed(seed)
-    id_rows, images = [], 0
-    for layout in rows:
+    id_rows, position_rows, images = [], [], 0
+    for documents in rows:
         ids: list[int] = []
-        for part in layout:
-            if part == "image":
-                ids += [IMAGE] * 16
-                images += 1
-            else:
-                ids += _text(generator, part)
+        positions: list[int] = []
+        for layout in documents if packed else [documents]:
+            start = len(ids)
+            for part in layout:
+                if part == "image":
+                    ids += [IMAGE] * 16
+                    images += 1
+                else:
+                    ids += _text(generator, part)
+            positions += list(range(len(ids) - start))
         id_rows.append(ids)
+        position_rows.append(positions)
     length = max(map(len, id_rows))
     input_ids = torch.zeros(len(rows), length, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
-    for row, ids in enumerate(id_rows):
+    position_ids = torch.zeros_like(input_ids)
+    for row, (ids, positions) in enumerate(zip(id_rows, position_rows, strict=True)):
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention_mask[row, : len(ids)] = 1
+        position_ids[row, : len(ids)] = torch.tensor(positions)
+        position_ids[row, len(ids) :] = torch.arange(length - len(ids))
     vision = {"pixel_values": torch.randn(images, 3, 8, 8, generator=generator)} if images else {}
-    return {
+    batch = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "vision": vision,
         "labels": plain_labels(input_ids, attention_mask),
     }
+    if packed:
+        batch["position_ids"] = position_ids
+    return batch
 
 
 def plain_labels(input_ids: Tensor, attention_mask: Tensor) -> Tensor:
@@ -240,8 +340,14 @@ def plain_loss_sum(family: str, model: torch.nn.Module, batch: dict[str, Any]) -
     return total, count
 
 
+QWEN_ITEMS = (
+    ("image", IMAGE, "pixel_values", "image_grid_thw"),
+    ("video", VIDEO, "pixel_values_videos", "video_grid_thw"),
+)
+
+
 def split_documents(family: str, batch: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each packed document of a Qwen batch as a batch of its own, with its items' pixels and grids."""
+    """Each packed document of a batch as a batch of its own, with its items' pixels (and grids)."""
     ids, real, positions = batch["input_ids"], batch["attention_mask"].bool(), batch["position_ids"]
     vision = batch["vision"]
     taken = {"image": 0, "video": 0, "image_patch": 0, "video_patch": 0}
@@ -251,13 +357,18 @@ def split_documents(family: str, batch: dict[str, Any]) -> list[dict[str, Any]]:
         for start, end in zip(starts[:-1], starts[1:], strict=True):
             doc = ids[row, start:end][None]
             doc_vision = {}
-            for kind, token, pixels_key, grid_key in (
-                ("image", IMAGE, "pixel_values", "image_grid_thw"),
-                ("video", VIDEO, "pixel_values_videos", "video_grid_thw"),
-            ):
+            if family == "llava":
+                images = int((doc == IMAGE).sum()) // 16
+                if images:
+                    doc_vision["pixel_values"] = vision["pixel_values"][taken["image"] : taken["image"] + images]
+                    taken["image"] += images
+            qwen_items = () if family == "llava" else QWEN_ITEMS
+            for kind, token, pixels_key, grid_key in qwen_items:
                 is_kind = doc[0] == token
                 runs = int((is_kind[1:] & ~is_kind[:-1]).sum() + is_kind[0])
                 if runs:
+                    if kind == "video" and family.startswith("qwen3"):  # one run per frame
+                        runs = int((vision[grid_key][taken[kind] :, 0].cumsum(0) <= runs).sum())
                     grids = vision[grid_key][taken[kind] : taken[kind] + runs]
                     patches = int(grids.prod(-1).sum())
                     doc_vision[grid_key] = grids

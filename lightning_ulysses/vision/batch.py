@@ -89,6 +89,7 @@ def mrope_positions(
     starts = document_starts(given) if given is not None else torch.zeros_like(real)
     positions = torch.zeros(*input_ids.shape, 3, dtype=torch.long, device=input_ids.device)
     taken = {modality.name: 0 for modality in family.modalities}
+    runs_of = {m.name: family.item_runs(vision, m) if m.pixels_key in vision else [] for m in family.modalities}
     for row in range(input_ids.shape[0]):
         columns = real[row].nonzero().squeeze(1)
         if not len(columns):
@@ -103,7 +104,12 @@ def mrope_positions(
             for modality in family.modalities:
                 runs = int(((doc_types[1:] == modality.type_id) & (doc_types[:-1] != modality.type_id)).sum())
                 runs += int(doc_types[0] == modality.type_id)
-                items[modality.name] = list(range(taken[modality.name], taken[modality.name] + runs))
-                taken[modality.name] += runs
+                first = taken[modality.name]
+                while runs > 0:  # the items whose runs the document holds (a Qwen3-VL video: one run per frame)
+                    runs -= runs_of[modality.name][taken[modality.name]]
+                    taken[modality.name] += 1
+                if runs < 0:
+                    raise ValueError(f"A document of row {row} holds part of a {modality.name}'s frames only.")
+                items[modality.name] = list(range(first, taken[modality.name]))
             positions[row, cols] = family.rope_index(inner, input_ids[row, cols], doc_types, vision, items).T
     return positions

@@ -20,6 +20,10 @@ the tower's weights collectively, over DP ranks whose batches differ too: a rank
 a modality encodes the batch's smallest item of it, and a batch without any item of a modality encodes a blank one
 (:meth:`~lightning_ulysses.vision.families.VisionFamily.blank_vision`); either is added times zero.
 
+DeepStack families (Qwen3-VL) encode each row as ``[(1 + layers) * hidden]``: the input embedding, then the rows
+that the first decoder layers add to their output at the placeholders. They are selected, gathered and
+back-propagated with the embedding; :class:`MergedInputs` hands the shard's part to the language model.
+
 The vision tower runs unpatched (:func:`~lightning_ulysses.hf.patching.unpatched`): its own attention
 implementation on whole images, never sequence-sharded.
 """
@@ -27,6 +31,7 @@ implementation on whole images, never sequence-sharded.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -93,6 +98,19 @@ def encoded_items(rows: Tensor, feature_rows: list[int], encode: Literal["shard"
     return needed or [min(range(len(feature_rows)), key=feature_rows.__getitem__)]
 
 
+@dataclass
+class MergedInputs:
+    """A shard's language-model inputs from :func:`merged_inputs`."""
+
+    embeds: Tensor
+    """``[B, N/sp, hidden]``: the input embeddings, each placeholder replaced by its item's row."""
+    visual_mask: Tensor | None = None
+    """DeepStack families: ``[B, N/sp]`` bool, the shard's placeholders of every modality."""
+    deepstack: list[Tensor] = field(default_factory=list)
+    """DeepStack families: per layer ``[placeholders of the shard, hidden]``, in the shard's token order: what that
+    decoder layer adds to its output at ``visual_mask`` (transformers' ``deepstack_visual_embeds``, on the shard)."""
+
+
 def merged_inputs_embeds(
     model: PreTrainedModel,
     family: VisionFamily,
@@ -100,13 +118,28 @@ def merged_inputs_embeds(
     encode: VisionEncoding = "shard",
     group: ProcessGroup | None = None,
 ) -> Tensor:
-    """``[B, N/sp, hidden]``: the embeddings of the shard's ``input_ids``, each placeholder replaced by its item's
-    embedding row (see the module docstring); ``group``: the SP group (``"exchange"`` only; ``None`` or one rank:
-    as ``"all"``)."""
+    """``[B, N/sp, hidden]``: :attr:`MergedInputs.embeds` of :func:`merged_inputs`."""
+    return merged_inputs(model, family, batch, encode, group).embeds
+
+
+def merged_inputs(
+    model: PreTrainedModel,
+    family: VisionFamily,
+    batch: Mapping[str, Any],
+    encode: VisionEncoding = "shard",
+    group: ProcessGroup | None = None,
+) -> MergedInputs:
+    """The embeddings of the shard's ``input_ids``, each placeholder replaced by its item's embedding row (see the
+    module docstring), and for DeepStack families the rows its first decoder layers add at the shard's placeholders;
+    ``group``: the SP group (``"exchange"`` only; ``None`` or one rank: as ``"all"``)."""
     if encode == "exchange" and (group is None or dist.get_world_size(group) == 1):
         encode = "all"
     input_ids, all_rows, vision = batch["input_ids"], batch[ROWS_KEY], batch[VISION_KEY]
     embeds = model.get_input_embeddings()(input_ids)
+    hidden = embeds.shape[-1]
+    # DeepStack rows of every token [B, N/sp, layers * hidden]: zero on text, the item's rows on placeholders
+    stacked = embeds.new_zeros(*embeds.shape[:-1], family.deepstack_layers * hidden)
+    visual_mask = torch.zeros_like(input_ids, dtype=torch.bool)
     inner = _base(model)
     if encode == "exchange":
         assert group is not None
@@ -138,11 +171,15 @@ def merged_inputs_embeds(
         index = local[(rows - 1).clamp(min=0)]
         if bool((placeholders & (index < 0)).any()):
             raise RuntimeError(f"A {modality.name} token of this shard has no encoded item (internal error).")
-        merged = features[index.clamp(min=0)]
-        embeds = torch.where(placeholders[..., None], merged, embeds)
+        merged = features[index.clamp(min=0)]  # [B, N/sp, (1 + deepstack layers) * hidden]
+        embeds = torch.where(placeholders[..., None], merged[..., :hidden], embeds)
+        stacked = torch.where(placeholders[..., None], merged[..., hidden:], stacked)
+        visual_mask = visual_mask | placeholders
         if not bool(placeholders.any()):
             embeds = embeds + 0.0 * features.sum()  # keeps the vision tower in this rank's backward
-    return embeds
+    if not family.deepstack_layers:
+        return MergedInputs(embeds)
+    return MergedInputs(embeds, visual_mask, list(stacked[visual_mask].split(hidden, dim=-1)))
 
 
 def _exchanged(

@@ -42,6 +42,9 @@ class VisionFamily:
     """Positions are multimodal RoPE: ``[3, N]`` per document (temporal, height, width) from ``get_rope_index``."""
     towers: tuple[str, ...] = ()
     """Attribute names of the modules on ``inner`` that encode vision inputs (never sequence-sharded)."""
+    deepstack_layers = 0
+    """DeepStack (Qwen3-VL): :meth:`encode` returns ``1 + deepstack_layers`` blocks of ``hidden`` columns per row,
+    the input embedding then the features that the first ``deepstack_layers`` decoder layers add to their output."""
 
     def __init__(self, modalities: tuple[Modality, ...]) -> None:
         self.modalities = modalities
@@ -53,6 +56,11 @@ class VisionFamily:
     def feature_rows(self, vision: Mapping[str, Any], modality: Modality, placeholders: int) -> list[int]:
         """Embedding rows (placeholder tokens) of each item of ``modality`` in the batch."""
         raise NotImplementedError
+
+    def item_runs(self, vision: Mapping[str, Any], modality: Modality) -> list[int]:
+        """Runs of consecutive placeholders that each item of ``modality`` fills in the sequence (1 per item but
+        for Qwen3-VL's videos, one run per frame, separated by timestamp text)."""
+        return [1] * len(self.feature_rows(vision, modality, 0))
 
     def encode(self, inner: nn.Module, vision: Mapping[str, Any], modality: Modality, items: Sequence[int]) -> Tensor:
         """``[sum of the items' rows, hidden]``: the embeddings of ``items``, in order."""
@@ -141,6 +149,30 @@ class QwenVLFamily(VisionFamily):
         return positions[:, 0]
 
 
+class Qwen3VLFamily(QwenVLFamily):
+    """Qwen3-VL (and its MoE): Qwen2-VL's patches, grids and mRoPE positions (interleaved by its rotary embedding,
+    from the same ``[3, N]`` rows), a video's frames as runs of their own behind timestamp text, and DeepStack: the
+    vision tower also returns features of intermediate layers, which the first decoder layers add to their output at
+    the placeholders. :meth:`encode` returns them beside the input embedding, ``[rows, (1 + layers) * hidden]``."""
+
+    def __init__(self, modalities: tuple[Modality, ...], merge: int, deepstack_layers: int) -> None:
+        super().__init__(modalities, merge, video_seconds=False)
+        self.deepstack_layers = deepstack_layers
+
+    def item_runs(self, vision: Mapping[str, Any], modality: Modality) -> list[int]:
+        if modality.name == "image":
+            return super().item_runs(vision, modality)
+        return self._grids(vision, modality)[:, 0].tolist()
+
+    def encode(self, inner: nn.Module, vision: Mapping[str, Any], modality: Modality, items: Sequence[int]) -> Tensor:
+        pixels = self.item_pixels(vision, modality, items)
+        grids = self._grids(vision, modality)[list(items)]
+        features: Any = inner.get_image_features if modality.name == "image" else inner.get_video_features
+        out = features(pixels, grids, return_dict=True)
+        levels = [out.pooler_output, *out.deepstack_features]  # each a tuple of [item rows, hidden]
+        return torch.cat([torch.cat(list(level)) for level in levels], dim=-1)
+
+
 class LlavaFamily(VisionFamily):
     """LLaVA: ``[images, C, H, W]`` pixels (one size), the same number of projected patch features per image,
     1-D positions."""
@@ -180,17 +212,13 @@ class LlavaFamily(VisionFamily):
         return {modality.pixels_key: torch.zeros(size, device=device, dtype=dtype)}
 
 
-SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "llava")
+SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava")
 
 REFUSED = {
     "gemma3": "lets the tokens of an image attend to each other bidirectionally (its token_type_ids mask), which "
     "Ulysses attention (causal within each document) does not implement",
     "gemma3n": "lets the tokens of an image attend to each other bidirectionally, which Ulysses attention (causal "
     "within each document) does not implement",
-    "qwen3_vl": "adds vision features to the hidden states of its first decoder layers (DeepStack), which the "
-    "sequence-sharded language model does not receive yet",
-    "qwen3_vl_moe": "adds vision features to the hidden states of its first decoder layers (DeepStack), which the "
-    "sequence-sharded language model does not receive yet",
 }
 
 
@@ -216,4 +244,8 @@ def vision_family(model: nn.Module) -> VisionFamily:
         Modality("image", config.image_token_id, "pixel_values", "image_grid_thw", type_id=1),
         Modality("video", config.video_token_id, "pixel_values_videos", "video_grid_thw", type_id=2),
     )
-    return QwenVLFamily(modalities, config.vision_config.spatial_merge_size, video_seconds=model_type == "qwen2_5_vl")
+    vision_config: Any = config.vision_config
+    merge = vision_config.spatial_merge_size
+    if model_type in ("qwen3_vl", "qwen3_vl_moe"):
+        return Qwen3VLFamily(modalities, merge, len(vision_config.deepstack_visual_indexes))
+    return QwenVLFamily(modalities, merge, video_seconds=model_type == "qwen2_5_vl")

@@ -24,13 +24,13 @@ from transformers import AutoModelForImageTextToText, PreTrainedModel
 
 from lightning_ulysses.model import CausalLM
 from lightning_ulysses.vision.batch import MROPE_KEY, prepare_vision_batch
-from lightning_ulysses.vision.embed import VISION_ENCODINGS, VisionEncoding, merged_inputs_embeds
+from lightning_ulysses.vision.embed import VISION_ENCODINGS, MergedInputs, VisionEncoding, merged_inputs
 from lightning_ulysses.vision.families import VisionFamily, vision_family
 
 
 class VisionLanguageModel(CausalLM):
-    """Next-token training of a transformers image-text-to-text model (Qwen2-VL, Qwen2.5-VL, LLaVA) on text and
-    images or video, loss on the text tokens; the arguments of :class:`~lightning_ulysses.CausalLM`, and:
+    """Next-token training of a transformers image-text-to-text model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA) on
+    text and images or video, loss on the text tokens; the arguments of :class:`~lightning_ulysses.CausalLM`, and:
 
     Args:
         vision_encoding: ``"shard"``: each SP rank encodes the images and videos with a placeholder in its shard
@@ -50,6 +50,8 @@ class VisionLanguageModel(CausalLM):
             raise ValueError(f"vision_encoding must be one of {VISION_ENCODINGS}, got {vision_encoding!r}.")
         super().__init__(*args, **kwargs)
         self.family: VisionFamily | None = None
+        self._deepstack: MergedInputs | None = None
+        """DeepStack families: the inputs of the next language-model call (see :meth:`_feed_deepstack`)."""
 
     def configure_model(self) -> None:
         if self.model is not None and self.family is not None:
@@ -61,6 +63,22 @@ class VisionLanguageModel(CausalLM):
             for module in getattr(self.model.model, name).modules():
                 if hasattr(module, "gradient_checkpointing"):
                     module.gradient_checkpointing = False
+        if self.family.deepstack_layers:
+            inner: Any = self.model.model
+            inner.language_model.register_forward_pre_hook(self._feed_deepstack, with_kwargs=True)
+
+    def _feed_deepstack(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Forward pre-hook of a DeepStack family's language model: it receives the shard's ``visual_pos_masks
+        [B, N/sp]`` and ``deepstack_visual_embeds`` (per layer ``[placeholders of the shard, hidden]``) that
+        :meth:`model_inputs` merged, in place of what the model's own forward computes from whole-batch pixels
+        (nothing: the model gets ``inputs_embeds``). Each merge feeds one call."""
+        merged, self._deepstack = self._deepstack, None
+        if merged is None:
+            return None
+        kwargs.update(visual_pos_masks=merged.visual_mask, deepstack_visual_embeds=merged.deepstack)
+        return args, kwargs
 
     def on_fit_start(self) -> None:
         context = self._loss_context()
@@ -85,5 +103,7 @@ class VisionLanguageModel(CausalLM):
         assert self.family is not None
         context = self._loss_context()
         group = context.groups.sp if context is not None else None
-        embeds = merged_inputs_embeds(model, self.family, batch, self.hparams["vision_encoding"], group)
-        return {"inputs_embeds": embeds, "position_ids": positions}
+        merged = merged_inputs(model, self.family, batch, self.hparams["vision_encoding"], group)
+        if self.family.deepstack_layers:
+            self._deepstack = merged  # fed to the language model by _feed_deepstack
+        return {"inputs_embeds": merged.embeds, "position_ids": positions}
