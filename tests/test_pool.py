@@ -150,9 +150,13 @@ def test_a_call_interrupted_from_outside_stops_its_ranks(monkeypatch: pytest.Mon
 
 
 def _rank_processes() -> set[int]:
-    """The live processes running ``tests.launch`` (ranks, pooled or fresh)."""
-    return {
-        proc.pid
-        for proc in psutil.process_iter(["cmdline", "status"])
-        if "tests.launch" in " ".join(proc.info["cmdline"] or []) and proc.info["status"] != psutil.STATUS_ZOMBIE
-    }
+    """This test process's live processes running ``tests.launch`` (ranks, pooled or fresh; not those of other
+    sessions on the machine)."""
+    ranks = set()
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if "tests.launch" in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE:
+                ranks.add(proc.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return ranks
