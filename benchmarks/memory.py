@@ -24,6 +24,7 @@ so it is only measured on CUDA; on CPU ``all`` offloads nothing.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -45,7 +46,7 @@ from lightning_ulysses import (
 from tests.launch import launch
 from tests.tiny import tiny_llama
 
-MODEL = dict(
+MODEL: dict[str, Any] = dict(
     vocab_size=16000,
     hidden_size=128,
     intermediate_size=512,
@@ -84,7 +85,7 @@ def worker(args: dict[str, Any]) -> dict[tuple[str, int], int]:
             generator = torch.Generator().manual_seed(seq_len)
             batch = {"input_ids": torch.randint(1, MODEL["vocab_size"], (1, seq_len), generator=generator)}
             shard = {k: v.to(device) for k, v in shard_batch(prepare_batch(batch, sp_size), sp_rank, sp_size).items()}
-            peaks[name, seq_len] = _peak_bytes(device, lambda: _train_step(model, shard, options))
+            peaks[name, seq_len] = _peak_bytes(device, functools.partial(_train_step, model, shard, options))
         remove_memory_options(model)
     dist.destroy_process_group()
     return peaks
@@ -113,7 +114,8 @@ def probe_longest(
 ) -> tuple[int | None, int | None]:
     """``(longest length that fits, shortest that does not)`` under ``budget`` per rank, each probe one step in
     fresh processes; None where the schedule found no such length."""
-    fits, misses = [], []
+    fits: list[int] = []
+    misses: list[int] = []
     while (seq_len := schedule.next(fits, misses)) is not None:
         peak = max(measure([config], sp, device, [seq_len]).values())
         (fits if peak <= budget else misses).append(seq_len)
@@ -170,7 +172,7 @@ def plot(
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(sp_sizes), figsize=(5 * len(sp_sizes), 4), sharey=True, squeeze=False)
-    for ax, sp in zip(axes[0], sp_sizes):
+    for ax, sp in zip(axes[0], sp_sizes, strict=True):
         for config in configs:
             ax.plot(seq_lens, [results[config, sp, n] / MiB for n in seq_lens], marker="o", label=config)
         ax.set(xscale="log", yscale="log", xlabel="sequence length N", title=f"sp={sp}")

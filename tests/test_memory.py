@@ -121,7 +121,7 @@ def test_tiled_map_equals_untiled(num_tiles: int) -> None:
 
     assert got.shape == expected.shape
     assert relative_error(got, expected) < 1e-6
-    for g, e in zip(got_grads, expected_grads):
+    for g, e in zip(got_grads, expected_grads, strict=True):
         assert relative_error(g, e) < 1e-5
 
 
@@ -138,7 +138,7 @@ def test_tiled_cross_entropy_sum_equals_untiled(num_tiles: int) -> None:
     got_grads = torch.autograd.grad(got * 3.0, [hidden, lm_head.weight])
 
     assert relative_error(got, expected) < 1e-6
-    for g, e in zip(got_grads, expected_grads):
+    for g, e in zip(got_grads, expected_grads, strict=True):
         assert relative_error(g, e) < 1e-5
 
 
@@ -167,7 +167,7 @@ def test_options_on_hf_model_equal_plain_and_are_removable() -> None:
     assert layer.gradient_checkpointing and "forward" in layer.mlp.__dict__
     loss, grads = loss_and_grads(model)
     assert relative_error(loss, expected_loss) < 1e-6
-    for g, e in zip(grads, expected_grads):
+    for g, e in zip(grads, expected_grads, strict=True):
         assert relative_error(g, e) < 1e-5
 
     remove_memory_options(model)
@@ -231,7 +231,7 @@ def test_offload_moves_checkpointed_inputs_off_the_gpu() -> None:
         grads[offload] = torch.autograd.grad(loss, list(model.parameters()))
     layer_inputs = 4 * 4096 * 32 * 4  # layers x tokens x hidden x fp32 bytes
     assert stored[False] - stored[True] >= 0.9 * layer_inputs
-    for g, e in zip(grads[True], grads[False]):
+    for g, e in zip(grads[True], grads[False], strict=True):
         assert relative_error(g, e) < 1e-5
 
 
