@@ -195,10 +195,16 @@ def probe_table(log: Path, sides: list[str], sp: int, budget_mib: float, schedul
         f"Longest N under {budget_mib:.0f} MiB per rank, probed (from {schedule.start}, doubling, then "
         f"{schedule.refine} bisections; each length one step in fresh processes):",
         "",
-        "| side | measured: N (peak MiB) | fits | does not fit | x alst (fits) | probe |",
+        "| side | measured: N (peak MiB) | fits | does not fit | x alst (fits; finished probes) | probe |",
         "|---|---|---|---|---|---|",
     ]
-    alst = max((n for n, _, fit in measured.get("alst", []) if fit), default=None)
+
+    def done(runs: list[tuple[int, float, bool]]) -> bool:
+        return schedule.next([n for n, _, fit in runs if fit], [n for n, _, fit in runs if not fit]) is None
+
+    alst_runs = measured.get("alst", [])
+    # a ratio of longest fits only between finished probes: a stopped probe's longest fit is no bracket's end
+    alst = max((n for n, _, fit in alst_runs if fit), default=None) if done(alst_runs) else None
     for side, runs in measured.items():
         fits = [n for n, _, fit in runs if fit]
         misses = [n for n, _, fit in runs if not fit]
@@ -206,7 +212,7 @@ def probe_table(log: Path, sides: list[str], sp: int, budget_mib: float, schedul
         following = schedule.next(fits, misses)
         lines.append(
             f"| {side} | {', '.join(f'{n} ({mib:.1f})' for n, mib, _ in runs)} | {longest or '-'} | "
-            f"{min(misses, default='-')} | {f'{longest / alst:.2f}' if longest and alst else '-'} | "
+            f"{min(misses, default='-')} | {f'{longest / alst:.2f}' if longest and alst and done(runs) else '-'} | "
             f"{'done' if following is None else f'stopped before {following}'} |"
         )
     return lines
@@ -257,7 +263,8 @@ def main(argv: list[str] | None = None) -> str:
     lines = [
         "# Longest sequence under a per-rank budget: ours against DeepSpeed ALST",
         "",
-        f"Made by `python -m benchmarks.longest {' '.join(argv)}` (method: the script's docstring) on CPU "
+        f"Made by `python -m benchmarks.longest {' '.join(argv)}`"
+        f"{' from the lengths the probe logged' if args.render else ''} (method: the script's docstring) on CPU "
         f"({os.cpu_count()} cores, gloo), sp={args.sp}. Model: Llama, {model}, fp32, batch 1, one forward + "
         f"backward; every side with tiled MLP, tiled loss and activation checkpointing (offload moves nothing on "
         "CPU: checkpointed inputs are counted in full on both sides).",

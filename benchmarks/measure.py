@@ -73,13 +73,15 @@ class SavedForBackward:
 class LiveTensors(TorchDispatchMode):
     """The tensor storages alive while active (a context manager), tracked from the operators that make them: at the
     peak of their total bytes, those bytes split by what made each storage. Storages alive before (weights, gradient
-    buffers) are not counted.
+    buffers) are not counted, nor outputs that share an input's storage (views, in-place writes).
 
     A storage is labelled ``forward <module>`` (made by the forward, outside any backward: what the step keeps for
     its backward), ``recompute <module>`` (made while the backward re-runs a module of ``model``: checkpointed layers,
     MLP and loss tiles) or ``backward <autograd node>`` (made by the backward itself), where ``<module>`` is the
     innermost module of ``model`` running at the time. Frees are seen after the next operator, so the peak may count
-    one operator's freed input as still alive."""
+    one operator's freed input as still alive. Being a dispatch mode, it also changes what it measures a little:
+    autograd then adds gradients out of place (without it, a gradient buffer that nothing else holds is added to in
+    place), so a gradient summed from many parts counts one whole buffer more than it takes."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -121,12 +123,13 @@ class LiveTensors(TorchDispatchMode):
         for key in [key for key, (ref, *_) in self._live.items() if ref.expired()]:
             self.total -= self._live.pop(key)[1]
         label = None
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for tensor in tree_leaves(out):
             if not isinstance(tensor, torch.Tensor):
                 continue
             storage = tensor.untyped_storage()
             key, nbytes = storage.data_ptr(), storage.nbytes()
-            if nbytes == 0 or key in self._live:
+            if nbytes == 0 or key in self._live or key in inputs:  # a view of an input, or written in place
                 continue
             label = label or self._label()
             self._live[key] = (StorageWeakRef(storage), nbytes, label, tuple(tensor.shape))

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_ulysses.memory import recomputed_in_backward, split_tiles
+from lightning_ulysses.memory import recomputed_in_backward
 from lightning_ulysses.sharding import IGNORE_INDEX
 
 TokenFunction = Callable[[Tensor, Tensor], Tensor]
@@ -45,7 +46,7 @@ class TiledLogits:
     num_tiles: int
 
 
-Logits = Tensor | TiledLogits
+Logits = Union[Tensor, TiledLogits]
 """``[B, n, V]`` logits, whole or as :class:`TiledLogits`."""
 
 
@@ -57,9 +58,8 @@ def per_token(logits: Logits, labels: Tensor, fn: TokenFunction) -> Tensor:
         return fn(logits.flatten(0, -2), labels.flatten()).view(labels.shape)
     run = recomputed_in_backward(lambda hidden, target: fn(logits.lm_head(hidden), target))
     tiles = zip(
-        split_tiles(logits.hidden_states.reshape(-1, logits.hidden_states.shape[-1]), logits.num_tiles),
-        split_tiles(labels.reshape(-1), logits.num_tiles),
-        strict=True,
+        logits.hidden_states.reshape(-1, logits.hidden_states.shape[-1]).tensor_split(logits.num_tiles),
+        labels.reshape(-1).tensor_split(logits.num_tiles),
     )
     return torch.cat([run(hidden, target) for hidden, target in tiles]).view(labels.shape)
 

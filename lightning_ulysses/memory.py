@@ -109,17 +109,8 @@ def tiled_map(fn: Callable[[Tensor], Tensor], x: Tensor, num_tiles: int) -> Tens
     """
     tokens = x.reshape(-1, x.shape[-1])
     run = recomputed_in_backward(fn)
-    out = torch.cat([run(tile) for tile in split_tiles(tokens, num_tiles)])
+    out = torch.cat([run(tile) for tile in tokens.tensor_split(num_tiles)])
     return out.view(*x.shape[:-1], out.shape[-1])
-
-
-def split_tiles(x: Tensor, num_tiles: int) -> tuple[Tensor, ...]:
-    """``x`` cut along its first dimension into exactly ``num_tiles`` tiles as ``Tensor.tensor_split`` cuts it (the
-    first ``len(x) % num_tiles`` one longer, empty ones where ``num_tiles > len(x)``), by one ``split``: its backward
-    concatenates the tiles' gradients once. ``tensor_split``'s backward is one slice per tile, each writing a
-    zero-filled gradient of the whole ``x`` and adding it to the sum so far (three whole-``x`` tensors at once)."""
-    length = x.shape[0]
-    return x.split([length // num_tiles + (i < length % num_tiles) for i in range(num_tiles)])
 
 
 def recomputed_in_backward(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
