@@ -118,7 +118,8 @@ def test_flops_per_token_counts_matmuls_and_causal_attention() -> None:
 
 def test_probe_schedule_doubles_then_bisects() -> None:
     schedule = LongContextConfig(start_seq_len=16384, max_seq_len=1 << 20, refine=2).probe_schedule
-    fits, misses = [], []
+    fits: list[int] = []
+    misses: list[int] = []
     longest_fit = 100_000
     while (length := schedule.next(fits, misses)) is not None:
         (fits if length <= longest_fit else misses).append(length)
