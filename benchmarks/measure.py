@@ -5,8 +5,13 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 class PeakMemory:
@@ -63,6 +68,85 @@ class SavedForBackward:
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
+
+
+class LiveTensors(TorchDispatchMode):
+    """The tensor storages alive while active (a context manager), tracked from the operators that make them: at the
+    peak of their total bytes, those bytes split by what made each storage. Storages alive before (weights, gradient
+    buffers) are not counted, nor outputs that share an input's storage (views, in-place writes).
+
+    A storage is labelled ``forward <module>`` (made by the forward, outside any backward: what the step keeps for
+    its backward), ``recompute <module>`` (made while the backward re-runs a module of ``model``: checkpointed layers,
+    MLP and loss tiles) or ``backward <autograd node>`` (made by the backward itself), where ``<module>`` is the
+    innermost module of ``model`` running at the time. Frees are seen after the next operator, so the peak may count
+    one operator's freed input as still alive. Being a dispatch mode, it also changes what it measures a little:
+    autograd then adds gradients out of place (without it, a gradient buffer that nothing else holds is added to in
+    place), so a gradient summed from many parts counts one whole buffer more than it takes."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self._names = {id(m): name or "model" for name, m in model.named_modules()}
+        self._modules: list[str] = []
+        self._live: dict[int, tuple[StorageWeakRef, int, str, tuple[int, ...]]] = {}
+        self.total = self.peak = 0
+        self.at = ""
+        self.parts: dict[str, tuple[int, int, tuple[int, ...]]] = {}
+        self._hooks: list[Any] = []
+
+    def __enter__(self) -> LiveTensors:
+        def enter(module: nn.Module, *args: Any) -> None:
+            self._modules.append(self._names.get(id(module), self._modules[-1] if self._modules else "model"))
+
+        def leave(module: nn.Module, *args: Any) -> None:
+            self._modules.pop()
+
+        self._hooks = [
+            nn.modules.module.register_module_forward_pre_hook(enter),
+            nn.modules.module.register_module_forward_hook(leave, always_call=True),
+        ]
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        for hook in self._hooks:
+            hook.remove()
+
+    def _label(self) -> str:
+        node = torch._C._current_autograd_node()
+        module = self._modules[-1] if self._modules else "model"
+        if node is None:
+            return f"forward {module}"
+        return f"recompute {module}" if self._modules else f"backward {node.name()}"
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for key in [key for key, (ref, *_) in self._live.items() if ref.expired()]:
+            self.total -= self._live.pop(key)[1]
+        label = None
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or key in self._live or key in inputs:  # a view of an input, or written in place
+                continue
+            label = label or self._label()
+            self._live[key] = (StorageWeakRef(storage), nbytes, label, tuple(tensor.shape))
+            self.total += nbytes
+        if self.total > self.peak:
+            self.peak, self.at = self.total, f"{self._label()} {func.__name__}"
+            self.parts = {}
+            for _, nbytes, part, shape in self._live.values():
+                size, count, largest = self.parts.get(part, (0, 0, ()))
+                if not largest or torch.Size(shape).numel() > torch.Size(largest).numel():
+                    largest = shape
+                self.parts[part] = (size + nbytes, count + 1, largest)
+        return out
+
+    def report(self) -> dict[str, Any]:
+        """``{"peak": bytes, "at": where, "parts": {label: (bytes, storages, largest shape)}}``."""
+        return {"peak": self.peak, "at": self.at, "parts": self.parts}
 
 
 @dataclass(frozen=True)

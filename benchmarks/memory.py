@@ -46,7 +46,7 @@ from lightning_ulysses import (
 from tests.launch import launch
 from tests.tiny import tiny_llama
 
-MODEL = dict(
+MODEL: dict[str, Any] = dict(
     vocab_size=16000,
     hidden_size=128,
     intermediate_size=512,
@@ -114,7 +114,8 @@ def probe_longest(
 ) -> tuple[int | None, int | None]:
     """``(longest length that fits, shortest that does not)`` under ``budget`` per rank, each probe one step in
     fresh processes; None where the schedule found no such length."""
-    fits, misses = [], []
+    fits: list[int] = []
+    misses: list[int] = []
     while (seq_len := schedule.next(fits, misses)) is not None:
         peak = max(measure([config], sp, device, [seq_len]).values())
         (fits if peak <= budget else misses).append(seq_len)

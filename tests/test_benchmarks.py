@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from benchmarks import compare_alst, gpu_long_context, mixer_cost, ring
+from benchmarks import compare_alst, gpu_long_context, longest, mixer_cost, ring
 from benchmarks.compare_alst import BenchmarkConfig
 from benchmarks.gpu_long_context import LongContextConfig, flops_per_token, llama_config, parameter_counts
+from benchmarks.measure import LiveTensors
 
 SHORT = [
     "--seq-len",
@@ -116,7 +118,8 @@ def test_flops_per_token_counts_matmuls_and_causal_attention() -> None:
 
 def test_probe_schedule_doubles_then_bisects() -> None:
     schedule = LongContextConfig(start_seq_len=16384, max_seq_len=1 << 20, refine=2).probe_schedule
-    fits, misses = [], []
+    fits: list[int] = []
+    misses: list[int] = []
     longest_fit = 100_000
     while (length := schedule.next(fits, misses)) is not None:
         (fits if length <= longest_fit else misses).append(length)
@@ -165,3 +168,34 @@ def test_long_context_probe_on_gpu(tmp_path: Path) -> None:
     )
     for row in rows:
         assert row["seq_len"] == 4096 and row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1, row
+
+
+def test_longest_renders_the_probe_from_its_log(tmp_path: Path) -> None:
+    log = tmp_path / "longest.log"
+    log.write_text(
+        "alst, sp=2, N=32768: 124.4 MiB, fits (393 s)\n"
+        "ours, head_chunks=auto, sp=2, N=32768: 122.2 MiB, fits (480 s)\n"
+        "alst, sp=2, N=65536: 260.0 MiB, does not fit (900 s)\n"
+        "ours, head_chunks=auto, sp=2, N=65536: 250.0 MiB, fits (990 s)\n"
+    )
+    out = tmp_path / "longest.md"
+    args = ["--render", "--sides", "ours, head_chunks=auto", "alst", "--probe-start", "32768", "--probe-max", "65536"]
+    report = longest.main([*args, "--log", str(log), "--out", str(out)])
+    assert out.read_text() == report
+    assert "| ours, head_chunks=auto | 32768 (122.2), 65536 (250.0) | 65536 | - | - | done |" in report
+    assert "| alst | 32768 (124.4), 65536 (260.0) | 32768 | 65536 | - | stopped before 49152 |" in report
+    log.write_text(log.read_text() + "alst, sp=2, N=49152: 190.0 MiB, fits (600 s)\n")
+    report = longest.main([*args, "--refine", "1", "--log", str(log), "--out", str(out)])
+    assert "| ours, head_chunks=auto | 32768 (122.2), 65536 (250.0) | 65536 | - | 1.33 | done |" in report
+
+
+def test_live_tensors_split_the_peak_by_what_made_it() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    x = torch.randn(1024, 64, requires_grad=True)
+    with LiveTensors(model) as live:
+        model(x).sum().backward()
+    parts = live.report()["parts"]
+    assert parts["forward 1"][0] == 1024 * 256 * 4  # the ReLU's output, kept for its backward and the last layer's
+    assert "forward 0" not in parts  # its weight's transpose is a view: nothing new
+    assert any(label.startswith("backward ") for label in parts)
+    assert live.peak >= sum(nbytes for nbytes, _, _ in parts.values())
