@@ -24,9 +24,9 @@ so it is only measured on CUDA; on CPU ``all`` offloads nothing.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +85,7 @@ def worker(args: dict[str, Any]) -> dict[tuple[str, int], int]:
             generator = torch.Generator().manual_seed(seq_len)
             batch = {"input_ids": torch.randint(1, MODEL["vocab_size"], (1, seq_len), generator=generator)}
             shard = {k: v.to(device) for k, v in shard_batch(prepare_batch(batch, sp_size), sp_rank, sp_size).items()}
-            peaks[name, seq_len] = _peak_bytes(device, partial(_train_step, model, shard, options))
+            peaks[name, seq_len] = _peak_bytes(device, functools.partial(_train_step, model, shard, options))
         remove_memory_options(model)
     dist.destroy_process_group()
     return peaks

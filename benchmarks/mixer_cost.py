@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -67,14 +66,6 @@ class Mixer:
         torch.manual_seed(0)
         args = (config,) if self.layer_idx is None else (config, self.layer_idx)
         return module_class(*args).float(), config
-
-    def call(self, module: nn.Module, x: Tensor, position_ids: Tensor) -> Tensor:
-        """The layer ``module`` (built by :meth:`build`) on ``x``: its per-token outputs, flattened into one."""
-        leading = (position_ids,) if self.positions else ()
-        extra = {"use_cache": False} if self.positions else {}
-        out = module(x, *leading, *[None] * self.nones, **extra)
-        out = out if isinstance(out, tuple) else (out,)
-        return torch.cat([o.flatten() for o in out[: self.outputs]])
 
 
 MIXERS = [
@@ -209,15 +200,23 @@ def worker(args: dict[str, Any]) -> list[dict[str, Any]]:
         hidden = torch.randn(1, tokens, config.hidden_size, generator=torch.Generator().manual_seed(1))
         shard = hidden[:, rank * tokens // sp : (rank + 1) * tokens // sp].clone().requires_grad_()
         whole = hidden.clone().requires_grad_()
+
+        def call(x: Tensor, position_ids: Tensor) -> Tensor:
+            leading = (position_ids,) if mixer.positions else ()
+            extra = {"use_cache": False} if mixer.positions else {}
+            out = module(x, *leading, *[None] * mixer.nones, **extra)
+            out = out if isinstance(out, tuple) else (out,)
+            return torch.cat([o.flatten() for o in out[: mixer.outputs]])
+
         positions = torch.arange(tokens)[None]
-        _, whole_saved = saved_bytes(partial(mixer.call, module, whole, positions), module)  # one process, all of it
+        _, whole_saved = saved_bytes(lambda: call(whole, positions), module)  # one process, the whole sequence
         state = PatchState(dist.group.WORLD, "sdpa", sp)
         state.position_ids = positions[:, rank * tokens // sp : (rank + 1) * tokens // sp]
         holder = nn.ModuleDict({"mixer": module})
         if not shard_token_mixers(holder, state, Ledger()):
             raise RuntimeError(f"{mixer.module_class} was not recognised as a token mixer")
         counted[0] = halo[0] = 0
-        out, sharded_saved = saved_bytes(partial(mixer.call, module, shard, state.position_ids), module)
+        out, sharded_saved = saved_bytes(lambda: call(shard, state.position_ids), module)
         out.sum().backward()
         local_tokens = tokens // sp
         rows.append(

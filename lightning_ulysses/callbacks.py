@@ -24,7 +24,6 @@ an all-gather of the position ids over the SP group (the attention does one per 
 
 from __future__ import annotations
 
-import contextlib
 import io
 import sys
 import time
@@ -89,8 +88,10 @@ def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
-    with contextlib.suppress(OSError):
+    try:
         Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
 
 
 def peak_memory(device: torch.device) -> tuple[int, int]:
@@ -274,13 +275,8 @@ class SequenceParallelMonitor(Callback):
         self._timer = AllToAllTimer(device, self._strategy.groups.observer) if self.time_all_to_all else None
 
     @property
-    def _ulysses(self) -> UlyssesStrategy:
-        assert self._strategy is not None  # set by setup("fit"), which runs before the other hooks of a fit
-        return self._strategy
-
-    @property
     def _metric_options(self) -> dict[str, Any]:
-        device = self._ulysses.root_device
+        device = self._strategy.root_device
         return dict(
             available_flops=self._available_flops,
             count_flops=self._flops is not None,
@@ -315,13 +311,13 @@ class SequenceParallelMonitor(Callback):
             self._restart_clock()  # validation time is not training time
 
     def _restart_clock(self) -> None:
-        _synchronize(self._ulysses.root_device)
+        _synchronize(self._strategy.root_device)
         self._mark = time.perf_counter()
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        reset_peak_memory(self._ulysses.root_device)
+        reset_peak_memory(self._strategy.root_device)
         if self._timer is not None:
             self._timer.seconds = 0.0
 
@@ -329,7 +325,7 @@ class SequenceParallelMonitor(Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        strategy = self._ulysses
+        strategy = self._strategy
         _synchronize(strategy.root_device)
         now = time.perf_counter()
         seconds, self._mark = now - self._mark, now
@@ -353,7 +349,7 @@ class SequenceParallelMonitor(Callback):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._epoch is not None:
-            metrics = summarize(self._epoch, self._ulysses.sp_size, **self._metric_options)
+            metrics = summarize(self._epoch, self._strategy.sp_size, **self._metric_options)
             self._log(pl_module, metrics, per_epoch=True)
 
     def _log(self, pl_module: L.LightningModule, metrics: dict[str, float], per_epoch: bool) -> None:
@@ -377,8 +373,8 @@ class SequenceParallelMonitor(Callback):
         self._remove_timer()
         if self._fit is None:
             return
-        self.summary = summarize(self._fit, self._ulysses.sp_size, **self._metric_options)
-        rank_zero_info(format_summary(self.summary, self._ulysses, trainer.global_step))
+        self.summary = summarize(self._fit, self._strategy.sp_size, **self._metric_options)
+        rank_zero_info(format_summary(self.summary, self._strategy, trainer.global_step))
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._remove_timer()
@@ -404,9 +400,9 @@ def format_summary(metrics: dict[str, float], strategy: UlyssesStrategy, steps: 
         table.add_row("skipped (non-finite loss)", f"{len(skipped)}: steps {skipped}")
     for name, value in metrics.items():
         table.add_row(name, f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}")
-    text = io.StringIO()
-    Console(file=text, width=120, color_system=None).print(table)
-    return "\n".join(line.rstrip() for line in text.getvalue().splitlines())
+    console = Console(file=io.StringIO(), width=120, color_system=None)
+    console.print(table)
+    return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -501,18 +497,17 @@ class SequenceParallelParityCheck(Callback):
     ) -> None:
         if self._due(trainer, batch_idx):  # before the step, so that the weights are those of the SP loss
             self._checked = True
-            groups = _require_ulysses(trainer, self).groups
-            self._pending = (trainer.global_step, self.reference_loss(batch, groups))
+            self._pending = (trainer.global_step, self.reference_loss(batch, trainer.strategy.groups))
 
     def reference_loss(self, batch: Mapping[str, Tensor], sp_group: SequenceParallelGroup) -> Tensor:
         """The token-mean loss of the SP group's whole sequences without SP (a scalar; collective over ``sp_group``, the
         strategy's groups: the zigzag of a ring undone)."""
-        model = self._model
-        assert model is not None  # set by on_train_start
         whole = {key: gather_sequence(batch[key], sp_group) for key in ("input_ids", "position_ids", "shift_labels")}
-        with torch.no_grad(), unpatched(model):
+        with torch.no_grad(), unpatched(self._model):
             # without a KV cache transformers masks packed documents (position ids restarting at 0), as training does
-            logits = model(input_ids=whole["input_ids"], position_ids=whole["position_ids"], use_cache=False).logits
+            logits = self._model(
+                input_ids=whole["input_ids"], position_ids=whole["position_ids"], use_cache=False
+            ).logits
         loss_sum, num_tokens = token_cross_entropy(logits, whole["shift_labels"])
         return loss_sum / num_tokens.clamp(min=1)
 
@@ -530,14 +525,13 @@ class SequenceParallelParityCheck(Callback):
             )
         if pl_module.automatic_optimization:
             loss = loss * trainer.accumulate_grad_batches  # Lightning hands callbacks the loss / accumulate
-        strategy, rtol = _require_ulysses(trainer, self), self.rtol
-        assert rtol is not None  # set by setup("fit")
+        strategy = trainer.strategy
         pair = torch.stack([loss.detach().float().reshape(()), reference.float()]).to(strategy.root_device)
         losses = strategy.all_gather(pair).view(-1, 2).cpu()  # [world, 2]: every rank decides on the same numbers
         self.results.append(ParityResult(step, *losses[strategy.global_rank].tolist()))
-        if losses_agree(losses, rtol, self.atol):
+        if losses_agree(losses, self.rtol, self.atol):
             return
-        message = mismatch_message(losses, strategy.sp_size, step, rtol, self.atol)
+        message = mismatch_message(losses, strategy.sp_size, step, self.rtol, self.atol)
         if self.on_mismatch == "raise":
             raise RuntimeError(message)
         rank_zero_warn(message)

@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Union
 
 import torch.distributed as dist
 from torch import Tensor
@@ -124,7 +124,7 @@ class SequenceParallelGroups:
         return cls(SequenceParallelTopology(size, size, dist.get_rank(group)), group, None, group)
 
 
-SequenceParallelGroup = ProcessGroup | SequenceParallelGroups | None
+SequenceParallelGroup = Union[ProcessGroup, SequenceParallelGroups, None]
 """What a function that takes the SP ``group`` accepts (see the module docstring)."""
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,7 @@ class TiledLogits:
     num_tiles: int
 
 
-Logits = Tensor | TiledLogits
+Logits = Union[Tensor, TiledLogits]
 """``[B, n, V]`` logits, whole or as :class:`TiledLogits`."""
 
 
@@ -59,7 +60,6 @@ def per_token(logits: Logits, labels: Tensor, fn: TokenFunction) -> Tensor:
     tiles = zip(
         logits.hidden_states.reshape(-1, logits.hidden_states.shape[-1]).tensor_split(logits.num_tiles),
         labels.reshape(-1).tensor_split(logits.num_tiles),
-        strict=True,
     )
     return torch.cat([run(hidden, target) for hidden, target in tiles]).view(labels.shape)
 

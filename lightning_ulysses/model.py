@@ -14,17 +14,15 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.data import AttributeDict
-from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.logits import Logits
@@ -86,13 +84,8 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
             raise ValueError(
                 "model.pretrained=True needs model.model to be the path of a local model folder, not a dict."
             )
-        self.model: PreTrainedModel | None = None
+        self.model: nn.Module | None = None
         self.eval_loss = TokenCrossEntropy()
-
-    @property
-    def hparams(self) -> AttributeDict:
-        """The constructor's arguments, as ``save_hyperparameters()`` stores them."""
-        return cast(AttributeDict, super().hparams)  # Lightning types it as any mutable mapping
 
     def configure_model(self) -> None:
         """Build the transformer here, not in ``__init__``: under ZeRO-3 it is then partitioned as it is created.
@@ -107,26 +100,24 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         options = {"attn_implementation": "sdpa", "dtype": torch.get_default_dtype()}
         with _transformers_zero3(self._trainer.strategy if self._trainer is not None else None):
             if hp.pretrained:
-                model = _load_pretrained(hp.model, self.auto_class, **options)
+                self.model = _load_pretrained(hp.model, self.auto_class, **options)
             else:
-                model = self.auto_class.from_config(build_config(hp.model, hp.vocab_size), **options)
-            self.model = model
+                self.model = self.auto_class.from_config(build_config(hp.model, hp.vocab_size), **options)
         if hp.pretrained:
-            model_vocab = model.get_input_embeddings().num_embeddings
+            model_vocab = self.model.get_input_embeddings().num_embeddings
             if hp.vocab_size is not None and hp.vocab_size > model_vocab:
                 raise ValueError(
-                    f"The tokenizer has {hp.vocab_size} ids but the pretrained model embeds only {model_vocab}. Use "
-                    "the tokenizer saved with the model (data.tokenizer=<model folder>)."
+                    f"The tokenizer has {hp.vocab_size} ids but the pretrained model embeds only {model_vocab}. Use the "
+                    "tokenizer saved with the model (data.tokenizer=<model folder>)."
                 )
         if hp.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def _prepared(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """The batch as UlyssesStrategy delivers it; under any other strategy prepared here, whole, with the
         documents masked by the same attention run locally."""
         if "shift_labels" in batch:
             return batch
-        assert self.model is not None  # configure_model has run
         with torch.inference_mode(
             False
         ):  # the first call runs the set-up check, which validate's inference mode breaks
@@ -134,11 +125,9 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         return prepare_batch(batch, sp_size=1)
 
     def _logits(self, batch: dict[str, Tensor]) -> Logits:
-        assert self.model is not None  # configure_model has run
         return self.causal_lm_logits(self.model, batch)  # tiled, never whole, when the strategy's tiled_loss is on
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        assert self.model is not None  # configure_model has run
         loss = self.forward_causal_lm_loss(self.model, self._prepared(batch))  # tiled when the strategy says so
         # the value is already the SP group's mean; sync_dist averages the DP groups, as their gradients are
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
@@ -185,7 +174,7 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         if self.model is not None:
             remove_ulysses_attention(self.model)  # undo the local patch (a no-op after UlyssesStrategy's teardown)
 
-    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
+    def configure_optimizers(self) -> dict[str, Any]:
         """AdamW, weight decay on the matrices only, and the warmup + cosine schedule, stepped every optimizer step."""
         hp = self.hparams
         trainable = [p for p in self.parameters() if p.requires_grad]
@@ -228,20 +217,17 @@ def _reconcile_schedule(scheduler: LambdaLR, requested_steps: int | None, traine
     """After a resume: apply ``lr_schedule_steps`` if it differs from the checkpoint's schedule, or warn that the
     run's end differs from the end of the schedule it continues."""
     schedule, step = scheduler.lr_lambdas[0], scheduler.last_epoch
-    assert isinstance(schedule, WarmupCosine)  # on_train_start reconciles WarmupCosine schedules only
     lr_at = lambda: scheduler.base_lrs[0] * schedule(step)  # noqa: E731
     if requested_steps is not None and requested_steps != schedule.total_steps:
         before, saved = lr_at(), schedule.total_steps
         for fn in scheduler.lr_lambdas:
-            if isinstance(fn, WarmupCosine):
-                fn.total_steps = requested_steps
-        for group, base_lr in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True):
+            fn.total_steps = requested_steps
+        for group, base_lr in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
             group["lr"] = base_lr * schedule(step)
         scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
         rank_zero_info(
             f"model.lr_schedule_steps={requested_steps}: the learning-rate schedule of the checkpoint decayed over "
-            f"{saved} steps; from step {step} on it decays over {requested_steps} "
-            f"(learning rate {before:.3g} -> {lr_at():.3g})."
+            f"{saved} steps; from step {step} on it decays over {requested_steps} (learning rate {before:.3g} -> {lr_at():.3g})."
         )
         return
     end = int(trainer.estimated_stepping_batches) if trainer.max_steps != -1 else None
@@ -277,7 +263,7 @@ def build_config(model: dict[str, Any] | str, vocab_size: int | None = None) -> 
     return config
 
 
-def _load_pretrained(folder: str, auto_class: Any = AutoModelForCausalLM, **options: Any) -> PreTrainedModel:
+def _load_pretrained(folder: str, auto_class: Any = AutoModelForCausalLM, **options: Any) -> nn.Module:
     """``auto_class.from_pretrained`` that refuses a partial load.
 
     transformers initialises a weight the folder lacks (or holds in another shape, when told to ignore sizes) at
@@ -313,7 +299,7 @@ def _transformers_zero3(strategy: Strategy | None) -> Iterator[None]:
     both gather one module at a time. Only for the build: the setting is global to the process, and a later
     model (another Trainer, another strategy) must not inherit it.
     """
-    if not (isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3):
+    if not getattr(strategy, "zero_stage_3", False):
         yield
         return
     from transformers.integrations import HfDeepSpeedConfig, unset_hf_deepspeed_config

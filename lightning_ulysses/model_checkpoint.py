@@ -40,7 +40,6 @@ class ModelCheckpoint(LightningModelCheckpoint):
         self._last_saved_at_step = trainer.global_step
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        fast_dev_run = trainer.fast_dev_run  # type: ignore[attr-defined]  # Lightning sets it; Trainer does not declare it
-        if fast_dev_run or trainer.state.fn != TrainerFn.FITTING:
+        if trainer.fast_dev_run or trainer.state.fn != TrainerFn.FITTING:
             return
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

@@ -19,8 +19,8 @@ What it adds to :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`:
   (:mod:`lightning_ulysses.runtime.preemption`);
 * a rank that dies is named by the survivors (:class:`~lightning_ulysses.runtime.failures.Heartbeat`);
 * every transformers model inside the LightningModule runs all-to-all attention
-  (:mod:`lightning_ulysses.hf`), checked at set-up to run exactly or be refused, optionally with tiled MLPs and
-  checkpointed, offloaded layers (:mod:`lightning_ulysses.memory`);
+  (:mod:`lightning_ulysses.hf`), checked at set-up to run exactly or be refused, optionally with tiled MLPs and checkpointed, offloaded layers
+  (:mod:`lightning_ulysses.memory`);
 * CPU (gloo) is a supported target next to CUDA (NCCL).
 
 Gradient reduction contract. DeepSpeed is given no SP ``mpu``: under every ZeRO stage it averages
@@ -53,7 +53,6 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
 from lightning.fabric.utilities.data import _auto_add_worker_init_fn
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch import LightningModule
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -97,12 +96,12 @@ class UlyssesStrategy(DeepSpeedStrategy):
             groups (``world = dp x ring x ulysses``); ``1`` (default): Ulysses only. ``"auto"``: the Ulysses degree is
             the largest divisor of ``sp_size`` that fits in a node, the ring joins the nodes. Sequences are cut into
             zigzag shards (causal work balanced over the ring); batches, ``gather_sequence`` and the loss keep
-            whole-sequence order. Runs torch's SDPA kernels on each block (the flash kernel for CPU, the
-            memory-efficient one on CUDA; ``attn_implementation`` ``"auto"`` or ``"sdpa"``), without attention dropout;
-            the kernels of the device are checked against float64 at set-up (refused where they are not exact).
+            whole-sequence order. Runs torch's SDPA kernels on each block (the flash kernel for CPU, the memory-efficient
+            one on CUDA; ``attn_implementation`` ``"auto"`` or ``"sdpa"``), without attention dropout; the
+            kernels of the device are checked against float64 at set-up (refused where they are not exact).
         attn_implementation: core attention kernel run on the gathered sequence: ``"auto"`` (flash-attn 2
-            on CUDA for fp16/bf16 when installed, else SDPA), ``"sdpa"``, ``"flash_attention_2"``,
-            ``"flash_attention_3"`` or ``"flex_attention"``.
+            on CUDA for fp16/bf16 when installed, else SDPA), ``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``
+            or ``"flex_attention"``.
         head_chunks: run each attention layer's all-to-alls and attention in this many chunks of each rank's heads
             (:mod:`lightning_ulysses.attention.head_chunks`): one all-to-all per chunk for q, k and v together and
             one back, the layer recomputed chunk by chunk in the backward, so its whole-sequence tensors are one
@@ -302,9 +301,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
             groups = "SP groups" if ring_size == 1 else "Ulysses groups"
             rank_zero_warn(
                 f"{degree} does not divide the {self.num_processes} processes per node, so {groups} span nodes (ranks "
-                f"{spanning} are on {_nodes_of(spanning, self.num_processes)} nodes) and every attention layer runs "
-                "its all-to-alls over the network instead of inside a node. If that is not intended, set sp_size to "
-                "one of "
+                f"{spanning} are on {_nodes_of(spanning, self.num_processes)} nodes) and every attention layer runs its "
+                "all-to-alls over the network instead of inside a node. If that is not intended, set sp_size to one of "
                 f"{divisors(self.num_processes)} (SP inside each node, DP across nodes), or ring_size='auto' (Ulysses "
                 "inside each node, ring attention across nodes)."
             )
@@ -312,8 +310,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
             _skip_deepspeed_shared_memory_kernel()
         self._init_deepspeed_distributed()
         _bound_deepspeed_world_group(self.world_size, self._timeout)
-        # subgroups do not inherit the default group's timeout: without it a stalled rank holds its peers for torch's
-        # default
+        # subgroups do not inherit the default group's timeout: without it a stalled rank holds its peers for torch's default
         self._groups = SequenceParallelGroups.create(self._topology, self._timeout)
         self._heartbeat = Heartbeat(dist.distributed_c10d._get_default_store(), self.global_rank, self.world_size)
         self._heartbeat.start()
@@ -329,7 +326,6 @@ class UlyssesStrategy(DeepSpeedStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         assert self.lightning_module is not None
-        assert isinstance(self.config, dict)  # DeepSpeedStrategy.__init__ has built or loaded it
         if self.config.get("zero_optimization", {}).get("stage", 0) == 3:
             register_mixer_weights_for_zero3(self.lightning_module)
         super().setup(trainer)
@@ -363,27 +359,18 @@ class UlyssesStrategy(DeepSpeedStrategy):
         ``no_sync`` refuses ZeRO 2 and 3, and the engine already knows not to reduce there (its boundary flag)."""
         yield None
 
-    @property
-    def _module(self) -> LightningModule:
-        """The LightningModule that this strategy runs (attached before any of the hooks that read it)."""
-        module = self.lightning_module
-        assert module is not None
-        return module
-
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        trainer = self._module.trainer
+        trainer = self.lightning_module.trainer
         batches_before = trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1  # this batch is counted
         if batches_before % trainer.accumulate_grad_batches == 0:  # an optimizer step begins: a safe point
-            signals = trainer._signal_connector
-            assert isinstance(signals, PreemptionSignals)  # installed by setup
-            signals.at_step_boundary(trainer)
+            trainer._signal_connector.at_step_boundary(trainer)
         # before the forward: ZeRO reduces (and ZeRO-3 partitions) the gradients in the backward of a step's last batch
-        self.deepspeed_engine.set_gradient_accumulation_boundary(not trainer.fit_loop._should_accumulate())
+        self.model.set_gradient_accumulation_boundary(not trainer.fit_loop._should_accumulate())
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        trainer = self._module.trainer
+        trainer = self.lightning_module.trainer
         sampler_over_dp_ranks(dataloader, self.topology, _loader_name(trainer))
         # seed_everything(workers=True): seeded by DP rank, on the loader itself (Lightning seeds what this returns, by
         # global rank, and would give the SP ranks of a group different augmentations; see lightning_ulysses.sp_loaders)
@@ -414,10 +401,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
                 self._repeated_rows = batch.pop(DUPLICATES_KEY)
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if self.sp_size > 1:
-            sp_group = self.sp_group
-            assert sp_group is not None  # set up, with more than one rank
-            loader_name = _loader_name(self._module.trainer, dataloader_idx)
-            check_sp_group_agreement(batch, sp_group, device or self.root_device, loader_name)
+            loader_name = _loader_name(self.lightning_module.trainer, dataloader_idx)
+            check_sp_group_agreement(batch, self.sp_group, device or self.root_device, loader_name)
         batch = shard_batch(
             prepare_batch(batch, self.sp_size, self.ring_size), self.sp_rank, self.sp_size, self.ring_size
         )
@@ -430,7 +415,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         output = super().training_step(*args, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
         if isinstance(loss, Tensor):
-            trainer = self._module.trainer
+            trainer = self.lightning_module.trainer
             self.nonfinite_loss.check_loss(loss, trainer.global_step, trainer.fit_loop.epoch_loop.batch_idx)
         return output
 
@@ -438,9 +423,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         # Lightning calls this at the last micro-batch of each step only (handles_gradient_accumulation is False)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        global_step = self._module.trainer.global_step  # counted once the LightningModule hook returns
+        global_step = self.lightning_module.trainer.global_step  # counted once the LightningModule hook returns
         self._applied_steps = global_step + 1
-        self.nonfinite_loss.check_step(self.deepspeed_engine.was_step_applied(), global_step)
+        self.nonfinite_loss.check_step(self.model.was_step_applied(), global_step)
         return output
 
     @property
@@ -463,15 +448,14 @@ class UlyssesStrategy(DeepSpeedStrategy):
         """Lightning averages a value logged in an evaluation step over the batches of all ranks, each weighted by its
         batch size (the batch's length unless ``self.log`` is given ``batch_size``): count a batch's real rows only,
         so that its repeats weigh 0 (a batch of repeats, whose labels are all masked, weighs nothing)."""
-        results = self._module.trainer._results
+        results = self.lightning_module.trainer._results
         if self._repeated_rows is not None and results is not None:
             results.batch_size = int((~self._repeated_rows).sum())
 
     @property
     def optimizer_step_in_flight(self) -> bool:
-        """Whether DeepSpeed has run an optimizer step that Lightning has not counted yet (inside
-        ``optimizer_step``)."""
-        return self._applied_steps > self._module.trainer.global_step
+        """Whether DeepSpeed has run an optimizer step that Lightning has not counted yet (inside ``optimizer_step``)."""
+        return self._applied_steps > self.lightning_module.trainer.global_step
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -516,7 +500,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         saved inside one (:func:`~lightning_ulysses.runtime.save.save_checkpoint`)."""
         if storage_options is not None:
             raise TypeError("UlyssesStrategy saves DeepSpeed checkpoint directories, without storage_options.")
-        trainer = self._module.trainer
+        trainer = self.lightning_module.trainer
         fit_loop = trainer.fit_loop if trainer.state.fn == TrainerFn.FITTING else None
         save_checkpoint(
             self.deepspeed_engine,
@@ -535,14 +519,14 @@ class UlyssesStrategy(DeepSpeedStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
         assert isinstance(self.config, dict)
         zero_stage = self.config.get("zero_optimization", {}).get("stage", 0)
-        fitting = self._module.trainer.state.fn == TrainerFn.FITTING
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         return load_checkpoint(
             self.deepspeed_engine,
             checkpoint_path,
             self.world_size,
             zero_stage,
             fitting=fitting,
-            strict=self._module.strict_loading,
+            strict=self.lightning_module.strict_loading,
         )
 
     @override
@@ -552,7 +536,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         if isinstance(exception, RuntimeError) and self._heartbeat is not None:
             report = self._heartbeat.dead_ranks_report()
             if report:
-                message = f"lightning-ulysses: {report}. {_resume_hint(self._module.trainer)}"
+                message = f"lightning-ulysses: {report}. {_resume_hint(self.lightning_module.trainer)}"
                 log.error(rank_prefixed_message(message, self.global_rank))
                 if hasattr(exception, "add_note"):  # Python 3.11+
                     exception.add_note(message)

@@ -15,7 +15,6 @@ calls outside the test session (benchmarks measure fresh processes) and for ever
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import signal
@@ -209,7 +208,7 @@ def _run(
         ]
     procs, logs = [], []
     for index, (command, process_env) in enumerate(commands):
-        log = open(tmp_path / f"process{index}.log", "w+")  # noqa: SIM115 - read and closed once the ranks exit
+        log = open(tmp_path / f"process{index}.log", "w+")
         logs.append(log)
         procs.append(
             subprocess.Popen(
@@ -256,8 +255,10 @@ def die_with_parent() -> None:
 
 def kill_group(proc: subprocess.Popen) -> None:
     """Stop a process started with ``start_new_session=True`` and everything it started."""
-    with contextlib.suppress(ProcessLookupError):  # the whole group has exited already
+    try:
         os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the whole group has exited already
+        pass
     proc.wait()
 
 

@@ -73,8 +73,8 @@ def test_flop_count_matches_hand_computation() -> None:
 
 
 def test_flop_count_reads_latent_attention_head_sizes() -> None:
-    """MLA (MiniCPM3): ``q . k`` is 24 wide per head (nope 16 + rope 8; the config's head_dim is the rope part),
-    ``p @ v`` 16: the attention term counts their mean, 20, per head."""
+    """MLA (MiniCPM3): ``q . k`` is 24 wide per head (nope 16 + rope 8; the config's head_dim is the rope part), ``p @ v``
+    16: the attention term counts their mean, 20, per head."""
     model = tiny_llama(
         model_type="minicpm3",
         num_key_value_heads=4,
@@ -161,7 +161,7 @@ def test_cuda_peak_memory_resets_and_grows() -> None:
     small_peak, _ = peak_memory(device)
     big = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
     big_peak, reserved = peak_memory(device)
-    assert big_peak - small_peak >= big.nbytes and reserved >= big_peak
+    assert big_peak - small_peak >= 256 * 2**20 and reserved >= big_peak
 
 
 def test_parity_check_refuses_bad_settings() -> None:
@@ -381,7 +381,7 @@ def test_monitor_token_counts_equal_the_data(results: list[dict[str, Any]]) -> N
     logged = _step_metrics(results[0]["monitor"]["history"])
     batches = dp_batches(make_samples(**MONITOR_DATA), BATCH)[0]
     assert len(logged) == len(batches) == 4
-    for metrics, batch in zip(logged, batches, strict=True):
+    for metrics, batch in zip(logged, batches):
         expected = expected_counts(batch, SP)
         assert metrics["sp/tokens"] == sum(expected["tokens"])
         assert [metrics[f"sp/valid_tokens_sp_rank_{r}"] for r in range(SP)] == expected["valid"]
@@ -421,7 +421,7 @@ def test_monitor_summary_after_a_resume_inside_the_epoch_is_that_of_its_steps(re
 
 def test_monitor_flops_count_attention_once_per_sp_group(results: list[dict[str, Any]]) -> None:
     for metrics, batch in zip(
-        _step_metrics(results[0]["monitor"]["history"]), dp_batches(make_samples(**MONITOR_DATA), BATCH)[0], strict=True
+        _step_metrics(results[0]["monitor"]["history"]), dp_batches(make_samples(**MONITOR_DATA), BATCH)[0]
     ):
         expected = expected_counts(batch, SP)
         flops = 6 * MATMUL_PARAMS * expected["positions"] + ATTENTION_FLOPS_PER_PAIR * expected["pairs"]
@@ -451,7 +451,7 @@ def test_parity_check_passes_a_correct_run_with_the_single_process_loss(results:
         assert got["steps"] == 2
         # checked at the first micro-batch of each optimizer step: micro-batches 0 and 2
         assert [r.step for r in got["results"]] == [0, 1]
-        for check, micro_batch in zip(got["results"], (0, 2), strict=True):
+        for check, micro_batch in zip(got["results"], (0, 2)):
             assert check.reference_loss == pytest.approx(expected_losses[micro_batch], rel=1e-5)
             assert check.sp_loss == pytest.approx(got["losses"][micro_batch], rel=1e-6)
 

@@ -167,7 +167,7 @@ def _predict(
     """Each predicted sample's log-probabilities, without the padding to a multiple of sp; a repeat would raise."""
     predicted: dict[int, Tensor] = {}
     for output in trainer.predict(module or EvalCausalLM(), loader):
-        for i, log_probs in zip(output["index"].tolist(), output["log_probs"], strict=True):
+        for i, log_probs in zip(output["index"].tolist(), output["log_probs"]):
             assert i not in predicted, f"sample {i} predicted twice"
             predicted[i] = log_probs[:seq_len]
     return predicted

@@ -74,8 +74,8 @@ def sft_data(
 
 
 def labelled_text(tokenizer: Any, ids: list[int], labels: list[int]) -> str:
-    assert all(label in (IGNORE_INDEX, token) for token, label in zip(ids, labels, strict=True))
-    return tokenizer.decode([token for token, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX])
+    assert all(label in (IGNORE_INDEX, token) for token, label in zip(ids, labels))
+    return tokenizer.decode([token for token, label in zip(ids, labels) if label != IGNORE_INDEX])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,10 +195,8 @@ def test_a_sample_longer_than_seq_len_is_cut_dropped_or_refused(data_files: dict
 def split_row(row: dict[str, Tensor]) -> list[tuple[Tensor, Tensor]]:
     """The samples of a packed row, cut where its position ids restart."""
     starts = [*(row["position_ids"] == 0).nonzero().flatten().tolist(), len(row["input_ids"])]
-    assert (
-        row["position_ids"] == torch.cat([torch.arange(e - s) for s, e in zip(starts[:-1], starts[1:], strict=True)])
-    ).all()
-    return [(row["input_ids"][s:e], row["labels"][s:e]) for s, e in zip(starts[:-1], starts[1:], strict=True)]
+    assert (row["position_ids"] == torch.cat([torch.arange(e - s) for s, e in zip(starts[:-1], starts[1:])])).all()
+    return [(row["input_ids"][s:e], row["labels"][s:e]) for s, e in zip(starts[:-1], starts[1:])]
 
 
 def test_samples_without_assistant_tokens_are_dropped_and_counted(tmp_path: Path) -> None:
@@ -498,7 +496,7 @@ def test_dpo_pairs_cross_the_shard_border(dpo_files: dict[str, str]) -> None:
     half = -(-max(len(row["input_ids"]) for row in rows) // 2)
     chosen_ends = [int((row["sequence_ids"] == 0).sum()) for row in rows]
     assert any(end <= half for end in chosen_ends) and any(end > half for end in chosen_ends)
-    assert all(row["position_ids"][end] == 0 for row, end in zip(rows, chosen_ends, strict=True))
+    assert all(row["position_ids"][end] == 0 for row, end in zip(rows, chosen_ends))
 
 
 @pytest.mark.parametrize("name", DPO_CASES)
@@ -610,4 +608,4 @@ def test_preference_rows_hold_the_pair_labelled_on_the_completions(dpo_files: di
     assert report.truncated > 0 if truncation == "truncate" else report.truncated == 0
     record, [(ids, labels), _] = expected[0]
     prompt_text = tokenizer.apply_chat_template(record["prompt"], tokenize=False, add_generation_prompt=True)
-    assert tokenizer.decode([t for t, label in zip(ids, labels, strict=True) if label == IGNORE_INDEX]) == prompt_text
+    assert tokenizer.decode([t for t, label in zip(ids, labels) if label == IGNORE_INDEX]) == prompt_text

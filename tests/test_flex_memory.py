@@ -43,9 +43,7 @@ def forward_peaks() -> dict[int, int]:
         q = torch.randn(1, n, 4, 64)
         with torch.no_grad():
             flex_attention(q, q, q, Documents.from_position_ids(positions))  # compiles on the first lengths
-            peaks[n] = peak_allocated(
-                lambda q=q, positions=positions: flex_attention(q, q, q, Documents.from_position_ids(positions))
-            )
+            peaks[n] = peak_allocated(lambda: flex_attention(q, q, q, Documents.from_position_ids(positions)))
     return peaks
 
 

@@ -64,11 +64,9 @@ def packed_ids_and_positions(seed: int = 1) -> tuple[Tensor, Tensor]:
 def plain_logits(model: PreTrainedModel, ids: Tensor, positions: Tensor) -> Tensor:
     """The unpatched model on whole rows, each document on its own (nothing can cross a document border)."""
     rows = []
-    for row_ids, row_positions in zip(ids, positions, strict=True):
+    for row_ids, row_positions in zip(ids, positions):
         starts = [*(row_positions == 0).nonzero().flatten().tolist(), len(row_ids)]
-        rows.append(
-            torch.cat([model(input_ids=row_ids[None, a:b]).logits[0] for a, b in zip(starts, starts[1:], strict=False)])
-        )
+        rows.append(torch.cat([model(input_ids=row_ids[None, a:b]).logits[0] for a, b in zip(starts, starts[1:])]))
     return torch.stack(rows)
 
 

@@ -133,7 +133,7 @@ def test_offloaded_gradients_are_exact_and_come_from_the_host_copy() -> None:
         loss = forward()
         x.data.add_(1.0)  # after the forward: only a recomputation from a copy still sees the old input
         got = _grads(layers, x, loss)
-        same = all(torch.allclose(g, e, rtol=1e-6, atol=0) for g, e in zip(got, expected, strict=True))
+        same = all(torch.allclose(g, e, rtol=1e-6, atol=0) for g, e in zip(got, expected))
         assert same == uses_copy, "offloaded: must equal; not offloaded: the control must see the change"
 
 
@@ -154,7 +154,7 @@ def test_offload_on_a_transformers_model_is_exact() -> None:
     )
     got = grads(model)
     assert sum(entry[0] == "keep_for" for entry in streams.log) >= 2  # at least one input per layer went through
-    for g, e in zip(got, expected, strict=True):
+    for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
 
 
@@ -180,5 +180,5 @@ def test_cuda_offload_is_exact_with_pinned_copies_on_a_side_stream() -> None:
         apply_memory_options(model, options)
         loss = model(input_ids=ids, position_ids=positions).logits.float().logsumexp(-1).mean()
         grads[offload_activations] = torch.autograd.grad(loss, list(model.parameters()))
-    for g, e in zip(grads[True], grads[False], strict=True):
+    for g, e in zip(grads[True], grads[False]):
         torch.testing.assert_close(g, e, rtol=0, atol=0)

@@ -236,7 +236,7 @@ def test_a_world_distributed_sampler_is_replaced_by_the_dp_one(results: list[dic
         assert got["val_rows"] == list(range(got["dp_rank"], NUM, dp))[: 2 * BATCH]
         if rank == 0:
             assert len(got["messages"]) == 2, got["messages"]
-            for hook, message in zip(("val_dataloader", "train_dataloader"), got["messages"], strict=True):
+            for hook, message in zip(("val_dataloader", "train_dataloader"), got["messages"]):
                 assert f"the {hook}'s DistributedSampler runs over all 4 ranks" in message
                 assert f"now runs over the {dp} DP ranks" in message
         else:
@@ -266,7 +266,7 @@ def test_workers_are_seeded_by_dp_rank_as_lightning_seeds_them(results: list[dic
     for dp_rank in (0, 1):
         rows = by_coordinates[dp_rank, 0]
         assert len(rows) == STEPS
-        for batch, other in zip(rows, by_coordinates[dp_rank, 1], strict=True):
+        for batch, other in zip(rows, by_coordinates[dp_rank, 1]):
             assert torch.equal(batch["input_ids"], other["input_ids"]), "SP ranks of a group draw the same rows"
         # Lightning's pl_worker_init_function with the DP rank, from the torch seed the DataLoader gave the worker
         torch.manual_seed(rows[0]["worker_seed"][0])

@@ -175,9 +175,9 @@ def reference_loss(model: PreTrainedModel, batch: dict[str, Tensor]) -> Tensor:
 
 def _packed_reference_loss(model: PreTrainedModel, batch: dict[str, Tensor]) -> Tensor:
     loss_sum, num_tokens = 0.0, 0
-    for ids, positions in zip(batch["input_ids"], batch["position_ids"], strict=True):
+    for ids, positions in zip(batch["input_ids"], batch["position_ids"]):
         bounds = [*(positions == 0).nonzero().flatten().tolist(), len(ids)]
-        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        for start, end in zip(bounds[:-1], bounds[1:]):
             logits = model(input_ids=ids[None, start:end]).logits[0]
             loss_sum = loss_sum + F.cross_entropy(logits[:-1], ids[start + 1 : end], reduction="sum")
             num_tokens += end - start - 1

@@ -60,6 +60,5 @@ def equal_head_dims(query: Tensor, key: Tensor, value: Tensor, *like_value: Tens
     if qk_dim < value_dim:
         query, key = (F.pad(t, (0, value_dim - qk_dim)) for t in (query, key))
     elif value_dim < qk_dim:
-        value, *padded = (F.pad(t, (0, qk_dim - value_dim)) for t in (value, *like_value))
-        like_value = tuple(padded)
+        value, *like_value = (F.pad(t, (0, qk_dim - value_dim)) for t in (value, *like_value))
     return (query, key, value, *like_value)

@@ -55,7 +55,7 @@ class Documents:
     @functools.cached_property
     def max_seqlen(self) -> int:
         """The length of the longest document."""
-        return max(end - begin for begin, end in zip(self.offsets[:-1], self.offsets[1:], strict=True))
+        return max(end - begin for begin, end in zip(self.offsets[:-1], self.offsets[1:]))
 
     @property
     def one_per_row(self) -> bool:

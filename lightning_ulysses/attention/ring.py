@@ -182,7 +182,7 @@ def plan_ring(
     chunk = seq_len // (2 * ring_size)
     if documents is None or documents.one_per_row:
 
-        def same_document(x: int, y: int) -> Literal["all", "some", "none"]:
+        def same_document(x: int, y: int) -> str:
             return "all"
 
         def first_column(x: int) -> int:
@@ -190,7 +190,7 @@ def plan_ring(
     else:
         offsets = documents.offsets
 
-        def same_document(x: int, y: int) -> Literal["all", "some", "none"]:
+        def same_document(x: int, y: int) -> str:
             same = [
                 bisect.bisect_right(offsets, row * seq_len + x) == bisect.bisect_right(offsets, row * seq_len + y)
                 for row in range(batch)
@@ -248,7 +248,6 @@ def _pair_forward(
             mask = plan.mask(pair, tile, query.device) if tile.kind == "masked" else None
             keys, values = key[:, tile.k_lo : tile.k_hi], value[:, tile.k_lo : tile.k_hi]
             acc = merge_blocks(acc, *block_forward(query[:, lo:hi], keys, values, tile.kind, mask, scale))
-        assert acc is not None  # groupby's groups are never empty
         out[:, lo:hi], lse[:, lo:hi] = acc
     return out, lse
 
@@ -289,7 +288,7 @@ def _pair_backward(
 
 
 def _attend_step(
-    queries: tuple[Tensor, ...],
+    queries: tuple[Tensor, Tensor],
     kv: list[Tensor],
     pairs: tuple[BlockPair, ...],
     plan: RingPlan,
@@ -305,12 +304,12 @@ def _attend_step(
 
 
 def _gradient_step(
-    split: list[tuple[Tensor, ...]],
+    split: list[tuple[Tensor, Tensor]],
     kv: list[Tensor],
     pairs: tuple[BlockPair, ...],
     plan: RingPlan,
     scale: float,
-    grad_queries: tuple[Tensor, ...],
+    grad_queries: tuple[Tensor, Tensor],
 ) -> list[Tensor]:
     """Backward of one ring step: add the query gradients into ``grad_queries``; return this rank's fp32 share of the
     gradient of the K/V block ``kv``."""
@@ -318,8 +317,8 @@ def _gradient_step(
     keys, values = (t.chunk(2, dim=1) for t in kv)
     grad_keys, grad_values = (t.chunk(2, dim=1) for t in grad_kv)
     for pair in pairs:
-        g, q, o, lse = (t[pair.query] for t in split)
-        query_parts, key_parts = _pair_backward(g, q, keys[pair.key], values[pair.key], o, lse, pair, plan, scale)
+        g, q, o, l = (t[pair.query] for t in split)
+        query_parts, key_parts = _pair_backward(g, q, keys[pair.key], values[pair.key], o, l, pair, plan, scale)
         for rows, dq in query_parts:
             grad_queries[pair.query][:, rows] += dq
         for columns, dk, dv in key_parts:
@@ -335,7 +334,7 @@ def _wait(requests: list[Any]) -> None:
 
 def _add_into(targets: list[Tensor], sources: list[Tensor]) -> None:
     """``targets[i] += sources[i]`` (a function, so that no loop variable keeps a source alive afterwards)."""
-    for target, source in zip(targets, sources, strict=True):
+    for target, source in zip(targets, sources):
         target.add_(source)
 
 
@@ -369,7 +368,7 @@ class _RingAttention(torch.autograd.Function):
             if not last:
                 _wait(requests)
                 kv = incoming
-        out, lse = (torch.cat(parts, dim=1) for parts in zip(*acc, strict=True))
+        out, lse = (torch.cat(parts, dim=1) for parts in zip(*acc))
         if sinks is not None:  # one more logit per head whose value is zero: a block of its own, merged last
             with_sinks = torch.logaddexp(lse, sinks.float())
             out, lse = out * torch.exp(lse - with_sinks)[..., None], with_sinks
@@ -404,10 +403,9 @@ class _RingAttention(torch.autograd.Function):
             if not last:
                 _wait(requests)
                 kv = incoming
-        assert travelling is not None  # a ring of any size runs at least one step
         received, waits = travelling
         _wait(waits)
-        grad_key, grad_value = (g.to(t.dtype) for g, t in zip(received, (key, value), strict=True))
+        grad_key, grad_value = (g.to(t.dtype) for g, t in zip(received, (key, value)))
         return grad_query.to(query.dtype), grad_key, grad_value, grad_sinks, None, None, None
 
 

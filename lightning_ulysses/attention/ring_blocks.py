@@ -70,7 +70,7 @@ def block_backward(
     q, k, v, g, o = (t.transpose(1, 2) for t in equal_head_dims(query, key, value, grad, out))
     lse = lse.transpose(1, 2).contiguous()
     grads = _kernels(query.device)[1](g, q, k, v, o, lse, kind, mask, scale)
-    return tuple(d[..., : t.shape[-1]].transpose(1, 2) for d, t in zip(grads, (query, key, value), strict=True))
+    return tuple(d[..., : t.shape[-1]].transpose(1, 2) for d, t in zip(grads, (query, key, value)))
 
 
 def merge_blocks(acc: tuple[Tensor, Tensor] | None, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
@@ -235,10 +235,10 @@ def check_block_kernels(device: torch.device, dtype: torch.dtype, chunk: int = 4
     except RuntimeError as error:  # a kernel that does not run here (an unsupported head dim, dtype, alignment)
         return [f"{dtype}: the kernels fail: {str(error).splitlines()[0]}"]
     failures = []
-    for what, ref, got in zip(("output", "log-sum-exp", "dQ", "dK", "dV"), reference, ours, strict=True):
-        relative_error = ((got.double().cpu() - ref).norm() / ref.norm()).item()
-        if not relative_error <= TOLERANCE[dtype]:  # NaN fails too
-            failures.append(f"{dtype} {what}: relative error {relative_error:.1e} > {TOLERANCE[dtype]:.0e}")
+    for what, ref, got in zip(("output", "log-sum-exp", "dQ", "dK", "dV"), reference, ours):
+        error = ((got.double().cpu() - ref).norm() / ref.norm()).item()
+        if not error <= TOLERANCE[dtype]:  # NaN fails too
+            failures.append(f"{dtype} {what}: relative error {error:.1e} > {TOLERANCE[dtype]:.0e}")
     return failures
 
 
@@ -254,8 +254,8 @@ def _dense_attention(
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     lse = scores.logsumexp(-1)
     out = torch.einsum("bhnm,bmhd->bnhd", torch.softmax(scores, -1), v)
-    grads = torch.autograd.grad(out, (query, key, value), grad)
-    return out.detach(), lse.transpose(1, 2).detach(), *grads
+    out.backward(grad)
+    return out.detach(), lse.transpose(1, 2).detach(), query.grad, key.grad, value.grad
 
 
 def _blockwise_attention(
@@ -274,12 +274,11 @@ def _blockwise_attention(
     key_blocks, value_blocks = (t.to(device, dtype).chunk(len(blocks), dim=1) for t in (keys, values))
     device_blocks = [(kind, None if mask is None else mask.to(device)) for kind, mask in blocks]
     acc = None
-    for (kind, mask), key, value in zip(device_blocks, key_blocks, value_blocks, strict=True):
+    for (kind, mask), key, value in zip(device_blocks, key_blocks, value_blocks):
         acc = merge_blocks(acc, *block_forward(query, key, value, kind, mask, scale))
-    assert acc is not None  # blocks is not empty
     out, lse = acc[0].to(dtype), acc[1]
     grad_query, grad_keys, grad_values = torch.zeros_like(query, dtype=torch.float32), [], []
-    for (kind, mask), key, value in zip(device_blocks, key_blocks, value_blocks, strict=True):
+    for (kind, mask), key, value in zip(device_blocks, key_blocks, value_blocks):
         dq, dk, dv = block_backward(grad, query, key, value, out, lse, kind, mask, scale)
         grad_query += dq
         grad_keys.append(dk)

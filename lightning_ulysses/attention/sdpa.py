@@ -124,7 +124,7 @@ def sdpa_with_lse(
 
 def _cat_tokens(pieces: list[tuple[Tensor, ...]], dim: int = 1) -> tuple[Tensor, ...]:
     """Concatenate the outputs (and log-sum-exps) of consecutive token spans."""
-    return tuple(torch.cat(parts, dim=dim) for parts in zip(*pieces, strict=True))
+    return tuple(torch.cat(parts, dim=dim) for parts in zip(*pieces))
 
 
 def run_packed(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import cast
 
 import torch.distributed as dist
 from torch import Tensor
@@ -116,11 +115,10 @@ def ulysses_attention(
 
     def attend(q: Tensor, k: Tensor, v: Tensor, head_sinks: Tensor | None) -> Tensor:
         if head_sinks is None:
-            # without return_lse: the output alone
-            return cast(Tensor, core(q, k, v, documents, scale=scale, dropout_p=dropout_p, window=window))
+            return core(q, k, v, documents, scale=scale, dropout_p=dropout_p, window=window)
         return sink_attention(core, q, k, v, documents, head_sinks, scale=scale, window=window)
 
-    if group is None or sp_size == 1:
+    if sp_size == 1:
         return attend(query, key, value, sinks)
     if head_chunks is not None:
         return chunked_ulysses(query, key, value, sinks, layout, group, attend, head_chunks, random=dropout_p > 0)
@@ -171,7 +169,6 @@ def _ulysses_x_ring(
     ring attention across ``groups.ring``, and back: ``[B, N/P, H, D]`` queries and keys, ``[B, N/P, H, D_v]`` values
     -> ``[B, N/P, H, D_v]``."""
     ulysses, ring, observer = groups.ulysses, groups.ring, groups.observer
-    assert ulysses is not None and ring is not None  # groups with a ring (ring_groups) run it inside Ulysses groups
     layout = plan_heads(query.shape[2], key.shape[2], dist.get_world_size(ulysses))
     if head_chunks is not None:
 

@@ -84,13 +84,12 @@ class UlyssesCLI(LightningCLI):
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         super()._add_subcommands(parser, **kwargs)
-        subcommands = parser._subcommands_action
-        assert subcommands is not None  # LightningCLI has just added them
-        for choice in subcommands._choices_actions:  # Lightning's are cut mid-sentence
+        for choice in parser._subcommands_action._choices_actions:  # Lightning's are cut mid-sentence
             choice.help = COMMAND_HELP.get(choice.dest, choice.help)
         for name, function in COMMANDS.items():  # listed in --help; main() runs them without LightningCLI
-            assert function.__doc__ is not None  # a command's first docstring line is its --help entry
-            subcommands.add_subcommand(name, command_parser(name, function), help=function.__doc__.splitlines()[0])
+            parser._subcommands_action.add_subcommand(
+                name, command_parser(name, function), help=function.__doc__.splitlines()[0]
+            )
 
     def _parse_ckpt_path(self) -> None:
         """Lightning unpickles a file ``ckpt_path`` here for its hyperparameters, before any check: a file that is
@@ -120,9 +119,8 @@ class UlyssesCLI(LightningCLI):
         return super()._instantiate_trainer(config, [*callbacks, RunFolderReport()])
 
     def before_predict(self) -> None:
-        callbacks: list[Callback] = self.trainer.callbacks  # type: ignore[attr-defined]  # Lightning sets it; Trainer does not declare it
-        if not any(isinstance(callback, PredictionWriter) for callback in callbacks):
-            callbacks.append(PredictionWriter())
+        if not any(isinstance(callback, PredictionWriter) for callback in self.trainer.callbacks):
+            self.trainer.callbacks.append(PredictionWriter())
 
 
 def _keep_last_checkpoint_current(trainer: Any) -> None:
@@ -136,8 +134,7 @@ def _keep_last_checkpoint_current(trainer: Any) -> None:
 
 
 def _log_into_the_run(config: Any, command: str) -> None:
-    """Evaluation from a run's checkpoint logs into ``<run>/<command>/`` instead of a new ``version_N`` of the run's
-    name."""
+    """Evaluation from a run's checkpoint logs into ``<run>/<command>/`` instead of a new ``version_N`` of the run's name."""
     run = run_folder_of(config.get("ckpt_path"))
     logger = config.trainer.get("logger")
     init_args = getattr(logger, "init_args", None)

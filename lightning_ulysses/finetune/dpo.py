@@ -100,7 +100,6 @@ class DPO(CausalLM):
 
     def _prepared(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         if "shift_labels" not in batch:  # not under UlyssesStrategy: the reference runs the local attention too
-            assert self.reference is not None  # configure_model has run
             apply_ulysses_attention(self.reference, group=None, sp_size=1, core="sdpa")
         return super()._prepared(batch)
 
@@ -125,7 +124,6 @@ class DPO(CausalLM):
         if context is not None and context.normalization == "global":
             raise ValueError("DPO averages pairs, not tokens: use UlyssesStrategy(loss_normalization='sp_group').")
         batch = self._prepared(batch)
-        assert self.model is not None and self.reference is not None  # configure_model has run
         policy = self.sequence_log_probs(self.model, batch)
         self.reference.eval()  # Lightning puts the whole module in train mode; the reference never trains
         with torch.no_grad():

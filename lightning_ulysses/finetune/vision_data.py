@@ -126,9 +126,7 @@ def _concatenated(samples: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
 def collate_vision_chats(rows: list[dict[str, Any]], pad_token_id: int = 0) -> dict[str, Any]:
     """Right-padded ``[B, N]`` text entries (:func:`~lightning_ulysses.data.collate_right_padded`) and the rows'
     vision inputs concatenated in row order."""
-    batch: dict[str, Any] = collate_right_padded(
-        [{k: v for k, v in row.items() if k != VISION_KEY} for row in rows], pad_token_id
-    )
+    batch = collate_right_padded([{k: v for k, v in row.items() if k != VISION_KEY} for row in rows], pad_token_id)
     batch[VISION_KEY] = _concatenated([row[VISION_KEY] for row in rows])
     return batch
 
@@ -195,8 +193,7 @@ class VisionChatDataModule(RecordsDataModule):
                     f"{name} record {index} has {length} tokens, more than data.seq_len={self.seq_len}. "
                     "Raise data.seq_len, or set data.truncation to 'drop'."
                 )
-            labelled = trained_tokens(sample["labels"].tolist())
-            status = TOO_LONG if length > self.seq_len else NO_LABELS if not labelled else KEPT
+            status = TOO_LONG if length > self.seq_len else NO_LABELS if not trained_tokens(sample["labels"]) else KEPT
             statuses.append(status)
             if status == KEPT:
                 samples.append(sample)
@@ -206,7 +203,7 @@ class VisionChatDataModule(RecordsDataModule):
             )
         lengths = [len(s["input_ids"]) for s in samples]
         rows = pack_rows(lengths, self.seq_len) if self.mode == "packed" else [[i] for i in range(len(samples))]
-        trained = sum(trained_tokens(s["labels"].tolist()) for s in samples)
+        trained = sum(trained_tokens(s["labels"]) for s in samples)
         self.reports[name] = DataReport.of(statuses, lengths, trained, len(rows), self.seq_len)
         rank_zero_info(f"Vision chat {name} data: {self.reports[name]}")
         return VisionChatDataset(samples, rows)

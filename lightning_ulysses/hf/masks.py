@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers.masking_utils import causal_mask_function, sdpa_mask
+from transformers.masking_utils import sdpa_mask
 
 from lightning_ulysses.attention.core import no_window_if_off
 
@@ -146,20 +146,20 @@ def recording_mask_interface(recorded: RecordedMasks) -> Callable[..., Tensor]:
         device: Any = "cpu",
         **kwargs: Any,
     ) -> Tensor:
+        options = dict(mask_function=mask_function) if mask_function is not None else {}
         mask = sdpa_mask(
             batch_size=batch_size,
             q_length=q_length,
             kv_length=kv_length,
             q_offset=q_offset,
             kv_offset=kv_offset,
-            mask_function=mask_function if mask_function is not None else causal_mask_function,
             attention_mask=attention_mask,
             local_size=local_size,
             allow_is_causal_skip=False,
             use_vmap=use_vmap,
             device=device,
+            **options,
         )
-        assert mask is not None  # built whole: no causal skip allowed
         function = mask_function if mask_function is not None else (lambda b, h, q, kv: kv <= q)
         index_based = not use_vmap and attention_mask is None
         pattern = identify_pattern(mask, function, local_size, q_offset, kv_offset, index_based)

@@ -23,7 +23,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from lightning_ulysses.attention.head_chunks import HeadChunks
-from lightning_ulysses.groups import SequenceParallelGroup, as_groups, ring_size_of
+from lightning_ulysses.groups import SequenceParallelGroup, ring_size_of
 from lightning_ulysses.heads import plan_heads
 from lightning_ulysses.hf.apply import Patch, patch_of
 from lightning_ulysses.hf.check import check_model
@@ -59,10 +59,10 @@ def apply_ulysses_attention(
         if patch_of(hf_model) is not None:
             continue
         _log_head_layout(hf_model, sp_size // ring_size_of(group))
-        state = PatchState(
-            as_groups(group), core, sp_size, gather_mixers=sequence_mixers == "gather", head_chunks=head_chunks
+        patch = Patch(
+            hf_model,
+            PatchState(group, core, sp_size, gather_mixers=sequence_mixers == "gather", head_chunks=head_chunks),
         )
-        patch = Patch(hf_model, state)
         try:
             outcome = check_model(hf_model, patch.state, patch.realize)
         except BaseException:

@@ -10,7 +10,6 @@ import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from lightning_ulysses.attention.head_chunks import HeadChunks
 from lightning_ulysses.groups import SequenceParallelGroups, as_groups
 
 SequenceMixers = Literal["refuse", "gather"]
@@ -57,7 +56,7 @@ class PatchState:
     """``(this rank's tokens, the most tokens of any rank)`` of the current batch, when ``agree_tokens``."""
     probe: ProbeAttention | None = None
     """Set only while the set-up check runs: every patched attention layer computes this instead."""
-    head_chunks: HeadChunks | None = None
+    head_chunks: int | str | None = None
     """``UlyssesStrategy(head_chunks=...)``: every layer's ``ulysses_attention(head_chunks=...)``
     (:mod:`lightning_ulysses.attention.head_chunks`)."""
 

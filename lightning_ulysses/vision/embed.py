@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
-from transformers import PreTrainedModel
 
 from lightning_ulysses.hf.apply import unpatched
 from lightning_ulysses.vision.batch import ROWS_KEY, VISION_KEY
@@ -112,7 +111,7 @@ class MergedInputs:
 
 
 def merged_inputs_embeds(
-    model: PreTrainedModel,
+    model: nn.Module,
     family: VisionFamily,
     batch: Mapping[str, Any],
     encode: VisionEncoding = "shard",
@@ -123,7 +122,7 @@ def merged_inputs_embeds(
 
 
 def merged_inputs(
-    model: PreTrainedModel,
+    model: nn.Module,
     family: VisionFamily,
     batch: Mapping[str, Any],
     encode: VisionEncoding = "shard",
@@ -140,7 +139,7 @@ def merged_inputs(
     # DeepStack rows of every token [B, N/sp, layers * hidden]: zero on text, the item's rows on placeholders
     stacked = embeds.new_zeros(*embeds.shape[:-1], family.deepstack_layers * hidden)
     visual_mask = torch.zeros_like(input_ids, dtype=torch.bool)
-    inner = _base(model)
+    inner = model.model
     if encode == "exchange":
         assert group is not None
         owners = owners_by_modality(vision["feature_rows"], dist.get_world_size(group))
@@ -198,7 +197,7 @@ def _exchanged(
     shares = [[item for item, owner in enumerate(owners) if owner == r] for r in range(dist.get_world_size(group))]
     if shares[rank]:
         with unpatched(model):
-            own = family.encode(_base(model), vision, modality, shares[rank]).to(embeds.dtype)
+            own = family.encode(model.model, vision, modality, shares[rank]).to(embeds.dtype)
     else:  # fewer items than ranks: the tower runs all the same (ZeRO-3), on a blank item, and sends no row
         rows = _blank_rows(model, family, modality, embeds)
         own = rows[:0] + 0.0 * rows.sum()
@@ -209,13 +208,6 @@ def _exchanged(
 def _blank_rows(model: nn.Module, family: VisionFamily, modality: Any, embeds: Tensor) -> Tensor:
     """The embedding rows of one blank item of ``modality`` (:meth:`VisionFamily.blank_vision`), for a rank that must
     run the vision tower without an item of its own; callers add them times zero."""
-    blank = family.blank_vision(_base(model), modality, embeds.device, embeds.dtype)
+    blank = family.blank_vision(model.model, modality, embeds.device, embeds.dtype)
     with unpatched(model):
-        return family.encode(_base(model), blank, modality, [0]).to(embeds.dtype)
-
-
-def _base(model: nn.Module) -> nn.Module:
-    """The model's base (``model.model``), which holds its vision tower and ``get_image_features``."""
-    base = model.model
-    assert isinstance(base, nn.Module)
-    return base
+        return family.encode(model.model, blank, modality, [0]).to(embeds.dtype)

@@ -22,7 +22,7 @@ runs on this rank's tokens as in the layer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,32 +48,15 @@ _PARTS = (
 )
 
 
-class CCAProjection(Protocol):
-    """A layer that :func:`is_cca_projection` accepts (transformers' ``ZayaCCAProjection``)."""
-
-    q_proj: nn.Module
-    k_proj: nn.Module
-    v_proj_current: nn.Module
-    v_proj_delayed: nn.Module
-    conv_qk_depthwise: nn.Conv1d
-    conv_qk_grouped: nn.Conv1d
-    conv_kernel_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    num_key_value_groups: int
-    head_dim: int
-
-
 def is_cca_projection(module: nn.Module) -> bool:
     """A layer built like ZAYA's CCA projection: q, k, current and delayed value projections, a depthwise
     ``Conv1d`` over the q|k channels and a grouped one with a group of ``head_dim`` channels per head, their kernel
     sizes adding up to ``conv_kernel_size + 2``."""
     if not all(hasattr(module, part) for part in _PARTS):
         return False
-    layer = cast(CCAProjection, module)  # the parts are there; the convolutions are checked here
-    depthwise, grouped = layer.conv_qk_depthwise, layer.conv_qk_grouped
-    heads = layer.num_attention_heads + layer.num_key_value_heads
-    channels = heads * layer.head_dim
+    depthwise, grouped = module.conv_qk_depthwise, module.conv_qk_grouped
+    heads = module.num_attention_heads + module.num_key_value_heads
+    channels = heads * module.head_dim
     return (
         isinstance(depthwise, nn.Conv1d)
         and isinstance(grouped, nn.Conv1d)
@@ -83,13 +66,13 @@ def is_cca_projection(module: nn.Module) -> bool:
         and depthwise.padding == grouped.padding == (0,)
         and depthwise.stride == grouped.stride == (1,)
         and depthwise.dilation == grouped.dilation == (1,)
-        and depthwise.kernel_size[0] + grouped.kernel_size[0] - 2 == layer.conv_kernel_size
+        and depthwise.kernel_size[0] + grouped.kernel_size[0] - 2 == module.conv_kernel_size
     )
 
 
-def _per_head(parameter: Tensor, heads: int) -> Tensor:
+def _per_head(parameter: Tensor | None, heads: int) -> Tensor | None:
     """A convolution's ``[heads * D, ...]`` weight or bias -> ``[heads, D, ...]``."""
-    return parameter.unflatten(0, (heads, -1))
+    return None if parameter is None else parameter.unflatten(0, (heads, -1))
 
 
 def sharded_cca_forward(
@@ -98,9 +81,8 @@ def sharded_cca_forward(
     """The projection's forward on this rank's ``[B, N/P, C]`` tokens: ``(query [B, N/P, Hq, D], key and value
     [B, N/P, Hkv, D])`` as the layer returns them, its convolutions head-sharded over the whole sequence (see the
     module docstring)."""
-    layer = cast(CCAProjection, module)  # hook.py calls this for modules that is_cca_projection accepts
-    depthwise, grouped = layer.conv_qk_depthwise, layer.conv_qk_grouped
-    heads, head_dim = layer.num_attention_heads + layer.num_key_value_heads, layer.head_dim
+    depthwise, grouped = module.conv_qk_depthwise, module.conv_qk_grouped
+    heads, head_dim = module.num_attention_heads + module.num_key_value_heads, module.head_dim
 
     def forward(hidden_states: Tensor, cache: Any = None, conv_mask: Tensor | None = None, **kwargs: Any) -> Any:
         if cache is not None or kwargs.get("past_key_values") is not None:
@@ -111,37 +93,36 @@ def sharded_cca_forward(
             hidden_states = hidden_states * conv_mask[:, :, None].to(hidden_states.dtype)
         batch, seq_len, _ = hidden_states.shape
         hidden_shape = (batch, seq_len, -1, head_dim)
-        queries, keys = layer.q_proj(hidden_states), layer.k_proj(hidden_states)
+        queries, keys = module.q_proj(hidden_states), module.k_proj(hidden_states)
 
         query_residual = queries.view(hidden_shape)
-        key_residual = keys.view(hidden_shape).repeat_interleave(layer.num_key_value_groups, dim=2)
+        key_residual = keys.view(hidden_shape).repeat_interleave(module.num_key_value_groups, dim=2)
         query_residual = (query_residual + key_residual) * 0.5
-        key_residual = query_residual.view(batch, seq_len, -1, layer.num_key_value_groups, head_dim).mean(dim=-2)
+        key_residual = query_residual.view(batch, seq_len, -1, module.num_key_value_groups, head_dim).mean(dim=-2)
 
         core = ShardedCore(group(), heads, heads, documents())
-
-        def local(parameter: Tensor) -> Tensor:  # a convolution's weight or bias: this rank's heads, [h * D, ...]
-            return core.local(_per_head(parameter, heads)).flatten(0, 1)
-
-        depthwise_weight, grouped_weight = local(depthwise.weight), local(grouped.weight)
-        depthwise_bias, grouped_bias = (None if c.bias is None else local(c.bias) for c in (depthwise, grouped))
-        local_heads = depthwise_weight.shape[0] // head_dim
+        weights = [
+            core.local(_per_head(p, heads)) if p is not None else None
+            for p in (depthwise.weight, depthwise.bias, grouped.weight, grouped.bias)
+        ]
+        local_heads = weights[0].shape[0]
 
         def convolutions(qk: Tensor) -> tuple[Tensor, None]:  # [b, n, h, D]: this rank's heads, whole rows
-            x = F.pad(qk.flatten(2).transpose(1, 2), (layer.conv_kernel_size, 0))
-            x = F.conv1d(x, depthwise_weight, depthwise_bias, groups=local_heads * head_dim)
-            x = F.conv1d(x, grouped_weight, grouped_bias, groups=local_heads)
+            x = F.pad(qk.flatten(2).transpose(1, 2), (module.conv_kernel_size, 0))
+            flat = [None if w is None else w.flatten(0, 1) for w in weights]
+            x = F.conv1d(x, flat[0], flat[1], groups=local_heads * head_dim)
+            x = F.conv1d(x, flat[2], flat[3], groups=local_heads)
             return x.transpose(1, 2).unflatten(2, (local_heads, head_dim)).contiguous(), None
 
         qk = torch.cat([queries, keys], dim=-1).view(hidden_shape)
         qk = core.gather(core.run(convolutions, core.scatter(qk))[0]).flatten(2)
-        query_size = layer.num_attention_heads * head_dim
+        query_size = module.num_attention_heads * head_dim
         query = qk[..., :query_size].view(hidden_shape) + query_residual
         key = qk[..., query_size:].view(hidden_shape) + key_residual
 
-        first = layer.v_proj_delayed(hidden_states.new_zeros(batch, 1, hidden_states.shape[-1]))  # [B, 1, C_v / 2]
-        delayed = shift_sequence(layer.v_proj_delayed(hidden_states), 1, group(), documents(), first)
-        value = torch.cat([layer.v_proj_current(hidden_states), delayed], dim=-1).view(hidden_shape)
+        first = module.v_proj_delayed(hidden_states.new_zeros(batch, 1, hidden_states.shape[-1]))  # [B, 1, C_v / 2]
+        delayed = shift_sequence(module.v_proj_delayed(hidden_states), 1, group(), documents(), first)
+        value = torch.cat([module.v_proj_current(hidden_states), delayed], dim=-1).view(hidden_shape)
         return query, key, value
 
     return forward

@@ -169,7 +169,7 @@ def sharded_kernel(
                 arguments[key] = core.local(arguments[key])
 
         def on_rows(*rows: Tensor) -> tuple[Tensor, None]:  # [b, n, h, D] streams, whole rows or documents
-            for key, row in zip(layouts, rows, strict=True):
+            for key, row in zip(layouts, rows):
                 arguments[key] = _FROM_CORE[layouts[key]](row)
             result = kernel(**arguments, **extra)
             return _TO_CORE[spec.output](result[0] if spec.returns_state else result), None

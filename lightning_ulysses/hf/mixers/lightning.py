@@ -12,7 +12,7 @@ over all heads, the output gate, the out-projection) run on this rank's tokens a
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,51 +38,33 @@ _PARTS = (
 )
 
 
-class LightningAttentionLayer(Protocol):
-    """A layer that :func:`is_lightning_attention` accepts (transformers' ``MiniMaxLightningAttention``)."""
-
-    qkv_proj: nn.Module
-    output_gate: nn.Module
-    out_proj: nn.Module
-    norm: nn.Module
-    act_fn: Callable[[Tensor], Tensor]
-    slope_rate: Tensor
-    query_decay: Tensor
-    key_decay: Tensor
-    diagonal_decay: Tensor
-    block_size: int
-    num_attention_heads: int
-    head_dim: int
-
-
 def is_lightning_attention(module: nn.Module) -> bool:
     """A layer built like transformers' lightning attention: a q|k|v projection, per-head decay buffers
     (``slope_rate`` ``[H, 1, 1]``, ``query_decay`` / ``key_decay`` ``[H, block, 1]``, ``diagonal_decay``
     ``[1, H, block, block]``), a norm, an output gate and an out-projection."""
     if not all(hasattr(module, part) for part in _PARTS):
         return False
-    layer = cast(LightningAttentionLayer, module)  # the parts are there; the buffers' shapes are checked here
-    heads, block = layer.num_attention_heads, layer.block_size
+    heads, block = module.num_attention_heads, module.block_size
     return (
-        tuple(layer.slope_rate.shape) == (heads, 1, 1)
-        and tuple(layer.query_decay.shape) == (heads, block, 1)
-        and tuple(layer.diagonal_decay.shape[-3:]) == (heads, block, block)
+        tuple(module.slope_rate.shape) == (heads, 1, 1)
+        and tuple(module.query_decay.shape) == (heads, block, 1)
+        and tuple(module.diagonal_decay.shape[-3:]) == (heads, block, block)
     )
 
 
 def lightning_attention(
-    query: Tensor, key: Tensor, value: Tensor, layer: LightningAttentionLayer, heads: Callable[[Tensor], Tensor]
+    query: Tensor, key: Tensor, value: Tensor, module: nn.Module, heads: Callable[[Tensor], Tensor]
 ) -> tuple[Tensor, Tensor]:
     """``[B, H', N, D]`` query, key, value -> ``[B, H', N, D]`` output and ``[B, H', D, D]`` final ``K^T V`` state:
-    lightning attention of ``layer`` over whole sequences for the heads that ``heads`` selects from a per-head
+    lightning attention of ``module`` over whole sequences for the heads that ``heads`` selects from a per-head
     buffer (head axis first)."""
-    slope_rate, query_decay, key_decay = (heads(b) for b in (layer.slope_rate, layer.query_decay, layer.key_decay))
-    diagonal_decay = heads(layer.diagonal_decay.transpose(0, 1)).transpose(0, 1)
+    slope_rate, query_decay, key_decay = (heads(b) for b in (module.slope_rate, module.query_decay, module.key_decay))
+    diagonal_decay = heads(module.diagonal_decay.transpose(0, 1)).transpose(0, 1)
     batch, num_heads, seq_len, head_dim = query.shape
     state = query.new_zeros(batch, num_heads, head_dim, head_dim)
     outputs = []
-    for start in range(0, seq_len, layer.block_size):
-        end = min(start + layer.block_size, seq_len)
+    for start in range(0, seq_len, module.block_size):
+        end = min(start + module.block_size, seq_len)
         size = end - start
         q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
         intra = torch.matmul(torch.matmul(q, k.transpose(-1, -2)) * diagonal_decay[:, :, :size, :size], v)
@@ -98,7 +80,6 @@ def sharded_lightning_forward(
     """The layer's forward on this rank's ``[B, N/P, C]`` tokens, lightning attention head-sharded over the whole
     sequence; returns ``(output, state)`` as the layer does, the final state of every head gathered and detached
     (``None`` for packed rows, which run as one row per document)."""
-    layer = cast(LightningAttentionLayer, module)  # hook.py calls this for modules that is_lightning_attention accepts
 
     def forward(
         hidden_states: Tensor,
@@ -113,19 +94,18 @@ def sharded_lightning_forward(
                 "is a document of its own, read from the position ids)."
             )
         batch, seq_len, _ = hidden_states.shape
-        heads, head_dim = layer.num_attention_heads, layer.head_dim
-        qkv = layer.act_fn(layer.qkv_proj(hidden_states)).reshape(batch, seq_len, heads, 3 * head_dim)
+        heads, head_dim = module.num_attention_heads, module.head_dim
+        qkv = module.act_fn(module.qkv_proj(hidden_states)).reshape(batch, seq_len, heads, 3 * head_dim)
         core = ShardedCore(group(), heads, heads, documents())
         query, key, value = (core.scatter(t) for t in torch.split(qkv, head_dim, dim=3))
 
         def on_rows(*rows: Tensor) -> tuple[Tensor, Tensor]:  # [b, n, h, D] query, key, value
-            q, k, v = (t.transpose(1, 2) for t in rows)
-            out, state = lightning_attention(q, k, v, layer, core.local)
+            out, state = lightning_attention(*(t.transpose(1, 2) for t in rows), module, core.local)
             return out.transpose(1, 2), state
 
         out, state = core.run(on_rows, query, key, value)
         out = core.gather(out).reshape(batch, seq_len, heads * head_dim)
-        out = F.sigmoid(layer.output_gate(hidden_states)) * layer.norm(out)
-        return layer.out_proj(out), None if state is None else core.gather_state(state)
+        out = F.sigmoid(module.output_gate(hidden_states)) * module.norm(out)
+        return module.out_proj(out), None if state is None else core.gather_state(state)
 
     return forward

@@ -105,7 +105,7 @@ def sharded_mlstm_forward(
         def on_rows(rows: Tensor) -> tuple[Tensor, Any]:  # [b, n, h, 2 D_qk + D_v + 2], whole rows or documents
             parts = torch.split(rows.transpose(1, 2), widths, dim=-1)
             call = dict(bound.arguments)
-            for name, part, stream in zip(STREAMS, parts, streams, strict=True):
+            for name, part, stream in zip(STREAMS, parts, streams):
                 call[name] = (part if stream.dim() == 4 else part.squeeze(-1)).to(stream.dtype)
             result = forward(**call)
             returns_state.append(isinstance(result, tuple))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,38 +49,6 @@ _RG_LRU_PARTS = (
 )
 
 
-class RGLRULayer(Protocol):
-    """The ``rg_lru`` child of a recurrent block (transformers' ``RecurrentGemmaRglru``), as the block's check
-    finds it."""
-
-    recurrent_param: Tensor
-    input_gate_weight: Tensor
-    input_gate_bias: Tensor
-    recurrent_gate_weight: Tensor
-    recurrent_gate_bias: Tensor
-    num_attention_heads: int
-    block_width: int
-    recurrent_states: Tensor | None
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any: ...
-
-    def _rnn_scan(
-        self, hidden_states: Tensor, recurrent_gate: Tensor, reset: Tensor, recurrent_states: Tensor | None
-    ) -> tuple[Tensor, Tensor]: ...
-
-
-class RecurrentBlock(Protocol):
-    """A block that :func:`is_recurrent_block` accepts (transformers' ``RecurrentGemmaRecurrentBlock``)."""
-
-    linear_x: nn.Module
-    linear_y: nn.Module
-    linear_out: nn.Module
-    act_fn: Callable[[Tensor], Tensor]
-    conv_1d: nn.Conv1d
-    rg_lru: RGLRULayer
-    conv1d_state: Tensor | None
-
-
 def is_recurrent_block(module: nn.Module) -> bool:
     """A block built like Griffin's recurrent block: per-token ``linear_x`` / ``linear_y`` / ``linear_out``, a depthwise
     causal ``conv_1d`` (padding ``K - 1``) over the ``C`` channels and an ``rg_lru`` child with ``recurrent_param``
@@ -88,8 +56,7 @@ def is_recurrent_block(module: nn.Module) -> bool:
     ``[H, bw]``, ``C = H x bw``, whose forward bounds its square root's gradient and runs ``_rnn_scan``."""
     if not all(hasattr(module, part) for part in _BLOCK_PARTS):
         return False
-    parts = cast(RecurrentBlock, module)  # the parts are there; their types are checked below
-    conv, lru = parts.conv_1d, parts.rg_lru
+    conv, lru = module.conv_1d, module.rg_lru
     if not isinstance(conv, nn.Conv1d) or not all(hasattr(lru, part) for part in _RG_LRU_PARTS):
         return False
     channels, (width,) = conv.in_channels, conv.kernel_size
@@ -108,7 +75,7 @@ def is_recurrent_block(module: nn.Module) -> bool:
     )
 
 
-def rg_lru(lru: RGLRULayer, x: Tensor, reset: Tensor, heads: Callable[[Tensor], Tensor]) -> Tensor:
+def rg_lru(lru: nn.Module, x: Tensor, reset: Tensor, heads: Callable[[Tensor], Tensor]) -> Tensor:
     """``[b, n, h x bw]`` activations and ``[b, n, 1]`` reset flags -> ``[b, n, h x bw]``: the RG-LRU ``lru`` over whole
     rows for the heads that ``heads`` selects from a per-head parameter (head axis first), from a zero state."""
     batch, seq_len, width = x.shape
@@ -142,8 +109,7 @@ def sharded_recurrent_forward(
     """The block's forward on this rank's ``[B, N/P, C]`` tokens, its convolution and RG-LRU head-sharded over the
     whole sequence (see the module docstring); returns ``(output, None)`` as the block does. Training only: a
     cache (``use_cache=True``, the decoding states it writes) is refused."""
-    recurrent = cast(RecurrentBlock, module)  # hook.py calls this for modules that is_recurrent_block accepts
-    conv, lru = recurrent.conv_1d, recurrent.rg_lru
+    conv, lru = module.conv_1d, module.rg_lru
     heads, block, (width,) = lru.num_attention_heads, lru.block_width, conv.kernel_size
 
     def forward(
@@ -154,9 +120,9 @@ def sharded_recurrent_forward(
                 f"{type(module).__name__} under sequence parallelism runs without a cache (use_cache=False): its "
                 "convolution and recurrent states would hold this rank's heads only."
             )
-        recurrent.conv1d_state, lru.recurrent_states = None, None  # as the block does without a cache
-        y_branch = recurrent.act_fn(recurrent.linear_y(input_states))
-        x_branch = recurrent.linear_x(input_states).unflatten(-1, (heads, block))
+        module.conv1d_state, lru.recurrent_states = None, None  # as the block does without a cache
+        y_branch = module.act_fn(module.linear_y(input_states))
+        x_branch = module.linear_x(input_states).unflatten(-1, (heads, block))
         core = ShardedCore(group(), heads, heads, documents())
         reset = (whole_position_ids(position_ids, core.group) == 0)[:, :, None]  # [B, N, 1]
         weight = core.local(conv.weight.view(heads, block, 1, width)).flatten(0, 1)
@@ -170,7 +136,7 @@ def sharded_recurrent_forward(
 
         x_branch, _ = core.run(on_rows, core.scatter(x_branch), reset)
         hidden_states = core.gather(x_branch).flatten(2) * y_branch
-        return recurrent.linear_out(hidden_states), None
+        return module.linear_out(hidden_states), None
 
     return forward
 
