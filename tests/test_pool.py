@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import tests.launch
 from tests.launch import launch
+from tests.pool import MAX_RANK_THREADS
 
 pytestmark = pytest.mark.distributed
 
@@ -51,6 +52,16 @@ def dirty_worker(args: dict[str, Any]) -> int:
     dist.new_group(ranks=[0, 1])
     logging.getLogger("lightning").setLevel(logging.CRITICAL)
     warnings.filterwarnings("ignore")
+    return os.getpid()
+
+
+_KEPT_GROUPS: list[dist.ProcessGroup] = []  # what a finished fit's DeepSpeed engine holds in a pooled rank
+
+
+def group_keeping_worker(args: dict[str, Any]) -> int:
+    """Makes ``args["groups"]`` gloo groups and keeps them past the call: each keeps its threads while it lives."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    _KEPT_GROUPS.extend(dist.new_group(ranks=[0, 1]) for _ in range(args["groups"]))
     return os.getpid()
 
 
@@ -102,6 +113,15 @@ def test_a_hanging_call_is_stopped_at_its_timeout_and_the_next_call_runs_in_a_ne
     assert not set(after) & set(pids)
 
 
+def test_a_world_whose_ranks_keep_too_many_threads_is_replaced() -> None:
+    """Each gloo group holds 3 threads; a call that leaves a rank over ``MAX_RANK_THREADS`` retires its world."""
+    few = MAX_RANK_THREADS // 3 // 4
+    pids = launch("tests.test_pool:group_keeping_worker", 2, {"groups": few})
+    assert launch("tests.test_pool:group_keeping_worker", 2, {"groups": MAX_RANK_THREADS // 3}) == pids
+    after = [result["pid"] for result in launch("tests.test_pool:state_worker", 2)]
+    assert not set(after) & set(pids), "the world of the ranks that kept their groups' threads was used again"
+
+
 class _Interrupted(Exception):
     """What pytest-timeout raises in the test's thread."""
 
@@ -130,9 +150,13 @@ def test_a_call_interrupted_from_outside_stops_its_ranks(monkeypatch: pytest.Mon
 
 
 def _rank_processes() -> set[int]:
-    """The live processes running ``tests.launch`` (ranks, pooled or fresh)."""
-    return {
-        proc.pid
-        for proc in psutil.process_iter(["cmdline", "status"])
-        if "tests.launch" in " ".join(proc.info["cmdline"] or []) and proc.info["status"] != psutil.STATUS_ZOMBIE
-    }
+    """This test process's live processes running ``tests.launch`` (ranks, pooled or fresh; not those of other
+    sessions on the machine)."""
+    ranks = set()
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if "tests.launch" in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE:
+                ranks.add(proc.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return ranks
