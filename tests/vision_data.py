@@ -35,6 +35,22 @@ QWEN_TEXT = dict(
     rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 100.0},
 )
 TOKENS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+
+# Qwen3-VL's rotary layout (mRoPE rows interleaved, as the 4B and 30B-A3B checkpoints) and its vision tower, shrunk:
+# DeepStack after vision blocks 1 and 2 (of 4)
+QWEN3_ROPE = {"rope_type": "default", "mrope_section": [6, 5, 5], "mrope_interleaved": True, "rope_theta": 100.0}
+QWEN3_VISION = dict(
+    depth=4,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    patch_size=2,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=16,
+    deepstack_visual_indexes=[1, 2],
+)
+
 CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2_vl": dict(
         model_type="qwen2_vl",
@@ -82,26 +98,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
             vocab_size=VOCAB,
             pad_token_id=0,
             initializer_range=0.2,
-            rope_parameters={
-                "rope_type": "default",
-                "mrope_section": [6, 5, 5],
-                "mrope_interleaved": True,
-                "rope_theta": 100.0,
-            },
+            rope_parameters=QWEN3_ROPE,
         ),
         **TOKENS,
-        vision_config=dict(
-            depth=4,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=80,
-            patch_size=2,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            num_position_embeddings=16,
-            deepstack_visual_indexes=[1, 2],
-        ),
+        vision_config=dict(QWEN3_VISION, out_hidden_size=80),
     ),
     # Qwen3-VL-30B-A3B: text hidden 2048, 32 heads of 128 (hidden / heads = 64), 4 key/value heads, 128 experts
     # of 768, 8 per token; its vision tower is Qwen3-VL's
@@ -120,26 +120,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
             vocab_size=VOCAB,
             pad_token_id=0,
             initializer_range=0.2,
-            rope_parameters={
-                "rope_type": "default",
-                "mrope_section": [6, 5, 5],
-                "mrope_interleaved": True,
-                "rope_theta": 100.0,
-            },
+            rope_parameters=QWEN3_ROPE,
         ),
         **TOKENS,
-        vision_config=dict(
-            depth=4,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=128,
-            patch_size=2,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            num_position_embeddings=16,
-            deepstack_visual_indexes=[1, 2],
-        ),
+        vision_config=dict(QWEN3_VISION, out_hidden_size=128),
     ),
     "llava": dict(
         model_type="llava",
