@@ -117,7 +117,8 @@ class InterruptedCausalLM(TinyCausalLM):
     def _interrupt_at_random(self) -> None:
         """Signal in the forward, or the backward, of a module call drawn from the next 2 micro-batches' (every
         module runs at least once a micro-batch)."""
-        modules = list(self.model.modules())
+        # containers (ModuleList, ModuleDict) have no forward of their own
+        modules = [m for m in self.model.modules() if not isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))]
         countdown, in_backward = [random.randrange(2 * len(modules))], random.random() < 0.5
         self.random_point = f"module call {countdown[0]}, {'backward' if in_backward else 'forward'}"
 
