@@ -19,7 +19,7 @@ from lightning_ulysses.hf.state import UnsupportedModelError
 from lightning_ulysses.loss import token_cross_entropy
 from lightning_ulysses.vision import VisionLanguageModel, merged_inputs_embeds, prepare_vision_batch, vision_family
 from tests.launch import launch
-from tests.vision_data import CONFIGS, llava_batch, plain_loss_sum, qwen_batch, tiny_config, tiny_model
+from tests.vision_data import CONFIGS, IMAGE, VOCAB, llava_batch, plain_loss_sum, qwen_batch, tiny_config, tiny_model
 
 # row 0: three images of different sizes and a video; row 1: one image. 56 columns: at sp=2 the border (28) falls
 # inside row 0's video, at sp=4 (14, 28, 42) inside its second image and its video (test_the_shard_border_cuts_an_image)
@@ -35,6 +35,10 @@ QWEN_PACKED_ROWS = [
 LLAVA_ROWS = [[3, "image", 2, "image", 4], [6, "image", 5]]
 # packed: row 0's second document starts at column 21 and its image crosses the sp=2 border (column 32)
 LLAVA_PACKED_ROWS = [[[2, "image", 3], [4, "image", 2, "image", 3]], [[5, "image", 4], [9]]]
+# at sp=2 the border (24) cuts the third image, at sp=4 (12, 24, 36) too; the window (16) cuts into the last one's keys
+GEMMA_ROWS = [[3, "image", 2, "image", 4, "image", 9, "image", 3], [6, "image", 5]]
+# packed: row 0's second document starts at column 11 and its first image crosses the sp=2 border (column 16)
+GEMMA_PACKED_ROWS = [[[2, "image", 3], [3, "image", 2, "image", 3]], [[5, "image", 4], [9]]]
 TEXT_ONLY_ROWS = {"qwen": [[[21]], [[9]]], "llava": [[14], [5, 3]]}  # a batch of chats without any image
 
 
@@ -43,6 +47,10 @@ def family_batch(family: str, packed: bool = False, seed: int = 0, text_only: bo
         if packed and not text_only:
             return llava_batch(LLAVA_PACKED_ROWS, seed, packed=True)
         return llava_batch(TEXT_ONLY_ROWS["llava"] if text_only else LLAVA_ROWS, seed)
+    if family == "gemma3":
+        if packed and not text_only:
+            return llava_batch(GEMMA_PACKED_ROWS, seed, packed=True, family=family)
+        return llava_batch(TEXT_ONLY_ROWS["llava"] if text_only else GEMMA_ROWS, seed, family=family)
     rows = TEXT_ONLY_ROWS["qwen"] if text_only else QWEN_PACKED_ROWS if packed else QWEN_ROWS
     return qwen_batch(rows, seed, packed=packed, frames=family.startswith("qwen3"))
 
@@ -70,6 +78,8 @@ CASES = [
     ("qwen3_vl_moe", False),
     ("llava", False),
     ("llava", True),
+    ("gemma3", False),
+    ("gemma3", True),
 ]
 
 
@@ -157,37 +167,38 @@ def test_mrope_positions_of_unpacked_rows_are_get_rope_index_of_the_whole_batch(
     assert torch.equal(got[:, real], expected[:, real])
 
 
-@pytest.mark.parametrize("model_type", ["gemma3"])
-def test_refused_families_name_the_reason(model_type: str) -> None:
+def test_other_vision_families_are_refused_with_the_reason() -> None:
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    config = AutoConfig.for_model(model_type)
-    text = config.text_config
-    for key, value in dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        vocab_size=300,
-    ).items():
-        setattr(text, key, value)
-    vision = config.vision_config
-    for key, value in dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        depth=1,
-        num_attention_heads=2,
-        num_heads=2,
-        out_hidden_size=32,
-    ).items():
-        if hasattr(vision, key):
-            setattr(vision, key, value)
+    config = AutoConfig.for_model(
+        "paligemma",
+        image_token_index=IMAGE,
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=8,
+            patch_size=2,
+            projection_dim=32,
+        ),
+        text_config=dict(
+            model_type="gemma",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            vocab_size=VOCAB,
+        ),
+    )
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
-    with pytest.raises(UnsupportedModelError, match="bidirectionally"):
+    with pytest.raises(
+        UnsupportedModelError, match="PaliGemmaForConditionalGeneration .paligemma. is no vision-language"
+    ):
         vision_family(model)
 
 
@@ -277,7 +288,11 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
             logger=False,
             num_sanity_val_steps=0,
             strategy=UlyssesStrategy(
-                sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa", ring_size=case.get("ring", 1)
+                sp_size=case["sp"],
+                stage=case["stage"],
+                attn_implementation="sdpa",
+                ring_size=case.get("ring", 1),
+                head_chunks=case.get("head_chunks"),
             ),
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -302,6 +317,8 @@ TWO_PROCESS_CASES = {
     "qwen3_vl_packed_exchange_sp2_zero3": dict(family="qwen3_vl", sp=2, stage=3, packed=True, encoding="exchange"),
     "qwen3_vl_moe_sp2_zero3": dict(family="qwen3_vl_moe", sp=2, stage=3),
     "llava_packed_sp2_zero2": dict(family="llava", sp=2, stage=2, packed=True),
+    "gemma3_sp2_zero2": dict(family="gemma3", sp=2, stage=2),
+    "gemma3_packed_head_chunks_sp2_zero3": dict(family="gemma3", sp=2, stage=3, packed=True, head_chunks=2),
 }
 FOUR_PROCESS_CASES = {
     "qwen2_vl_sp4_zero2": dict(family="qwen2_vl", sp=4, stage=2),
@@ -321,6 +338,10 @@ FOUR_PROCESS_CASES = {
     "llava_packed_exchange_dp2_sp2_zero3": dict(family="llava", sp=2, dp=2, stage=3, packed=True, encoding="exchange"),
     "qwen3_vl_packed_dp2_sp2_zero3_text_only_rank": dict(
         family="qwen3_vl", sp=2, dp=2, stage=3, packed=True, text_only_rank=1
+    ),
+    "gemma3_sp4_zero3": dict(family="gemma3", sp=4, stage=3),
+    "gemma3_packed_exchange_dp2_sp2_zero3_text_only_rank": dict(
+        family="gemma3", sp=2, dp=2, stage=3, packed=True, encoding="exchange", text_only_rank=1
     ),
 }
 

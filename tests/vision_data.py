@@ -125,6 +125,40 @@ CONFIGS: dict[str, dict[str, Any]] = {
         **TOKENS,
         vision_config=dict(QWEN3_VISION, out_hidden_size=128),
     ),
+    # Gemma 3 4B: text hidden 2560, 8 heads of 256 (not hidden / heads = 320), 4 key/value heads, 5 sliding layers
+    # (window 1024) to 1 global, 256 tokens per image (a quarter of the window); SigLIP 896 px in 14 px patches
+    "gemma3": dict(
+        model_type="gemma3",
+        image_token_index=IMAGE,
+        boi_token_index=START,
+        eoi_token_index=END,
+        mm_tokens_per_image=4,
+        text_config=dict(
+            hidden_size=40,
+            intermediate_size=80,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=16,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            vocab_size=VOCAB,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            initializer_range=0.2,
+        ),
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=8,
+            patch_size=2,
+        ),
+    ),
     "llava": dict(
         model_type="llava",
         image_token_id=IMAGE,
@@ -174,6 +208,9 @@ def tiny_model(family: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
         setattr(config, key, value)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa")
+    if family == "gemma3":  # its projector starts at zero: images would not move the loss
+        with torch.no_grad():
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.2)
     if family.startswith("qwen3"):  # DeepStack's projections at std 0.2 (as the decoder's): they move the loss by 1 %
         with torch.no_grad():
             for merger in model.model.visual.deepstack_merger_list:
@@ -255,9 +292,11 @@ def qwen_batch(
     return batch
 
 
-def llava_batch(rows: list[list[Any]], seed: int = 0, packed: bool = False) -> dict[str, Any]:
-    """``rows``: per row, ints (text tokens) and "image" (16 placeholders); right-padded; ``[images, 3, 8, 8]``.
-    ``packed``: per row, several such documents, ``position_ids`` restarting per document."""
+def llava_batch(rows: list[list[Any]], seed: int = 0, packed: bool = False, family: str = "llava") -> dict[str, Any]:
+    """``rows``: per row, ints (text tokens) and "image" (LLaVA: 16 placeholders; Gemma 3: 4 between its image start
+    and end tokens); right-padded; ``[images, 3, 8, 8]``. ``packed``: per row, several such documents,
+    ``position_ids`` restarting per document."""
+    image = [IMAGE] * 16 if family == "llava" else [START, *[IMAGE] * 4, END]
     generator = torch.Generator().manual_seed(seed)
     id_rows, position_rows, images = [], [], 0
     for documents in rows:
@@ -267,7 +306,7 @@ def llava_batch(rows: list[list[Any]], seed: int = 0, packed: bool = False) -> d
             start = len(ids)
             for part in layout:
                 if part == "image":
-                    ids += [IMAGE] * 16
+                    ids += image
                     images += 1
                 else:
                     ids += _text(generator, part)
@@ -303,8 +342,10 @@ def plain_labels(input_ids: Tensor, attention_mask: Tensor) -> Tensor:
 def _plain_inputs(family: str, batch: dict[str, Any]) -> dict[str, Any]:
     inputs = {key: batch[key] for key in ("input_ids", "attention_mask")}
     inputs.update(batch["vision"])
-    if family != "llava":
-        ids = batch["input_ids"]
+    ids = batch["input_ids"]
+    if family == "gemma3":
+        inputs["token_type_ids"] = (ids == IMAGE).long()
+    elif family != "llava":
         inputs["mm_token_type_ids"] = (ids == IMAGE).long() + 2 * (ids == VIDEO).long()
     return inputs
 
@@ -341,12 +382,12 @@ def split_documents(family: str, batch: dict[str, Any]) -> list[dict[str, Any]]:
         for start, end in zip(starts[:-1], starts[1:], strict=True):
             doc = ids[row, start:end][None]
             doc_vision = {}
-            if family == "llava":
-                images = int((doc == IMAGE).sum()) // 16
+            if family in ("llava", "gemma3"):
+                images = int((doc == IMAGE).sum()) // (16 if family == "llava" else 4)
                 if images:
                     doc_vision["pixel_values"] = vision["pixel_values"][taken["image"] : taken["image"] + images]
                     taken["image"] += images
-            qwen_items = () if family == "llava" else QWEN_ITEMS
+            qwen_items = () if family in ("llava", "gemma3") else QWEN_ITEMS
             for kind, token, pixels_key, grid_key in qwen_items:
                 is_kind = doc[0] == token
                 runs = int((is_kind[1:] & ~is_kind[:-1]).sum() + is_kind[0])

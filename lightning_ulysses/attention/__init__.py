@@ -14,7 +14,7 @@ more documents: every position id divisible by the chunk size starts one. Any he
 Modules: :mod:`.collectives` (all-to-all, sequence gather), :mod:`.documents` (the document layout and the
 per-batch plans kept with it), :mod:`.core` (the backend interface), one module per backend (:mod:`.sdpa`,
 :mod:`.flash`, :mod:`.flex`), :mod:`.backends` (choice by name, device and dtype), :mod:`.sinks` (attention sinks),
-:mod:`.ring` (ring attention across Ulysses groups: Ulysses x Ring, when the SP group is a
+:mod:`.spans` (bidirectional spans inside causal attention: Gemma 3's images), :mod:`.ring` (ring attention across Ulysses groups: Ulysses x Ring, when the SP group is a
 :class:`~lightning_ulysses.groups.SequenceParallelGroups` with a ring), :mod:`.head_chunks` (the all-to-alls and the
 attention in chunks of heads, recomputed in the backward: ``head_chunks``) and :mod:`.ulysses` (the entry point and
 the per-batch planning).
@@ -34,7 +34,7 @@ from lightning_ulysses.attention.flex import flex_attention
 from lightning_ulysses.attention.ring import ring_attention
 from lightning_ulysses.attention.sdpa import SIGNIFICANT_BITS, length_class, plan_packed, sdpa_attention, sdpa_with_lse
 from lightning_ulysses.attention.sinks import sink_attention
-from lightning_ulysses.attention.ulysses import plan_batch, ulysses_attention
+from lightning_ulysses.attention.ulysses import plan_batch, plan_spans, ulysses_attention
 
 __all__ = [
     "CORE_ATTENTION",
@@ -51,6 +51,7 @@ __all__ = [
     "length_class",
     "plan_batch",
     "plan_packed",
+    "plan_spans",
     "prepare_plans",
     "resolve_attn_implementation",
     "ring_attention",

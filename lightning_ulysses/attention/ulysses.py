@@ -15,6 +15,7 @@ from lightning_ulysses.attention.documents import Documents, documents_of
 from lightning_ulysses.attention.head_chunks import HeadChunks, chunked_ulysses
 from lightning_ulysses.attention.ring import ring_attention, ring_plan
 from lightning_ulysses.attention.sinks import sink_attention
+from lightning_ulysses.attention.spans import Spans, spanned, spans_of
 from lightning_ulysses.groups import (
     SequenceParallelGroup,
     SequenceParallelGroups,
@@ -60,6 +61,7 @@ def ulysses_attention(
     chunk: int | None = None,
     sinks: Tensor | None = None,
     head_chunks: HeadChunks | None = None,
+    bidirectional: Tensor | None = None,
 ) -> Tensor:
     """Causal attention over a sequence sharded across the ranks of ``group``, any head count.
 
@@ -88,6 +90,10 @@ def ulysses_attention(
         head_chunks: run the all-to-alls and the attention in that many chunks of each rank's heads, one fused
             all-to-all per chunk and direction, recomputed in the backward (``"auto"``: from the shapes; ``None``:
             all heads at once, three all-to-alls in and one out). See :mod:`~lightning_ulysses.attention.head_chunks`.
+        bidirectional: ``[B, N/P]`` bool, this rank's tokens that belong to bidirectional spans: each maximal run of
+            them inside a document attends to itself both ways (Gemma 3's image tokens; see
+            :mod:`~lightning_ulysses.attention.spans`); needs ``position_ids``; not with ``chunk``, ``sinks``,
+            attention dropout or a ring.
 
     Returns:
         ``[B, N/P, H, D_v]``: the attention output of this rank's tokens. Gradients flow back to
@@ -106,6 +112,11 @@ def ulysses_attention(
     window = no_window_if_off(window)
     documents = None if position_ids is None else documents_of(position_ids, group, chunk)
     ring = ring_groups(group)
+    if bidirectional is not None:
+        if documents is None:
+            raise ValueError("Bidirectional spans need the position_ids that delimit the documents they live in.")
+        spans = spans_of(bidirectional, documents, group)
+        check_spans_supported(spans, chunk, sinks, dropout_p, ring is not None)
     if ring is not None:
         check_ring_supported(attn_fn, dropout_p)
         return _ulysses_x_ring(query, key, value, ring, documents, scale, window, sinks, head_chunks)
@@ -117,6 +128,9 @@ def ulysses_attention(
         if head_sinks is None:
             return core(q, k, v, documents, scale=scale, dropout_p=dropout_p, window=window)
         return sink_attention(core, q, k, v, documents, head_sinks, scale=scale, window=window)
+
+    if bidirectional is not None and spans.spans:
+        attend = spanned(attend, spans, scale, window)
 
     if sp_size == 1:
         return attend(query, key, value, sinks)
@@ -142,6 +156,35 @@ def check_ring_supported(attn_fn: str | CoreAttention, dropout_p: float) -> None
         raise ValueError(
             f"Ulysses x Ring (ring_size > 1) does not support {' or '.join(unsupported)}. Use ring_size=1 (Ulysses "
             "only), or attn_implementation='sdpa' without attention dropout."
+        )
+
+
+def plan_spans(flags: Tensor, position_ids: Tensor, group: SequenceParallelGroup) -> None:
+    """Find the batch's bidirectional spans (:mod:`~lightning_ulysses.attention.spans`) from the ``[B, N/P]`` shard
+    ``flags`` before the first layer (collective over ``group``; one host sync), and refuse them under a ring."""
+    spans = spans_of(flags, documents_of(position_ids, group), group)
+    check_spans_supported(spans, None, None, 0.0, ring_groups(group) is not None)
+
+
+def check_spans_supported(spans: Spans, chunk: int | None, sinks: Tensor | None, dropout_p: float, ring: bool) -> None:
+    """Refuse what bidirectional spans (:mod:`~lightning_ulysses.attention.spans`) do not run with (yet); a batch
+    without any span runs everywhere."""
+    if not spans.spans:
+        return
+    unsupported = [
+        name
+        for name, present in (
+            ("chunked attention", chunk is not None),
+            ("attention sinks", sinks is not None),
+            (f"attention dropout (dropout_p={dropout_p})", bool(dropout_p)),
+            ("Ulysses x Ring (ring_size > 1)", ring),
+        )
+        if present
+    ]
+    if unsupported:
+        raise ValueError(
+            "Bidirectional spans (image tokens that attend to each other both ways, as Gemma 3's) do not run with "
+            f"{' or '.join(unsupported)}; use ring_size=1 and no attention dropout, or train on text only."
         )
 
 

@@ -66,6 +66,7 @@ class Patch:
             if key not in self.ledger:
                 change()
         self.state.sharded_mixers = bool(plan.sharded)
+        self.state.token_types = plan.token_types
         self.plan = plan
 
     def undo(self) -> None:

@@ -6,6 +6,8 @@
   runs) are read from them, whether or not a layer's call site passes them on;
 * it folds a 2-D ``attention_mask`` into that document layout when it marks whole documents (padding that
   :func:`~lightning_ulysses.prepare_batch` made separate documents), and refuses any other mask;
+* it reads bidirectional spans from ``token_type_ids`` where the set-up check found the masks make image tokens
+  attend to each other both ways (Gemma 3), and refuses ``token_type_ids`` that the masks read otherwise;
 * it switches the KV cache off (it would hold one shard of the sequence);
 * once per batch it builds what every layer reuses: the documents, the attention backend's plans for each layer
   pattern, the token mixers' document rows and the tiled MLP's token agreement.
@@ -20,7 +22,7 @@ from typing import Any
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from lightning_ulysses.attention import documents_of, gather_sequence, plan_batch
+from lightning_ulysses.attention import documents_of, gather_sequence, plan_batch, plan_spans
 from lightning_ulysses.groups import SequenceParallelGroup
 from lightning_ulysses.hf.mixers import plan_document_rows
 from lightning_ulysses.hf.state import PatchState
@@ -79,12 +81,29 @@ def _read_batch_layout(kwargs: dict[str, Any], state: PatchState, model: PreTrai
     if mask is not None:
         check_foldable_attention_mask(mask, position_ids, state.group)
     state.position_ids = position_ids
+    state.spans = _spans_of_batch(kwargs.get("token_type_ids"), state, model)
     plan_batch(position_ids, state.group, state.core, _layer_patterns(model))
+    if state.spans is not None:
+        plan_spans(state.spans, position_ids, state.group)
     if state.sharded_mixers:
         plan_document_rows(position_ids, state.group)
     if state.agree_tokens is not None:
         tokens = position_ids.shape[-2:].numel()  # [B, N/sp], or [sections, B, N/sp] (multimodal RoPE)
         state.batch_tokens = (tokens, state.agree_tokens(tokens, position_ids.device))
+
+
+def _spans_of_batch(token_types: Tensor | None, state: PatchState, model: PreTrainedModel) -> Tensor | None:
+    """``[B, N/sp]`` bool: the shard's tokens of bidirectional spans (``token_type_ids == 1`` where the set-up check
+    found the masks make them so, Gemma 3's images), or ``None``. ``token_type_ids`` that the masks read otherwise
+    are refused."""
+    if token_types is None or state.token_types == "":
+        return None
+    if state.token_types != "spans":
+        raise ValueError(
+            f"{type(model).__name__} was given token_type_ids, which its attention masks read in a way Ulysses "
+            f"attention does not run ({state.token_types}). Train it without token_type_ids."
+        )
+    return token_types == 1
 
 
 def text_position_ids(position_ids: Tensor) -> Tensor:

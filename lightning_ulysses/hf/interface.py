@@ -133,6 +133,7 @@ def _hf_ulysses_attention(
         chunk=plan.pattern.chunk,
         sinks=kwargs["s_aux"] if plan.sinks else None,
         head_chunks=state.head_chunks,
+        bidirectional=state.spans if plan.pattern.spans else None,
     )
     return out.contiguous(), None  # as transformers' kernels return it: models .view() it
 

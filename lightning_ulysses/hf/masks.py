@@ -40,10 +40,17 @@ class MaskPattern:
 
     window: int | None = None
     chunk: int | None = None
+    spans: bool = False
+    """The runs of ``token_type_ids == 1`` (image tokens) attend to each other both ways (Gemma 3; see
+    :mod:`lightning_ulysses.attention.spans`), as read by :func:`~lightning_ulysses.hf.check.spans.check_spans`."""
 
-    def allows(self, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        """Whether query index ``q_idx`` may attend key index ``kv_idx`` (broadcast bool tensor)."""
+    def allows(self, q_idx: Tensor, kv_idx: Tensor, span_ids: Tensor | None = None) -> Tensor:
+        """Whether query index ``q_idx`` may attend key index ``kv_idx`` (broadcast bool tensor); with ``spans``,
+        ``span_ids [N]`` numbers each token's span (``-1``: none)."""
         allowed = kv_idx <= q_idx
+        if self.spans:
+            assert span_ids is not None
+            allowed = allowed | ((span_ids[q_idx] == span_ids[kv_idx]) & (span_ids[q_idx] >= 0))
         if self.window is not None:
             allowed = allowed & (q_idx - kv_idx < self.window)
         if self.chunk is not None:
@@ -51,11 +58,12 @@ class MaskPattern:
         return allowed
 
     def describe(self) -> str:
+        spans = ", image spans bidirectional" if self.spans else ""
         if self.window is not None:
-            return f"sliding window of {self.window} tokens"
+            return f"sliding window of {self.window} tokens{spans}"
         if self.chunk is not None:
-            return f"chunks of {self.chunk} tokens"
-        return "causal"
+            return f"chunks of {self.chunk} tokens{spans}"
+        return f"causal{spans}"
 
 
 def identify_pattern(
@@ -109,25 +117,42 @@ class RecordedMasks:
 
     masks: list[tuple[Tensor, MaskPattern | None]]
 
-    def pattern_of(self, received: Tensor | None) -> tuple[MaskPattern | None, str]:
-        """The pattern of the mask an attention layer received, or ``None`` and why it is not one we run."""
+    def pattern_of(self, received: Tensor | None, window: int | None = None) -> tuple[MaskPattern | None, str]:
+        """The pattern of the mask an attention layer received, or ``None`` and why it is not one we run.
+
+        Masks of different patterns can be equal on the probe's few tokens (a sliding window longer than the probe
+        is causal there): among the recorded masks equal to the one received, the one built with the ``window``
+        the layer passes (its ``sliding_window``) is its pattern, else the first."""
         if received is None:
             return MaskPattern(), ""  # no mask: transformers' kernels then attend causally
-        if not isinstance(received, Tensor):
-            return None, f"receives an attention mask of type {type(received).__name__}"
-        if received.dtype == torch.bool:
-            allowed = received
-        else:
-            blocked = received <= torch.finfo(received.dtype).min / 2
-            if not bool(((received == 0) | blocked).all()):
-                return None, "adds a bias to its attention scores through the attention mask"
-            allowed = received == 0
-        for mask, pattern in self.masks:
-            if allowed.shape[-2:] == mask.shape[-2:] and bool((allowed == mask).all()):
-                if pattern is None:
-                    return None, "receives an attention mask pattern other than causal, sliding-window or chunked"
-                return pattern, ""
-        return None, "receives an attention mask that the model changed after transformers built it"
+        allowed, why = allowed_keys(received)
+        if allowed is None:
+            return None, why
+        equal = [
+            pattern
+            for mask, pattern in self.masks
+            if allowed.shape[-2:] == mask.shape[-2:] and bool((allowed == mask).all())
+        ]
+        if not equal:
+            return None, "receives an attention mask that the model changed after transformers built it"
+        window = no_window_if_off(window)
+        pattern = next((p for p in equal if p is not None and p.window == window), equal[0])
+        if pattern is None:
+            return None, "receives an attention mask pattern other than causal, sliding-window or chunked"
+        return pattern, ""
+
+
+def allowed_keys(received: Any) -> tuple[Tensor | None, str]:
+    """The bool ``[B, 1, q, kv]`` pattern of an attention mask as a layer received it (bool, or additive with
+    ``0`` / ``-inf`` entries), or ``None`` and why it is not a pattern."""
+    if not isinstance(received, Tensor):
+        return None, f"receives an attention mask of type {type(received).__name__}"
+    if received.dtype == torch.bool:
+        return received, ""
+    blocked = received <= torch.finfo(received.dtype).min / 2
+    if not bool(((received == 0) | blocked).all()):
+        return None, "adds a bias to its attention scores through the attention mask"
+    return received == 0, ""
 
 
 def recording_mask_interface(recorded: RecordedMasks) -> Callable[..., Tensor]:

@@ -52,13 +52,18 @@ class ModelPlan:
     * ``rotary``: rotary embeddings given the whole sequence's largest position
       (:mod:`~lightning_ulysses.hf.rotary`);
     * ``gathered``: modules run on the whole sequence on every rank (``sequence_mixers="gather"``); a sharded mixer
-      inside one runs as it is.
+      inside one runs as it is;
+    * ``token_types``: what ``token_type_ids`` mean to the masks (bidirectional image spans, Gemma 3).
     """
 
     layers: tuple[tuple[str, LayerPlan], ...] = ()
     sharded: tuple[str, ...] = ()
     rotary: tuple[str, ...] = ()
     gathered: tuple[Gathered, ...] = ()
+    token_types: str = ""
+    """What the model's masks do with ``token_type_ids`` (:mod:`lightning_ulysses.hf.check.spans`): ``""`` nothing
+    (or it takes none), ``"spans"`` runs of ``1`` attend to themselves bidirectionally, else why it cannot be given
+    them."""
 
     def with_gathered(self, gathered: Gathered) -> ModelPlan:
         """This plan with ``gathered`` in place of any earlier choice for the same mixer or inside its module."""

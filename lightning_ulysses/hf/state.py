@@ -56,6 +56,11 @@ class PatchState:
     """``(this rank's tokens, the most tokens of any rank)`` of the current batch, when ``agree_tokens``."""
     probe: ProbeAttention | None = None
     """Set only while the set-up check runs: every patched attention layer computes this instead."""
+    token_types: str = ""
+    """The plan's verdict on ``token_type_ids`` (:attr:`~lightning_ulysses.hf.plan.ModelPlan.token_types`)."""
+    spans: Tensor | None = None
+    """``[B, N/sp]`` bool, the shard's tokens of bidirectional spans in the latest forward (``token_types ==
+    "spans"`` and the model was given ``token_type_ids``), else ``None``."""
     head_chunks: int | str | None = None
     """``UlyssesStrategy(head_chunks=...)``: every layer's ``ulysses_attention(head_chunks=...)``
     (:mod:`lightning_ulysses.attention.head_chunks`)."""

@@ -4,7 +4,8 @@ A family is told by its config's ``model_type``. Each supported one is described
 placeholder token of each modality (image, video), where the batch holds each item's pixels, how many embedding rows
 each item fills (its placeholder tokens, in order), how a subset of the items is encoded (the model's own
 ``get_image_features`` / ``get_video_features``: vision tower and projector), and, for multimodal RoPE, how the
-positions of one document are computed (the model's own ``get_rope_index``). Every other vision-language model is
+positions of one document are computed (the model's own ``get_rope_index``), and whether an item's placeholders attend
+to each other bidirectionally (Gemma 3). Every other vision-language model is
 refused for vision inputs by :func:`vision_family`, with the reason.
 """
 
@@ -42,6 +43,10 @@ class VisionFamily:
     """Positions are multimodal RoPE: ``[3, N]`` per document (temporal, height, width) from ``get_rope_index``."""
     towers: tuple[str, ...] = ()
     """Attribute names of the modules on ``inner`` that encode vision inputs (never sequence-sharded)."""
+    bidirectional_items = False
+    """Each item's run of placeholders attends to itself both ways (Gemma 3): the model is given ``token_type_ids``
+    (``1`` on placeholders), which the set-up check found make its masks so
+    (:mod:`lightning_ulysses.hf.check.spans`)."""
     deepstack_layers = 0
     """DeepStack (Qwen3-VL): :meth:`encode` returns ``1 + deepstack_layers`` blocks of ``hidden`` columns per row,
     the input embedding then the features that the first ``deepstack_layers`` decoder layers add to their output."""
@@ -207,14 +212,52 @@ class LlavaFamily(VisionFamily):
         return {modality.pixels_key: torch.zeros(size, device=device, dtype=dtype)}
 
 
-SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava")
+class Gemma3Family(VisionFamily):
+    """Gemma 3: ``[images, C, S, S]`` pixels (one size, as its processor makes them: pan-and-scan crops are images
+    of their own), ``mm_tokens_per_image`` pooled SigLIP features per image, 1-D positions, and each image's
+    placeholders attending to each other bidirectionally (``token_type_ids``)."""
+
+    towers = ("vision_tower", "multi_modal_projector")
+    bidirectional_items = True
+
+    def __init__(self, modalities: tuple[Modality, ...], tokens_per_image: int) -> None:
+        super().__init__(modalities)
+        self.tokens_per_image = tokens_per_image
+
+    def feature_rows(self, vision: Mapping[str, Any], modality: Modality, placeholders: int) -> list[int]:
+        images = vision[modality.pixels_key].shape[0]
+        if placeholders != images * self.tokens_per_image:
+            raise ValueError(
+                f"The batch has {placeholders} image tokens for {images} images: Gemma 3 gives every image "
+                f"mm_tokens_per_image={self.tokens_per_image}; build the batch with the model's processor."
+            )
+        return [self.tokens_per_image] * images
+
+    def encode(self, inner: nn.Module, vision: Mapping[str, Any], modality: Modality, items: Sequence[int]) -> Tensor:
+        features = inner.get_image_features(self.item_pixels(vision, modality, items), return_dict=True)
+        return features.pooler_output.flatten(0, 1)  # [images * tokens_per_image, hidden]
+
+    def blank_vision(
+        self, inner: nn.Module, modality: Modality, device: torch.device, dtype: torch.dtype
+    ) -> dict[str, Tensor]:
+        config = inner.config.vision_config
+        size = (1, config.num_channels, config.image_size, config.image_size)
+        return {modality.pixels_key: torch.zeros(size, device=device, dtype=dtype)}
+
+
+SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "gemma3")
 
 REFUSED = {
-    "gemma3": "lets the tokens of an image attend to each other bidirectionally (its token_type_ids mask), which "
-    "Ulysses attention (causal within each document) does not implement",
-    "gemma3n": "lets the tokens of an image attend to each other bidirectionally, which Ulysses attention (causal "
-    "within each document) does not implement",
+    "gemma3n": "has vision and audio towers (MobileNet-v5, USM) that lightning-ulysses does not feed yet",
 }
+
+
+def placeholders(input_ids: Tensor, family: VisionFamily) -> Tensor:
+    """``input_ids``-shaped bool: the placeholder tokens of every modality of ``family``."""
+    found = torch.zeros_like(input_ids, dtype=torch.bool)
+    for modality in family.modalities:
+        found |= input_ids == modality.token_id
+    return found
 
 
 def vision_family(model: nn.Module) -> VisionFamily:
@@ -235,6 +278,8 @@ def vision_family(model: nn.Module) -> VisionFamily:
     if model_type == "llava":
         image = Modality("image", config.image_token_id, "pixel_values")
         return LlavaFamily((image,), config.vision_feature_layer, config.vision_feature_select_strategy)
+    if model_type == "gemma3":
+        return Gemma3Family((Modality("image", config.image_token_id, "pixel_values"),), config.mm_tokens_per_image)
     modalities = (
         Modality("image", config.image_token_id, "pixel_values", "image_grid_thw", type_id=1),
         Modality("video", config.video_token_id, "pixel_values_videos", "video_grid_thw", type_id=2),

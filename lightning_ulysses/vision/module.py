@@ -25,11 +25,11 @@ from transformers import AutoModelForImageTextToText, PreTrainedModel
 from lightning_ulysses.model import CausalLM
 from lightning_ulysses.vision.batch import MROPE_KEY, prepare_vision_batch
 from lightning_ulysses.vision.embed import VISION_ENCODINGS, MergedInputs, VisionEncoding, merged_inputs
-from lightning_ulysses.vision.families import VisionFamily, vision_family
+from lightning_ulysses.vision.families import VisionFamily, placeholders, vision_family
 
 
 class VisionLanguageModel(CausalLM):
-    """Next-token training of a transformers image-text-to-text model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA) on
+    """Next-token training of a transformers image-text-to-text model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA, Gemma 3) on
     text and images or video, loss on the text tokens; the arguments of :class:`~lightning_ulysses.CausalLM`, and:
 
     Args:
@@ -82,6 +82,12 @@ class VisionLanguageModel(CausalLM):
 
     def on_fit_start(self) -> None:
         context = self._loss_context()
+        bidirectional = self.family is not None and self.family.bidirectional_items
+        if context is not None and bidirectional and context.groups.ring_size > 1:
+            raise ValueError(
+                f"{type(self.model).__name__}'s images attend to themselves bidirectionally, which Ulysses x Ring does "
+                "not run (yet); use ring_size=1."
+            )
         if context is not None and context.normalization == "global":
             raise ValueError(
                 "VisionLanguageModel does not support loss_normalization='global' yet: its step token counts are read "
@@ -95,8 +101,9 @@ class VisionLanguageModel(CausalLM):
         return prepare_vision_batch(batch, self.family, self.model.model)
 
     def model_inputs(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """``inputs_embeds [B, N/sp, hidden]`` with the images merged, and ``position_ids`` (``[4, B, N/sp]`` for
-        multimodal RoPE, the text positions first)."""
+        """``inputs_embeds [B, N/sp, hidden]`` with the images merged, ``position_ids`` (``[4, B, N/sp]`` for
+        multimodal RoPE, the text positions first) and, where each image attends to itself bidirectionally (Gemma 3),
+        ``token_type_ids [B, N/sp]`` (1 on placeholders), from which the patched model reads the image spans."""
         positions = batch["position_ids"]
         if MROPE_KEY in batch:
             positions = torch.cat([positions[None], batch[MROPE_KEY].permute(2, 0, 1)])
@@ -106,4 +113,7 @@ class VisionLanguageModel(CausalLM):
         merged = merged_inputs(model, self.family, batch, self.hparams["vision_encoding"], group)
         if self.family.deepstack_layers:
             self._deepstack = merged  # fed to the language model by _feed_deepstack
-        return {"inputs_embeds": merged.embeds, "position_ids": positions}
+        inputs = {"inputs_embeds": merged.embeds, "position_ids": positions}
+        if self.family.bidirectional_items:
+            inputs["token_type_ids"] = placeholders(batch["input_ids"], self.family).long()
+        return inputs

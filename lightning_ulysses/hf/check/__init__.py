@@ -10,13 +10,16 @@ queries, keys and values all still matter, but no information moves between toke
    (:func:`~lightning_ulysses.hf.interface.read_layer_call`): the mask pattern it receives (windows and
    chunks applied only through the mask included) and its arguments (sinks; soft-capping, bidirectional
    attention, model-computed biases are refused). Every module's inputs and outputs are kept.
-2. **Position numbering.** The plain model must compute the same with position ids ``0, 1, 2, ...`` as with
+2. **Token types.** Where the model takes ``token_type_ids``, the whole-sequence probe runs once more with runs of
+   ``1`` in them: layers whose masks make each run bidirectional (Gemma 3's image tokens) are planned with
+   bidirectional spans (:mod:`~lightning_ulysses.hf.check.spans`).
+3. **Position numbering.** The plain model must compute the same with position ids ``0, 1, 2, ...`` as with
    its own (RoBERTa counts from ``padding_idx + 1``): sequence parallelism must pass global ones.
-3. **Rotary embeddings** (``sp > 1``): every module that maps ``position_ids`` to a pair of per-token
+4. **Rotary embeddings** (``sp > 1``): every module that maps ``position_ids`` to a pair of per-token
    tensors (cos, sin) is called with positions around each ``max_position`` boundary of the config; where
    its output depends on the length (dynamic NTK, longrope), it is planned as whole-sequence rotary
    (:func:`~lightning_ulysses.hf.rotary.whole_sequence_rotary`), which must make it exact.
-4. **As in training**: this rank's shard (the whole sequence at ``sp_size=1``), the real SP group, no masks
+5. **As in training**: this rank's shard (the whole sequence at ``sp_size=1``), the real SP group, no masks
    built. With attention token-local, no module's per-token output may differ from the whole run: where
    one does, something other than attention moves information between tokens (a convolution over the
    sequence, a recurrent / linear-attention / state-space layer), computes from local token indices, or
@@ -46,6 +49,7 @@ from transformers import PreTrainedModel
 from lightning_ulysses.hf.check.findings import agreed
 from lightning_ulysses.hf.check.rope import check_rotary
 from lightning_ulysses.hf.check.shard import Shard
+from lightning_ulysses.hf.check.spans import check_token_types
 from lightning_ulysses.hf.check.training import run_as_in_training
 from lightning_ulysses.hf.check.whole import check_position_numbering, whole_sequence_run
 from lightning_ulysses.hf.mixers import is_token_mixer
@@ -79,6 +83,7 @@ def check_model(model: PreTrainedModel, state: PatchState, realize: Callable[[Mo
             findings = agreed(findings, state)
             if not findings:
                 plan = replace(plan, layers=tuple(whole.layers.items()))
+                plan = check_token_types(model, state, input_ids, position_ids, plan)
                 realize(plan)
                 findings = check_position_numbering(model, input_ids, position_ids)
             if state.sp_size > 1 and not findings:

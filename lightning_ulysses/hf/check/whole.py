@@ -68,7 +68,7 @@ def whole_sequence_run(
             )
             return query.new_zeros(*query.shape[:2], tokens, value.shape[-1]).transpose(1, 2)
         if module not in findings:
-            pattern, why = recorded.pattern_of(attention_mask)
+            pattern, why = recorded.pattern_of(attention_mask, kwargs.get("sliding_window"))
             plan, problems = read_layer_call(module, pattern, why, kwargs, ring)
             if plan is not None and plans.setdefault(module, plan) != plan:
                 problems = ["is called with different attention patterns in one forward, and runs one plan per layer"]
