@@ -213,6 +213,47 @@ def test_a_document_holding_part_of_a_qwen3_video_is_refused() -> None:
         prepare_vision_batch(batch, vision_family(model), model.model)
 
 
+def test_the_set_up_check_reads_the_image_spans_from_the_masks_gemma_3_builds() -> None:
+    from lightning_ulysses.hf.apply import patch_of
+
+    model = tiny_model("gemma3")
+    apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+    try:
+        plan = patch_of(model).plan
+        assert plan.token_types == "spans"
+        assert [(layer.pattern.window, layer.pattern.spans) for _, layer in plan.layers] == [
+            (16, True),
+            (16, True),
+            (None, True),
+        ]
+    finally:
+        remove_ulysses_attention(model)
+
+
+def test_token_type_ids_that_the_masks_read_otherwise_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 3 changed to let every image token see every other (one block per row, not one per image): the set-up
+    check finds no span pattern, and a forward given token_type_ids is refused; text alone still runs."""
+    from transformers.models.gemma3 import modeling_gemma3
+
+    from lightning_ulysses.hf.apply import patch_of
+
+    def one_block(token_type_ids: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+        return torch.where(token_type_ids == 1, 0, -1).to(device)
+
+    monkeypatch.setattr(modeling_gemma3, "get_block_sequence_ids_for_mask", one_block)
+    model = tiny_model("gemma3")
+    apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+    try:
+        assert "no causal pattern with image spans" in patch_of(model).plan.token_types
+        ids = torch.randint(3, 100, (1, 8))
+        positions = torch.arange(8)[None]
+        with pytest.raises(ValueError, match="was given token_type_ids"):
+            model(input_ids=ids, position_ids=positions, token_type_ids=torch.zeros_like(ids))
+        model(input_ids=ids, position_ids=positions)
+    finally:
+        remove_ulysses_attention(model)
+
+
 def test_a_text_model_is_refused() -> None:
     from transformers import AutoModelForCausalLM
 
