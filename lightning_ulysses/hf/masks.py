@@ -121,14 +121,16 @@ class RecordedMasks:
         """The pattern of the mask an attention layer received, or ``None`` and why it is not one we run.
 
         Masks of different patterns can be equal on the probe's few tokens (a sliding window longer than the probe
-        is causal there): among the recorded masks equal to the one received, the one built with the ``window``
-        the layer passes (its ``sliding_window``) is its pattern, else the first."""
+        is causal there): the recorded mask that is the very tensor received is its pattern; failing that, among
+        those equal to it, the one built with the ``window`` the layer passes (its ``sliding_window``), else the
+        first."""
         if received is None:
             return MaskPattern(), ""  # no mask: transformers' kernels then attend causally
         allowed, why = allowed_keys(received)
         if allowed is None:
             return None, why
-        equal = [
+        same = [pattern for mask, pattern in self.masks if mask is received]
+        equal = same or [
             pattern
             for mask, pattern in self.masks
             if allowed.shape[-2:] == mask.shape[-2:] and bool((allowed == mask).all())
