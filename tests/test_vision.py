@@ -452,15 +452,26 @@ def test_sp4_and_dp_x_sp_equal_one_process_of_the_plain_model(
 # ---------------------------------------------------------------------------------------------
 # VisionChatDataModule: local chats with image paths, a processor folder made here
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def chat_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from examples.make_vlm_data import save_llava_processor
-    from tests.vision_data import save_tiny_chats
+TOKENS_PER_IMAGE = {"llava": 16, "gemma3": 4}
 
-    root = tmp_path_factory.mktemp("vision_chats")
+
+@pytest.fixture(scope="module", params=["llava", "gemma3"])
+def chat_files(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from examples.make_vlm_data import save_llava_processor
+    from tests.vision_data import save_gemma3_processor, save_tiny_chats
+
+    family = request.param
+    root = tmp_path_factory.mktemp(f"vision_chats_{family}")
     (root / "processor").mkdir()
-    fields = save_llava_processor(root / "processor")
-    return {"chats": save_tiny_chats(root), "processor": str(root / "processor"), "media": str(root), "fields": fields}
+    save = save_llava_processor if family == "llava" else save_gemma3_processor
+    fields = save(root / "processor")
+    return {
+        "chats": save_tiny_chats(root),
+        "processor": str(root / "processor"),
+        "media": str(root),
+        "fields": fields,
+        "family": family,
+    }
 
 
 def chat_data(files: dict[str, Any], mode: str, batch_size: int = 2) -> Any:
@@ -509,27 +520,31 @@ def test_chat_rows_label_the_assistant_and_carry_their_images(chat_files: dict[s
         spans = zip(starts[:-1], starts[1:], strict=True)
         answers = [data.tokenizer.decode(ids[s:e][labels[s:e] != -100]) for s, e in spans]
         assert all(a.startswith("Noise number ") and a.endswith(".<|im_end|>\n") for a in answers), answers
-        assert int((ids == image).sum()) == 16 * row["vision"]["pixel_values"].shape[0]
+        tokens_per_image = TOKENS_PER_IMAGE[chat_files["family"]]
+        assert int((ids == image).sum()) == tokens_per_image * row["vision"]["pixel_values"].shape[0]
         assert (labels[ids == image] == -100).all()
     assert any(len(data.train_dataset.rows[i]) > 1 for i in range(len(data.train_dataset)))  # packing happened
 
 
 def test_a_chat_batch_trains_as_the_plain_model(chat_files: dict[str, Any]) -> None:
     """A padded batch of the data module, the VisionLanguageModel path at sp=1 vs each row alone in the plain model."""
-    fields = chat_files["fields"]
+    fields, family = chat_files["fields"], chat_files["family"]
     batch = next(iter(chat_data(chat_files, "padded", batch_size=3).train_dataloader()))
-    model = tiny_model("llava", **fields)
+    model = tiny_model(family, **fields)
     expected_sum, expected_count, taken = torch.zeros(()), 0, 0
     for row in range(batch["input_ids"].shape[0]):
         length = int(batch["attention_mask"][row].sum())
         ids, labels = batch["input_ids"][row : row + 1, :length], batch["labels"][row : row + 1, :length]
-        images = int((ids == fields["image_token_id"]).sum()) // 16
-        pixels = batch["vision"]["pixel_values"][taken : taken + images]
+        placeholders = ids == fields["image_token_id"]
+        images = int(placeholders.sum()) // TOKENS_PER_IMAGE[family]
+        inputs = {"pixel_values": batch["vision"]["pixel_values"][taken : taken + images]}
+        if family == "gemma3":
+            inputs["token_type_ids"] = placeholders.long()
         taken += images
         count = int((labels[:, 1:] != -100).sum())
-        expected_sum = expected_sum + model(input_ids=ids, pixel_values=pixels, labels=labels).loss * count
+        expected_sum = expected_sum + model(input_ids=ids, labels=labels, **inputs).loss * count
         expected_count += count
-    got_sum, got_count = patched_loss_sum(vision_module("llava", model), model, batch)
+    got_sum, got_count = patched_loss_sum(vision_module(family, model), model, batch)
     assert int(got_count) == expected_count
     torch.testing.assert_close(got_sum, expected_sum, rtol=1e-5, atol=0)
 

@@ -408,6 +408,47 @@ def split_documents(family: str, batch: dict[str, Any]) -> list[dict[str, Any]]:
     return documents
 
 
+GEMMA3_CHATML = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'image' %}{{- '<start_of_image>' }}{%- else %}{{- part['text'] }}{%- endif %}{%- endfor %}"
+    "{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+"""ChatML with content parts, each image as Gemma 3's ``<start_of_image>`` (its processor expands it to the image's
+tokens between image start and end)."""
+
+
+def save_gemma3_processor(folder: Any) -> dict[str, int]:
+    """A tiny Gemma 3 processor in ``folder`` (the byte chat tokenizer with Gemma 3's image tokens, its PIL image
+    processor at 8 x 8 pixels, 4 tokens per image); returns the model config fields that must match it."""
+    import tempfile
+
+    from transformers import AutoTokenizer, Gemma3Processor
+    from transformers.models.gemma3 import Gemma3ImageProcessorPil
+
+    from lightning_ulysses.finetune import byte_chat_tokenizer
+
+    names = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer = byte_chat_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *names.values()]})
+    with tempfile.TemporaryDirectory() as saved:  # named special tokens are set when a tokenizer is loaded
+        tokenizer.save_pretrained(saved)
+        tokenizer = AutoTokenizer.from_pretrained(saved, extra_special_tokens=names)
+    image_processor = Gemma3ImageProcessorPil(size={"height": 8, "width": 8}, do_pan_and_scan=False)
+    processor = Gemma3Processor(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=GEMMA3_CHATML, image_seq_length=4
+    )
+    processor.save_pretrained(folder)
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in names.items()}
+    return dict(
+        image_token_id=ids["image_token"],
+        boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"],
+        vocab_size=len(tokenizer),
+    )
+
+
 def save_tiny_chats(folder: Any, records: int = 6, seed: int = 0) -> str:
     """PNG images of different sizes and chats about one or two of them (JSONL); returns the file's path."""
     import json
