@@ -6,7 +6,7 @@ ops that would synchronise on CUDA, during the forward and backward of a patched
 tiled MLP and activation checkpointing, on 2 gloo processes (sp=2, so the tiled MLP's token agreement is a real
 collective), and of a hybrid (Qwen3-Next: its convolutions and delta rules run head-sharded, the packed rows in
 length classes of documents for them) and of RWKV (its token shifts take a halo from the previous rank), each with
-Ulysses and with Ulysses x Ring (ring 2 x Ulysses 1). What is built
+Ulysses and with Ulysses x Ring (ring 2 x Ulysses 1), and of Gemma 3 with image spans (Ulysses). What is built
 once per batch (the documents, the attention plans, the mixers' length classes, the MLP tile count) runs before the
 first layer; the test requires 0 syncs in every layer and in the backward.
 """
@@ -123,12 +123,28 @@ def sync_worker(args: dict[str, Any]) -> dict[str, Any]:
                 for (where, op), n in _count_syncs(model, group, args["backend"], ring_size, tiled_mlp=False).items()
             }
         )
+    if ring_size == 1:  # Gemma 3 with image spans (bidirectional runs of token_type_ids == 1, rerun per span)
+        from tests.vision_data import tiny_model
+
+        counts.update(
+            {
+                (f"{where} (gemma3 spans)", op): n
+                for (where, op), n in _count_syncs(
+                    tiny_model("gemma3"), group, args["backend"], ring_size, tiled_mlp=False, spans=True
+                ).items()
+            }
+        )
     dist.destroy_process_group()
     return dict(counts)
 
 
 def _count_syncs(
-    model: torch.nn.Module, group: SequenceParallelGroup, backend: str, ring_size: int, tiled_mlp: bool
+    model: torch.nn.Module,
+    group: SequenceParallelGroup,
+    backend: str,
+    ring_size: int,
+    tiled_mlp: bool,
+    spans: bool = False,
 ) -> Counter[tuple[str, str]]:
     rank, sp = dist.get_rank(), dist.get_world_size()
     apply_ulysses_attention(model, group, sp, backend)
@@ -139,7 +155,8 @@ def _count_syncs(
     local = shard_index(seq, rank, sp, ring_size)
     input_ids = torch.randint(0, 61, (2, seq))
     counter = HostSyncs()
-    layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))  # the decoder layers
+    # the decoder layers (a vision-language model's tower has layers of its own)
+    layers = next(m for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and "vision" not in n)
 
     def enter(index: int) -> Any:
         def hook(*_: Any) -> None:
@@ -160,7 +177,14 @@ def _count_syncs(
         ]:  # packed rows; the second batch finds nothing of the first
             positions = torch.cat([torch.arange(n) for n in lengths])[None].repeat(2, 1)
             counter.where = "before the layers"
-            out = model(input_ids=input_ids[:, local], position_ids=positions[:, local], labels=input_ids[:, local])
+            extra = {}
+            if spans:  # runs of image tokens, one of them across the shard border
+                token_types = torch.zeros_like(input_ids)
+                token_types[:, 4:9] = token_types[:, 28:40] = 1
+                extra["token_type_ids"] = token_types[:, local]
+            out = model(
+                input_ids=input_ids[:, local], position_ids=positions[:, local], labels=input_ids[:, local], **extra
+            )
             counter.where = "backward"
             out.loss.backward()
     return counter.counts
