@@ -360,6 +360,9 @@ TWO_PROCESS_CASES = {
     "llava_packed_sp2_zero2": dict(family="llava", sp=2, stage=2, packed=True),
     "gemma3_sp2_zero2": dict(family="gemma3", sp=2, stage=2),
     "gemma3_packed_head_chunks_sp2_zero3": dict(family="gemma3", sp=2, stage=3, packed=True, head_chunks=2),
+    # the decoder checkpointed: DeepStack's rows and the image spans in the recomputation
+    "qwen3_vl_checkpointed_sp2_zero3": dict(family="qwen3_vl", sp=2, stage=3, checkpointing=True),
+    "gemma3_checkpointed_sp2_zero2": dict(family="gemma3", sp=2, stage=2, checkpointing=True),
 }
 FOUR_PROCESS_CASES = {
     "qwen2_vl_sp4_zero2": dict(family="qwen2_vl", sp=4, stage=2),
