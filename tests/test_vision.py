@@ -339,6 +339,11 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
             enable_progress_bar=False,
             enable_model_summary=False,
         )
+        if case.get("refused"):
+            with pytest.raises(ValueError) as refusal:
+                trainer.fit(module, loader)
+            results[name] = {"refusal": str(refusal.value), "losses": module.losses}
+            continue
         trainer.fit(module, loader)
         results[name] = {"losses": module.losses, "params": gathered_parameters(module.model, case["stage"] == 3)}
     return results
@@ -390,9 +395,12 @@ FOUR_PROCESS_CASES = {
 }
 
 
+REFUSED_CASES = {"gemma3_ring2_zero2": dict(family="gemma3", sp=2, ring=2, stage=2, refused=True)}
+
+
 @pytest.fixture(scope="module")
 def two_process_results() -> list[dict[str, Any]]:
-    return launch("tests.test_vision:sp_worker", 2, {"cases": TWO_PROCESS_CASES})
+    return launch("tests.test_vision:sp_worker", 2, {"cases": {**TWO_PROCESS_CASES, **REFUSED_CASES}})
 
 
 @pytest.fixture(scope="module")
@@ -443,6 +451,13 @@ def check_against_reference(name: str, case: dict[str, Any], results: list[dict[
 @pytest.mark.parametrize("name", TWO_PROCESS_CASES)
 def test_sp2_equals_one_process_of_the_plain_model(two_process_results: list[dict[str, Any]], name: str) -> None:
     check_against_reference(name, TWO_PROCESS_CASES[name], two_process_results)
+
+
+def test_gemma3_images_under_the_ring_are_refused_before_any_step(two_process_results: list[dict[str, Any]]) -> None:
+    for result in two_process_results:
+        refused = result["gemma3_ring2_zero2"]
+        assert "attend to themselves bidirectionally" in refused["refusal"] and "ring_size=1" in refused["refusal"]
+        assert refused["losses"] == []
 
 
 @pytest.mark.parametrize("name", FOUR_PROCESS_CASES)
