@@ -17,18 +17,18 @@ from lightning_ulysses.sharding import zigzag_order
 
 
 def all_to_all(
-    x: Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int, observer: CollectiveObserver | None = None
+    x: Tensor, group: ProcessGroup | None, scatter_dim: int, gather_dim: int, observer: CollectiveObserver | None = None
 ) -> Tensor:
-    """Split ``x`` into ``P`` chunks along ``scatter_dim``, send chunk ``j`` to rank ``j`` of ``group``,
-    and concatenate the received chunks (in rank order) along ``gather_dim``. Not differentiable. The call runs
-    inside ``observer.all_to_all`` while one is set (a measurement, see
+    """Split ``x`` into ``P`` chunks along ``scatter_dim``, send chunk ``j`` to rank ``j`` of ``group`` (``None``: the
+    default group), and concatenate the received chunks (in rank order) along ``gather_dim``. Not differentiable.
+    The call runs inside ``observer.all_to_all`` while one is set (a measurement, see
     :class:`~lightning_ulysses.groups.CollectiveObserver`)."""
     if observer is not None and observer.all_to_all is not None:
         return observer.all_to_all(functools.partial(_exchange, x, group, scatter_dim, gather_dim))
     return _exchange(x, group, scatter_dim, gather_dim)
 
 
-def _exchange(x: Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> Tensor:
+def _exchange(x: Tensor, group: ProcessGroup | None, scatter_dim: int, gather_dim: int) -> Tensor:
     world = dist.get_world_size(group)
     if world == 1:
         return x
@@ -45,7 +45,7 @@ class _AllToAll(torch.autograd.Function):
     def forward(
         ctx: Any,
         x: Tensor,
-        group: ProcessGroup,
+        group: ProcessGroup | None,
         scatter_dim: int,
         gather_dim: int,
         observer: CollectiveObserver | None,
@@ -59,13 +59,13 @@ class _AllToAll(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def sequence_to_heads(x: Tensor, group: ProcessGroup, observer: CollectiveObserver | None = None) -> Tensor:
+def sequence_to_heads(x: Tensor, group: ProcessGroup | None, observer: CollectiveObserver | None = None) -> Tensor:
     """``[B, N/P, H, D] -> [B, N, H/P, D]``: gather the sequence, scatter the heads (forward and backward reported to
     ``observer``)."""
     return _AllToAll.apply(x, group, 2, 1, observer)
 
 
-def heads_to_sequence(x: Tensor, group: ProcessGroup, observer: CollectiveObserver | None = None) -> Tensor:
+def heads_to_sequence(x: Tensor, group: ProcessGroup | None, observer: CollectiveObserver | None = None) -> Tensor:
     """``[B, N, H/P, D] -> [B, N/P, H, D]``: gather the heads, scatter the sequence (forward and backward reported to
     ``observer``)."""
     return _AllToAll.apply(x, group, 1, 2, observer)

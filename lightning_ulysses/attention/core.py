@@ -60,5 +60,6 @@ def equal_head_dims(query: Tensor, key: Tensor, value: Tensor, *like_value: Tens
     if qk_dim < value_dim:
         query, key = (F.pad(t, (0, value_dim - qk_dim)) for t in (query, key))
     elif value_dim < qk_dim:
-        value, *like_value = (F.pad(t, (0, qk_dim - value_dim)) for t in (value, *like_value))
+        value, *padded = (F.pad(t, (0, qk_dim - value_dim)) for t in (value, *like_value))
+        like_value = tuple(padded)  # as typed (a starred target makes a list); unpacked below either way
     return (query, key, value, *like_value)

@@ -182,7 +182,7 @@ def plan_ring(
     chunk = seq_len // (2 * ring_size)
     if documents is None or documents.one_per_row:
 
-        def same_document(x: int, y: int) -> str:
+        def same_document(x: int, y: int) -> Literal["all", "some", "none"]:
             return "all"
 
         def first_column(x: int) -> int:
@@ -190,7 +190,7 @@ def plan_ring(
     else:
         offsets = documents.offsets
 
-        def same_document(x: int, y: int) -> str:
+        def same_document(x: int, y: int) -> Literal["all", "some", "none"]:
             same = [
                 bisect.bisect_right(offsets, row * seq_len + x) == bisect.bisect_right(offsets, row * seq_len + y)
                 for row in range(batch)
@@ -248,6 +248,7 @@ def _pair_forward(
             mask = plan.mask(pair, tile, query.device) if tile.kind == "masked" else None
             keys, values = key[:, tile.k_lo : tile.k_hi], value[:, tile.k_lo : tile.k_hi]
             acc = merge_blocks(acc, *block_forward(query[:, lo:hi], keys, values, tile.kind, mask, scale))
+        assert acc is not None  # groupby's groups are never empty
         out[:, lo:hi], lse[:, lo:hi] = acc
     return out, lse
 
@@ -288,7 +289,7 @@ def _pair_backward(
 
 
 def _attend_step(
-    queries: tuple[Tensor, Tensor],
+    queries: tuple[Tensor, ...],
     kv: list[Tensor],
     pairs: tuple[BlockPair, ...],
     plan: RingPlan,
@@ -304,12 +305,12 @@ def _attend_step(
 
 
 def _gradient_step(
-    split: list[tuple[Tensor, Tensor]],
+    split: list[tuple[Tensor, ...]],
     kv: list[Tensor],
     pairs: tuple[BlockPair, ...],
     plan: RingPlan,
     scale: float,
-    grad_queries: tuple[Tensor, Tensor],
+    grad_queries: tuple[Tensor, ...],
 ) -> list[Tensor]:
     """Backward of one ring step: add the query gradients into ``grad_queries``; return this rank's fp32 share of the
     gradient of the K/V block ``kv``."""
@@ -317,8 +318,8 @@ def _gradient_step(
     keys, values = (t.chunk(2, dim=1) for t in kv)
     grad_keys, grad_values = (t.chunk(2, dim=1) for t in grad_kv)
     for pair in pairs:
-        g, q, o, l = (t[pair.query] for t in split)
-        query_parts, key_parts = _pair_backward(g, q, keys[pair.key], values[pair.key], o, l, pair, plan, scale)
+        g, q, o, lse = (t[pair.query] for t in split)
+        query_parts, key_parts = _pair_backward(g, q, keys[pair.key], values[pair.key], o, lse, pair, plan, scale)
         for rows, dq in query_parts:
             grad_queries[pair.query][:, rows] += dq
         for columns, dk, dv in key_parts:
@@ -403,6 +404,7 @@ class _RingAttention(torch.autograd.Function):
             if not last:
                 _wait(requests)
                 kv = incoming
+        assert travelling is not None  # a ring of any size runs at least one step
         received, waits = travelling
         _wait(waits)
         grad_key, grad_value = (g.to(t.dtype) for g, t in zip(received, (key, value)))

@@ -236,9 +236,9 @@ def check_block_kernels(device: torch.device, dtype: torch.dtype, chunk: int = 4
         return [f"{dtype}: the kernels fail: {str(error).splitlines()[0]}"]
     failures = []
     for what, ref, got in zip(("output", "log-sum-exp", "dQ", "dK", "dV"), reference, ours):
-        error = ((got.double().cpu() - ref).norm() / ref.norm()).item()
-        if not error <= TOLERANCE[dtype]:  # NaN fails too
-            failures.append(f"{dtype} {what}: relative error {error:.1e} > {TOLERANCE[dtype]:.0e}")
+        relative_error = ((got.double().cpu() - ref).norm() / ref.norm()).item()
+        if not relative_error <= TOLERANCE[dtype]:  # NaN fails too
+            failures.append(f"{dtype} {what}: relative error {relative_error:.1e} > {TOLERANCE[dtype]:.0e}")
     return failures
 
 
@@ -255,7 +255,8 @@ def _dense_attention(
     lse = scores.logsumexp(-1)
     out = torch.einsum("bhnm,bmhd->bnhd", torch.softmax(scores, -1), v)
     out.backward(grad)
-    return out.detach(), lse.transpose(1, 2).detach(), query.grad, key.grad, value.grad
+    # the clones are leaves that require grad: backward has filled their .grad (typed Tensor | None)
+    return out.detach(), lse.transpose(1, 2).detach(), query.grad, key.grad, value.grad  # type: ignore[return-value]
 
 
 def _blockwise_attention(
@@ -276,6 +277,7 @@ def _blockwise_attention(
     acc = None
     for (kind, mask), key, value in zip(device_blocks, key_blocks, value_blocks):
         acc = merge_blocks(acc, *block_forward(query, key, value, kind, mask, scale))
+    assert acc is not None  # blocks is not empty
     out, lse = acc[0].to(dtype), acc[1]
     grad_query, grad_keys, grad_values = torch.zeros_like(query, dtype=torch.float32), [], []
     for (kind, mask), key, value in zip(device_blocks, key_blocks, value_blocks):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch.distributed as dist
 from torch import Tensor
@@ -126,7 +127,8 @@ def ulysses_attention(
 
     def attend(q: Tensor, k: Tensor, v: Tensor, head_sinks: Tensor | None) -> Tensor:
         if head_sinks is None:
-            return core(q, k, v, documents, scale=scale, dropout_p=dropout_p, window=window)
+            # without return_lse: the output alone
+            return cast(Tensor, core(q, k, v, documents, scale=scale, dropout_p=dropout_p, window=window))
         return sink_attention(core, q, k, v, documents, head_sinks, scale=scale, window=window)
 
     if bidirectional is not None and spans.spans:
@@ -134,6 +136,7 @@ def ulysses_attention(
 
     if sp_size == 1:
         return attend(query, key, value, sinks)
+    assert group is not None  # sp_size > 1: a process group of that many ranks
     if head_chunks is not None:
         return chunked_ulysses(query, key, value, sinks, layout, group, attend, head_chunks, random=dropout_p > 0)
     sinks = _sinks_of_rank(sinks, layout, group)
@@ -212,6 +215,7 @@ def _ulysses_x_ring(
     ring attention across ``groups.ring``, and back: ``[B, N/P, H, D]`` queries and keys, ``[B, N/P, H, D_v]`` values
     -> ``[B, N/P, H, D_v]``."""
     ulysses, ring, observer = groups.ulysses, groups.ring, groups.observer
+    assert ring is not None  # ring_groups hands over groups with a ring only
     layout = plan_heads(query.shape[2], key.shape[2], dist.get_world_size(ulysses))
     if head_chunks is not None:
 
@@ -229,8 +233,9 @@ def _ulysses_x_ring(
                 sinks=head_sinks,
             )
 
-        return chunked_ulysses(query, key, value, sinks, layout, ulysses, attend, head_chunks)
-    sinks = _sinks_of_rank(sinks, layout, ulysses)
+        # ulysses: SequenceParallelGroups.create makes Ulysses groups with a ring (were it None, dist's default group)
+        return chunked_ulysses(query, key, value, sinks, layout, ulysses, attend, head_chunks)  # type: ignore[arg-type]
+    sinks = _sinks_of_rank(sinks, layout, ulysses)  # type: ignore[arg-type]  # as above
     query = sequence_to_heads(select_heads(query, layout.query_slots), ulysses, observer)  # [B, N/R, h, D]
     key, value = (sequence_to_heads(select_heads(t, layout.kv_slots), ulysses, observer) for t in (key, value))
     out = ring_attention(
