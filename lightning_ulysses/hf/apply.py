@@ -59,7 +59,7 @@ class Patch:
         """Bring the modules to ``plan``: undo the changes of the current plan that ``plan`` does not hold, then make
         those it adds."""
         wanted = self._changes(plan)
-        for key in self.ledger.keys():
+        for key in self.ledger.keys():  # noqa: SIM118 - a Ledger is no dict: keys() is a copy, and undo() removes keys
             if key != _HOOK and key not in wanted:
                 self.ledger.undo(key)
         for key, change in wanted.items():

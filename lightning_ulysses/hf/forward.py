@@ -141,8 +141,8 @@ def check_foldable_attention_mask(mask: Tensor, position_ids: Tensor, group: Seq
         raise ValueError(
             f"The model received an attention_mask of shape {tuple(mask.shape)}; under sequence parallelism only a "
             f"2-D padding mask shaped like the position ids {tuple(position_ids.shape)} can be taken (it is "
-            "folded into the document layout). Put padding in the batch (attention_mask / position_ids) and let UlyssesStrategy "
-            "prepare it."
+            "folded into the document layout). Put padding in the batch (attention_mask / position_ids) and let "
+            "UlyssesStrategy prepare it."
         )
     whole_mask = gather_sequence(mask.bool(), group)
     starts = documents_of(position_ids, group).starts

@@ -173,7 +173,7 @@ def recording_mask_interface(recorded: RecordedMasks) -> Callable[..., Tensor]:
         device: Any = "cpu",
         **kwargs: Any,
     ) -> Tensor:
-        options = dict(mask_function=mask_function) if mask_function is not None else {}
+        options: dict[str, Any] = dict(mask_function=mask_function) if mask_function is not None else {}
         mask = sdpa_mask(
             batch_size=batch_size,
             q_length=q_length,
@@ -187,6 +187,7 @@ def recording_mask_interface(recorded: RecordedMasks) -> Callable[..., Tensor]:
             device=device,
             **options,
         )
+        assert mask is not None  # neither skip allowed (causal, bidirectional): sdpa_mask builds the mask whole
         function = mask_function if mask_function is not None else (lambda b, h, q, kv: kv <= q)
         index_based = not use_vmap and attention_mask is None
         pattern = identify_pattern(mask, function, local_size, q_offset, kv_offset, index_based)

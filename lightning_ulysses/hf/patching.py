@@ -61,7 +61,13 @@ def apply_ulysses_attention(
         _log_head_layout(hf_model, sp_size // ring_size_of(group))
         patch = Patch(
             hf_model,
-            PatchState(group, core, sp_size, gather_mixers=sequence_mixers == "gather", head_chunks=head_chunks),
+            PatchState(
+                group,  # type: ignore[arg-type]  # a process group or None: PatchState.__post_init__ makes it groups
+                core,
+                sp_size,
+                gather_mixers=sequence_mixers == "gather",
+                head_chunks=head_chunks,
+            ),
         )
         try:
             outcome = check_model(hf_model, patch.state, patch.realize)

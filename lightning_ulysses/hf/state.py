@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from lightning_ulysses.attention.head_chunks import HeadChunks
 from lightning_ulysses.groups import SequenceParallelGroups, as_groups
 
 SequenceMixers = Literal["refuse", "gather"]
@@ -61,7 +62,7 @@ class PatchState:
     spans: Tensor | None = None
     """``[B, N/sp]`` bool, the shard's tokens of bidirectional spans in the latest forward (``token_types ==
     "spans"`` and the model was given ``token_type_ids``), else ``None``."""
-    head_chunks: int | str | None = None
+    head_chunks: HeadChunks | None = None
     """``UlyssesStrategy(head_chunks=...)``: every layer's ``ulysses_attention(head_chunks=...)``
     (:mod:`lightning_ulysses.attention.head_chunks`)."""
 

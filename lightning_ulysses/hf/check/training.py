@@ -86,8 +86,8 @@ def training_run(
         "convolution over the sequence, a recurrent, linear-attention or state-space layer), computes from local token "
         "indices, or reads the attention mask outside attention. Only softmax attention runs across the shards"
         if state.sp_size > 1
-        else "reads the [N, N] attention mask outside attention (its output changes when transformers builds none, as under "
-        "sequence parallelism)"
+        else "reads the [N, N] attention mask outside attention (its output changes when transformers builds none, as "
+        "under sequence parallelism)"
     )
 
     def compare(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:

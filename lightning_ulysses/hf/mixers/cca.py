@@ -22,7 +22,7 @@ runs on this rank's tokens as in the layer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,8 @@ _PARTS = (
 )
 
 
-def is_cca_projection(module: nn.Module) -> bool:
+# ``module: Any``: the layer's parts are read by name, which nn.Module's stubs type as ``Tensor | Module``
+def is_cca_projection(module: Any) -> bool:
     """A layer built like ZAYA's CCA projection: q, k, current and delayed value projections, a depthwise
     ``Conv1d`` over the q|k channels and a grouped one with a group of ``head_dim`` channels per head, their kernel
     sizes adding up to ``conv_kernel_size + 2``."""
@@ -75,8 +76,9 @@ def _per_head(parameter: Tensor | None, heads: int) -> Tensor | None:
     return None if parameter is None else parameter.unflatten(0, (heads, -1))
 
 
+# ``module: Any``: the layer's parts are read by name, which nn.Module's stubs type as ``Tensor | Module``
 def sharded_cca_forward(
-    module: nn.Module, group: Callable[[], SequenceParallelGroup], documents: Callable[[], Documents | None]
+    module: Any, group: Callable[[], SequenceParallelGroup], documents: Callable[[], Documents | None]
 ) -> Callable[..., Any]:
     """The projection's forward on this rank's ``[B, N/P, C]`` tokens: ``(query [B, N/P, Hq, D], key and value
     [B, N/P, Hkv, D])`` as the layer returns them, its convolutions head-sharded over the whole sequence (see the
@@ -101,15 +103,15 @@ def sharded_cca_forward(
         key_residual = query_residual.view(batch, seq_len, -1, module.num_key_value_groups, head_dim).mean(dim=-2)
 
         core = ShardedCore(group(), heads, heads, documents())
-        weights = [
-            core.local(_per_head(p, heads)) if p is not None else None
+        weights: list[Any] = [  # Tensor or None: the convolutions' weights and biases, this rank's heads
+            core.local(cast(Tensor, _per_head(p, heads))) if p is not None else None
             for p in (depthwise.weight, depthwise.bias, grouped.weight, grouped.bias)
         ]
         local_heads = weights[0].shape[0]
 
         def convolutions(qk: Tensor) -> tuple[Tensor, None]:  # [b, n, h, D]: this rank's heads, whole rows
             x = F.pad(qk.flatten(2).transpose(1, 2), (module.conv_kernel_size, 0))
-            flat = [None if w is None else w.flatten(0, 1) for w in weights]
+            flat: list[Any] = [None if w is None else w.flatten(0, 1) for w in weights]
             x = F.conv1d(x, flat[0], flat[1], groups=local_heads * head_dim)
             x = F.conv1d(x, flat[2], flat[3], groups=local_heads)
             return x.transpose(1, 2).unflatten(2, (local_heads, head_dim)).contiguous(), None

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_ulysses.attention import Documents
 from lightning_ulysses.groups import SequenceParallelGroup
@@ -38,7 +38,8 @@ _PARTS = (
 )
 
 
-def is_lightning_attention(module: nn.Module) -> bool:
+# ``module: Any``: the layer's parts are read by name, which nn.Module's stubs type as ``Tensor | Module``
+def is_lightning_attention(module: Any) -> bool:
     """A layer built like transformers' lightning attention: a q|k|v projection, per-head decay buffers
     (``slope_rate`` ``[H, 1, 1]``, ``query_decay`` / ``key_decay`` ``[H, block, 1]``, ``diagonal_decay``
     ``[1, H, block, block]``), a norm, an output gate and an out-projection."""
@@ -52,8 +53,9 @@ def is_lightning_attention(module: nn.Module) -> bool:
     )
 
 
+# ``module: Any``: the layer's parts are read by name, which nn.Module's stubs type as ``Tensor | Module``
 def lightning_attention(
-    query: Tensor, key: Tensor, value: Tensor, module: nn.Module, heads: Callable[[Tensor], Tensor]
+    query: Tensor, key: Tensor, value: Tensor, module: Any, heads: Callable[[Tensor], Tensor]
 ) -> tuple[Tensor, Tensor]:
     """``[B, H', N, D]`` query, key, value -> ``[B, H', N, D]`` output and ``[B, H', D, D]`` final ``K^T V`` state:
     lightning attention of ``module`` over whole sequences for the heads that ``heads`` selects from a per-head
@@ -74,8 +76,9 @@ def lightning_attention(
     return torch.cat(outputs, dim=-2), state
 
 
+# ``module: Any``: the layer's parts are read by name, which nn.Module's stubs type as ``Tensor | Module``
 def sharded_lightning_forward(
-    module: nn.Module, group: Callable[[], SequenceParallelGroup], documents: Callable[[], Documents | None]
+    module: Any, group: Callable[[], SequenceParallelGroup], documents: Callable[[], Documents | None]
 ) -> Callable[..., Any]:
     """The layer's forward on this rank's ``[B, N/P, C]`` tokens, lightning attention head-sharded over the whole
     sequence; returns ``(output, state)`` as the layer does, the final state of every head gathered and detached
@@ -100,7 +103,12 @@ def sharded_lightning_forward(
         query, key, value = (core.scatter(t) for t in torch.split(qkv, head_dim, dim=3))
 
         def on_rows(*rows: Tensor) -> tuple[Tensor, Tensor]:  # [b, n, h, D] query, key, value
-            out, state = lightning_attention(*(t.transpose(1, 2) for t in rows), module, core.local)
+            # mypy cannot count the starred generator: the three rows are query, key and value
+            out, state = lightning_attention(  # type: ignore[call-arg]
+                *(t.transpose(1, 2) for t in rows),  # type: ignore[arg-type]
+                module,
+                core.local,
+            )
             return out.transpose(1, 2), state
 
         out, state = core.run(on_rows, query, key, value)

@@ -49,7 +49,8 @@ _RG_LRU_PARTS = (
 )
 
 
-def is_recurrent_block(module: nn.Module) -> bool:
+# ``module: Any``: the layer's parts are read by name, which nn.Module's stubs type as ``Tensor | Module``
+def is_recurrent_block(module: Any) -> bool:
     """A block built like Griffin's recurrent block: per-token ``linear_x`` / ``linear_y`` / ``linear_out``, a depthwise
     causal ``conv_1d`` (padding ``K - 1``) over the ``C`` channels and an ``rg_lru`` child with ``recurrent_param``
     ``[C]``, per-head gates ``input_gate_weight`` / ``recurrent_gate_weight`` ``[H, bw, bw]`` and their biases
@@ -75,7 +76,8 @@ def is_recurrent_block(module: nn.Module) -> bool:
     )
 
 
-def rg_lru(lru: nn.Module, x: Tensor, reset: Tensor, heads: Callable[[Tensor], Tensor]) -> Tensor:
+# ``lru: Any``: the layer's parts are read by name, which nn.Module's stubs type as ``Tensor | Module``
+def rg_lru(lru: Any, x: Tensor, reset: Tensor, heads: Callable[[Tensor], Tensor]) -> Tensor:
     """``[b, n, h x bw]`` activations and ``[b, n, 1]`` reset flags -> ``[b, n, h x bw]``: the RG-LRU ``lru`` over whole
     rows for the heads that ``heads`` selects from a per-head parameter (head axis first), from a zero state."""
     batch, seq_len, width = x.shape
@@ -103,8 +105,9 @@ def rg_lru(lru: nn.Module, x: Tensor, reset: Tensor, heads: Callable[[Tensor], T
     return out
 
 
+# ``module: Any``: the layer's parts are read by name, which nn.Module's stubs type as ``Tensor | Module``
 def sharded_recurrent_forward(
-    module: nn.Module, group: Callable[[], SequenceParallelGroup], documents: Callable[[], Documents | None]
+    module: Any, group: Callable[[], SequenceParallelGroup], documents: Callable[[], Documents | None]
 ) -> Callable[..., Any]:
     """The block's forward on this rank's ``[B, N/P, C]`` tokens, its convolution and RG-LRU head-sharded over the
     whole sequence (see the module docstring); returns ``(output, None)`` as the block does. Training only: a

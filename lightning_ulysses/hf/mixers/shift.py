@@ -169,6 +169,8 @@ def sharded_shift_forward(
     """The shift module's forward on this rank's ``[B, N/P, C]`` tokens (:func:`shift_sequence`, filled with the
     module's constant); any other input (not 3-D, or not ``local_tokens()`` long) runs the module's own forward."""
     shift, forward = sequence_shift_of(module), module.forward
+    # hook.py shards the modules that sequence_shift_of recognises: constant-padding ones
+    assert shift is not None and isinstance(module, nn.modules.padding._ConstantPadNd)
 
     def sharded(x: Tensor) -> Tensor:
         if x.dim() != 3 or x.shape[1] != local_tokens():
