@@ -84,12 +84,13 @@ class UlyssesCLI(LightningCLI):
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         super()._add_subcommands(parser, **kwargs)
-        for choice in parser._subcommands_action._choices_actions:  # Lightning's are cut mid-sentence
+        subcommands = parser._subcommands_action
+        assert subcommands is not None  # LightningCLI has just added them
+        for choice in subcommands._choices_actions:  # Lightning's are cut mid-sentence
             choice.help = COMMAND_HELP.get(choice.dest, choice.help)
         for name, function in COMMANDS.items():  # listed in --help; main() runs them without LightningCLI
-            parser._subcommands_action.add_subcommand(
-                name, command_parser(name, function), help=function.__doc__.splitlines()[0]
-            )
+            assert function.__doc__ is not None  # a command's first docstring line is its --help entry
+            subcommands.add_subcommand(name, command_parser(name, function), help=function.__doc__.splitlines()[0])
 
     def _parse_ckpt_path(self) -> None:
         """Lightning unpickles a file ``ckpt_path`` here for its hyperparameters, before any check: a file that is
@@ -119,8 +120,10 @@ class UlyssesCLI(LightningCLI):
         return super()._instantiate_trainer(config, [*callbacks, RunFolderReport()])
 
     def before_predict(self) -> None:
-        if not any(isinstance(callback, PredictionWriter) for callback in self.trainer.callbacks):
-            self.trainer.callbacks.append(PredictionWriter())
+        # Lightning's connectors set it on the Trainer, whose class does not declare it (mypy: attr-defined)
+        callbacks: list[Callback] = self.trainer.callbacks  # type: ignore[attr-defined]
+        if not any(isinstance(callback, PredictionWriter) for callback in callbacks):
+            callbacks.append(PredictionWriter())
 
 
 def _keep_last_checkpoint_current(trainer: Any) -> None:
@@ -134,7 +137,8 @@ def _keep_last_checkpoint_current(trainer: Any) -> None:
 
 
 def _log_into_the_run(config: Any, command: str) -> None:
-    """Evaluation from a run's checkpoint logs into ``<run>/<command>/`` instead of a new ``version_N`` of the run's name."""
+    """Evaluation from a run's checkpoint logs into ``<run>/<command>/`` instead of a new ``version_N`` of the run's
+    name."""
     run = run_folder_of(config.get("ckpt_path"))
     logger = config.trainer.get("logger")
     init_args = getattr(logger, "init_args", None)

@@ -2,8 +2,9 @@
 
 Each refusal is one :class:`ConfigError` that names the key and what to change; the CLI prints it as one line and
 exits with status 2. The checkpoint's files are read whole only in the command the user ran (a launcher's ranks leave
-that to the strategy, which splits the files among them). The same rules hold inside the processes (:class:`~lightning_ulysses.UlyssesStrategy`,
-the data modules, the checkpoint loader), where they would otherwise be found only after start-up, once per rank.
+that to the strategy, which splits the files among them). The same rules hold inside the processes
+(:class:`~lightning_ulysses.UlyssesStrategy`, the data modules, the checkpoint loader), where they would otherwise be
+found only after start-up, once per rank.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class ConfigError(ValueError):
 
 
 def check_config(subcommand: str | None, config: Any) -> None:
-    """Raise :class:`ConfigError` for what the config alone shows cannot run (``config``: the subcommand's namespace)."""
+    """Raise :class:`ConfigError` for what the config alone shows cannot run (``config``: the subcommand's
+    namespace)."""
     trainer = config.trainer
     strategy_args = _ulysses_init_args(trainer.get("strategy"))
     if strategy_args is not None:
@@ -44,8 +46,8 @@ def check_config(subcommand: str | None, config: Any) -> None:
         for callback in trainer.get("callbacks") or []:
             if str(getattr(callback, "class_path", "")).endswith(".LearningRateMonitor"):
                 raise ConfigError(
-                    "trainer.logger=false, but trainer.callbacks has a LearningRateMonitor, which logs through a logger: "
-                    "keep a logger, or remove the LearningRateMonitor from trainer.callbacks."
+                    "trainer.logger=false, but trainer.callbacks has a LearningRateMonitor, which logs through a "
+                    "logger: keep a logger, or remove the LearningRateMonitor from trainer.callbacks."
                 )
     _check_split(subcommand, config.get("data"))
     data_args = getattr(config.get("data"), "init_args", None)
@@ -172,8 +174,9 @@ def _check_checkpoint(subcommand: str | None, path: Path, max_steps: Any) -> Non
     universal = is_universal_checkpoint(path)
     if universal and subcommand != "fit":
         raise ConfigError(
-            f"ckpt_path={str(path)!r} is a converted (universal) checkpoint, which resumes fit only. {subcommand} from "
-            "the checkpoint as saved (on its own process count and ZeRO stage), or export it (lightning-ulysses export)."
+            f"ckpt_path={str(path)!r} is a converted (universal) checkpoint, which resumes fit only. {subcommand} "
+            "from the checkpoint as saved (on its own process count and ZeRO stage), or export it "
+            "(lightning-ulysses export)."
         )
     if not _is_a_launched_rank():  # each rank of a launched job would read every file; the strategy's check splits them
         try:
@@ -184,6 +187,6 @@ def _check_checkpoint(subcommand: str | None, path: Path, max_steps: Any) -> Non
         step = saved_global_step(path)
         if step >= max_steps:
             raise ConfigError(
-                f"ckpt_path={str(path)!r} was saved at global step {step} and trainer.max_steps={max_steps}: nothing is "
-                f"left to train. To train on, raise the limit, e.g. --trainer.max_steps {max(2 * step, step + 1)}."
+                f"ckpt_path={str(path)!r} was saved at global step {step} and trainer.max_steps={max_steps}: nothing "
+                f"is left to train. To train on, raise the limit, e.g. --trainer.max_steps {max(2 * step, step + 1)}."
             )

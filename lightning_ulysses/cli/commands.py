@@ -57,7 +57,7 @@ def export(checkpoint: str, output: str) -> None:
             f"export writes the transformers model that the LightningModule holds as .model; {type(module).__name__} "
             "has none. Call lightning_ulysses.export_hf_model with your model and its prefix."
         )
-    tokenizer = getattr(built.data, "tokenizer", None)
+    tokenizer: Any = getattr(built.data, "tokenizer", None)  # whatever the data module tokenizes with
     if tokenizer is not None:
         _set_special_token_ids(model, tokenizer)
     export_hf_model(ckpt, model, output)
@@ -106,8 +106,8 @@ def _run_and_checkpoint(path: Path) -> tuple[Path, Path]:
     run = path.parent.parent
     if path.parent.name != "checkpoints" or not (run / "config.yaml").is_file():
         raise FileNotFoundError(
-            f"{path} is neither a run folder with a config.yaml (runs/<name>/version_N) nor a checkpoint inside a run's "
-            "checkpoints/ folder; export builds the model from the run's config.yaml."
+            f"{path} is neither a run folder with a config.yaml (runs/<name>/version_N) nor a checkpoint inside a "
+            "run's checkpoints/ folder; export builds the model from the run's config.yaml."
         )
     return run, path
 

@@ -91,14 +91,16 @@ def _is_key_table(paragraph: str) -> bool:
 class UlyssesArgumentParser(LightningArgumentParser):
     """LightningCLI's parser whose errors are short (see the module's docstring)."""
 
-    def parse_args(self, args: Sequence[str] | None = None, *more: Any, **kwargs: Any) -> Any:
+    def parse_args(  # type: ignore[override]  # as jsonargparse's own, which departs from argparse's overloads
+        self, args: Sequence[str] | None = None, *more: Any, **kwargs: Any
+    ) -> Any:
         self._argv = list(sys.argv[1:] if args is None else args)
         return super().parse_args(args, *more, **kwargs)
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error or debug_mode_active():  # a nested parser's error, caught by its caller
             super().error(message, ex)
-        root = self
+        root: Any = self  # jsonargparse sets parent_parser on nested parsers only
         while getattr(root, "parent_parser", None) is not None:
             root = root.parent_parser
         argv = getattr(root, "_argv", [])

@@ -6,8 +6,10 @@ commands that follow a resume must name that folder; these lines say which it is
 
 from __future__ import annotations
 
+from typing import cast
+
 import lightning as L
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 
@@ -18,14 +20,14 @@ class RunFolderReport(Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         folder = _run_folder(trainer)
-        callback = trainer.checkpoint_callback
+        callback = cast("ModelCheckpoint | None", trainer.checkpoint_callback)  # typed as any Checkpoint
         checkpoints = f"; checkpoints in {callback.dirpath}" if callback is not None and callback.dirpath else ""
         head = f"Run folder {folder}: config.yaml, metrics.csv" if folder else "No run folder (no logger)"
         rank_zero_info(head + checkpoints)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         folder = _run_folder(trainer)
-        callback = trainer.checkpoint_callback
+        callback = cast("ModelCheckpoint | None", trainer.checkpoint_callback)  # typed as any Checkpoint
         path = callback.last_model_path or callback.best_model_path if callback is not None else ""
         saved = f"latest checkpoint {path}" if path else "no checkpoint saved"
         head = f"Run folder {folder}: ended" if folder else "Fit ended"
