@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
@@ -48,7 +48,7 @@ class RecordsDataModule(L.LightningDataModule):
     each split into a Dataset with :meth:`build`. Batches are right-padded (``attention_mask``) by
     :func:`~lightning_ulysses.data.collate_right_padded`; the strategy wraps the training loader to resume mid-epoch."""
 
-    collate = staticmethod(collate_right_padded)
+    collate: Callable[..., dict[str, Any]] = staticmethod(collate_right_padded)
     """``(samples, pad_token_id) -> batch``: how the loaders batch this module's samples."""
 
     def __init__(

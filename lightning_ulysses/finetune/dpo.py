@@ -91,7 +91,8 @@ class DPO(CausalLM):
         if self.reference is not None:
             return
         super().configure_model()
-        folder = _local_folder(self.hparams.reference or self.hparams.model)
+        # hparams: an AttributeDict of the constructor's arguments, typed as any mutable mapping
+        folder = _local_folder(self.hparams.reference or self.hparams.model)  # type: ignore[attr-defined]
         with _transformers_zero3(self._trainer.strategy if self._trainer is not None else None):
             self.reference = AutoModelForCausalLM.from_pretrained(
                 folder, attn_implementation="sdpa", dtype=torch.get_default_dtype()
@@ -100,6 +101,7 @@ class DPO(CausalLM):
 
     def _prepared(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         if "shift_labels" not in batch:  # not under UlyssesStrategy: the reference runs the local attention too
+            assert self.reference is not None  # configure_model has run
             apply_ulysses_attention(self.reference, group=None, sp_size=1, core="sdpa")
         return super()._prepared(batch)
 
@@ -124,11 +126,12 @@ class DPO(CausalLM):
         if context is not None and context.normalization == "global":
             raise ValueError("DPO averages pairs, not tokens: use UlyssesStrategy(loss_normalization='sp_group').")
         batch = self._prepared(batch)
+        assert self.model is not None and self.reference is not None  # configure_model has run
         policy = self.sequence_log_probs(self.model, batch)
         self.reference.eval()  # Lightning puts the whole module in train mode; the reference never trains
         with torch.no_grad():
             reference = self.sequence_log_probs(self.reference, batch)
-        losses, rewards = dpo_loss(policy, reference, self.hparams.beta)
+        losses, rewards = dpo_loss(policy, reference, self.hparams.beta)  # type: ignore[attr-defined]  # as above
         chosen, rejected = rewards[:, CHOSEN], rewards[:, REJECTED]
         per_pair = {
             "loss": losses.detach(),

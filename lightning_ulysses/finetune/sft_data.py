@@ -59,7 +59,8 @@ class SFTDataset(Dataset):
 def tokenize_and_fit(
     record: dict[str, Any], index: int, tokenizer: PreTrainedTokenizerBase, seq_len: int, truncation: Truncation
 ) -> dict[str, Any]:
-    """The ``datasets.map`` transform: one record -> its ids, labels, length-policy status, length and trained tokens."""
+    """The ``datasets.map`` transform: one record -> its ids, labels, length-policy status, length and trained
+    tokens."""
     try:
         ids, labels = tokenize_record(tokenizer, record)
     except TemplateError as error:

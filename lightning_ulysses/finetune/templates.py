@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from lightning_ulysses.sharding import IGNORE_INDEX
 
@@ -55,7 +55,8 @@ def tokenize_record(tokenizer: PreTrainedTokenizerBase, record: Mapping[str, Any
 def tokenize_conversation(
     tokenizer: PreTrainedTokenizerBase, messages: list[Message], first_labelled: int
 ) -> tuple[list[int], list[int]]:
-    """The chat template's tokens of ``messages``, labelled on the assistant turns from ``messages[first_labelled]`` on."""
+    """The chat template's tokens of ``messages``, labelled on the assistant turns from ``messages[first_labelled]``
+    on."""
     text, spans = assistant_character_spans(tokenizer, messages, first_labelled)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # as apply_chat_template tokenizes
     labels = [IGNORE_INDEX] * len(ids)
@@ -68,7 +69,8 @@ def tokenize_conversation(
 def tokenize_prompt_completion(
     tokenizer: PreTrainedTokenizerBase, prompt: str, completion: str
 ) -> tuple[list[int], list[int]]:
-    """``prompt + completion`` with the tokenizer's special tokens, then EOS; labelled from the completion's first token."""
+    """``prompt + completion`` with the tokenizer's special tokens, then EOS; labelled from the completion's first
+    token."""
     text = prompt + completion
     ids = tokenizer(text, add_special_tokens=True)["input_ids"]
     first = _token_border(tokenizer, text, ids, len(prompt), add_special_tokens=True)
@@ -84,7 +86,7 @@ def turn_end_token_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
     whose assistant turns cannot be located."""
     if not getattr(tokenizer, "chat_template", None):
         return None
-    chat = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]
+    chat: list[Message] = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]
     try:
         ids, labels = tokenize_conversation(tokenizer, chat, first_labelled=1)
     except TemplateError:
@@ -116,11 +118,16 @@ def assistant_character_spans(
     if GENERATION_TAG.search(template):
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        rendered, indices = render_jinja_template(
-            conversations=[messages],
-            chat_template=template,
-            return_assistant_tokens_mask=True,
-            **tokenizer.special_tokens_map,
+        special_tokens: dict[str, Any] = tokenizer.special_tokens_map  # the template's variables
+        # transformers annotates it "-> str"; it returns the texts and each one's assistant spans
+        rendered, indices = cast(
+            tuple[list[str], list[list[tuple[int, int]]]],
+            render_jinja_template(
+                conversations=[messages],  # type: ignore[list-item]  # annotated dicts; jinja reads any mapping
+                chat_template=template,
+                return_assistant_tokens_mask=True,
+                **special_tokens,
+            ),
         )
         if rendered[0] != text:
             raise TemplateError("The chat template renders differently with its {% generation %} markers tracked.")
@@ -143,7 +150,12 @@ def assistant_character_spans(
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(
+        messages,  # type: ignore[arg-type]  # annotated dicts; the template reads any mapping
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+    )
+    return cast(str, text)  # tokenize=False: the rendered text
 
 
 def _rendered_prefix(
@@ -171,8 +183,9 @@ def _token_border(
     head = tokenizer(text[:border], add_special_tokens=add_special_tokens)["input_ids"]
     if ids[: len(head)] != head:
         raise TemplateError(
-            f"A token of the conversation spans the border of an assistant turn at {text[max(border - 40, 0) : border]!r}"
-            f" | {text[border : border + 40]!r}: the text before it tokenizes differently alone. The labels would not "
+            "A token of the conversation spans the border of an assistant turn at "
+            f"{text[max(border - 40, 0) : border]!r} | {text[border : border + 40]!r}: the text before it tokenizes "
+            "differently alone. The labels would not "
             "fall on the assistant's tokens exactly. Put a separator the tokenizer does not merge (e.g. a special "
             "token or a newline) at the border in the chat template."
         )

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from lightning_ulysses.data import _load_hf_tokenizer
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 BYTE = "byte"
 """The ``tokenizer`` value that stands for :func:`byte_chat_tokenizer`."""
@@ -52,6 +52,6 @@ def byte_chat_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def load_tokenizer(name: str) -> PreTrainedTokenizerFast:
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """:func:`byte_chat_tokenizer` for ``"byte"``, else the tokenizer saved in the local folder ``name``."""
     return byte_chat_tokenizer() if name == BYTE else _load_hf_tokenizer(name)

@@ -126,7 +126,9 @@ def _concatenated(samples: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
 def collate_vision_chats(rows: list[dict[str, Any]], pad_token_id: int = 0) -> dict[str, Any]:
     """Right-padded ``[B, N]`` text entries (:func:`~lightning_ulysses.data.collate_right_padded`) and the rows'
     vision inputs concatenated in row order."""
-    batch = collate_right_padded([{k: v for k, v in row.items() if k != VISION_KEY} for row in rows], pad_token_id)
+    batch: dict[str, Any] = collate_right_padded(
+        [{k: v for k, v in row.items() if k != VISION_KEY} for row in rows], pad_token_id
+    )
     batch[VISION_KEY] = _concatenated([row[VISION_KEY] for row in rows])
     return batch
 
@@ -184,7 +186,8 @@ class VisionChatDataModule(RecordsDataModule):
         samples, statuses = [], []
         for index, record in enumerate(records):
             try:
-                sample = process_record(self.processor, _clean(record["messages"]), self.media_root)
+                # Any: its labels tensor goes to trained_tokens, which iterates it like the ints it is annotated with
+                sample: dict[str, Any] = process_record(self.processor, _clean(record["messages"]), self.media_root)
             except TemplateError as error:
                 raise TemplateError(f"Record {index}: {error}") from error
             length = len(sample["input_ids"])
