@@ -32,12 +32,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from transformers import PreTrainedModel
 
 from lightning_ulysses.hf.apply import unpatched
 from lightning_ulysses.vision.batch import ROWS_KEY, VISION_KEY
@@ -111,7 +112,7 @@ class MergedInputs:
 
 
 def merged_inputs_embeds(
-    model: nn.Module,
+    model: PreTrainedModel,
     family: VisionFamily,
     batch: Mapping[str, Any],
     encode: VisionEncoding = "shard",
@@ -122,7 +123,7 @@ def merged_inputs_embeds(
 
 
 def merged_inputs(
-    model: nn.Module,
+    model: PreTrainedModel,
     family: VisionFamily,
     batch: Mapping[str, Any],
     encode: VisionEncoding = "shard",
@@ -139,7 +140,7 @@ def merged_inputs(
     # DeepStack rows of every token [B, N/sp, layers * hidden]: zero on text, the item's rows on placeholders
     stacked = embeds.new_zeros(*embeds.shape[:-1], family.deepstack_layers * hidden)
     visual_mask = torch.zeros_like(input_ids, dtype=torch.bool)
-    inner = model.model
+    inner = cast(nn.Module, model.model)  # the base model: its vision tower and get_image_features
     if encode == "exchange":
         assert group is not None
         owners = owners_by_modality(vision["feature_rows"], dist.get_world_size(group))
@@ -197,7 +198,7 @@ def _exchanged(
     shares = [[item for item, owner in enumerate(owners) if owner == r] for r in range(dist.get_world_size(group))]
     if shares[rank]:
         with unpatched(model):
-            own = family.encode(model.model, vision, modality, shares[rank]).to(embeds.dtype)
+            own = family.encode(cast(nn.Module, model.model), vision, modality, shares[rank]).to(embeds.dtype)
     else:  # fewer items than ranks: the tower runs all the same (ZeRO-3), on a blank item, and sends no row
         rows = _blank_rows(model, family, modality, embeds)
         own = rows[:0] + 0.0 * rows.sum()
@@ -208,6 +209,6 @@ def _exchanged(
 def _blank_rows(model: nn.Module, family: VisionFamily, modality: Any, embeds: Tensor) -> Tensor:
     """The embedding rows of one blank item of ``modality`` (:meth:`VisionFamily.blank_vision`), for a rank that must
     run the vision tower without an item of its own; callers add them times zero."""
-    blank = family.blank_vision(model.model, modality, embeds.device, embeds.dtype)
+    blank = family.blank_vision(cast(nn.Module, model.model), modality, embeds.device, embeds.dtype)
     with unpatched(model):
-        return family.encode(model.model, blank, modality, [0]).to(embeds.dtype)
+        return family.encode(cast(nn.Module, model.model), blank, modality, [0]).to(embeds.dtype)

@@ -103,6 +103,7 @@ class QwenVLFamily(VisionFamily):
         """``get_rope_index`` takes ``second_per_grid_ts`` (Qwen2.5-VL: temporal positions in seconds)."""
 
     def _grids(self, vision: Mapping[str, Any], modality: Modality) -> Tensor:
+        assert modality.grid_key is not None  # every Qwen modality has its grids
         return vision[modality.grid_key]
 
     def item_pixels(self, vision: Mapping[str, Any], modality: Modality, items: Sequence[int]) -> Tensor:
@@ -117,14 +118,15 @@ class QwenVLFamily(VisionFamily):
     def encode(self, inner: nn.Module, vision: Mapping[str, Any], modality: Modality, items: Sequence[int]) -> Tensor:
         pixels = self.item_pixels(vision, modality, items)
         grids = self._grids(vision, modality)[list(items)]
-        features = inner.get_image_features if modality.name == "image" else inner.get_video_features
+        features: Any = inner.get_image_features if modality.name == "image" else inner.get_video_features
         return torch.cat(list(features(pixels, grids, return_dict=True).pooler_output))
 
     def blank_vision(
         self, inner: nn.Module, modality: Modality, device: torch.device, dtype: torch.dtype
     ) -> dict[str, Tensor]:
         """One ``[1, merge, merge]`` grid: ``merge ** 2`` patches, one embedding row."""
-        config = inner.config.vision_config
+        model_config: Any = inner.config
+        config = model_config.vision_config
         values = config.in_channels * config.temporal_patch_size * config.patch_size**2
         assert modality.grid_key is not None
         return {
@@ -147,7 +149,8 @@ class QwenVLFamily(VisionFamily):
         extra = {}
         if self.video_seconds and items.get("video") and "second_per_grid_ts" in vision:
             extra["second_per_grid_ts"] = torch.as_tensor(vision["second_per_grid_ts"])[items["video"]]
-        positions, _ = inner.get_rope_index(input_ids[None], mm_token_type_ids=token_types[None], **grids, **extra)
+        get_rope_index: Any = inner.get_rope_index
+        positions, _ = get_rope_index(input_ids[None], mm_token_type_ids=token_types[None], **grids, **extra)
         return positions[:, 0]
 
 
@@ -196,7 +199,8 @@ class LlavaFamily(VisionFamily):
         return [placeholders // images] * images
 
     def encode(self, inner: nn.Module, vision: Mapping[str, Any], modality: Modality, items: Sequence[int]) -> Tensor:
-        out = inner.get_image_features(
+        get_image_features: Any = inner.get_image_features
+        out = get_image_features(
             pixel_values=self.item_pixels(vision, modality, items),
             vision_feature_layer=self.feature_layer,
             vision_feature_select_strategy=self.select_strategy,
@@ -207,7 +211,8 @@ class LlavaFamily(VisionFamily):
     def blank_vision(
         self, inner: nn.Module, modality: Modality, device: torch.device, dtype: torch.dtype
     ) -> dict[str, Tensor]:
-        config = inner.config.vision_config
+        model_config: Any = inner.config
+        config = model_config.vision_config
         size = (1, config.num_channels, config.image_size, config.image_size)
         return {modality.pixels_key: torch.zeros(size, device=device, dtype=dtype)}
 
@@ -263,7 +268,7 @@ def placeholders(input_ids: Tensor, family: VisionFamily) -> Tensor:
 def vision_family(model: nn.Module) -> VisionFamily:
     """The :class:`VisionFamily` of a transformers vision-language model, or :class:`UnsupportedModelError` naming
     the model and why its vision inputs cannot run exactly under sequence parallelism."""
-    config = model.config
+    config: Any = model.config  # a transformers vision-language config
     model_type = config.model_type
     if model_type in REFUSED or model_type not in SUPPORTED:
         reason = REFUSED.get(model_type) or (
