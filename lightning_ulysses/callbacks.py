@@ -24,13 +24,14 @@ an all-gather of the position ids over the SP group (the attention does one per 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import lightning as L
 import torch
@@ -88,10 +89,8 @@ def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
-    try:
+    with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
 
 
 def peak_memory(device: torch.device) -> tuple[int, int]:
@@ -276,6 +275,7 @@ class SequenceParallelMonitor(Callback):
 
     @property
     def _metric_options(self) -> dict[str, Any]:
+        assert self._strategy is not None  # set by setup('fit'); these hooks run in a fit
         device = self._strategy.root_device
         return dict(
             available_flops=self._available_flops,
@@ -311,12 +311,14 @@ class SequenceParallelMonitor(Callback):
             self._restart_clock()  # validation time is not training time
 
     def _restart_clock(self) -> None:
+        assert self._strategy is not None  # set by setup('fit'); these hooks run in a fit
         _synchronize(self._strategy.root_device)
         self._mark = time.perf_counter()
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        assert self._strategy is not None  # set by setup('fit'); these hooks run in a fit
         reset_peak_memory(self._strategy.root_device)
         if self._timer is not None:
             self._timer.seconds = 0.0
@@ -326,6 +328,7 @@ class SequenceParallelMonitor(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         strategy = self._strategy
+        assert strategy is not None  # set by setup('fit'); these hooks run in a fit
         _synchronize(strategy.root_device)
         now = time.perf_counter()
         seconds, self._mark = now - self._mark, now
@@ -349,6 +352,7 @@ class SequenceParallelMonitor(Callback):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._epoch is not None:
+            assert self._strategy is not None  # set by setup('fit'); these hooks run in a fit
             metrics = summarize(self._epoch, self._strategy.sp_size, **self._metric_options)
             self._log(pl_module, metrics, per_epoch=True)
 
@@ -373,6 +377,7 @@ class SequenceParallelMonitor(Callback):
         self._remove_timer()
         if self._fit is None:
             return
+        assert self._strategy is not None  # set by setup('fit'); these hooks run in a fit
         self.summary = summarize(self._fit, self._strategy.sp_size, **self._metric_options)
         rank_zero_info(format_summary(self.summary, self._strategy, trainer.global_step))
 
@@ -402,7 +407,7 @@ def format_summary(metrics: dict[str, float], strategy: UlyssesStrategy, steps: 
         table.add_row(name, f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}")
     console = Console(file=io.StringIO(), width=120, color_system=None)
     console.print(table)
-    return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines())
+    return "\n".join(line.rstrip() for line in cast(io.StringIO, console.file).getvalue().splitlines())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -497,11 +502,13 @@ class SequenceParallelParityCheck(Callback):
     ) -> None:
         if self._due(trainer, batch_idx):  # before the step, so that the weights are those of the SP loss
             self._checked = True
-            self._pending = (trainer.global_step, self.reference_loss(batch, trainer.strategy.groups))
+            strategy = cast(UlyssesStrategy, trainer.strategy)  # setup has required it
+            self._pending = (trainer.global_step, self.reference_loss(batch, strategy.groups))
 
     def reference_loss(self, batch: Mapping[str, Tensor], sp_group: SequenceParallelGroup) -> Tensor:
         """The token-mean loss of the SP group's whole sequences without SP (a scalar; collective over ``sp_group``, the
         strategy's groups: the zigzag of a ring undone)."""
+        assert self._model is not None  # set by on_train_start
         whole = {key: gather_sequence(batch[key], sp_group) for key in ("input_ids", "position_ids", "shift_labels")}
         with torch.no_grad(), unpatched(self._model):
             # without a KV cache transformers masks packed documents (position ids restarting at 0), as training does
@@ -525,7 +532,8 @@ class SequenceParallelParityCheck(Callback):
             )
         if pl_module.automatic_optimization:
             loss = loss * trainer.accumulate_grad_batches  # Lightning hands callbacks the loss / accumulate
-        strategy = trainer.strategy
+        strategy = cast(UlyssesStrategy, trainer.strategy)  # setup has required it
+        assert self.rtol is not None  # set by setup("fit")
         pair = torch.stack([loss.detach().float().reshape(()), reference.float()]).to(strategy.root_device)
         losses = strategy.all_gather(pair).view(-1, 2).cpu()  # [world, 2]: every rank decides on the same numbers
         self.results.append(ParityResult(step, *losses[strategy.global_rank].tolist()))

@@ -302,7 +302,7 @@ class LongTextDataModule(L.LightningDataModule):
                 )
         self.train_dataset, self.val_dataset, self.test_dataset = datasets["train"], datasets["val"], datasets["test"]
 
-    def _dataset(self, texts: list[str]) -> Dataset:
+    def _dataset(self, texts: list[str]) -> PackedDataset | DocumentDataset:
         pieces = split_documents([self._encode(text) for text in texts if text.strip()], self.seq_len)
         return PackedDataset(pieces, self.seq_len) if self.mode == "packed" else DocumentDataset(pieces)
 

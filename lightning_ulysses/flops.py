@@ -5,8 +5,8 @@ A training step costs three forward passes (forward, then backward for activatio
 * every ``nn.Linear`` weight multiplies every token once: ``6 * matmul_params`` FLOPs per token;
 * causal attention: each (query, key) pair inside a document costs ``2 * D`` FLOPs per head for ``q . k`` and
   ``2 * D_v`` for ``p @ v`` (``D_v = D`` but in multi-head latent attention: DeepSeek V3's 192 and 128); forward +
-  backward, over all query heads and layers, ``12 * num_layers * num_heads * (D + D_v) / 2`` FLOPs per pair. A document of ``L`` tokens has
-  ``L (L + 1) / 2`` pairs, so the term grows with the square of the sequence length.
+  backward, over all query heads and layers, ``12 * num_layers * num_heads * (D + D_v) / 2`` FLOPs per pair. A
+  document of ``L`` tokens has ``L (L + 1) / 2`` pairs, so the term grows with the square of the sequence length.
 
 Under Ulysses an SP group computes each sequence's attention exactly once: after the all-to-all every
 rank holds all ``N`` tokens for ``heads / sp`` heads. Each device therefore does ``1 / sp`` of the

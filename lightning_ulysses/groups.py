@@ -124,7 +124,8 @@ class SequenceParallelGroups:
         return cls(SequenceParallelTopology(size, size, dist.get_rank(group)), group, None, group)
 
 
-SequenceParallelGroup = Union[ProcessGroup, SequenceParallelGroups, None]
+# a runtime alias kept as typing.Union (``X | Y`` would make another object, a types.UnionType)
+SequenceParallelGroup = Union[ProcessGroup, SequenceParallelGroups, None]  # noqa: UP007
 """What a function that takes the SP ``group`` accepts (see the module docstring)."""
 
 

@@ -46,7 +46,8 @@ class TiledLogits:
     num_tiles: int
 
 
-Logits = Union[Tensor, TiledLogits]
+# a runtime alias kept as typing.Union (``X | Y`` would make another object, a types.UnionType)
+Logits = Union[Tensor, TiledLogits]  # noqa: UP007
 """``[B, n, V]`` logits, whole or as :class:`TiledLogits`."""
 
 

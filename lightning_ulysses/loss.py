@@ -43,6 +43,7 @@ from lightning_ulysses.memory import TileSetting, resolve_num_tiles
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch
 
 if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
     from transformers import PreTrainedModel
 
 STEP_TOKENS_KEY = "_ulysses_step_valid_tokens"
@@ -89,6 +90,9 @@ class UlyssesLossMixin:
     group's token mean counts equally.
     """
 
+    _trainer: Trainer | None
+    """The LightningModule's (this mixes into one)."""
+
     def reduce_token_loss(self, loss_sum: Tensor, num_valid_tokens: Tensor | int) -> Tensor:
         """Mean over every valid token of the SP group's sequences.
 
@@ -100,6 +104,7 @@ class UlyssesLossMixin:
         loss_sum = loss_sum.float()
         context = self._loss_context()
         if context is not None and context.normalization == "global":
+            assert self._trainer is not None  # the context is its strategy's
             return _global_token_mean(loss_sum, count, context, self._trainer.accumulate_grad_batches)
         group, gradient_scale = self._sp_reduction()
         if group is None:
@@ -112,8 +117,9 @@ class UlyssesLossMixin:
         return scaled + (group_mean - scaled).detach()
 
     def causal_lm_loss(self, logits: Logits, shift_labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
-        """Next-token cross entropy of ``logits [B, n, V]`` (whole or :class:`TiledLogits`) against ``shift_labels [B, n]`` (already shifted,
-        as ``UlyssesStrategy`` delivers them), reduced with :meth:`reduce_token_loss`."""
+        """Next-token cross entropy of ``logits [B, n, V]`` (whole or :class:`TiledLogits`) against
+        ``shift_labels [B, n]`` (already shifted, as ``UlyssesStrategy`` delivers them), reduced with
+        :meth:`reduce_token_loss`."""
         return self.reduce_token_loss(*token_cross_entropy(logits, shift_labels, ignore_index))
 
     def tiled_causal_lm_loss(

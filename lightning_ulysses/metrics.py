@@ -47,6 +47,8 @@ class _TokenSumMetric(Metric):
     """A ratio of two sums over valid tokens: ``total / count``, both summed over all ranks."""
 
     full_state_update = False
+    total: Tensor  # the states that add_state registers
+    count: Tensor
     is_differentiable = False
     higher_is_better: bool | None = None
 

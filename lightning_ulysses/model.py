@@ -14,15 +14,16 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import Tensor, nn
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
+from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.logits import Logits
@@ -84,7 +85,7 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
             raise ValueError(
                 "model.pretrained=True needs model.model to be the path of a local model folder, not a dict."
             )
-        self.model: nn.Module | None = None
+        self.model: PreTrainedModel | None = None
         self.eval_loss = TokenCrossEntropy()
 
     def configure_model(self) -> None:
@@ -95,7 +96,7 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         """
         if self.model is not None:
             return
-        hp = self.hparams
+        hp: Any = self.hparams  # the constructor's arguments (an AttributeDict; typed as any mutable mapping)
         # the default dtype, as from_config gives it, not the checkpoint's: the Trainer's precision decides
         options = {"attn_implementation": "sdpa", "dtype": torch.get_default_dtype()}
         with _transformers_zero3(self._trainer.strategy if self._trainer is not None else None):
@@ -107,8 +108,8 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
             model_vocab = self.model.get_input_embeddings().num_embeddings
             if hp.vocab_size is not None and hp.vocab_size > model_vocab:
                 raise ValueError(
-                    f"The tokenizer has {hp.vocab_size} ids but the pretrained model embeds only {model_vocab}. Use the "
-                    "tokenizer saved with the model (data.tokenizer=<model folder>)."
+                    f"The tokenizer has {hp.vocab_size} ids but the pretrained model embeds only {model_vocab}. Use "
+                    "the tokenizer saved with the model (data.tokenizer=<model folder>)."
                 )
         if hp.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -118,6 +119,7 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         documents masked by the same attention run locally."""
         if "shift_labels" in batch:
             return batch
+        assert self.model is not None  # configure_model has run
         with torch.inference_mode(
             False
         ):  # the first call runs the set-up check, which validate's inference mode breaks
@@ -125,9 +127,11 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         return prepare_batch(batch, sp_size=1)
 
     def _logits(self, batch: dict[str, Tensor]) -> Logits:
+        assert self.model is not None  # configure_model has run
         return self.causal_lm_logits(self.model, batch)  # tiled, never whole, when the strategy's tiled_loss is on
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        assert self.model is not None  # configure_model has run
         loss = self.forward_causal_lm_loss(self.model, self._prepared(batch))  # tiled when the strategy says so
         # the value is already the SP group's mean; sync_dist averages the DP groups, as their gradients are
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
@@ -168,15 +172,16 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         ``max_steps`` or ``lr_schedule_steps`` changes."""
         scheduler = self.lr_schedulers()
         if isinstance(scheduler, LambdaLR) and isinstance(scheduler.lr_lambdas[0], WarmupCosine):
-            _reconcile_schedule(scheduler, self.hparams.lr_schedule_steps, self.trainer)
+            # hparams: an AttributeDict of the constructor's arguments, typed as any mutable mapping
+            _reconcile_schedule(scheduler, self.hparams.lr_schedule_steps, self.trainer)  # type: ignore[attr-defined]
 
     def teardown(self, stage: str) -> None:
         if self.model is not None:
             remove_ulysses_attention(self.model)  # undo the local patch (a no-op after UlyssesStrategy's teardown)
 
-    def configure_optimizers(self) -> dict[str, Any]:
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         """AdamW, weight decay on the matrices only, and the warmup + cosine schedule, stepped every optimizer step."""
-        hp = self.hparams
+        hp: Any = self.hparams  # the constructor's arguments (an AttributeDict; typed as any mutable mapping)
         trainable = [p for p in self.parameters() if p.requires_grad]
         # by the real shape: ZeRO-3 keeps each parameter as a 1-D partition and its shape in ds_shape
         matrices = [p for p in trainable if len(getattr(p, "ds_shape", p.shape)) >= 2]
@@ -216,18 +221,19 @@ class WarmupCosine:
 def _reconcile_schedule(scheduler: LambdaLR, requested_steps: int | None, trainer: L.Trainer) -> None:
     """After a resume: apply ``lr_schedule_steps`` if it differs from the checkpoint's schedule, or warn that the
     run's end differs from the end of the schedule it continues."""
-    schedule, step = scheduler.lr_lambdas[0], scheduler.last_epoch
+    schedule, step = cast(WarmupCosine, scheduler.lr_lambdas[0]), scheduler.last_epoch  # as on_train_start checked
     lr_at = lambda: scheduler.base_lrs[0] * schedule(step)  # noqa: E731
     if requested_steps is not None and requested_steps != schedule.total_steps:
         before, saved = lr_at(), schedule.total_steps
         for fn in scheduler.lr_lambdas:
-            fn.total_steps = requested_steps
+            fn.total_steps = requested_steps  # type: ignore[attr-defined]  # WarmupCosine's (one object per group)
         for group, base_lr in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
             group["lr"] = base_lr * schedule(step)
         scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
         rank_zero_info(
             f"model.lr_schedule_steps={requested_steps}: the learning-rate schedule of the checkpoint decayed over "
-            f"{saved} steps; from step {step} on it decays over {requested_steps} (learning rate {before:.3g} -> {lr_at():.3g})."
+            f"{saved} steps; from step {step} on it decays over {requested_steps} "
+            f"(learning rate {before:.3g} -> {lr_at():.3g})."
         )
         return
     end = int(trainer.estimated_stepping_batches) if trainer.max_steps != -1 else None
@@ -263,7 +269,7 @@ def build_config(model: dict[str, Any] | str, vocab_size: int | None = None) -> 
     return config
 
 
-def _load_pretrained(folder: str, auto_class: Any = AutoModelForCausalLM, **options: Any) -> nn.Module:
+def _load_pretrained(folder: str, auto_class: Any = AutoModelForCausalLM, **options: Any) -> PreTrainedModel:
     """``auto_class.from_pretrained`` that refuses a partial load.
 
     transformers initialises a weight the folder lacks (or holds in another shape, when told to ignore sizes) at
@@ -304,7 +310,8 @@ def _transformers_zero3(strategy: Strategy | None) -> Iterator[None]:
         return
     from transformers.integrations import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
-    hf_deepspeed_config = HfDeepSpeedConfig(strategy.config)  # noqa: F841 - transformers holds only a weak reference
+    config = cast(DeepSpeedStrategy, strategy).config  # zero_stage_3 is DeepSpeedStrategy's
+    hf_deepspeed_config = HfDeepSpeedConfig(config)  # noqa: F841 - transformers holds only a weak reference
     try:
         yield
     finally:

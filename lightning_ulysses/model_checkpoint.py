@@ -40,6 +40,8 @@ class ModelCheckpoint(LightningModelCheckpoint):
         self._last_saved_at_step = trainer.global_step
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.fast_dev_run or trainer.state.fn != TrainerFn.FITTING:
+        # Lightning's connectors set it on the Trainer, whose class does not declare it (mypy: attr-defined)
+        fast_dev_run = trainer.fast_dev_run  # type: ignore[attr-defined]
+        if fast_dev_run or trainer.state.fn != TrainerFn.FITTING:
             return
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

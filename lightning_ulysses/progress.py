@@ -88,7 +88,8 @@ class LogLines(ProgressBar):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
-        every = self.every_n_steps or trainer.log_every_n_steps or 1
+        # Lightning's connectors set it on the Trainer, whose class does not declare it (mypy: attr-defined)
+        every = self.every_n_steps or trainer.log_every_n_steps or 1  # type: ignore[attr-defined]
         last = counts_steps(trainer) and step >= trainer.max_steps
         if step != self._printed_step and (step % every == 0 or last):
             self._printed_step = step

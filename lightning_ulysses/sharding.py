@@ -114,9 +114,9 @@ def prepare_batch(batch: Mapping[str, Any], sp_size: int, ring_size: int = 1) ->
     """Pad, position and label a whole-sequence batch so that it can be split into ``sp_size`` shards.
 
     Returns a new dict with every per-token tensor padded to ``[B, N']`` (``N'`` a multiple of
-    :func:`shard_multiple`: ``sp_size``, or ``2 * sp_size`` with a ring of Ulysses groups of odd size), ``position_ids`` and ``shift_labels`` added and ``labels`` removed (a model that
-    shifts ``labels`` itself would drop the label at every shard border). Without ``labels`` the
-    next-token targets are the ``input_ids``.
+    :func:`shard_multiple`: ``sp_size``, or ``2 * sp_size`` with a ring of Ulysses groups of odd size),
+    ``position_ids`` and ``shift_labels`` added and ``labels`` removed (a model that shifts ``labels`` itself would
+    drop the label at every shard border). Without ``labels`` the next-token targets are the ``input_ids``.
     """
     if not isinstance(batch, Mapping):
         raise TypeError(
@@ -154,10 +154,7 @@ def _build_position_ids(input_ids: Tensor, given: Tensor | None, real: Tensor | 
             return given.long()
         return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids).clone()
     padding = ~real
-    if given is None:
-        positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)
-    else:
-        positions = given.long().clone()
+    positions = (real.long().cumsum(dim=1) - 1).clamp(min=0) if given is None else given.long().clone()
     # every run of padding becomes a document of its own: position 0 at its first token, then 1, 2, ...
     pad_run_start = padding.clone()
     pad_run_start[:, 1:] &= ~padding[:, :-1]

@@ -71,7 +71,7 @@ def sampler_over_dp_ranks(loader: Any, topology: SequenceParallelTopology, loade
         or (sampler.num_replicas, sampler.rank) != (topology.world_size, topology.rank)
     ):
         return
-    over_dp = DistributedSampler(
+    over_dp: DistributedSampler[Any] = DistributedSampler(
         sampler.dataset,
         num_replicas=topology.dp_size,
         rank=topology.dp_rank,

@@ -19,8 +19,8 @@ What it adds to :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`:
   (:mod:`lightning_ulysses.runtime.preemption`);
 * a rank that dies is named by the survivors (:class:`~lightning_ulysses.runtime.failures.Heartbeat`);
 * every transformers model inside the LightningModule runs all-to-all attention
-  (:mod:`lightning_ulysses.hf`), checked at set-up to run exactly or be refused, optionally with tiled MLPs and checkpointed, offloaded layers
-  (:mod:`lightning_ulysses.memory`);
+  (:mod:`lightning_ulysses.hf`), checked at set-up to run exactly or be refused, optionally with tiled MLPs and
+  checkpointed, offloaded layers (:mod:`lightning_ulysses.memory`);
 * CPU (gloo) is a supported target next to CUDA (NCCL).
 
 Gradient reduction contract. DeepSpeed is given no SP ``mpu``: under every ZeRO stage it averages
@@ -45,7 +45,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -96,12 +96,12 @@ class UlyssesStrategy(DeepSpeedStrategy):
             groups (``world = dp x ring x ulysses``); ``1`` (default): Ulysses only. ``"auto"``: the Ulysses degree is
             the largest divisor of ``sp_size`` that fits in a node, the ring joins the nodes. Sequences are cut into
             zigzag shards (causal work balanced over the ring); batches, ``gather_sequence`` and the loss keep
-            whole-sequence order. Runs torch's SDPA kernels on each block (the flash kernel for CPU, the memory-efficient
-            one on CUDA; ``attn_implementation`` ``"auto"`` or ``"sdpa"``), without attention dropout; the
-            kernels of the device are checked against float64 at set-up (refused where they are not exact).
+            whole-sequence order. Runs torch's SDPA kernels on each block (the flash kernel for CPU, the
+            memory-efficient one on CUDA; ``attn_implementation`` ``"auto"`` or ``"sdpa"``), without attention dropout;
+            the kernels of the device are checked against float64 at set-up (refused where they are not exact).
         attn_implementation: core attention kernel run on the gathered sequence: ``"auto"`` (flash-attn 2
-            on CUDA for fp16/bf16 when installed, else SDPA), ``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``
-            or ``"flex_attention"``.
+            on CUDA for fp16/bf16 when installed, else SDPA), ``"sdpa"``, ``"flash_attention_2"``,
+            ``"flash_attention_3"`` or ``"flex_attention"``.
         head_chunks: run each attention layer's all-to-alls and attention in this many chunks of each rank's heads
             (:mod:`lightning_ulysses.attention.head_chunks`): one all-to-all per chunk for q, k and v together and
             one back, the layer recomputed chunk by chunk in the backward, so its whole-sequence tensors are one
@@ -301,8 +301,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
             groups = "SP groups" if ring_size == 1 else "Ulysses groups"
             rank_zero_warn(
                 f"{degree} does not divide the {self.num_processes} processes per node, so {groups} span nodes (ranks "
-                f"{spanning} are on {_nodes_of(spanning, self.num_processes)} nodes) and every attention layer runs its "
-                "all-to-alls over the network instead of inside a node. If that is not intended, set sp_size to one of "
+                f"{spanning} are on {_nodes_of(spanning, self.num_processes)} nodes) and every attention layer runs "
+                "its all-to-alls over the network instead of inside a node. If that is not intended, set sp_size to "
+                "one of "
                 f"{divisors(self.num_processes)} (SP inside each node, DP across nodes), or ring_size='auto' (Ulysses "
                 "inside each node, ring attention across nodes)."
             )
@@ -310,7 +311,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
             _skip_deepspeed_shared_memory_kernel()
         self._init_deepspeed_distributed()
         _bound_deepspeed_world_group(self.world_size, self._timeout)
-        # subgroups do not inherit the default group's timeout: without it a stalled rank holds its peers for torch's default
+        # subgroups do not inherit the default group's timeout: without it a stalled rank holds its peers for torch's
+        # default
         self._groups = SequenceParallelGroups.create(self._topology, self._timeout)
         self._heartbeat = Heartbeat(dist.distributed_c10d._get_default_store(), self.global_rank, self.world_size)
         self._heartbeat.start()
@@ -326,6 +328,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         assert self.lightning_module is not None
+        assert isinstance(self.config, dict)  # DeepSpeedStrategy.__init__ has built or loaded it
         if self.config.get("zero_optimization", {}).get("stage", 0) == 3:
             register_mixer_weights_for_zero3(self.lightning_module)
         super().setup(trainer)
@@ -361,15 +364,19 @@ class UlyssesStrategy(DeepSpeedStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        assert self.lightning_module is not None  # attached by the Trainer before its hooks run
         trainer = self.lightning_module.trainer
         batches_before = trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1  # this batch is counted
         if batches_before % trainer.accumulate_grad_batches == 0:  # an optimizer step begins: a safe point
-            trainer._signal_connector.at_step_boundary(trainer)
+            # setup installs PreemptionSignals, which Trainer types as Lightning's _SignalConnector
+            trainer._signal_connector.at_step_boundary(trainer)  # type: ignore[attr-defined]
         # before the forward: ZeRO reduces (and ZeRO-3 partitions) the gradients in the backward of a step's last batch
-        self.model.set_gradient_accumulation_boundary(not trainer.fit_loop._should_accumulate())
+        # (self.model: the DeepSpeed engine, which deepspeed's missing types leave typed as a Module)
+        cast(Any, self.model).set_gradient_accumulation_boundary(not trainer.fit_loop._should_accumulate())
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        assert self.lightning_module is not None  # attached by the Trainer before its hooks run
         trainer = self.lightning_module.trainer
         sampler_over_dp_ranks(dataloader, self.topology, _loader_name(trainer))
         # seed_everything(workers=True): seeded by DP rank, on the loader itself (Lightning seeds what this returns, by
@@ -401,8 +408,11 @@ class UlyssesStrategy(DeepSpeedStrategy):
                 self._repeated_rows = batch.pop(DUPLICATES_KEY)
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if self.sp_size > 1:
+            assert self.lightning_module is not None  # attached by the Trainer before its hooks run
             loader_name = _loader_name(self.lightning_module.trainer, dataloader_idx)
-            check_sp_group_agreement(batch, self.sp_group, device or self.root_device, loader_name)
+            sp_group = self.sp_group
+            assert sp_group is not None  # set up, with more than one rank
+            check_sp_group_agreement(batch, sp_group, device or self.root_device, loader_name)
         batch = shard_batch(
             prepare_batch(batch, self.sp_size, self.ring_size), self.sp_rank, self.sp_size, self.ring_size
         )
@@ -415,6 +425,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         output = super().training_step(*args, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
         if isinstance(loss, Tensor):
+            assert self.lightning_module is not None  # attached by the Trainer before its hooks run
             trainer = self.lightning_module.trainer
             self.nonfinite_loss.check_loss(loss, trainer.global_step, trainer.fit_loop.epoch_loop.batch_idx)
         return output
@@ -423,9 +434,10 @@ class UlyssesStrategy(DeepSpeedStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         # Lightning calls this at the last micro-batch of each step only (handles_gradient_accumulation is False)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        assert self.lightning_module is not None  # attached by the Trainer before its hooks run
         global_step = self.lightning_module.trainer.global_step  # counted once the LightningModule hook returns
         self._applied_steps = global_step + 1
-        self.nonfinite_loss.check_step(self.model.was_step_applied(), global_step)
+        self.nonfinite_loss.check_step(cast(Any, self.model).was_step_applied(), global_step)  # the DeepSpeed engine
         return output
 
     @property
@@ -448,13 +460,16 @@ class UlyssesStrategy(DeepSpeedStrategy):
         """Lightning averages a value logged in an evaluation step over the batches of all ranks, each weighted by its
         batch size (the batch's length unless ``self.log`` is given ``batch_size``): count a batch's real rows only,
         so that its repeats weigh 0 (a batch of repeats, whose labels are all masked, weighs nothing)."""
+        assert self.lightning_module is not None  # attached by the Trainer before its hooks run
         results = self.lightning_module.trainer._results
         if self._repeated_rows is not None and results is not None:
             results.batch_size = int((~self._repeated_rows).sum())
 
     @property
     def optimizer_step_in_flight(self) -> bool:
-        """Whether DeepSpeed has run an optimizer step that Lightning has not counted yet (inside ``optimizer_step``)."""
+        """Whether DeepSpeed has run an optimizer step that Lightning has not counted yet (inside
+        ``optimizer_step``)."""
+        assert self.lightning_module is not None  # attached by the Trainer before its hooks run
         return self._applied_steps > self.lightning_module.trainer.global_step
 
     @override
@@ -500,6 +515,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         saved inside one (:func:`~lightning_ulysses.runtime.save.save_checkpoint`)."""
         if storage_options is not None:
             raise TypeError("UlyssesStrategy saves DeepSpeed checkpoint directories, without storage_options.")
+        assert self.lightning_module is not None  # attached by the Trainer before its hooks run
         trainer = self.lightning_module.trainer
         fit_loop = trainer.fit_loop if trainer.state.fn == TrainerFn.FITTING else None
         save_checkpoint(
@@ -519,6 +535,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
         assert isinstance(self.config, dict)
         zero_stage = self.config.get("zero_optimization", {}).get("stage", 0)
+        assert self.lightning_module is not None  # attached by the Trainer before its hooks run
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         return load_checkpoint(
             self.deepspeed_engine,
@@ -536,6 +553,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         if isinstance(exception, RuntimeError) and self._heartbeat is not None:
             report = self._heartbeat.dead_ranks_report()
             if report:
+                assert self.lightning_module is not None  # attached by the Trainer before its hooks run
                 message = f"lightning-ulysses: {report}. {_resume_hint(self.lightning_module.trainer)}"
                 log.error(rank_prefixed_message(message, self.global_rank))
                 if hasattr(exception, "add_note"):  # Python 3.11+

@@ -24,6 +24,7 @@ that AMP's gradient scaler skips).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any, Literal
@@ -158,10 +159,9 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-        try:
+        # whatever the store's client raises: the store is gone with its host, and nobody is left to ask
+        with contextlib.suppress(Exception):
             self.store.set(self.left_key(self.rank), "1")
-        except Exception:  # the store is gone with its host: nobody is left to ask
-            pass
 
     def _beat(self) -> None:
         try:
@@ -169,7 +169,7 @@ class Heartbeat:
                 self.store.add(self.key(self.rank), 1)
                 if self._stop.wait(self.period):
                     return
-        except Exception:  # the store is gone: dead_ranks_report says so on this rank's failure
+        except Exception:  # noqa: BLE001 - the store is gone: dead_ranks_report says so on this rank's failure
             return
 
     def silent_ranks(self) -> list[int]:
@@ -188,7 +188,7 @@ class Heartbeat:
         """A sentence naming the ranks that vanished, for an error that a collective raised; None if none did."""
         try:
             silent = self.silent_ranks()
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - any failure of the store is the report (named in it)
             return (
                 f"the job's rendezvous store stopped answering ({type(error).__name__}: {error}): the process that "
                 "hosts it (rank 0, unless torchrun hosts it) has exited or died; see its log"

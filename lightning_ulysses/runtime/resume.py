@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from itertools import islice
-from typing import Any, cast
+from typing import Any, TypeGuard, cast
 
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
@@ -116,7 +116,7 @@ def rewind_to_step_boundary(loop_state: dict[str, Any], fit_loop: Any, step_in_f
     progress["is_last_batch"] = batch >= fit_loop.max_batches
 
 
-def is_resumable(loader: object) -> bool:
+def is_resumable(loader: object) -> TypeGuard[DataLoader]:
     """Whether :class:`ResumableLoader` can wrap ``loader`` (see the module docstring)."""
     return (
         isinstance(loader, DataLoader)

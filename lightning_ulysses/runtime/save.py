@@ -188,7 +188,7 @@ class _Writes:
     def run(self, write: Any, path: str, *args: Any) -> None:
         try:
             write(*args)
-        except Exception as error:  # reported after the collectives, by every rank (save_atomically)
+        except Exception as error:  # noqa: BLE001 - any write error is reported after the collectives, by every rank
             self.failures.append(f"writing {path}: {type(error).__name__}: {error}")
             return
         self.written.append(path)
