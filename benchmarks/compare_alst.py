@@ -78,8 +78,8 @@ class BenchmarkConfig:
     def __post_init__(self) -> None:
         if self.steps % self.sp:
             raise ValueError(
-                f"--steps ({self.steps}) must be a multiple of --sp ({self.sp}): ALST's dataloader adapter feeds the SP "
-                "group one batch per rank in turn, and a rank that runs out first would hang."
+                f"--steps ({self.steps}) must be a multiple of --sp ({self.sp}): ALST's dataloader adapter feeds "
+                "the SP group one batch per rank in turn, and a rank that runs out first would hang."
             )
         if self.timed_steps < 4:
             raise ValueError(f"--timed-steps must be at least 4 (quartiles of the step pairs), got {self.timed_steps}.")
@@ -338,7 +338,8 @@ class AlstLoop:
         model = tiny_llama(**config.model_overrides)
         ds_config = copy.deepcopy(UlyssesStrategy(stage=config.stage).config)  # the ZeRO settings ours runs with
         # Lightning writes Trainer(gradient_clip_val=None) into ours as 0.0; DeepSpeed's own default is 1.0, which
-        # clipped ALST's updates whenever the gradient norm passed 1 (the "ALST differs from one process" of larger models)
+        # clipped ALST's updates whenever the gradient norm passed 1 (the "ALST differs from one process" of larger
+        # models)
         ds_config.update(
             train_micro_batch_size_per_gpu=config.batch_size, gradient_accumulation_steps=1, gradient_clipping=0.0
         )
@@ -594,7 +595,8 @@ def render_report(
         "- Saved for backward: the distinct storages autograd saves during the first step's forward and loss",
         "  (`torch.autograd.graph.saved_tensors_hooks`, agreement blocks): what the step keeps alive, where the peak",
         "  also counts transient buffers.",
-        "- All-to-all bytes: ours wraps `lightning_ulysses.attention.collectives.all_to_all`, ALST's exchange operator calls",
+        "- All-to-all bytes: ours wraps `lightning_ulysses.attention.collectives.all_to_all`, ALST's exchange "
+        "operator calls",  # one line of the report, as before (two literals: within the code's line length)
         "  `deepspeed.comm.all_to_all_single`, which is wrapped; bytes sent to other ranks, per attention layer",
         "  and direction (forward and backward move the same amount).",
         "- Agreement: the same batches in the same order through plain transformers in one process on whole",
@@ -605,7 +607,8 @@ def render_report(
         "  `mpu`, DeepSpeed ZeRO-3 divides it back out (it averages over all ranks), ZeRO-1/2 do not (they",
         f"  average over the data-parallel ranks only). Here, ZeRO-{config.stage}: ALST's gradient is "
         f"{alst.grad_norm_ratio:.4f} x one process's, ours {ours.grad_norm_ratio:.4f} x (ours is exact under",
-        "  ZeRO-1/2/3 alike: it gives DeepSpeed no `mpu` and scales its loss for that, see `tests/test_equivalence.py`).",
+        "  ZeRO-1/2/3 alike: it gives DeepSpeed no `mpu` and scales its loss for that, see "
+        "`tests/test_equivalence.py`).",  # one line of the report, as above
     ]
     return "\n".join(lines) + "\n"
 

@@ -201,22 +201,23 @@ def worker(args: dict[str, Any]) -> list[dict[str, Any]]:
         shard = hidden[:, rank * tokens // sp : (rank + 1) * tokens // sp].clone().requires_grad_()
         whole = hidden.clone().requires_grad_()
 
+        # B023: call and the lambdas below run in the iteration that defines them, on its mixer and tensors
         def call(x: Tensor, position_ids: Tensor) -> Tensor:
-            leading = (position_ids,) if mixer.positions else ()
-            extra = {"use_cache": False} if mixer.positions else {}
-            out = module(x, *leading, *[None] * mixer.nones, **extra)
+            leading = (position_ids,) if mixer.positions else ()  # noqa: B023
+            extra = {"use_cache": False} if mixer.positions else {}  # noqa: B023
+            out = module(x, *leading, *[None] * mixer.nones, **extra)  # noqa: B023
             out = out if isinstance(out, tuple) else (out,)
-            return torch.cat([o.flatten() for o in out[: mixer.outputs]])
+            return torch.cat([o.flatten() for o in out[: mixer.outputs]])  # noqa: B023
 
         positions = torch.arange(tokens)[None]
-        _, whole_saved = saved_bytes(lambda: call(whole, positions), module)  # one process, the whole sequence
+        _, whole_saved = saved_bytes(lambda: call(whole, positions), module)  # noqa: B023 - one process, whole sequence
         state = PatchState(dist.group.WORLD, "sdpa", sp)
         state.position_ids = positions[:, rank * tokens // sp : (rank + 1) * tokens // sp]
         holder = nn.ModuleDict({"mixer": module})
         if not shard_token_mixers(holder, state, Ledger()):
             raise RuntimeError(f"{mixer.module_class} was not recognised as a token mixer")
         counted[0] = halo[0] = 0
-        out, sharded_saved = saved_bytes(lambda: call(shard, state.position_ids), module)
+        out, sharded_saved = saved_bytes(lambda: call(shard, state.position_ids), module)  # noqa: B023
         out.sum().backward()
         local_tokens = tokens // sp
         rows.append(

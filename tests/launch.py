@@ -15,6 +15,7 @@ calls outside the test session (benchmarks measure fresh processes) and for ever
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import signal
@@ -208,7 +209,7 @@ def _run(
         ]
     procs, logs = [], []
     for index, (command, process_env) in enumerate(commands):
-        log = open(tmp_path / f"process{index}.log", "w+")
+        log = open(tmp_path / f"process{index}.log", "w+")  # noqa: SIM115 - read and closed once the ranks exit
         logs.append(log)
         procs.append(
             subprocess.Popen(
@@ -255,10 +256,8 @@ def die_with_parent() -> None:
 
 def kill_group(proc: subprocess.Popen) -> None:
     """Stop a process started with ``start_new_session=True`` and everything it started."""
-    try:
+    with contextlib.suppress(ProcessLookupError):  # the whole group has exited already
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:  # the whole group has exited already
-        pass
     proc.wait()
 
 

@@ -73,8 +73,8 @@ def test_flop_count_matches_hand_computation() -> None:
 
 
 def test_flop_count_reads_latent_attention_head_sizes() -> None:
-    """MLA (MiniCPM3): ``q . k`` is 24 wide per head (nope 16 + rope 8; the config's head_dim is the rope part), ``p @ v``
-    16: the attention term counts their mean, 20, per head."""
+    """MLA (MiniCPM3): ``q . k`` is 24 wide per head (nope 16 + rope 8; the config's head_dim is the rope part),
+    ``p @ v`` 16: the attention term counts their mean, 20, per head."""
     model = tiny_llama(
         model_type="minicpm3",
         num_key_value_heads=4,
@@ -159,7 +159,7 @@ def test_cuda_peak_memory_resets_and_grows() -> None:
     del big
     reset_peak_memory(device)
     small_peak, _ = peak_memory(device)
-    big = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    big = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)  # noqa: F841 - live while the peak is read
     big_peak, reserved = peak_memory(device)
     assert big_peak - small_peak >= 256 * 2**20 and reserved >= big_peak
 

@@ -468,7 +468,8 @@ def test_quickstart_commands_as_documented(
         "--model.warmup_steps",
         "2",
     ]
-    # lightning-ulysses fit --config configs/quickstart.yaml --print_config > my.yaml; lightning-ulysses fit --config my.yaml
+    # lightning-ulysses fit --config configs/quickstart.yaml --print_config > my.yaml
+    # lightning-ulysses fit --config my.yaml
     printed = run_cli("fit", "--config", "configs/quickstart.yaml", *shrink, "--print_config").stdout
     (tmp_path / "my.yaml").write_text(printed)
     trained = run_cli("fit", "--config", str(tmp_path / "my.yaml"))
@@ -772,7 +773,8 @@ def test_strategy_names_are_registered_by_importing_the_package() -> None:
         "try:\n    L.Trainer(strategy='ulysses', accelerator='cpu', devices=1, logger=False)\n"
         "except ValueError as error:\n    print('refused:', error)\n"
         "import lightning_ulysses\n"
-        "print('after import:', type(L.Trainer(strategy='ulysses', accelerator='cpu', devices=1, logger=False).strategy).__name__)\n"
+        "trainer = L.Trainer(strategy='ulysses', accelerator='cpu', devices=1, logger=False)\n"
+        "print('after import:', type(trainer.strategy).__name__)\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO_ROOT, env=cli_env(), capture_output=True, text=True, timeout=300

@@ -219,9 +219,11 @@ def test_warns_when_sp_size_leaves_ranks_without_a_token(corpus: Path, tmp_path:
     chats = SFTDataModule(paths=[str(tmp_path / "chats.jsonl")], seq_len=6, val_fraction=0.25)
     chats.trainer = data.trainer
     # warned at the start of set-up, before the records are read (here they then fail: none fits in 6 tokens)
-    with pytest.warns(UserWarning, match=r"data.seq_len=6 split over sp_size=4 .* SP rank\(s\) 3 hold no token"):
-        with pytest.raises(ValueError, match="No training sample is left"):
-            chats.setup("fit")
+    with (
+        pytest.warns(UserWarning, match=r"data.seq_len=6 split over sp_size=4 .* SP rank\(s\) 3 hold no token"),
+        pytest.raises(ValueError, match="No training sample is left"),
+    ):
+        chats.setup("fit")
 
 
 @pytest.mark.parametrize("module", ["LongTextDataModule", "SFTDataModule"])

@@ -81,7 +81,8 @@ def _fit(mode: str, sp: int, world_size: int) -> None:
 
 
 def failing_worker(args: dict[str, Any]) -> None:
-    """A NaN loss on rank 1 under dp=2 (caught, so the processes go on), then a stall and a raise on rank 1 under sp=2."""
+    """A NaN loss on rank 1 under dp=2 (caught, so the processes go on), then a stall and a raise on rank 1 under
+    sp=2."""
     world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown deletes it
     try:
         _fit("nan", sp=1, world_size=world_size)

@@ -246,7 +246,7 @@ def test_a_damaged_checkpoint_is_refused_before_any_training_naming_the_file(
     tag = read_pointer(directory / "last.ckpt")
     truncated = f"{directory / 'truncated.ckpt' / tag / 'zero_pp_rank_1_mp_rank_00_optim_states.pt'}: truncated"
     flipped = f"{directory / 'flipped.ckpt' / tag / 'mp_rank_00_model_states.pt'}: its entry"
-    for rank, results in enumerate(faults["results"]):
+    for _rank, results in enumerate(faults["results"]):
         assert truncated in results["truncated.ckpt"], results["truncated.ckpt"]
         assert flipped in results["flipped.ckpt"] and "fails its CRC-32 check" in results["flipped.ckpt"]
         assert results["truncated.ckpt losses"] == results["flipped.ckpt losses"] == [], "it trained before refusing"

@@ -2,7 +2,8 @@
 
 Four processes: dp 2 x ring 2 x Ulysses 1 and ring 2 x Ulysses 2, under ZeRO 1, 2 and 3, with packed documents
 whose borders fall on ring-block borders, on Ulysses-shard borders and inside chunks, a length that needs
-padding, and activation checkpointing with tiled MLPs. The reference is plain transformers in one process (tests/tiny.py), as in tests/test_equivalence.py.
+padding, and activation checkpointing with tiled MLPs. The reference is plain transformers in one process
+(tests/tiny.py), as in tests/test_equivalence.py.
 """
 
 from __future__ import annotations

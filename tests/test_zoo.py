@@ -2,11 +2,11 @@
 process on the whole sequence under ``UlyssesStrategy(sp_size=2)``, or is refused at set-up.
 
 One test per entry, all from one 2-process launch; the table of every entry is printed once. The families whose
-token mixers run head-sharded (:mod:`lightning_ulysses.hf.mixers`) run again at sp=4, from one 4-process launch. An entry fails when
-its verdict is FAIL (ran and differs), ERROR (an exception other than the set-up refusal) or NOT BUILT (the harness
-could not build the tiny model or run the plain one: a harness bug to fix), and is skipped when building it needs
-an optional package that is not installed. The control tests check that the harness can fail: families known to
-match pass, and the same model with a wrong SP loss fails.
+token mixers run head-sharded (:mod:`lightning_ulysses.hf.mixers`) run again at sp=4, from one 4-process launch. An
+entry fails when its verdict is FAIL (ran and differs), ERROR (an exception other than the set-up refusal) or NOT
+BUILT (the harness could not build the tiny model or run the plain one: a harness bug to fix), and is skipped when
+building it needs an optional package that is not installed. The control tests check that the harness can fail:
+families known to match pass, and the same model with a wrong SP loss fails.
 """
 
 from __future__ import annotations

@@ -339,7 +339,7 @@ def _is_per_layer(value: Any, layers: int | None) -> bool:
 def _same(a: Any, b: Any) -> bool:
     try:
         return bool(a == b)
-    except Exception:  # tensors, odd objects: treat as changed
+    except Exception:  # noqa: BLE001 - tensors, odd objects: whatever their == raises, treat as changed
         return False
 
 
@@ -517,7 +517,8 @@ class _Decoder:
             try:
                 config = self._build(full, depth)
                 kinds = layer_kinds(_build_uninitialised(self.model_class, config), stacks, depth)
-            except Exception as exc:  # too few layers for the family's rules (no attention layer left, ...)
+            # too few layers for the family's rules (no attention layer left, ...)
+            except Exception as exc:  # noqa: BLE001
                 error = exc
                 continue
             built.append((len(set(full_kinds) - set(kinds)), config))
