@@ -14,10 +14,10 @@ more documents: every position id divisible by the chunk size starts one. Any he
 Modules: :mod:`.collectives` (all-to-all, sequence gather), :mod:`.documents` (the document layout and the
 per-batch plans kept with it), :mod:`.core` (the backend interface), one module per backend (:mod:`.sdpa`,
 :mod:`.flash`, :mod:`.flex`), :mod:`.backends` (choice by name, device and dtype), :mod:`.sinks` (attention sinks),
-:mod:`.spans` (bidirectional spans inside causal attention: Gemma 3's images), :mod:`.ring` (ring attention across Ulysses groups: Ulysses x Ring, when the SP group is a
-:class:`~lightning_ulysses.groups.SequenceParallelGroups` with a ring), :mod:`.head_chunks` (the all-to-alls and the
-attention in chunks of heads, recomputed in the backward: ``head_chunks``) and :mod:`.ulysses` (the entry point and
-the per-batch planning).
+:mod:`.spans` (bidirectional spans inside causal attention: Gemma 3's images), :mod:`.ring` (ring attention across
+Ulysses groups: Ulysses x Ring, when the SP group is a :class:`~lightning_ulysses.groups.SequenceParallelGroups` with a
+ring), :mod:`.head_chunks` (the all-to-alls and the attention in chunks of heads, recomputed in the backward:
+``head_chunks``) and :mod:`.ulysses` (the entry point and the per-batch planning).
 """
 
 from lightning_ulysses.attention.backends import CORE_ATTENTION, prepare_plans, resolve_attn_implementation

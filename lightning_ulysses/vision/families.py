@@ -239,13 +239,15 @@ class Gemma3Family(VisionFamily):
         return [self.tokens_per_image] * images
 
     def encode(self, inner: nn.Module, vision: Mapping[str, Any], modality: Modality, items: Sequence[int]) -> Tensor:
-        features = inner.get_image_features(self.item_pixels(vision, modality, items), return_dict=True)
+        get_image_features: Any = inner.get_image_features
+        features = get_image_features(self.item_pixels(vision, modality, items), return_dict=True)
         return features.pooler_output.flatten(0, 1)  # [images * tokens_per_image, hidden]
 
     def blank_vision(
         self, inner: nn.Module, modality: Modality, device: torch.device, dtype: torch.dtype
     ) -> dict[str, Tensor]:
-        config = inner.config.vision_config
+        model_config: Any = inner.config
+        config = model_config.vision_config
         size = (1, config.num_channels, config.image_size, config.image_size)
         return {modality.pixels_key: torch.zeros(size, device=device, dtype=dtype)}
 

@@ -29,8 +29,9 @@ from lightning_ulysses.vision.families import VisionFamily, placeholders, vision
 
 
 class VisionLanguageModel(CausalLM):
-    """Next-token training of a transformers image-text-to-text model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA, Gemma 3) on
-    text and images or video, loss on the text tokens; the arguments of :class:`~lightning_ulysses.CausalLM`, and:
+    """Next-token training of a transformers image-text-to-text model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA,
+    Gemma 3) on text and images or video, loss on the text tokens; the arguments of
+    :class:`~lightning_ulysses.CausalLM`, and:
 
     Args:
         vision_encoding: ``"shard"``: each SP rank encodes the images and videos with a placeholder in its shard
