@@ -19,7 +19,17 @@ from lightning_ulysses.hf.state import UnsupportedModelError
 from lightning_ulysses.loss import token_cross_entropy
 from lightning_ulysses.vision import VisionLanguageModel, merged_inputs_embeds, prepare_vision_batch, vision_family
 from tests.launch import launch
-from tests.vision_data import CONFIGS, IMAGE, VOCAB, llava_batch, plain_loss_sum, qwen_batch, tiny_config, tiny_model
+from tests.vision_data import (
+    CONFIGS,
+    IMAGE,
+    TINY_TOWER,
+    VOCAB,
+    llava_batch,
+    plain_loss_sum,
+    qwen_batch,
+    tiny_config,
+    tiny_model,
+)
 
 # row 0: three images of different sizes and a video; row 1: one image. 56 columns: at sp=2 the border (28) falls
 # inside row 0's video, at sp=4 (14, 28, 42) inside its second image and its video (test_the_shard_border_cuts_an_image)
@@ -173,16 +183,7 @@ def test_other_vision_families_are_refused_with_the_reason() -> None:
     config = AutoConfig.for_model(
         "paligemma",
         image_token_index=IMAGE,
-        vision_config=dict(
-            model_type="siglip_vision_model",
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=8,
-            patch_size=2,
-            projection_dim=32,
-        ),
+        vision_config=dict(TINY_TOWER, model_type="siglip_vision_model", num_hidden_layers=1, projection_dim=32),
         text_config=dict(
             model_type="gemma",
             hidden_size=32,

@@ -51,6 +51,11 @@ QWEN3_VISION = dict(
     deepstack_visual_indexes=[1, 2],
 )
 
+# a ViT tower (CLIP for LLaVA, SigLIP for Gemma 3) on 8 x 8 pixels in 2 x 2 patches
+TINY_TOWER = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=2
+)
+
 CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2_vl": dict(
         model_type="qwen2_vl",
@@ -149,15 +154,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
             eos_token_id=2,
             initializer_range=0.2,
         ),
-        vision_config=dict(
-            model_type="siglip_vision_model",
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=8,
-            patch_size=2,
-        ),
+        vision_config=dict(TINY_TOWER, model_type="siglip_vision_model"),
     ),
     "llava": dict(
         model_type="llava",
@@ -178,15 +175,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
             pad_token_id=0,
             initializer_range=0.2,
         ),
-        vision_config=dict(
-            model_type="clip_vision_model",
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=8,
-            patch_size=2,
-        ),
+        vision_config=dict(TINY_TOWER, model_type="clip_vision_model"),
     ),
 }
 PATCH_VALUES = 3 * 2 * 2 * 2  # channels x temporal patch x patch x patch
