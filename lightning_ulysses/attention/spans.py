@@ -55,15 +55,12 @@ def find_spans(flags: Tensor, documents: Documents) -> tuple[Span, ...]:
     starts_run |= flags & documents.starts  # a document start inside a run starts a new span
     ends_run = flags & ~F.pad(flags, (0, 1))[:, 1:]
     ends_run |= flags & F.pad(documents.starts, (0, 1))[:, 1:]  # ... and ends the one before it
-    document_ids = documents.document_ids
-    first_of_document = {}
-    for row, column in documents.starts.nonzero().tolist():
-        first_of_document[row, int(document_ids[row, column])] = column
-    begins, ends = starts_run.nonzero().tolist(), ends_run.nonzero().tolist()
-    return tuple(
-        Span(row, start, end + 1, first_of_document[row, int(document_ids[row, start])])
-        for (row, start), (_, end) in zip(begins, ends, strict=True)
-    )
+    columns = torch.arange(flags.shape[1], device=flags.device).expand_as(flags)
+    document_start = torch.where(documents.starts, columns, 0).cummax(dim=1).values  # [B, N]: its document's start
+    begins, ends = starts_run.nonzero(), ends_run.nonzero()
+    firsts = document_start[begins[:, 0], begins[:, 1]]
+    found = torch.stack([begins[:, 0], begins[:, 1], ends[:, 1] + 1, firsts], dim=1).tolist()  # one host copy
+    return tuple(Span(row, start, end, first) for row, start, end, first in found)
 
 
 def spans_of(flags: Tensor, documents: Documents, group: SequenceParallelGroup) -> Spans:
