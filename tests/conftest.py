@@ -1,5 +1,6 @@
-"""Suite-wide hygiene: every test gets back the environment it started with; the pooled process worlds
-(:mod:`tests.pool`) stop at the session's end; CUDA-only tests (marked ``cuda``) skip without a GPU.
+"""Suite-wide hygiene: every test gets back the environment it started with; the ranks of process worlds are forked
+from one warm process (:mod:`tests.forkserver`), stopped at the session's end; CUDA-only tests (marked ``cuda``)
+skip without a GPU.
 
 Lightning run in the test process (the CLI's in-process commands, a plain ``Trainer``) writes its state into
 ``os.environ`` (``PL_GLOBAL_SEED`` from ``seed_everything``, ...), and :func:`tests.launch.launch` hands the environment
@@ -11,17 +12,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
 import tests.launch
-from tests import pool
+from tests import forkserver
 from tests.launch import WORLD_STARTS
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    tests.launch.POOLED = not os.environ.get("LAUNCH_FRESH")
+    tests.launch.FORKED = not os.environ.get("LAUNCH_FRESH")
 
 
 @pytest.fixture(autouse=True)
@@ -33,14 +35,26 @@ def _restore_environment() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _pooled_worlds() -> Iterator[None]:
+def _fork_server() -> Iterator[None]:
     yield
-    pool.shutdown()
+    forkserver.shutdown()
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: its counts go to the controller's summary
+        workeroutput["world_starts"] = dict(WORLD_STARTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    for kind, count in getattr(node, "workeroutput", {}).get("world_starts", {}).items():
+        WORLD_STARTS[kind] += count
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -5,12 +5,12 @@ that have the environment of an external launcher (``MASTER_ADDR``, ``RANK``, ``
 those of torchrun or srun), so Lightning joins them instead of spawning its own. The return values come back in rank
 order. A failing or hanging rank fails the test with every rank's output, never a hang.
 
-In the test session most calls run in a *pooled world* (:mod:`tests.pool`): ``world_size`` processes started once
-per size, which have imported torch, Lightning, DeepSpeed and transformers already and run one call after another,
-each from the state a fresh process has (environment, working directory, seed, process groups; see
-:class:`tests.pool.Baseline`). Fresh processes are started for torchrun or srun launchers, for ``extra_env`` (read
-at start-up, as ``MALLOC_*``), for :func:`launch_to_exit` (tests that watch processes exit, fail or get killed), for
-calls outside the test session (benchmarks measure fresh processes) and for every call with ``LAUNCH_FRESH=1``.
+In the test session every rank is forked from a warm process (:mod:`tests.forkserver`) that has imported torch,
+Lightning, DeepSpeed, transformers and the package: a world starts in milliseconds instead of ~8 s of CPU a rank,
+and every call still gets new processes. Ranks are started as fresh ``python -m tests.launch`` processes for the
+torchrun launcher, for ``extra_env`` read at process start (other than ``MALLOC_MMAP_THRESHOLD_``, which a forked
+rank sets with ``mallopt``), outside the test session (benchmarks and scripts run as commands measure fresh
+processes) and for every call with ``LAUNCH_FRESH=1``.
 """
 
 from __future__ import annotations
@@ -30,9 +30,15 @@ from typing import Any, Literal
 
 import torch
 
+from tests import forkserver
+from tests.forkserver import ForkedProcess
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
+LAUNCH_SCRIPT = Path(__file__).resolve()
 Launcher = Literal["env", "torchrun", "slurm"]
-POOLED = False  # set by tests/conftest.py for the test session: benchmarks and scripts start fresh worlds
+FORKED = (
+    False  # set by tests/conftest.py for the test session: benchmarks and scripts run as commands start fresh ranks
+)
 
 
 def free_port() -> int:
@@ -59,10 +65,6 @@ def launch(
     gives a task (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_NTASKS``, ...) and no ``RANK`` or
     ``MASTER_ADDR``, as ``configs/slurm_2x8.sh`` runs them (it exports ``MASTER_PORT``).
     """
-    if POOLED and launcher == "env" and not extra_env:
-        from tests.pool import run_pooled
-
-        return run_pooled(target, world_size, num_nodes, args, timeout)
     with tempfile.TemporaryDirectory() as tmp:
         run = _run(target, world_size, args, Path(tmp), num_nodes, launcher, extra_env, timeout, grace=5.0)
         check_ranks(target, run.names, [proc.returncode for proc in run.procs], run.outputs, run.killed)
@@ -136,7 +138,7 @@ def launch_to_exit(
 @dataclass
 class _Run:
     names: list[str]
-    procs: list[subprocess.Popen]
+    procs: list[subprocess.Popen | ForkedProcess]
     outputs: list[str]
     killed: list[str]
 
@@ -207,37 +209,51 @@ def _run(
             ([sys.executable, *worker], {**rank_environment(world_size, num_nodes, rank, port), **(extra_env or {})})
             for rank in range(world_size)
         ]
-    procs, logs = [], []
+    logs = [tmp_path / f"process{index}.log" for index in range(len(commands))]
+    server = _fork_server(launcher, extra_env)
+    procs: list[subprocess.Popen | ForkedProcess] = []
     for index, (command, process_env) in enumerate(commands):
-        log = open(tmp_path / f"process{index}.log", "w+")  # noqa: SIM115 - read and closed once the ranks exit
-        logs.append(log)
-        procs.append(
-            subprocess.Popen(
-                command,
-                env=process_env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=REPO_ROOT,
-                start_new_session=True,  # one process group each: stopping a torchrun stops its ranks too
-                preexec_fn=die_with_parent,
+        if server is not None:  # the same ``python tests/launch.py target tmp``, forked
+            argv = [str(LAUNCH_SCRIPT), *command[-2:]]
+            procs.append(server.spawn(argv, process_env, REPO_ROOT, logs[index], tmp_path / f"exit{index}"))
+            continue
+        with open(logs[index], "w") as log:
+            procs.append(
+                subprocess.Popen(
+                    command,
+                    env=process_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=REPO_ROOT,
+                    start_new_session=True,  # one process group each: stopping a torchrun stops its ranks too
+                    preexec_fn=die_with_parent,
+                )
             )
-        )
-    count_world_start()
+    count_world_start("forked" if server is not None else "fresh")
     try:
         killed = [names[i] for i in _wait_all(procs, timeout, grace)]
     except BaseException:  # pytest-timeout, ^C: no rank outlives the test that started it
         for proc in procs:
             kill_group(proc)
         raise
-    outputs = []
-    for log in logs:
-        log.seek(0)
-        outputs.append(log.read())
-        log.close()
+    outputs = [log.read_text(errors="replace") for log in logs]
     return _Run(names, procs, outputs, killed)
 
 
-WORLD_STARTS = {"fresh": 0, "pooled": 0, "pooled calls": 0}
+def _fork_server(launcher: Launcher, extra_env: dict[str, str] | None) -> forkserver.ForkServer | None:
+    """The session's fork server where this world's ranks can be forked from it; None to start fresh processes."""
+    if not FORKED or launcher == "torchrun":
+        return None
+    server_env = _launcher_environment(port=0)
+    if any(
+        key not in forkserver.SET_AFTER_FORK and server_env.get(key) != value
+        for key, value in (extra_env or {}).items()
+    ):
+        return None
+    return forkserver.get(server_env, REPO_ROOT)
+
+
+WORLD_STARTS = {"fresh": 0, "forked": 0}
 
 
 def count_world_start(kind: str = "fresh") -> None:
@@ -254,14 +270,14 @@ def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen | ForkedProcess) -> None:
     """Stop a process started with ``start_new_session=True`` and everything it started."""
     with contextlib.suppress(ProcessLookupError):  # the whole group has exited already
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout: float, grace: float | None) -> list[int]:
+def _wait_all(procs: list[subprocess.Popen | ForkedProcess], timeout: float, grace: float | None) -> list[int]:
     """Wait for every process to exit; kill those left at ``timeout``, or ``grace`` seconds after one failed.
     Returns the indices of the killed processes."""
     deadline = time.monotonic() + timeout
@@ -275,12 +291,8 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float, grace: float | None
     return killed
 
 
-def _main() -> None:
-    if sys.argv[1] == "--serve":
-        from tests.pool import serve
-
-        serve()
-        return
+def main() -> None:
+    """A rank: ``python tests/launch.py module:function folder`` runs the function on ``folder/args.pt``."""
     target, tmp = sys.argv[1], Path(sys.argv[2])
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))  # srun's tasks have no RANK
     module_name, function_name = target.split(":")
@@ -290,4 +302,4 @@ def _main() -> None:
 
 
 if __name__ == "__main__":
-    _main()
+    main()

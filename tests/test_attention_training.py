@@ -12,7 +12,6 @@ micro-batch (relative 1e-5) and the final weights (``|update_sp - update_ref| / 
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import Any
 
 import lightning as L
@@ -22,7 +21,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesStrategy
-from tests.launch import launch
+from tests.cases import CaseTable
 from tests.tiny import (
     TinyCausalLM,
     collate,
@@ -97,50 +96,62 @@ QWEN2_MOE_NO_WINDOW = dict(
     shared_expert_intermediate_size=16,
 )
 # name -> case: sp, ZeRO stage, model overrides, data ("uniform", "packed" with forced borders, "variable")
-FOUR_RANKS: dict[str, dict[str, Any]] = {
-    "sp4_heads6": dict(sp=4, stage=2, model=dict(SIX_HEADS, num_key_value_heads=6)),
-    "sp4_heads6_mqa": dict(sp=4, stage=3, model=dict(SIX_HEADS, num_key_value_heads=1)),
-    "sp4_packed": dict(sp=4, stage=2, data="packed", borders=(SEQ // 4, SEQ // 2)),
-    # head_chunks (lightning_ulysses.attention.head_chunks): 6 heads, 1 K/V head on 4 ranks, chunks of one head
-    "sp4_heads6_mqa_head_chunks2": dict(
-        sp=4, stage=3, model=dict(SIX_HEADS, num_key_value_heads=1), strategy=dict(head_chunks=2)
-    ),
-}
-TWO_RANKS: dict[str, dict[str, Any]] = {
-    "sp2_heads6_kv3": dict(sp=2, stage=1, model=dict(SIX_HEADS, num_key_value_heads=3)),
-    "sp2_packed": dict(sp=2, stage=3, data="packed", borders=(SEQ // 2,)),
-    "sp2_variable_batches": dict(sp=2, stage=2, data="variable"),
-    "sp2_deepseek_v3_mla": dict(sp=2, stage=2, model=DEEPSEEK_V3),
-    "sp2_deepseek_v3_mla_heads3_packed": dict(
-        sp=2,
-        stage=3,
-        model=dict(DEEPSEEK_V3, num_attention_heads=3, num_key_value_heads=3),
-        data="packed",
-        borders=(SEQ // 2,),
-    ),
-    "sp2_minicpm3_mla": dict(sp=2, stage=1, model=MINICPM3),
-    "sp2_qwen2_moe_window_off": dict(sp=2, stage=2, model=QWEN2_MOE_NO_WINDOW),
-    # head_chunks: one chunk of all heads (packed, ZeRO-3), chunks of 2 heads (8 heads), of 1 head with a sliding
-    # window (Mistral), "auto" (6 heads, 3 K/V heads)
-    "sp2_packed_head_chunks1": dict(sp=2, stage=3, data="packed", borders=(SEQ // 2,), strategy=dict(head_chunks=1)),
-    "sp2_heads8_head_chunks2": dict(
-        sp=2,
-        stage=2,
-        model=dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8),
-        strategy=dict(head_chunks=2),
-    ),
-    "sp2_mistral_window_head_chunks2": dict(
-        sp=2, stage=2, model=dict(model_type="mistral", sliding_window=7), strategy=dict(head_chunks=2)
-    ),
-    "sp2_heads6_kv3_head_chunks_auto": dict(
-        sp=2, stage=1, model=dict(SIX_HEADS, num_key_value_heads=3), strategy=dict(head_chunks="auto")
-    ),
-}
+FOUR_RANKS = CaseTable(
+    "four_rank_results",
+    "tests.test_attention_training:fit_case",
+    4,
+    {
+        "sp4_heads6": dict(sp=4, stage=2, model=dict(SIX_HEADS, num_key_value_heads=6)),
+        "sp4_heads6_mqa": dict(sp=4, stage=3, model=dict(SIX_HEADS, num_key_value_heads=1)),
+        "sp4_packed": dict(sp=4, stage=2, data="packed", borders=(SEQ // 4, SEQ // 2)),
+        # head_chunks (lightning_ulysses.attention.head_chunks): 6 heads, 1 K/V head on 4 ranks, chunks of one head
+        "sp4_heads6_mqa_head_chunks2": dict(
+            sp=4, stage=3, model=dict(SIX_HEADS, num_key_value_heads=1), strategy=dict(head_chunks=2)
+        ),
+    },
+)
+TWO_RANKS = CaseTable(
+    "two_rank_results",
+    "tests.test_attention_training:fit_case",
+    2,
+    {
+        "sp2_heads6_kv3": dict(sp=2, stage=1, model=dict(SIX_HEADS, num_key_value_heads=3)),
+        "sp2_packed": dict(sp=2, stage=3, data="packed", borders=(SEQ // 2,)),
+        "sp2_variable_batches": dict(sp=2, stage=2, data="variable"),
+        "sp2_deepseek_v3_mla": dict(sp=2, stage=2, model=DEEPSEEK_V3),
+        "sp2_deepseek_v3_mla_heads3_packed": dict(
+            sp=2,
+            stage=3,
+            model=dict(DEEPSEEK_V3, num_attention_heads=3, num_key_value_heads=3),
+            data="packed",
+            borders=(SEQ // 2,),
+        ),
+        "sp2_minicpm3_mla": dict(sp=2, stage=1, model=MINICPM3),
+        "sp2_qwen2_moe_window_off": dict(sp=2, stage=2, model=QWEN2_MOE_NO_WINDOW),
+        # head_chunks: one chunk of all heads (packed, ZeRO-3), chunks of 2 heads (8 heads), of 1 head with a sliding
+        # window (Mistral), "auto" (6 heads, 3 K/V heads)
+        "sp2_packed_head_chunks1": dict(
+            sp=2, stage=3, data="packed", borders=(SEQ // 2,), strategy=dict(head_chunks=1)
+        ),
+        "sp2_heads8_head_chunks2": dict(
+            sp=2,
+            stage=2,
+            model=dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8),
+            strategy=dict(head_chunks=2),
+        ),
+        "sp2_mistral_window_head_chunks2": dict(
+            sp=2, stage=2, model=dict(model_type="mistral", sliding_window=7), strategy=dict(head_chunks=2)
+        ),
+        "sp2_heads6_kv3_head_chunks_auto": dict(
+            sp=2, stage=1, model=dict(SIX_HEADS, num_key_value_heads=3), strategy=dict(head_chunks="auto")
+        ),
+    },
+)
 # CUDA, 2+ GPUs: the packed sp=2 case with the GPU backends; flash-attn needs bf16 (looser tolerances)
 GPU_TWO_RANKS: dict[str, dict[str, Any]] = {
-    "sp2_packed_flex_attention": dict(TWO_RANKS["sp2_packed"], attn="flex_attention", accelerator="cuda"),
+    "sp2_packed_flex_attention": dict(TWO_RANKS.cases["sp2_packed"], attn="flex_attention", accelerator="cuda"),
     "sp2_packed_flash_attention_2": dict(
-        TWO_RANKS["sp2_packed"], attn="flash_attention_2", accelerator="cuda", precision="bf16-mixed"
+        TWO_RANKS.cases["sp2_packed"], attn="flash_attention_2", accelerator="cuda", precision="bf16-mixed"
     ),
 }
 # loss rtol, weight-update error; a factor of 2 anywhere still gives an error near 1
@@ -181,12 +192,7 @@ class TinyCausalLMWithValidation(TinyCausalLM):
         self.val_losses.append(self.causal_lm_loss(logits, batch["shift_labels"]).item())
 
 
-def train_worker(args: dict[str, Any]) -> dict[str, Any]:
-    world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown deletes it
-    return {name: _fit(case, world_size) for name, case in args["cases"].items()}
-
-
-def _fit(case: dict[str, Any], world_size: int) -> dict[str, Any]:
+def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]:
     import deepspeed
 
     module = TinyCausalLMWithValidation(lr=LR, **case.get("model", {}))
@@ -260,7 +266,7 @@ def _check_variable(got: dict[str, Any], case: dict[str, Any], trained: dict[str
 
 def test_packed_data_has_borders_inside_and_on_shard_borders() -> None:
     """The packed cases exercise what they claim: 3-5 documents per row, borders on and off shard borders."""
-    for case in (FOUR_RANKS["sp4_packed"], TWO_RANKS["sp2_packed"]):
+    for case in (FOUR_RANKS.cases["sp4_packed"], TWO_RANKS.cases["sp2_packed"]):
         shard = SEQ // case["sp"]
         starts = [(s["position_ids"] == 0).nonzero().flatten().tolist() for s in _samples(case)]
         assert all(3 <= len(row) <= 5 for row in starts)
@@ -278,24 +284,18 @@ def test_the_latent_attention_and_window_cases_hold_what_they_claim() -> None:
     assert tiny_llama(**QWEN2_MOE_NO_WINDOW).config.sliding_window == 0
 
 
-@pytest.fixture(scope="module")
-def two_rank_results() -> list[dict[str, Any]]:
-    return launch("tests.test_attention_training:train_worker", 2, {"cases": TWO_RANKS})
+two_rank_results = TWO_RANKS.fixture()
+four_rank_results = FOUR_RANKS.fixture()
 
 
-@pytest.fixture(scope="module")
-def four_rank_results() -> list[dict[str, Any]]:
-    return launch("tests.test_attention_training:train_worker", 4, {"cases": FOUR_RANKS})
-
-
-@pytest.mark.parametrize("name", TWO_RANKS)
+@TWO_RANKS.each_case
 def test_two_ranks_equal_single_process(two_rank_results: list[dict[str, Any]], name: str) -> None:
-    _check(two_rank_results, name, TWO_RANKS[name])
+    _check(two_rank_results, name, TWO_RANKS.cases[name])
 
 
-@pytest.mark.parametrize("name", FOUR_RANKS)
+@FOUR_RANKS.each_case
 def test_four_ranks_equal_single_process(four_rank_results: list[dict[str, Any]], name: str) -> None:
-    _check(four_rank_results, name, FOUR_RANKS[name])
+    _check(four_rank_results, name, FOUR_RANKS.cases[name])
 
 
 @pytest.fixture(scope="module")
@@ -307,7 +307,7 @@ def gpu_two_rank_results() -> list[dict[str, Any]]:
         for name, case in GPU_TWO_RANKS.items()
         if case["attn"] != "flash_attention_2" or importlib.util.find_spec("flash_attn") is not None
     }
-    return launch("tests.test_attention_training:train_worker", 2, {"cases": cases})
+    return CaseTable("gpu_two_rank_results", "tests.test_attention_training:fit_case", 2, cases).run()
 
 
 @pytest.mark.cuda

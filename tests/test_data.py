@@ -9,7 +9,6 @@ perplexity (rtol 1e-5). A factor of 2 in a gradient, or a mean of per-rank means
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import sysconfig
@@ -37,7 +36,7 @@ from lightning_ulysses.data import (
     warn_on_empty_shards,
 )
 from lightning_ulysses.model import CausalLM, build_config
-from tests.launch import launch
+from tests.cases import CaseTable
 from tests.tiny import TINY_LLAMA, relative_update_error
 
 pytestmark = pytest.mark.distributed
@@ -310,35 +309,32 @@ def test_causal_lm_outside_ulysses_keeps_packed_documents_apart(corpus: Path) ->
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
 
 
-def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
-    world_size = int(os.environ["WORLD_SIZE"])
-    results = {}
-    for name, case in args["cases"].items():
-        module = SGDCausalLM(model=TINY_LLAMA, vocab_size=BYTE_VOCAB)
-        module.model = fresh_model()
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=world_size,
-            max_steps=STEPS,
-            num_sanity_val_steps=0,
-            logger=False,
-            strategy=UlyssesStrategy(sp_size=case["sp"], stage=2, attn_implementation="sdpa"),
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        data = data_module(args["folder"], case["mode"], batch_size=case["batch_size"])
-        if case["fit"]:
-            trainer.fit(module, data)
-        else:
-            trainer.validate(module, data, verbose=False)
-        results[name] = {key: trainer.callback_metrics[key].item() for key in ("val_loss", "val_ppl")}
-        if case.get("test"):
-            trainer.test(module, data, verbose=False)
-            results[name].update({key: trainer.callback_metrics[key].item() for key in ("test_loss", "test_ppl")})
-            results[name]["predictions"] = trainer.predict(module, data)
-        results[name]["params"] = {n: p.detach().clone() for n, p in module.model.named_parameters()}
-    return results
+def fit_case(name: str, case: dict[str, Any], world_size: int, folder: str) -> dict[str, Any]:
+    module = SGDCausalLM(model=TINY_LLAMA, vocab_size=BYTE_VOCAB)
+    module.model = fresh_model()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=STEPS,
+        num_sanity_val_steps=0,
+        logger=False,
+        strategy=UlyssesStrategy(sp_size=case["sp"], stage=2, attn_implementation="sdpa"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = data_module(folder, case["mode"], batch_size=case["batch_size"])
+    if case["fit"]:
+        trainer.fit(module, data)
+    else:
+        trainer.validate(module, data, verbose=False)
+    result = {key: trainer.callback_metrics[key].item() for key in ("val_loss", "val_ppl")}
+    if case.get("test"):
+        trainer.test(module, data, verbose=False)
+        result.update({key: trainer.callback_metrics[key].item() for key in ("test_loss", "test_ppl")})
+        result["predictions"] = trainer.predict(module, data)
+    result["params"] = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    return result
 
 
 CASES = {
@@ -390,7 +386,7 @@ def reference(folder: Path, case: dict[str, Any]) -> tuple[float, float, dict[st
 
 @pytest.fixture(scope="module")
 def sp_results(corpus: Path) -> list[dict[str, Any]]:
-    return launch("tests.test_data:sp_worker", 2, {"folder": str(corpus), "cases": CASES})
+    return CaseTable("sp_results", "tests.test_data:fit_case", 2, CASES).run({"folder": str(corpus)})
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -12,7 +12,6 @@ as Lightning divides every micro-batch), and the next epoch's first step on that
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import lightning as L
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesStrategy
-from tests.launch import launch
+from tests.cases import CaseTable
 from tests.tiny import (
     TinyCausalLM,
     collate,
@@ -37,29 +36,39 @@ pytestmark = pytest.mark.distributed
 
 SEQ = 24
 # name -> case. "data" feeds make_samples; "model" overrides the tiny Llama config.
-TWO_RANKS: dict[str, dict[str, Any]] = {
-    "sp2_zero1": dict(sp=2, stage=1),
-    "sp2_zero2": dict(sp=2, stage=2),
-    "sp2_zero3": dict(sp=2, stage=3),
-    "sp2_accumulate2": dict(sp=2, stage=2, accumulate=2),
-    "sp2_gqa_one_kv_head": dict(sp=2, stage=2, model=dict(num_key_value_heads=1)),
-    "sp2_length_not_divisible": dict(sp=2, stage=2, data=dict(seq_len=SEQ - 1)),
-    "sp2_rank_without_valid_tokens": dict(sp=2, stage=2, data=dict(masked_spans=[(SEQ // 2 - 1, SEQ)])),
-    "sp2_right_padding": dict(sp=2, stage=3, data=dict(padding=SEQ // 2 + 3)),
-    # "epochs": whole epochs of 5 micro-batches (10 samples / batch 2 / dp), 2 a step
-    "sp2_zero1_short_last_window": dict(sp=2, stage=1, accumulate=2, epochs=1, data=dict(num=10)),
-    "sp2_zero2_short_windows_two_epochs": dict(sp=2, stage=2, accumulate=2, epochs=2, data=dict(num=10)),
-    "sp2_zero3_short_last_window": dict(sp=2, stage=3, accumulate=2, epochs=1, data=dict(num=10)),
-}
-FOUR_RANKS: dict[str, dict[str, Any]] = {
-    "sp4_zero2": dict(sp=4, stage=2),
-    "sp4_zero3_gqa_kv2": dict(sp=4, stage=3, model=dict(num_key_value_heads=2)),
-    "dp2_sp2_zero1": dict(sp=2, stage=1),
-    "dp2_sp2_zero3_accumulate2": dict(sp=2, stage=3, accumulate=2),
-    "dp2_sp2_zero2_head_chunks2": dict(sp=2, stage=2, strategy=dict(head_chunks=2)),  # chunks of one head
-    "sp4_length_not_divisible": dict(sp=4, stage=2, data=dict(seq_len=SEQ - 3)),
-    "dp2_sp2_zero2_short_windows_two_epochs": dict(sp=2, stage=2, accumulate=2, epochs=2, data=dict(num=20)),
-}
+TWO_RANKS = CaseTable(
+    "two_rank_results",
+    "tests.test_equivalence:fit_case",
+    2,
+    {
+        "sp2_zero1": dict(sp=2, stage=1),
+        "sp2_zero2": dict(sp=2, stage=2),
+        "sp2_zero3": dict(sp=2, stage=3),
+        "sp2_accumulate2": dict(sp=2, stage=2, accumulate=2),
+        "sp2_gqa_one_kv_head": dict(sp=2, stage=2, model=dict(num_key_value_heads=1)),
+        "sp2_length_not_divisible": dict(sp=2, stage=2, data=dict(seq_len=SEQ - 1)),
+        "sp2_rank_without_valid_tokens": dict(sp=2, stage=2, data=dict(masked_spans=[(SEQ // 2 - 1, SEQ)])),
+        "sp2_right_padding": dict(sp=2, stage=3, data=dict(padding=SEQ // 2 + 3)),
+        # "epochs": whole epochs of 5 micro-batches (10 samples / batch 2 / dp), 2 a step
+        "sp2_zero1_short_last_window": dict(sp=2, stage=1, accumulate=2, epochs=1, data=dict(num=10)),
+        "sp2_zero2_short_windows_two_epochs": dict(sp=2, stage=2, accumulate=2, epochs=2, data=dict(num=10)),
+        "sp2_zero3_short_last_window": dict(sp=2, stage=3, accumulate=2, epochs=1, data=dict(num=10)),
+    },
+)
+FOUR_RANKS = CaseTable(
+    "four_rank_results",
+    "tests.test_equivalence:fit_case",
+    4,
+    {
+        "sp4_zero2": dict(sp=4, stage=2),
+        "sp4_zero3_gqa_kv2": dict(sp=4, stage=3, model=dict(num_key_value_heads=2)),
+        "dp2_sp2_zero1": dict(sp=2, stage=1),
+        "dp2_sp2_zero3_accumulate2": dict(sp=2, stage=3, accumulate=2),
+        "dp2_sp2_zero2_head_chunks2": dict(sp=2, stage=2, strategy=dict(head_chunks=2)),  # chunks of one head
+        "sp4_length_not_divisible": dict(sp=4, stage=2, data=dict(seq_len=SEQ - 3)),
+        "dp2_sp2_zero2_short_windows_two_epochs": dict(sp=2, stage=2, accumulate=2, epochs=2, data=dict(num=20)),
+    },
+)
 BATCH, STEPS, LR = 2, 2, 0.5
 
 
@@ -67,9 +76,8 @@ def _data(case: dict[str, Any]) -> dict[str, Any]:
     return {"num": 16, "seq_len": SEQ, **case.get("data", {})}
 
 
-def train_worker(args: dict[str, Any]) -> dict[str, Any]:
-    world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown deletes it
-    return {name: _fit(case, world_size, strategy_kwargs=case.get("strategy")) for name, case in args["cases"].items()}
+def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]:
+    return _fit(case, world_size, strategy_kwargs=case.get("strategy"))
 
 
 def _fit(
@@ -166,21 +174,15 @@ def _check_whole_epochs(results: list[dict[str, Any]], name: str, case: dict[str
         assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
 
 
-@pytest.fixture(scope="module")
-def two_rank_results() -> list[dict[str, Any]]:
-    return launch("tests.test_equivalence:train_worker", 2, {"cases": TWO_RANKS})
+two_rank_results = TWO_RANKS.fixture()
+four_rank_results = FOUR_RANKS.fixture()
 
 
-@pytest.fixture(scope="module")
-def four_rank_results() -> list[dict[str, Any]]:
-    return launch("tests.test_equivalence:train_worker", 4, {"cases": FOUR_RANKS})
-
-
-@pytest.mark.parametrize("name", TWO_RANKS)
+@TWO_RANKS.each_case
 def test_two_ranks_equal_single_process(two_rank_results: list[dict[str, Any]], name: str) -> None:
-    _check(two_rank_results, name, TWO_RANKS[name])
+    _check(two_rank_results, name, TWO_RANKS.cases[name])
 
 
-@pytest.mark.parametrize("name", FOUR_RANKS)
+@FOUR_RANKS.each_case
 def test_four_ranks_equal_single_process(four_rank_results: list[dict[str, Any]], name: str) -> None:
-    _check(four_rank_results, name, FOUR_RANKS[name])
+    _check(four_rank_results, name, FOUR_RANKS.cases[name])

@@ -38,6 +38,7 @@ from lightning_ulysses import (
 )
 from lightning_ulysses.logits import Logits
 from lightning_ulysses.model import CausalLM
+from tests.cases import CaseTable
 from tests.launch import launch
 from tests.tiny import TINY_LLAMA, VOCAB, TinyCausalLM, collate, gathered_parameters, make_samples, tiny_llama
 
@@ -206,33 +207,29 @@ def odd_eval_worker(args: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
-def eval_worker(args: dict[str, Any]) -> dict[str, Any]:
-    world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown deletes it
-    results = {}
-    for name, case in args["cases"].items():
-        eval_loader = _indexed_loader(EVAL)
-        train_loader = DataLoader(make_samples(**TRAIN), batch_size=TRAIN_BATCH, collate_fn=collate)
-        module = EvalCausalLM()
-        trainer = _trainer(case, world_size, max_epochs=1)
-        trainer.fit(module, train_loader, eval_loader)
-        in_fit = _metrics(trainer, "val")
-        trainer.validate(module, eval_loader, verbose=False)
-        after_fit = _metrics(trainer, "val")
-        fitted = gathered_parameters(module.model, case["stage"] == 3)
+def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]:
+    eval_loader = _indexed_loader(EVAL)
+    train_loader = DataLoader(make_samples(**TRAIN), batch_size=TRAIN_BATCH, collate_fn=collate)
+    module = EvalCausalLM()
+    trainer = _trainer(case, world_size, max_epochs=1)
+    trainer.fit(module, train_loader, eval_loader)
+    in_fit = _metrics(trainer, "val")
+    trainer.validate(module, eval_loader, verbose=False)
+    after_fit = _metrics(trainer, "val")
+    fitted = gathered_parameters(module.model, case["stage"] == 3)
 
-        fresh, tested_module, predicted_module = _trainer(case, world_size), EvalCausalLM(), EvalCausalLM()
-        fresh.test(tested_module, eval_loader, verbose=False)
-        tested = _metrics(fresh, "test")
-        predicted = _predict(fresh, eval_loader, EVAL["seq_len"], predicted_module)
-        results[name] = {
-            "in_fit": in_fit,
-            "validate": after_fit,
-            "fitted": fitted,
-            "test": tested,
-            "predict": predicted,
-            "logits_kinds": [sorted(m.logits_kinds) for m in (module, tested_module, predicted_module)],
-        }
-    return results
+    fresh, tested_module, predicted_module = _trainer(case, world_size), EvalCausalLM(), EvalCausalLM()
+    fresh.test(tested_module, eval_loader, verbose=False)
+    tested = _metrics(fresh, "test")
+    predicted = _predict(fresh, eval_loader, EVAL["seq_len"], predicted_module)
+    return {
+        "in_fit": in_fit,
+        "validate": after_fit,
+        "fitted": fitted,
+        "test": tested,
+        "predict": predicted,
+        "logits_kinds": [sorted(m.logits_kinds) for m in (module, tested_module, predicted_module)],
+    }
 
 
 def _reference_logits(params: dict[str, Tensor] | None, data: dict[str, Any] = EVAL) -> tuple[Tensor, Tensor]:
@@ -291,12 +288,11 @@ def _check_predict(results: list[dict[str, Any]], name: str, sp: int, data: dict
     assert covered == list(range(len(expected))), "every sample is predicted by exactly one SP group"
 
 
-@pytest.fixture(scope="module")
-def two_rank_results() -> list[dict[str, Any]]:
-    return launch("tests.test_eval:eval_worker", 2, {"cases": TWO_RANKS})
+TWO_RANK_TABLE = CaseTable("two_rank_results", "tests.test_eval:fit_case", 2, TWO_RANKS)
+two_rank_results = TWO_RANK_TABLE.fixture()
 
 
-@pytest.mark.parametrize("name", TWO_RANKS)
+@TWO_RANK_TABLE.each_case
 def test_two_ranks_eval_equals_single_process(two_rank_results: list[dict[str, Any]], name: str) -> None:
     kind = "TiledLogits" if TWO_RANKS[name].get("strategy", {}).get("tiled_loss") else "Tensor"
     for result in two_rank_results:  # fit + validate, test, predict

@@ -8,7 +8,6 @@ on the assistant's tokens: the loss of each step and the validation loss (rtol 1
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +31,8 @@ from lightning_ulysses.finetune import (
 )
 from lightning_ulysses.finetune.packing import trained_tokens
 from lightning_ulysses.model import CausalLM, build_config
+from tests.cases import CaseTable
 from tests.finetune_data import chat, chat_of_tokens, preference_records, sft_records, write_jsonl
-from tests.launch import launch
 from tests.tiny import TINY_LLAMA, epoch_order, gathered_parameters, relative_update_error
 
 pytestmark = pytest.mark.distributed
@@ -257,45 +256,43 @@ SP_CASES = {
 DP_SP_CASES = {"packed_dp2_sp2_zero3": dict(mode="packed", stage=3)}  # on 4 processes
 
 
-def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
-    world_size = int(os.environ["WORLD_SIZE"])
-    results = {}
-    for name, case in args["cases"].items():
-        data = sft_data(args["files"], args["tokenizer"], mode=case["mode"])
-        module = RecordingSGDCausalLM(model=TINY_LLAMA, vocab_size=data.vocab_size)
-        module.model, module.losses = fresh_model(data.vocab_size), []
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=world_size,
-            max_steps=STEPS,
-            logger=False,
-            num_sanity_val_steps=0,
-            strategy=UlyssesStrategy(sp_size=2, stage=case["stage"], attn_implementation="sdpa"),
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        trainer.fit(module, data)
-        trainer.validate(module, data, verbose=False)
-        results[name] = {
-            "losses": module.losses,
-            "val_loss": trainer.callback_metrics["val_loss"].item(),
-            "params": gathered_parameters(module.model, case["stage"] == 3),
-        }
-    return results
+def fit_sft_case(
+    name: str, case: dict[str, Any], world_size: int, files: dict[str, str], tokenizer: str
+) -> dict[str, Any]:
+    data = sft_data(files, tokenizer, mode=case["mode"])
+    module = RecordingSGDCausalLM(model=TINY_LLAMA, vocab_size=data.vocab_size)
+    module.model, module.losses = fresh_model(data.vocab_size), []
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=STEPS,
+        logger=False,
+        num_sanity_val_steps=0,
+        strategy=UlyssesStrategy(sp_size=2, stage=case["stage"], attn_implementation="sdpa"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, data)
+    trainer.validate(module, data, verbose=False)
+    return {
+        "losses": module.losses,
+        "val_loss": trainer.callback_metrics["val_loss"].item(),
+        "params": gathered_parameters(module.model, case["stage"] == 3),
+    }
 
 
 @pytest.fixture(scope="module")
 def sp_results(data_files: dict[str, str], tokenizer_folder: str) -> list[dict[str, Any]]:
-    return launch(
-        "tests.test_finetune:sp_worker", 2, {"files": data_files, "tokenizer": tokenizer_folder, "cases": SP_CASES}
+    return CaseTable("sp_results", "tests.test_finetune:fit_sft_case", 2, SP_CASES).run(
+        {"files": data_files, "tokenizer": tokenizer_folder}
     )
 
 
 @pytest.fixture(scope="module")
 def dp_sp_results(data_files: dict[str, str], tokenizer_folder: str) -> list[dict[str, Any]]:
-    return launch(
-        "tests.test_finetune:sp_worker", 4, {"files": data_files, "tokenizer": tokenizer_folder, "cases": DP_SP_CASES}
+    return CaseTable("dp_sp_results", "tests.test_finetune:fit_sft_case", 4, DP_SP_CASES).run(
+        {"files": data_files, "tokenizer": tokenizer_folder}
     )
 
 
@@ -384,40 +381,39 @@ def dpo_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {"model": str(root / "model"), "train": path, "val": path, "odd_val": odd}
 
 
-def dpo_worker(args: dict[str, Any]) -> dict[str, Any]:
+def fit_dpo_case(
+    name: str, case: dict[str, Any], world_size: int, model: str, train: str, val: str, odd_val: str
+) -> dict[str, Any]:
     """DPO_CASES: sp=2, every pair in one batch, STEPS steps, no validation. DPO_ODD_VAL_CASES: dp=2, one pair a
     batch, one epoch, then the validation of the odd pairs."""
-    world_size = int(os.environ["WORLD_SIZE"])
-    results = {}
-    for name, case in args["cases"].items():
-        odd_val = name in DPO_ODD_VAL_CASES
-        data = PreferenceDataModule(
-            paths=[args["train"]],
-            val_paths=[args["odd_val" if odd_val else "val"]],
-            seq_len=SEQ * 4,
-            batch_size=1 if odd_val else 64,
-        )
-        module = SGDDPO(model=args["model"], pretrained=True, beta=BETA, vocab_size=data.vocab_size)
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=world_size,
-            max_steps=-1 if odd_val else STEPS,
-            max_epochs=1 if odd_val else None,
-            logger=False,
-            strategy=UlyssesStrategy(sp_size=case.get("sp", 2), stage=case["stage"], attn_implementation="sdpa"),
-            limit_val_batches=None if odd_val else 0,
-            num_sanity_val_steps=0,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        trainer.fit(module, data)
-        prefix = "val" if odd_val else "train"  # the validation at the epoch's end sees the final weights
-        results[name] = {key: trainer.callback_metrics[f"{prefix}_{key}"].item() for key in DPO_METRICS}
-        results[name]["console"] = sorted(trainer.progress_bar_metrics)  # what the progress lines show
-        results[name]["params"] = gathered_parameters(module.model, case["stage"] == 3)
-        results[name]["reference"] = gathered_parameters(module.reference, case["stage"] == 3)
-    return results
+    odd = name in DPO_ODD_VAL_CASES
+    data = PreferenceDataModule(
+        paths=[train],
+        val_paths=[odd_val if odd else val],
+        seq_len=SEQ * 4,
+        batch_size=1 if odd else 64,
+    )
+    module = SGDDPO(model=model, pretrained=True, beta=BETA, vocab_size=data.vocab_size)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=-1 if odd else STEPS,
+        max_epochs=1 if odd else None,
+        logger=False,
+        strategy=UlyssesStrategy(sp_size=case.get("sp", 2), stage=case["stage"], attn_implementation="sdpa"),
+        limit_val_batches=None if odd else 0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, data)
+    prefix = "val" if odd else "train"  # the validation at the epoch's end sees the final weights
+    result = {key: trainer.callback_metrics[f"{prefix}_{key}"].item() for key in DPO_METRICS}
+    result["console"] = sorted(trainer.progress_bar_metrics)  # what the progress lines show
+    result["params"] = gathered_parameters(module.model, case["stage"] == 3)
+    result["reference"] = gathered_parameters(module.reference, case["stage"] == 3)
+    return result
 
 
 DPO_METRICS = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy")
@@ -425,7 +421,9 @@ DPO_METRICS = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margin", "
 
 @pytest.fixture(scope="module")
 def dpo_results(dpo_files: dict[str, str]) -> list[dict[str, Any]]:
-    return launch("tests.test_finetune:dpo_worker", 2, {**dpo_files, "cases": {**DPO_CASES, **DPO_ODD_VAL_CASES}})
+    return CaseTable("dpo_results", "tests.test_finetune:fit_dpo_case", 2, {**DPO_CASES, **DPO_ODD_VAL_CASES}).run(
+        dpo_files
+    )
 
 
 def completion_log_prob(model: torch.nn.Module, ids: Tensor, labels: Tensor) -> Tensor:

@@ -19,9 +19,8 @@ import copy
 import dataclasses
 import functools
 import inspect
-import os
 import sys
-import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,7 @@ from lightning_ulysses.hf.mixers.mlstm import is_mlstm_backend, sharded_mlstm_fo
 from lightning_ulysses.hf.mixers.shift import shift_sequence
 from lightning_ulysses.sharding import positions_within_runs, shard_index
 from lightning_ulysses.topology import SequenceParallelTopology
-from tests.launch import launch
+from tests.cases import CaseTable
 from tests.tiny import (
     collate,
     epoch_order,
@@ -59,96 +58,112 @@ pytestmark = pytest.mark.distributed
 ROWS, STEPS = 2, 2
 # name -> case: family, sp, ZeRO stage, document borders forced on even rows (random ones besides), config overrides,
 # the attention layers where the config's layer_types do not name them
-TWO_RANKS: dict[str, dict[str, Any]] = {
-    "lfm2_zero3_packed": dict(family="lfm2", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
-    # as if mamba_ssm were installed: the training-only fused-layer kernel must not run on a shard
-    "mamba2_zero3_packed_fused_kernel": dict(family="mamba2", sp=2, stage=3, borders=(SEQ_LEN // 2,), fused=True),
-    "jamba_zero2_packed_fused_kernel": dict(family="jamba", sp=2, stage=2, borders=(SEQ_LEN // 2 - 1,), fused=True),
-    "qwen3_next_zero3_packed": dict(family="qwen3_next", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
-    "kimi_linear_zero2_packed": dict(family="kimi_linear", sp=2, stage=2, borders=(SEQ_LEN // 2 + 1,)),
-    "minimax_zero3_packed": dict(family="minimax", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
-    # the convolution and the RG-LRU in one head-sharded core; a border inside rank 1's shard
-    "recurrent_gemma_zero3_packed": dict(family="recurrent_gemma", sp=2, stage=3, borders=(SEQ_LEN // 2, 21)),
-    # one long document and many short ones: the kernels must not see every document padded to the longest
-    "qwen3_next_zero2_skewed_packing": dict(family="qwen3_next", sp=2, stage=2, lengths=(17, 3, 3, 3, 3, 3)),
-    "mamba2_zero2_skewed_packing": dict(family="mamba2", sp=2, stage=2, lengths=(2, 2, 21, 1, 3, 3)),
-    "xlstm_zero3_packed": dict(family="xlstm", sp=2, stage=3, borders=(SEQ_LEN // 2, SEQ_LEN // 2 + 3)),
-    # RWKV's token shifts take the token before each shard from the previous rank; a document of one token at the
-    # shard border
-    "rwkv_zero3_packed": dict(family="rwkv", sp=2, stage=3, borders=(SEQ_LEN // 2, SEQ_LEN // 2 + 1)),
-    # ZAYA's CCA convolutions (10 heads) and its delayed values, next to its attention layers; with biases, the
-    # delayed values of each document's first token are the bias; key scales of about 1 (0.02 at initialisation:
-    # the queries and keys, which the convolutions compute, would barely matter)
-    "zaya_zero3_packed_bias": dict(
-        family="zaya",
-        sp=2,
-        stage=3,
-        borders=(SEQ_LEN // 2 - 1, SEQ_LEN // 2),
-        config=dict(attention_bias=True),
-        scaled={"qk_norm.temp": 50.0},
-        attention_layers=2,
-    ),
-}
-FOUR_RANKS: dict[str, dict[str, Any]] = {
-    # 70 channels over 4 ranks: 18 channel slots per rank, 2 of them inert (and 5 attention heads, 1 key/value head)
-    "lfm2_zero2_packed_70_channels": dict(
-        family="lfm2",
-        sp=4,
-        stage=2,
-        borders=(SEQ_LEN // 4, SEQ_LEN // 2),
-        config=dict(hidden_size=70, num_attention_heads=5, num_key_value_heads=1),
-    ),
-    # 2 heads over 4 ranks: two inert head slots
-    "mamba2_zero3_packed_2_heads": dict(
-        family="mamba2", sp=4, stage=3, borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 4), config=dict(num_heads=2, head_dim=64)
-    ),
-    "jamba_zero3_packed": dict(family="jamba", sp=4, stage=3, borders=(SEQ_LEN // 2, SEQ_LEN // 4 + 3)),
-    "qwen3_next_dp2_sp2_zero3_packed": dict(family="qwen3_next", sp=2, dp=2, stage=3, borders=(SEQ_LEN // 2,)),
-    # 6 value heads reading 3 key heads over 4 ranks: 2 value heads per rank, key heads split across ranks
-    "qwen3_next_zero2_packed_6_heads": dict(
-        family="qwen3_next",
-        sp=4,
-        stage=2,
-        borders=(SEQ_LEN // 4, SEQ_LEN // 2),
-        config=dict(linear_num_value_heads=6, linear_num_key_heads=3),
-    ),
-    # Ulysses x Ring (zigzag shards, chunks of SEQ_LEN / 4): borders on a ring-chunk border and inside a chunk
-    "lfm2_ring2_ulysses2_zero2_packed": dict(
-        family="lfm2", sp=4, ring=2, stage=2, borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8)
-    ),
-    "qwen3_next_dp2_ring2_ulysses1_zero3_skewed_packing": dict(
-        family="qwen3_next", sp=2, dp=2, ring=2, stage=3, lengths=(3, 3, 17, 3, 3, 3)
-    ),
-    "mamba2_ring2_ulysses2_zero3_packed": dict(family="mamba2", sp=4, ring=2, stage=3, borders=(SEQ_LEN // 2, 5)),
-    "minimax_ring2_ulysses2_zero2": dict(family="minimax", sp=4, ring=2, stage=2, lengths=(SEQ_LEN,)),
-    # 2 mLSTM heads over 4 ranks (two inert head slots), under the ring
-    "xlstm_ring2_ulysses2_zero2_packed_2_heads": dict(
-        family="xlstm", sp=4, ring=2, stage=2, borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8), config=dict(num_heads=2)
-    ),
-    # 3 RG-LRU heads (and 3 attention heads) over 4 ranks: one inert head slot
-    "recurrent_gemma_ring2_ulysses2_zero2_packed_3_heads": dict(
-        family="recurrent_gemma",
-        sp=4,
-        ring=2,
-        stage=2,
-        borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8),
-        config=dict(num_attention_heads=3, num_key_value_heads=1, lru_width=48),
-    ),
-    # the token before each zigzag shard lies on another ring rank (shards hold columns 0-7, 24-31, 8-15, 16-23)
-    "rwkv_ring2_ulysses2_zero2_packed": dict(
-        family="rwkv", sp=4, ring=2, stage=2, borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8 + 1)
-    ),
-    # 10 convolution heads over 4 ranks (3 slots each, 2 inert), attention over ring 2 x Ulysses 2
-    "zaya_ring2_ulysses2_zero2_packed": dict(
-        family="zaya",
-        sp=4,
-        ring=2,
-        stage=2,
-        borders=(SEQ_LEN // 2, 7),
-        scaled={"qk_norm.temp": 50.0},
-        attention_layers=2,
-    ),
-}
+TWO_RANKS = CaseTable(
+    "two_rank_results",
+    "tests.test_hybrid:fit_case",
+    2,
+    {
+        "lfm2_zero3_packed": dict(family="lfm2", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
+        # as if mamba_ssm were installed: the training-only fused-layer kernel must not run on a shard
+        "mamba2_zero3_packed_fused_kernel": dict(family="mamba2", sp=2, stage=3, borders=(SEQ_LEN // 2,), fused=True),
+        "jamba_zero2_packed_fused_kernel": dict(family="jamba", sp=2, stage=2, borders=(SEQ_LEN // 2 - 1,), fused=True),
+        "qwen3_next_zero3_packed": dict(family="qwen3_next", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
+        "kimi_linear_zero2_packed": dict(family="kimi_linear", sp=2, stage=2, borders=(SEQ_LEN // 2 + 1,)),
+        "minimax_zero3_packed": dict(family="minimax", sp=2, stage=3, borders=(SEQ_LEN // 2,)),
+        # the convolution and the RG-LRU in one head-sharded core; a border inside rank 1's shard
+        "recurrent_gemma_zero3_packed": dict(family="recurrent_gemma", sp=2, stage=3, borders=(SEQ_LEN // 2, 21)),
+        # one long document and many short ones: the kernels must not see every document padded to the longest
+        "qwen3_next_zero2_skewed_packing": dict(family="qwen3_next", sp=2, stage=2, lengths=(17, 3, 3, 3, 3, 3)),
+        "mamba2_zero2_skewed_packing": dict(family="mamba2", sp=2, stage=2, lengths=(2, 2, 21, 1, 3, 3)),
+        "xlstm_zero3_packed": dict(family="xlstm", sp=2, stage=3, borders=(SEQ_LEN // 2, SEQ_LEN // 2 + 3)),
+        # RWKV's token shifts take the token before each shard from the previous rank; a document of one token at the
+        # shard border
+        "rwkv_zero3_packed": dict(family="rwkv", sp=2, stage=3, borders=(SEQ_LEN // 2, SEQ_LEN // 2 + 1)),
+        # ZAYA's CCA convolutions (10 heads) and its delayed values, next to its attention layers; with biases, the
+        # delayed values of each document's first token are the bias; key scales of about 1 (0.02 at initialisation:
+        # the queries and keys, which the convolutions compute, would barely matter)
+        "zaya_zero3_packed_bias": dict(
+            family="zaya",
+            sp=2,
+            stage=3,
+            borders=(SEQ_LEN // 2 - 1, SEQ_LEN // 2),
+            config=dict(attention_bias=True),
+            scaled={"qk_norm.temp": 50.0},
+            attention_layers=2,
+        ),
+    },
+    also={"shift_errors": "tests.test_hybrid:shift_errors"},
+)
+FOUR_RANKS = CaseTable(
+    "four_rank_results",
+    "tests.test_hybrid:fit_case",
+    4,
+    {
+        # 70 channels over 4 ranks: 18 channel slots per rank, 2 of them inert (and 5 attention heads, 1 key/value head)
+        "lfm2_zero2_packed_70_channels": dict(
+            family="lfm2",
+            sp=4,
+            stage=2,
+            borders=(SEQ_LEN // 4, SEQ_LEN // 2),
+            config=dict(hidden_size=70, num_attention_heads=5, num_key_value_heads=1),
+        ),
+        # 2 heads over 4 ranks: two inert head slots
+        "mamba2_zero3_packed_2_heads": dict(
+            family="mamba2",
+            sp=4,
+            stage=3,
+            borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 4),
+            config=dict(num_heads=2, head_dim=64),
+        ),
+        "jamba_zero3_packed": dict(family="jamba", sp=4, stage=3, borders=(SEQ_LEN // 2, SEQ_LEN // 4 + 3)),
+        "qwen3_next_dp2_sp2_zero3_packed": dict(family="qwen3_next", sp=2, dp=2, stage=3, borders=(SEQ_LEN // 2,)),
+        # 6 value heads reading 3 key heads over 4 ranks: 2 value heads per rank, key heads split across ranks
+        "qwen3_next_zero2_packed_6_heads": dict(
+            family="qwen3_next",
+            sp=4,
+            stage=2,
+            borders=(SEQ_LEN // 4, SEQ_LEN // 2),
+            config=dict(linear_num_value_heads=6, linear_num_key_heads=3),
+        ),
+        # Ulysses x Ring (zigzag shards, chunks of SEQ_LEN / 4): borders on a ring-chunk border and inside a chunk
+        "lfm2_ring2_ulysses2_zero2_packed": dict(
+            family="lfm2", sp=4, ring=2, stage=2, borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8)
+        ),
+        "qwen3_next_dp2_ring2_ulysses1_zero3_skewed_packing": dict(
+            family="qwen3_next", sp=2, dp=2, ring=2, stage=3, lengths=(3, 3, 17, 3, 3, 3)
+        ),
+        "mamba2_ring2_ulysses2_zero3_packed": dict(family="mamba2", sp=4, ring=2, stage=3, borders=(SEQ_LEN // 2, 5)),
+        "minimax_ring2_ulysses2_zero2": dict(family="minimax", sp=4, ring=2, stage=2, lengths=(SEQ_LEN,)),
+        # 2 mLSTM heads over 4 ranks (two inert head slots), under the ring
+        "xlstm_ring2_ulysses2_zero2_packed_2_heads": dict(
+            family="xlstm", sp=4, ring=2, stage=2, borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8), config=dict(num_heads=2)
+        ),
+        # 3 RG-LRU heads (and 3 attention heads) over 4 ranks: one inert head slot
+        "recurrent_gemma_ring2_ulysses2_zero2_packed_3_heads": dict(
+            family="recurrent_gemma",
+            sp=4,
+            ring=2,
+            stage=2,
+            borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8),
+            config=dict(num_attention_heads=3, num_key_value_heads=1, lru_width=48),
+        ),
+        # the token before each zigzag shard lies on another ring rank (shards hold columns 0-7, 24-31, 8-15, 16-23)
+        "rwkv_ring2_ulysses2_zero2_packed": dict(
+            family="rwkv", sp=4, ring=2, stage=2, borders=(SEQ_LEN // 4, 3 * SEQ_LEN // 8 + 1)
+        ),
+        # 10 convolution heads over 4 ranks (3 slots each, 2 inert), attention over ring 2 x Ulysses 2
+        "zaya_ring2_ulysses2_zero2_packed": dict(
+            family="zaya",
+            sp=4,
+            ring=2,
+            stage=2,
+            borders=(SEQ_LEN // 2, 7),
+            scaled={"qk_norm.temp": 50.0},
+            attention_layers=2,
+        ),
+    },
+    also={"shift_errors": "tests.test_hybrid:shift_errors"},
+)
 
 
 class HybridModule(ZooModule):
@@ -274,50 +289,45 @@ class KernelTokens:
             setattr(self.modeling, name, kernel)
 
 
-def train_worker(args: dict[str, Any]) -> dict[str, Any]:
-    world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown deletes it
-    results = {}
-    for name, case in args["cases"].items():
-        recipe = recipe_of(case)
-        modeling = sys.modules[recipe.model_class.__module__]
-        if case.get("fused"):  # mamba_ssm's fused layer kernel, which the layer calls first in training
-            for kernel in FUSED_LAYER_KERNELS:
-                if hasattr(modeling, kernel):
-                    setattr(modeling, kernel, _fused_layer_kernel)
-        counter = KernelTokens(modeling)
-        model, _ = build_model(recipe)  # the family's attention (eager where it has it), then the saved weights
-        model.load_state_dict(torch.load(Path(args["folder"]) / f"{name}.pt"))
-        counter.watch(model, case["sp"])
-        module = HybridModule(model, loss_scale=1.0)
-        strategy = UlyssesStrategy(
-            sp_size=case["sp"], ring_size=case.get("ring", 1), stage=case["stage"], attn_implementation="sdpa"
-        )
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=world_size,
-            strategy=strategy,
-            max_steps=STEPS,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        loader = DataLoader(packed_samples(case, recipe), batch_size=ROWS, collate_fn=collate, shuffle=False)
-        try:
-            trainer.fit(module, loader)
-        finally:
-            counter.restore()
-        results[name] = {
-            "losses": module.losses,
-            "params": gathered_parameters(module.model, case["stage"] == 3),
-            "sharded_mixers": module.sharded_mixers,
-            "flop_attention_layers": module.flop_attention_layers,
-            "dp_rank": strategy.dp_rank,
-            "ring_size": strategy.ring_size,
-            "kernel_tokens": [call for call in counter.calls if call is not None],
-        }
-    results["shift_errors"] = shift_errors(world_size)
-    return results
+def fit_case(name: str, case: dict[str, Any], world_size: int, folder: str) -> dict[str, Any]:
+    recipe = recipe_of(case)
+    modeling = sys.modules[recipe.model_class.__module__]
+    if case.get("fused"):  # mamba_ssm's fused layer kernel, which the layer calls first in training
+        for kernel in FUSED_LAYER_KERNELS:
+            if hasattr(modeling, kernel):
+                setattr(modeling, kernel, _fused_layer_kernel)
+    counter = KernelTokens(modeling)
+    model, _ = build_model(recipe)  # the family's attention (eager where it has it), then the saved weights
+    model.load_state_dict(torch.load(Path(folder) / f"{name}.pt"))
+    counter.watch(model, case["sp"])
+    module = HybridModule(model, loss_scale=1.0)
+    strategy = UlyssesStrategy(
+        sp_size=case["sp"], ring_size=case.get("ring", 1), stage=case["stage"], attn_implementation="sdpa"
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = DataLoader(packed_samples(case, recipe), batch_size=ROWS, collate_fn=collate, shuffle=False)
+    try:
+        trainer.fit(module, loader)
+    finally:
+        counter.restore()
+    return {
+        "losses": module.losses,
+        "params": gathered_parameters(module.model, case["stage"] == 3),
+        "sharded_mixers": module.sharded_mixers,
+        "flop_attention_layers": module.flop_attention_layers,
+        "dp_rank": strategy.dp_rank,
+        "ring_size": strategy.ring_size,
+        "kernel_tokens": [call for call in counter.calls if call is not None],
+    }
 
 
 SHIFT_RING_SIZES = {2: (1, 2), 4: (1, 2, 4)}
@@ -367,21 +377,15 @@ def shift_errors(world_size: int) -> dict[str, float]:
     return errors
 
 
-def _run(cases: dict[str, dict[str, Any]], world_size: int) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory() as folder:
-        for name, case in cases.items():
-            torch.save(initial_weights(case), Path(folder) / f"{name}.pt")
-        return launch("tests.test_hybrid:train_worker", world_size, {"cases": cases, "folder": folder})
+def save_initial_weights(cases: Mapping[str, dict[str, Any]], folder: Path) -> dict[str, Any]:
+    """Each case's initial weights, ``folder/<name>.pt``: every rank and the reference start from them."""
+    for name, case in cases.items():
+        torch.save(initial_weights(case), folder / f"{name}.pt")
+    return {"folder": str(folder)}
 
 
-@pytest.fixture(scope="module")
-def two_rank_results() -> list[dict[str, Any]]:
-    return _run(TWO_RANKS, 2)
-
-
-@pytest.fixture(scope="module")
-def four_rank_results() -> list[dict[str, Any]]:
-    return _run(FOUR_RANKS, 4)
+two_rank_results = TWO_RANKS.fixture(prepare=save_initial_weights)
+four_rank_results = FOUR_RANKS.fixture(prepare=save_initial_weights)
 
 
 def _check(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> None:
@@ -410,14 +414,14 @@ def test_token_shift_takes_the_tokens_before_each_shard(request: pytest.FixtureR
         assert max(errors.values()) < 1e-6, f"rank {rank}: {errors}"
 
 
-@pytest.mark.parametrize("name", TWO_RANKS)
+@TWO_RANKS.each_case
 def test_two_ranks_equal_single_process(two_rank_results: list[dict[str, Any]], name: str) -> None:
-    _check(two_rank_results, name, TWO_RANKS[name])
+    _check(two_rank_results, name, TWO_RANKS.cases[name])
 
 
-@pytest.mark.parametrize("name", FOUR_RANKS)
+@FOUR_RANKS.each_case
 def test_four_ranks_equal_single_process(four_rank_results: list[dict[str, Any]], name: str) -> None:
-    _check(four_rank_results, name, FOUR_RANKS[name])
+    _check(four_rank_results, name, FOUR_RANKS.cases[name])
 
 
 def test_an_mlstm_state_handed_in_is_refused() -> None:
@@ -435,7 +439,7 @@ def test_an_mlstm_state_handed_in_is_refused() -> None:
         forward(q, k, v, gates, gates, c_initial=torch.zeros(1, heads, dim, dim))
 
 
-SKEWED = [name for name, case in {**TWO_RANKS, **FOUR_RANKS}.items() if len(case.get("lengths", ())) > 1]
+SKEWED = [name for name, case in {**TWO_RANKS.cases, **FOUR_RANKS.cases}.items() if len(case.get("lengths", ())) > 1]
 
 
 @pytest.mark.parametrize("name", SKEWED)
@@ -443,7 +447,7 @@ def test_packed_documents_cost_the_kernels_at_most_twice_the_tokens(request: pyt
     """One long document next to many short ones: inside every mixer call its kernels receive at most ``2 N`` tokens
     per head slot (``N`` the whole rows' tokens), not every document padded to the longest (3-4x here); packed rows
     run one call per length class."""
-    results = request.getfixturevalue("two_rank_results" if name in TWO_RANKS else "four_rank_results")
+    results = request.getfixturevalue("two_rank_results" if name in TWO_RANKS.cases else "four_rank_results")
     for rank, result in enumerate(results):
         calls = result[name]["kernel_tokens"]
         assert calls and all(call["kernels"] for call in calls), f"rank {rank}: the kernels were not counted"

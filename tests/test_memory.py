@@ -11,7 +11,6 @@ process, against their untiled computation.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from lightning_ulysses import (
     tiled_map,
 )
 from lightning_ulysses.memory import resolve_num_tiles
+from tests.cases import CaseTable
 from tests.launch import launch
 from tests.test_equivalence import BATCH, LR, SEQ, STEPS, _fit
 from tests.tiny import (
@@ -73,20 +73,15 @@ class MemoryTinyCausalLM(TinyCausalLM):
         return loss
 
 
-def train_worker(args: dict[str, Any]) -> dict[str, Any]:
-    world_size = int(os.environ["WORLD_SIZE"])
-    return {
-        name: _fit(case, world_size, module_class=MemoryTinyCausalLM, strategy_kwargs=case["memory"])
-        for name, case in args["cases"].items()
-    }
+def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]:
+    return _fit(case, world_size, module_class=MemoryTinyCausalLM, strategy_kwargs=case["memory"])
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
-    return launch("tests.test_memory:train_worker", 2, {"cases": CASES})
+TABLE = CaseTable("results", "tests.test_memory:fit_case", 2, CASES)
+results = TABLE.fixture()
 
 
-@pytest.mark.parametrize("name", CASES)
+@TABLE.each_case
 def test_option_equals_single_process(results: list[dict[str, Any]], name: str) -> None:
     case = CASES[name]
     data = {"num": 16, "seq_len": SEQ, **case.get("data", {})}

@@ -18,7 +18,7 @@ from lightning_ulysses import apply_ulysses_attention, prepare_batch, remove_uly
 from lightning_ulysses.hf.state import UnsupportedModelError
 from lightning_ulysses.loss import token_cross_entropy
 from lightning_ulysses.vision import VisionLanguageModel, merged_inputs_embeds, prepare_vision_batch, vision_family
-from tests.launch import launch
+from tests.cases import CaseTable
 from tests.vision_data import (
     CONFIGS,
     IMAGE,
@@ -301,53 +301,46 @@ def case_batches(case: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
-    import os
-
+def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]:
     import lightning as L
     from torch.utils.data import DataLoader
 
     from lightning_ulysses import UlyssesStrategy
     from tests.tiny import gathered_parameters
 
-    world_size = int(os.environ["WORLD_SIZE"])
-    results = {}
-    for name, case in args["cases"].items():
-        module = SGDVisionLanguageModel(
-            model=CONFIGS[case["family"]],
-            vision_encoding=case.get("encoding", "shard"),
-            gradient_checkpointing=case.get("checkpointing", False),
-        )
-        module.model, module.losses = tiny_model(case["family"]), []
-        if module.hparams.gradient_checkpointing:
-            module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            module.configure_model()  # the vision tower stays unchecked
-        loader = DataLoader(case_batches(case), batch_size=1, collate_fn=lambda items: items[0])
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=world_size,
-            max_steps=STEPS,
-            logger=False,
-            num_sanity_val_steps=0,
-            strategy=UlyssesStrategy(
-                sp_size=case["sp"],
-                stage=case["stage"],
-                attn_implementation="sdpa",
-                ring_size=case.get("ring", 1),
-                head_chunks=case.get("head_chunks"),
-            ),
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        if case.get("refused"):
-            with pytest.raises(ValueError) as refusal:
-                trainer.fit(module, loader)
-            results[name] = {"refusal": str(refusal.value), "losses": module.losses}
-            continue
-        trainer.fit(module, loader)
-        results[name] = {"losses": module.losses, "params": gathered_parameters(module.model, case["stage"] == 3)}
-    return results
+    module = SGDVisionLanguageModel(
+        model=CONFIGS[case["family"]],
+        vision_encoding=case.get("encoding", "shard"),
+        gradient_checkpointing=case.get("checkpointing", False),
+    )
+    module.model, module.losses = tiny_model(case["family"]), []
+    if module.hparams.gradient_checkpointing:
+        module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        module.configure_model()  # the vision tower stays unchecked
+    loader = DataLoader(case_batches(case), batch_size=1, collate_fn=lambda items: items[0])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=STEPS,
+        logger=False,
+        num_sanity_val_steps=0,
+        strategy=UlyssesStrategy(
+            sp_size=case["sp"],
+            stage=case["stage"],
+            attn_implementation="sdpa",
+            ring_size=case.get("ring", 1),
+            head_chunks=case.get("head_chunks"),
+        ),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    if case.get("refused"):
+        with pytest.raises(ValueError) as refusal:
+            trainer.fit(module, loader)
+        return {"refusal": str(refusal.value), "losses": module.losses}
+    trainer.fit(module, loader)
+    return {"losses": module.losses, "params": gathered_parameters(module.model, case["stage"] == 3)}
 
 
 TWO_PROCESS_CASES = {
@@ -399,14 +392,10 @@ FOUR_PROCESS_CASES = {
 REFUSED_CASES = {"gemma3_ring2_zero2": dict(family="gemma3", sp=2, ring=2, stage=2, refused=True)}
 
 
-@pytest.fixture(scope="module")
-def two_process_results() -> list[dict[str, Any]]:
-    return launch("tests.test_vision:sp_worker", 2, {"cases": {**TWO_PROCESS_CASES, **REFUSED_CASES}})
-
-
-@pytest.fixture(scope="module")
-def four_process_results() -> list[dict[str, Any]]:
-    return launch("tests.test_vision:sp_worker", 4, {"cases": FOUR_PROCESS_CASES})
+two_process_results = CaseTable(
+    "two_process_results", "tests.test_vision:fit_case", 2, {**TWO_PROCESS_CASES, **REFUSED_CASES}
+).fixture()
+four_process_results = CaseTable("four_process_results", "tests.test_vision:fit_case", 4, FOUR_PROCESS_CASES).fixture()
 
 
 def reference_training(

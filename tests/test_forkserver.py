@@ -1,0 +1,188 @@
+"""The forked ranks of :func:`tests.launch.launch` (:mod:`tests.forkserver`): a forked rank starts from the state a
+fresh ``python -m tests.launch`` process has and ends as one would; a failing, hanging or interrupted call fails with
+every rank's output and leaves no rank behind."""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import logging
+import os
+import signal
+import sys
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import tests.launch
+from tests import forkserver
+from tests.launch import launch, launch_to_exit
+
+pytestmark = pytest.mark.distributed
+
+
+def state_worker(args: dict[str, Any]) -> dict[str, Any]:
+    """What a rank could inherit from the process it was forked from, after the imports the fork server makes."""
+    for module in forkserver.PRELOAD:
+        importlib.import_module(module)
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    return {
+        "pid": os.getpid(),
+        "parent": os.getppid(),
+        "session_leader": os.getsid(0) == os.getpid(),
+        "cwd": os.getcwd(),
+        "left_behind": os.environ.get("LEFT_BEHIND"),
+        "rank": os.environ["RANK"],
+        "rank_zero_only": rank_zero_only.rank,
+        "argv": sys.argv[1:],
+        "seed": torch.initial_seed(),
+        "dtype": torch.get_default_dtype(),
+        "threads": torch.get_num_threads(),
+        "process_group": dist.is_initialized(),
+        "lightning_level": logging.getLogger("lightning").level,
+        "warning_filters": len(warnings.filters),
+    }
+
+
+def dirty_worker(args: dict[str, Any]) -> int:
+    """Leaves behind what a careless call could: environment, directory, seed, dtype, process group, log level."""
+    os.environ["LEFT_BEHIND"] = "1"
+    os.chdir("/")
+    torch.manual_seed(123)
+    torch.set_default_dtype(torch.float64)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.new_group(ranks=[0, 1])
+    logging.getLogger("lightning").setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore")
+    return os.getpid()
+
+
+def failing_worker(args: dict[str, Any]) -> None:
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank 1 fails on purpose")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.barrier()  # rank 0 waits for rank 1, which never comes
+
+
+def sleeping_worker(args: dict[str, Any]) -> None:
+    if os.environ["RANK"] == "1":
+        import time
+
+        time.sleep(600)
+
+
+def ending_worker(args: dict[str, Any]) -> None:
+    """Ends the way ``args["end"]`` says, after registering an exit handler that prints."""
+    atexit.register(print, "exit handler ran", flush=True)
+    end = args["end"]
+    if end == "exit 3":
+        sys.exit(3)
+    if end == "exit message":
+        sys.exit("stopped with a message")
+    if end == "error":
+        raise ValueError("an uncaught error")
+    if end == "interrupt":
+        raise KeyboardInterrupt
+
+
+def _fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tests.launch, "FORKED", False)
+
+
+def test_a_forked_rank_starts_from_the_state_of_a_fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    dirty = launch("tests.test_forkserver:dirty_worker", 2)
+    forked = launch("tests.test_forkserver:state_worker", 2)
+    server = forkserver.get(tests.launch._launcher_environment(port=0), tests.launch.REPO_ROOT)
+    assert server is not None
+    assert {result["parent"] for result in forked} == {server.proc.pid}, "not forked from the session's server"
+    assert not {result["pid"] for result in forked} & set(dirty)
+    _fresh(monkeypatch)
+    fresh = launch("tests.test_forkserver:state_worker", 2)
+    assert {result["parent"] for result in fresh} == {os.getpid()}
+    assert len({result["seed"] for result in forked + fresh}) == 4, "each rank's generator starts from its own seed"
+    for rank, (got, want) in enumerate(zip(forked, fresh, strict=True)):
+        assert got["rank_zero_only"] == rank
+        assert got["argv"][0] == "tests.test_forkserver:state_worker"
+        same = {key: value for key, value in got.items() if key not in ("pid", "parent", "argv", "seed")}
+        assert same == {key: want[key] for key in same}
+
+
+@pytest.mark.parametrize(
+    ("end", "returncode", "says"),
+    [
+        ("return", 0, None),
+        ("exit 3", 3, None),
+        ("exit message", 1, "stopped with a message"),
+        ("error", 1, "ValueError: an uncaught error"),
+        ("interrupt", -signal.SIGINT, "KeyboardInterrupt"),
+    ],
+)
+def test_a_forked_rank_ends_as_a_fresh_process_does(end: str, returncode: int, says: str | None) -> None:
+    """As the interpreter ends a fresh ``python tests/launch.py``: exit handlers run, an uncaught exception is printed
+    and exits 1, ``sys.exit``'s code or message, an uncaught ``KeyboardInterrupt`` as death by SIGINT."""
+    exit = launch_to_exit("tests.test_forkserver:ending_worker", 1, {"end": end}, timeout=120)[0]
+    assert exit.returncode == returncode, f"exit {exit.returncode}\n{exit.output}"
+    assert "exit handler ran" in exit.output, exit.output
+    assert says is None or says in exit.output, exit.output
+
+
+def test_ranks_with_malloc_options_are_forked_and_others_are_fresh() -> None:
+    malloc = launch("tests.test_forkserver:state_worker", 1, extra_env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert malloc[0]["parent"] != os.getpid()
+    other = launch("tests.test_forkserver:state_worker", 1, extra_env={"MALLOC_ARENA_MAX": "2"})
+    assert other[0]["parent"] == os.getpid()
+
+
+def test_a_failing_call_fails_with_every_rank_output() -> None:
+    with pytest.raises(AssertionError, match=r"(?s)'rank 1'\] failed.*rank 1 fails on purpose"):
+        launch("tests.test_forkserver:failing_worker", 2)
+
+
+def test_a_hanging_call_is_stopped_at_its_timeout() -> None:
+    with pytest.raises(AssertionError, match=r"\['rank 1'\] failed \(\['rank 1'\] were stopped"):
+        launch("tests.test_forkserver:sleeping_worker", 2, timeout=10)
+
+
+class _Interrupted(Exception):
+    """What pytest-timeout raises in the test's thread."""
+
+
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "fresh"])
+def test_a_call_interrupted_from_outside_stops_its_ranks(monkeypatch: pytest.MonkeyPatch, forked: bool) -> None:
+    monkeypatch.setattr(tests.launch, "FORKED", forked)
+    running = _rank_processes()
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(3)
+    try:
+        with pytest.raises(_Interrupted):
+            launch("tests.test_forkserver:sleeping_worker", 2, timeout=60)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    left = _rank_processes() - running
+    assert not left, f"ranks of the interrupted call still run: {left}"
+
+
+def _rank_processes() -> set[int]:
+    """This test process's live ranks, forked or fresh (not the fork server, not other sessions' processes)."""
+    servers = {server.proc.pid for server in forkserver._SERVER if server is not None}
+    ranks = set()
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            command = " ".join(proc.cmdline())
+            running = proc.status() != psutil.STATUS_ZOMBIE
+            if ("tests.launch" in command or "tests.forkserver" in command) and running and proc.pid not in servers:
+                ranks.add(proc.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return ranks
