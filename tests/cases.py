@@ -22,7 +22,6 @@ own key.
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tests.launch import launch
+from tests.launch import launch, resolve
 
 Test = TypeVar("Test", bound=Callable[..., Any])
 Prepare = Callable[[Mapping[str, dict[str, Any]], Path], dict[str, Any]]
@@ -69,11 +68,6 @@ class CaseTable:
 def run_table(args: dict[str, Any]) -> dict[str, Any]:
     """A rank's side of :meth:`CaseTable.run`."""
     world_size = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown deletes it
-    fit_case = _function(args["fit_case"])
+    fit_case = resolve(args["fit_case"])
     results = {name: fit_case(name, case, world_size, **args["shared"]) for name, case in args["cases"].items()}
-    return {**results, **{key: _function(target)(world_size) for key, target in args["also"].items()}}
-
-
-def _function(target: str) -> Callable[..., Any]:
-    module_name, function_name = target.split(":")
-    return getattr(importlib.import_module(module_name), function_name)
+    return {**results, **{key: resolve(target)(world_size) for key, target in args["also"].items()}}

@@ -205,9 +205,11 @@ def _reap(children: dict[int, str]) -> None:
 
 def become_rank(job: dict[str, Any], server_pid: int) -> None:
     """In the forked child: take the place of ``python argv...`` started by a launcher in ``env``."""
+    from tests.launch import die_with_parent
+
     os.setsid()  # as Popen(start_new_session=True): killing the rank's group stops whatever it started
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the server
-    if os.getppid() != server_pid:
+    die_with_parent()  # the server's death kills the rank
+    if os.getppid() != server_pid:  # the server died before that
         os._exit(1)
     null = os.open(os.devnull, os.O_RDONLY)
     log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

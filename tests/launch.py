@@ -36,9 +36,8 @@ from tests.forkserver import ForkedProcess
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LAUNCH_SCRIPT = Path(__file__).resolve()
 Launcher = Literal["env", "torchrun", "slurm"]
-FORKED = (
-    False  # set by tests/conftest.py for the test session: benchmarks and scripts run as commands start fresh ranks
-)
+# set by tests/conftest.py for the test session; benchmarks and scripts run as commands start fresh ranks
+FORKED = False
 
 
 def free_port() -> int:
@@ -216,19 +215,19 @@ def _run(
         if server is not None:  # the same ``python tests/launch.py target tmp``, forked
             argv = [str(LAUNCH_SCRIPT), *command[-2:]]
             procs.append(server.spawn(argv, process_env, REPO_ROOT, logs[index], tmp_path / f"exit{index}"))
-            continue
-        with open(logs[index], "w") as log:
-            procs.append(
-                subprocess.Popen(
-                    command,
-                    env=process_env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=REPO_ROOT,
-                    start_new_session=True,  # one process group each: stopping a torchrun stops its ranks too
-                    preexec_fn=die_with_parent,
+        else:
+            with open(logs[index], "w") as log:
+                procs.append(
+                    subprocess.Popen(
+                        command,
+                        env=process_env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        cwd=REPO_ROOT,
+                        start_new_session=True,  # one process group each: stopping a torchrun stops its ranks too
+                        preexec_fn=die_with_parent,
+                    )
                 )
-            )
     count_world_start("forked" if server is not None else "fresh")
     try:
         killed = [names[i] for i in _wait_all(procs, timeout, grace)]
@@ -291,12 +290,17 @@ def _wait_all(procs: list[subprocess.Popen | ForkedProcess], timeout: float, gra
     return killed
 
 
+def resolve(target: str) -> Any:
+    """The function ``target`` names, ``"module:function"``."""
+    module_name, function_name = target.split(":")
+    return getattr(importlib.import_module(module_name), function_name)
+
+
 def main() -> None:
     """A rank: ``python tests/launch.py module:function folder`` runs the function on ``folder/args.pt``."""
     target, tmp = sys.argv[1], Path(sys.argv[2])
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))  # srun's tasks have no RANK
-    module_name, function_name = target.split(":")
-    worker = getattr(importlib.import_module(module_name), function_name)
+    worker = resolve(target)
     result = worker(torch.load(tmp / "args.pt", weights_only=False))
     torch.save(result, tmp / f"result{rank}.pt")
 
