@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -167,6 +168,7 @@ def serve() -> dict[str, Any] | None:
     if len(os.listdir("/proc/self/task")) > 1 or torch.cuda.is_initialized():
         print("not fork-safe", flush=True)
         return None
+    gc.freeze()  # the imports' objects: no rank's collection walks them, nor copies their pages by marking them
     print(READY, flush=True)
     children: dict[int, str] = {}  # pid -> its exit file
     pending = b""
