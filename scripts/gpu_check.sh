@@ -3,15 +3,15 @@
 # torchmetrics and accelerate preinstalled; no deepspeed, jsonargparse or flash-attn. First, HERE:
 #   bash scripts/gpu_kit.sh                       # writes .whl/ (about 6 MiB of wheels; git-ignored)
 # then through the device tool, from the repository root:
-#   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
-# Steps, each stopped at its own time limit and all within BUDGET_S (480 s): install the wheels offline into
+#   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=590)
+# Steps, each stopped at its own time limit and all within BUDGET_S (540 s): install the wheels offline into
 # /tmp/site; record the GPU and versions; the CUDA-only tests (marked cuda in tests/); one
 # long-context probe per attention kernel: Llama 1B, bf16, ZeRO-3 with tiled MLP, tiled loss, checkpointing and
 # offload, one process, PROBE_SEQ_LEN tokens, with torch's SDPA restricted to its flash kernel, then compiled flex.
 # Each result is written to $OUT as soon as it exists (7 files; the device tool returns at most 8):
 #   status.txt     one line per step as it ends: exit code, seconds, "stopped at its time limit"
 #   env.txt        nvidia-smi, versions, the offline install's output
-#   cuda_tests.log pytest -rs output (skip reasons included)
+#   cuda_tests.log pytest -v -rfs output (a line per test as it ends; failures and skip reasons at the end)
 #   probe_sdpa.log, probe_sdpa.md, probe_flex.log, probe_flex.md   benchmarks.gpu_long_context's log and table
 # Exit code: 0 when every step passed, 1 when a step failed, 2 when torch sees no CUDA device (nothing measured).
 set -uo pipefail
@@ -20,7 +20,7 @@ OUT=${OUT:-/tmp/gpu-check}
 PYTHON=${PYTHON:-python3}
 KIT_DIR=${KIT_DIR:-.whl}
 SITE=${SITE:-/tmp/site}
-BUDGET_S=${BUDGET_S:-480}
+BUDGET_S=${BUDGET_S:-540}
 PROBE_SEQ_LEN=${PROBE_SEQ_LEN:-131072}
 mkdir -p "$OUT"
 STATUS=$OUT/status.txt
@@ -69,11 +69,11 @@ if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() el
     exit 2
 fi
 
-step cuda_tests 150 "$OUT/cuda_tests.log" "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests -m cuda
+step cuda_tests 200 "$OUT/cuda_tests.log" "$PYTHON" -m pytest -v -rfs --tb=short -p no:cacheprovider tests -m cuda
 probe=(-m benchmarks.gpu_long_context --model 1b --options zero3+alst --sp 1 --steps 3 --refine 0
        --start-seq-len "$PROBE_SEQ_LEN" --max-seq-len "$PROBE_SEQ_LEN")
-step probe_sdpa 120 "$OUT/probe_sdpa.log" "$PYTHON" "${probe[@]}" --attn-implementation sdpa --sdpa-backend flash \
-    --probe-timeout 110 --output "$OUT/probe_sdpa.md"
+step probe_sdpa 150 "$OUT/probe_sdpa.log" "$PYTHON" "${probe[@]}" --attn-implementation sdpa --sdpa-backend flash \
+    --probe-timeout 140 --output "$OUT/probe_sdpa.md"
 step probe_flex 180 "$OUT/probe_flex.log" "$PYTHON" "${probe[@]}" --attn-implementation flex_attention \
     --probe-timeout 170 --output "$OUT/probe_flex.md"
 note "done in $SECONDS s"

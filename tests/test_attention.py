@@ -32,6 +32,7 @@ from lightning_ulysses.attention import (
     ulysses_attention,
 )
 from lightning_ulysses.attention.backends import _REQUIRED_MODULE
+from lightning_ulysses.attention.flex import pad_head_dims
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.heads import check_heads, plan_heads
 from lightning_ulysses.strategy import compute_dtype
@@ -455,6 +456,25 @@ def test_a_window_of_zero_is_no_window() -> None:
         }
     for name, got in outputs.items():
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_flex_pads_small_head_sizes_exactly() -> None:
+    """Head sizes under the CUDA flex kernel's 16 are zero-padded there (query/key 8 and value 16 padded to 32 here):
+    the output and the q/k/v gradients equal attention's on the true sizes (SDPA here: torch has no flex backward on
+    CPU, and the padding holds for any kernel that takes the scale)."""
+    q, k, v, grad, _ = _tensors(CASES["mla_larger_values_sinks_window"])
+    inputs = [t.transpose(1, 2).requires_grad_() for t in (q, k, v)]
+
+    def attend(*qkv: torch.Tensor, minimum: int) -> torch.Tensor:
+        query, key, value, scale = pad_head_dims(*qkv, scale=None, minimum=minimum)
+        assert min(query.shape[-1], value.shape[-1]) >= minimum or minimum == 0
+        return F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=True)[..., : v.shape[-1]]
+
+    outputs = [attend(*inputs, minimum=minimum) for minimum in (0, 32)]
+    gradients = [torch.autograd.grad(out, inputs, grad.transpose(1, 2)) for out in outputs]
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
+    for padded, true in zip(gradients[1], gradients[0]):
+        torch.testing.assert_close(padded, true, rtol=1e-5, atol=1e-6)
 
 
 def _cuda_backend(name: str) -> None:

@@ -155,7 +155,7 @@ def test_long_context_probe_on_gpu(tmp_path: Path) -> None:
             "zero3",
             "zero3+alst",
             "--start-seq-len",
-            "1024",
+            "4096",
             "--max-seq-len",
             "4096",
             "--refine",

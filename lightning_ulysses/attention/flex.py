@@ -5,7 +5,8 @@ scores: quadratic memory. Both run compiled here. The first call compiles for it
 another sequence length or batch size compiles once more with those dimensions dynamic, and every later shape
 reuses that code (``dynamic=True`` from the start would also make the head count symbolic, which inductor's CPU
 flex kernel fails to compile for 6 heads in torch 2.13). A new window size compiles once more: it is a constant of
-the mask. The ``BlockMask`` is built once per batch and window and kept with the documents.
+the mask. The ``BlockMask`` is built once per batch and window and kept with the documents. On CUDA the kernel
+(``tl.dot``) takes head sizes of 16 and more: smaller ones are zero-padded to 16 (:func:`pad_head_dims`, exact).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from torch import Tensor
 
 from lightning_ulysses.attention.core import no_window_if_off
 from lightning_ulysses.attention.documents import Documents
+
+CUDA_MIN_HEAD_DIM = 16  # inductor's CUDA flex kernel refuses smaller query/key or value head sizes
 
 
 @functools.cache
@@ -57,6 +60,21 @@ def _rows_block_mask(seq_len: int, window: int | None, device: torch.device) -> 
     return block_mask(None, seq_len, window, device)
 
 
+def pad_head_dims(
+    query: Tensor, key: Tensor, value: Tensor, scale: float | None, minimum: int
+) -> tuple[Tensor, Tensor, Tensor, float | None]:
+    """``query``, ``key`` (``[B, N, H, D]``) and ``value`` (``[..., D_v]``) with their head sizes zero-padded to at
+    least ``minimum``, and the scale of the true size: the padded columns add 0 to every ``q . k``, and the output's
+    padded columns are 0 (the caller cuts them off). Inputs already wide enough are returned as they are."""
+    head_dim = query.shape[-1]
+    if head_dim < minimum:
+        scale = head_dim**-0.5 if scale is None else scale
+        query, key = (torch.nn.functional.pad(t, (0, minimum - head_dim)) for t in (query, key))
+    if value.shape[-1] < minimum:
+        value = torch.nn.functional.pad(value, (0, minimum - value.shape[-1]))
+    return query, key, value, scale
+
+
 def flex_attention(
     query: Tensor,
     key: Tensor,
@@ -73,7 +91,7 @@ def flex_attention(
     The block mask is built once per batch (kept with ``documents``; without documents, once per length and
     window). torch has no flex backward on CPU, and its compiled CPU kernel no log-sum-exp: with ``return_lse`` on
     CPU the kernel runs eagerly (quadratic memory; CPU flex is for tests). flex takes a value head size other than
-    the query's (MLA) as it is."""
+    the query's (MLA) as it is; on CUDA, head sizes under 16 are zero-padded to 16 (:func:`pad_head_dims`)."""
     if dropout_p:
         raise ValueError("flex_attention has no attention dropout; set the model's attention_dropout to 0.")
     window = no_window_if_off(window)
@@ -90,6 +108,9 @@ def flex_attention(
         options["return_aux"] = AuxRequest(lse=True)
     # inductor's CPU flex kernel is inference-only and has no log-sum-exp: there (sinks on CPU) flex runs eagerly
     eager = query.device.type == "cpu" and return_lse
+    value_dim = value.shape[-1]
+    if query.is_cuda:
+        query, key, value, scale = pad_head_dims(query, key, value, scale, CUDA_MIN_HEAD_DIM)
     result = (eager_flex if eager else compiled_flex()[1])(
         query.transpose(1, 2),
         key.transpose(1, 2),
@@ -101,5 +122,5 @@ def flex_attention(
     )
     if return_lse:
         out, aux = result
-        return out.transpose(1, 2), aux.lse.transpose(1, 2)
-    return result.transpose(1, 2)
+        return out[..., :value_dim].transpose(1, 2), aux.lse.transpose(1, 2)
+    return result[..., :value_dim].transpose(1, 2)
