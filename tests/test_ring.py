@@ -381,12 +381,31 @@ def test_the_block_kernels_of_the_device_pass_their_set_up_check(device: str) ->
         assert check_block_kernels(torch.device(device), dtype) == [], dtype
 
 
-def test_cuda_block_kernel_calls_are_well_formed() -> None:
+def test_cuda_block_kernel_calls_are_well_formed(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA path's calls of torch's memory-efficient kernels on meta tensors (no GPU): the arguments fit the
     kernels' schemas (a masked block's bias included) and our side of the plumbing returns the block layouts (the
     log-sum-exp cut from the kernel's 32-padded one, the GQA gradients summed back per K/V head), for every kind, 40
-    queries against 24 keys (causal: 40 against 40). The meta kernels check neither the head counts nor the
-    log-sum-exp layout they are given: only the set-up check on a GPU (above) does."""
+    queries against 24 keys (causal: 40 against 40). The backward gets the output and its gradient in the forward's
+    memory layout (contiguous ``[b, n, h, D]``), which its fp16/bf16 kernel assumes whatever the strides (on an H200,
+    bf16 gradients were wrong without it). The meta kernels check neither the head counts nor the log-sum-exp layout
+    they are given: only the set-up check on a GPU (above) does."""
+    backward = torch.ops.aten._scaled_dot_product_efficient_attention_backward
+    layouts = []
+
+    def spy(
+        grad_out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias: Any,
+        out: Any,
+        *a: Any,
+        **kw: Any,
+    ) -> Any:
+        layouts.append([t.transpose(1, 2).is_contiguous() for t in (grad_out, out)])
+        return backward(grad_out, q, k, v, bias, out, *a, **kw)
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention_backward", spy)
     meta = torch.device("meta")
     for kind, keys in (("full", 24), ("causal", 40), ("masked", 24)):
         q, grad = torch.empty(2, 6, 40, 64, device=meta), torch.empty(2, 6, 40, 64, device=meta)
@@ -396,6 +415,7 @@ def test_cuda_block_kernel_calls_are_well_formed() -> None:
         assert out.shape == (2, 6, 40, 64) and lse.shape == (2, 6, 40), kind
         dq, dk, dv = ring_blocks._cuda_backward(grad, q, k, v, out, lse, kind, mask, 0.125)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape, kind
+    assert layouts == [[True, True]] * 3
 
 
 @pytest.mark.parametrize("value_dim", [48, 80])

@@ -12,7 +12,10 @@ output ``[b, n, h, D_v]``, log-sum-exp ``[b, n, h]`` fp32 (``-inf`` for a query 
   and bf16, an additive bias for the masked blocks), the kernel torch's own context parallelism runs per block.
   It wants as many K/V heads as query heads (GQA blocks are expanded, their gradients summed back per group), a bias
   whose rows are 16-element aligned, and hands its log-sum-exp out padded to a multiple of 32 queries (it is taken
-  back in that layout).
+  back in that layout). Its backward must get the output in the forward's memory layout, ``[b, n, h, D]``
+  contiguous: in fp16/bf16 the kernel computes ``rowsum(dO * out)`` itself and steps over ``out``'s rows by
+  ``h * D`` whatever its strides (``o_strideM()`` in torch's ``mem_eff_attention/kernel_backward.h``); fp32 computes
+  it in ATen, which reads the strides.
 
 Both kernels run one head size: a value head size other than the query's (MLA) is zero-padded to one block by block
 (:func:`~lightning_ulysses.attention.core.equal_head_dims`), so the K/V blocks travel the ring unpadded and the set-up
@@ -145,6 +148,12 @@ def _expand_heads(t: Tensor, heads: int) -> Tensor:
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
+def _in_forward_layout(t: Tensor) -> Tensor:
+    """``t [b, h, n, D]`` over the memory of a contiguous ``[b, n, h, D]`` (a copy only where it is laid out otherwise):
+    the layout the memory-efficient forward hands its output out in, which its 16-bit backward assumes."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _cuda_forward(
     q: Tensor, k: Tensor, v: Tensor, kind: BlockKind, mask: Tensor | None, scale: float
 ) -> tuple[Tensor, Tensor]:
@@ -173,12 +182,12 @@ def _cuda_backward(
     lse = torch.nn.functional.pad(lse, (0, padded - n))  # the layout the forward handed out
     no_dropout = torch.empty((), dtype=torch.long)  # the philox seed and offset, unread without dropout
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        g.contiguous(),
+        _in_forward_layout(g),
         q,
         _expand_heads(k, heads),
         _expand_heads(v, heads),
         bias,
-        o.contiguous(),
+        _in_forward_layout(o),
         lse,
         no_dropout,
         no_dropout,
