@@ -98,7 +98,10 @@ def plan_heads(num_heads: int, num_kv_heads: int, sp_size: int) -> HeadLayout:
     num_kv_slots = sp_size * kv_heads_per_rank
     kv_slots += [kv_slots[-1]] * (num_kv_slots - len(kv_slots))
     query_slots += [query_slots[-1]] * (num_kv_slots * slot_group - len(query_slots))
-    output_slots = [query_slots.index(head) for head in range(num_heads)]
+    first_slot: dict[int, int] = {}  # a head's first slot (list.index per head is quadratic: token mixers
+    for slot, head in enumerate(query_slots):  # shard thousands of channels as heads)
+        first_slot.setdefault(head, slot)
+    output_slots = [first_slot[head] for head in range(num_heads)]
     return HeadLayout(
         num_heads,
         num_kv_heads,
