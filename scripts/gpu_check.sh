@@ -5,13 +5,15 @@
 # then through the device tool, from the repository root:
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=590)
 # Steps, each stopped at its own time limit and all within BUDGET_S (540 s): install the wheels offline into
-# /tmp/site; record the GPU and versions; the CUDA-only tests (marked cuda in tests/); one
+# /tmp/site; record the GPU and versions; the ring's CUDA block kernels first (open question: exact in bf16 since
+# the layout fix?), then every CUDA-only test (marked cuda in tests/); one
 # long-context probe per attention kernel: Llama 1B, bf16, ZeRO-3 with tiled MLP, tiled loss, checkpointing and
 # offload, one process, PROBE_SEQ_LEN tokens, with torch's SDPA restricted to its flash kernel, then compiled flex.
-# Each result is written to $OUT as soon as it exists (7 files; the device tool returns at most 8):
+# Each result is written to $OUT as soon as it exists (8 files; the device tool returns at most 8):
 #   status.txt     one line per step as it ends: exit code, seconds, "stopped at its time limit"
 #   env.txt        nvidia-smi, versions, the offline install's output
-#   cuda_tests.log pytest -v -rfs output (a line per test as it ends; failures and skip reasons at the end)
+#   ring_tests.log, cuda_tests.log  pytest -v -rfs output (a line per test as it ends; failures and skip reasons at
+#                  the end)
 #   probe_sdpa.log, probe_sdpa.md, probe_flex.log, probe_flex.md   benchmarks.gpu_long_context's log and table
 # Exit code: 0 when every step passed, 1 when a step failed, 2 when torch sees no CUDA device (nothing measured).
 set -uo pipefail
@@ -69,7 +71,10 @@ if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() el
     exit 2
 fi
 
-step cuda_tests 200 "$OUT/cuda_tests.log" "$PYTHON" -m pytest -v -rfs --tb=short -p no:cacheprovider tests -m cuda
+step ring_tests 60 "$OUT/ring_tests.log" "$PYTHON" -m pytest -v -rfs --tb=short -p no:cacheprovider tests/test_ring.py \
+    -m cuda
+step cuda_tests 200 "$OUT/cuda_tests.log" "$PYTHON" -m pytest -v -rfs --tb=short -p no:cacheprovider tests -m cuda \
+    --deselect tests/test_ring.py
 probe=(-m benchmarks.gpu_long_context --model 1b --options zero3+alst --sp 1 --steps 3 --refine 0
        --start-seq-len "$PROBE_SEQ_LEN" --max-seq-len "$PROBE_SEQ_LEN")
 step probe_sdpa 150 "$OUT/probe_sdpa.log" "$PYTHON" "${probe[@]}" --attn-implementation sdpa --sdpa-backend flash \
