@@ -32,7 +32,7 @@ from lightning_ulysses.attention import (
     ulysses_attention,
 )
 from lightning_ulysses.attention.backends import _REQUIRED_MODULE
-from lightning_ulysses.attention.flex import pad_head_dims
+from lightning_ulysses.attention.core import pad_head_dims
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.heads import check_heads, plan_heads
 from lightning_ulysses.strategy import compute_dtype

@@ -63,3 +63,17 @@ def equal_head_dims(query: Tensor, key: Tensor, value: Tensor, *like_value: Tens
         value, *padded = (F.pad(t, (0, qk_dim - value_dim)) for t in (value, *like_value))
         like_value = tuple(padded)  # as typed (a starred target makes a list); unpacked below either way
     return (query, key, value, *like_value)
+
+
+def pad_head_dims(
+    query: Tensor, key: Tensor, value: Tensor, scale: float | None, minimum: int
+) -> tuple[Tensor, Tensor, Tensor, float]:
+    """``query``/``key [..., D]`` and ``value [..., D_v]`` zero-padded to head sizes of at least ``minimum`` (for a
+    kernel with a smallest head size, like inductor's CUDA flex kernel), and the :func:`softmax_scale` of the unpadded
+    query; exact for the reasons :func:`equal_head_dims` gives (the caller cuts the output back to ``D_v``)."""
+    scale = softmax_scale(query, scale)
+    if query.shape[-1] < minimum:
+        query, key = (F.pad(t, (0, minimum - query.shape[-1])) for t in (query, key))
+    if value.shape[-1] < minimum:
+        value = F.pad(value, (0, minimum - value.shape[-1]))
+    return query, key, value, scale

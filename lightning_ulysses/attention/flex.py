@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_ulysses.attention.core import no_window_if_off
+from lightning_ulysses.attention.core import no_window_if_off, pad_head_dims
 from lightning_ulysses.attention.documents import Documents
 
 CUDA_MIN_HEAD_DIM = 16  # inductor's CUDA flex kernel refuses smaller query/key or value head sizes
@@ -58,21 +58,6 @@ def document_block_mask(documents: Documents, window: int | None) -> Any:
 @functools.lru_cache(maxsize=8)
 def _rows_block_mask(seq_len: int, window: int | None, device: torch.device) -> Any:
     return block_mask(None, seq_len, window, device)
-
-
-def pad_head_dims(
-    query: Tensor, key: Tensor, value: Tensor, scale: float | None, minimum: int
-) -> tuple[Tensor, Tensor, Tensor, float | None]:
-    """``query``, ``key`` (``[B, N, H, D]``) and ``value`` (``[..., D_v]``) with their head sizes zero-padded to at
-    least ``minimum``, and the scale of the true size: the padded columns add 0 to every ``q . k``, and the output's
-    padded columns are 0 (the caller cuts them off). Inputs already wide enough are returned as they are."""
-    head_dim = query.shape[-1]
-    if head_dim < minimum:
-        scale = head_dim**-0.5 if scale is None else scale
-        query, key = (torch.nn.functional.pad(t, (0, minimum - head_dim)) for t in (query, key))
-    if value.shape[-1] < minimum:
-        value = torch.nn.functional.pad(value, (0, minimum - value.shape[-1]))
-    return query, key, value, scale
 
 
 def flex_attention(
