@@ -1,23 +1,28 @@
-"""A fork server for :mod:`tests.launch`: one process that has imported torch, Lightning, DeepSpeed, transformers and
-the package, and forks every rank of the test session's process worlds from that state.
+"""A fork server for the test session: one process that has imported torch, Lightning, DeepSpeed, transformers and
+the package, and forks from that state every process that the session starts as ``python -m`` of a module in
+:data:`tests.forkclient.FORKABLE`: the ranks of :func:`tests.launch.launch`'s worlds, torchrun and its workers, the
+CLI and the ranks its Lightning launcher starts.
 
-A rank started with ``python -m tests.launch`` spends ~8 s of CPU importing before the first line of its test runs;
-a forked rank starts in milliseconds, with the memory of those imports shared copy-on-write. Every call still gets
-new processes: nothing one test does reaches another, and a test may kill, signal or fail its ranks as it would
-fresh ones. The forked rank then runs exactly what a fresh one runs (:func:`tests.launch.main`), with the launcher's
-environment, working directory and arguments, its own session (process group) and its output in its log file; it
-exits through the interpreter's normal shutdown (exit handlers, an uncaught ``KeyboardInterrupt`` as SIGINT).
+A process started with ``python -m tests.launch`` spends ~8 s of CPU importing before the first line of its test
+runs; a forked one starts in milliseconds, with the memory of those imports shared copy-on-write. Every start still
+gets a new process: nothing one test does reaches another, and a test may kill, signal or fail it as a fresh one.
+It is started as the interpreter: the server's ``python`` (:mod:`tests.forkclient`, a client that stands in for the
+process, its pid and exit code those of a ``python`` process) asks the server to fork; the forked process takes the
+client's environment, working directory, arguments and standard streams, leads its own session (process group),
+runs the module as ``python -m`` does, and exits through the interpreter's normal shutdown (exit handlers, an
+uncaught ``KeyboardInterrupt`` as SIGINT). Its ``sys.executable`` is the server's ``python`` again.
 
 What a fresh process reads from its environment while importing is read again after the fork where it differs
 between ranks (Lightning's ``rank_zero_only.rank``); what is read at process start (``MALLOC_*``) cannot be, so
-:func:`tests.launch.launch` starts those with ``extra_env`` as fresh processes, and torchrun and srun launchers too.
+:func:`tests.launch.launch` starts those with ``extra_env`` as fresh processes.
 
 The server forks only while it is fork-safe: one thread and no CUDA context. Where its imports leave more (a build
-whose import starts threads), it says so and exits, and ranks are started as fresh processes.
+whose import starts threads), it says so and exits, and processes are started fresh.
 
-Protocol (one JSON object a line): the parent sends ``{"argv", "env", "cwd", "log", "exit"}``; the server answers
-with the child's pid, and writes the child's exit code (``-N`` for signal N, as ``Popen.returncode``) to the file
-``exit`` when it has reaped it.
+Protocol (a Unix ``SOCK_SEQPACKET`` socket, one message each way per step): the client sends
+``{"argv", "env", "cwd"}`` as JSON with its stdin, stdout and stderr (``SCM_RIGHTS``); the server answers with the
+forked pid once it leads its own group, and later with its exit code (``-N`` for signal N, as
+``Popen.returncode``). The test process closes the server's stdin to stop it.
 """
 
 from __future__ import annotations
@@ -29,13 +34,15 @@ import gc
 import importlib
 import json
 import os
+import runpy
 import select
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 import traceback
 from pathlib import Path
 from typing import Any, NoReturn
@@ -58,42 +65,22 @@ PRELOAD = (
 """Imported once by the server: what (nearly) every rank imports first."""
 SET_AFTER_FORK = {"MALLOC_MMAP_THRESHOLD_": -3}  # glibc reads it at process start; a forked rank calls mallopt
 READY = "ready"
+SOCKET = "socket"
 POLL_S = 0.02
 
 
-class ForkedProcess:
-    """The parent's handle on a forked rank: the part of :class:`subprocess.Popen` that :mod:`tests.launch` uses."""
-
-    def __init__(self, pid: int, exit_file: Path, server: ForkServer) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-        self._exit_file = exit_file
-        self._server = server
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            with contextlib.suppress(FileNotFoundError):
-                self.returncode = int(self._exit_file.read_text())
-            if self.returncode is None and not self._server.alive():
-                self.returncode = -signal.SIGKILL  # its server died, and took it along (PR_SET_PDEATHSIG)
-        return self.returncode
-
-    def wait(self) -> int:
-        while self.poll() is None:
-            time.sleep(POLL_S)
-        assert self.returncode is not None
-        return self.returncode
-
-
 class ForkServer:
-    """The test process's handle on the server (started by :func:`get`)."""
+    """The test process's handle on the server (started by :func:`get`); :attr:`python` is its stand-in for the
+    interpreter (:mod:`tests.forkclient`)."""
 
     def __init__(self, env: dict[str, str], cwd: Path) -> None:
         from tests.launch import die_with_parent
 
+        self.folder = tempfile.TemporaryDirectory(prefix="forkserver-")  # its socket and its ``python``
+        self.python = str(Path(self.folder.name) / "python")
         self.errors = tempfile.TemporaryFile("w+")  # noqa: SIM115 - the server's own output, closed by stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.forkserver"],
+            [sys.executable, "-m", "tests.forkserver", self.folder.name],
             env=env,
             cwd=cwd,
             stdin=subprocess.PIPE,
@@ -109,18 +96,6 @@ class ForkServer:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: Path, log: Path, exit_file: Path) -> ForkedProcess:
-        """Fork one rank running ``argv`` (``[script, *args]``) in ``env`` and ``cwd``, its output in ``log``."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        job = {"argv": argv, "env": env, "cwd": str(cwd), "log": str(log), "exit": str(exit_file)}
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
-        pid = self.proc.stdout.readline()
-        if not pid:
-            self.errors.seek(0)
-            raise RuntimeError(f"the fork server stopped (exit {self.proc.wait()}):\n{self.errors.read()[-6000:]}")
-        return ForkedProcess(int(pid), exit_file, self)
-
     def stop(self) -> None:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
@@ -130,6 +105,7 @@ class ForkServer:
             self.proc.kill()
             self.proc.wait()
         self.errors.close()
+        self.folder.cleanup()
 
 
 _SERVER: list[ForkServer | None] = []  # the session's server, started on first use; [None] if it cannot fork
@@ -158,9 +134,10 @@ def shutdown() -> None:
 # ----------------------------------------------------------------------------------------------
 # the server's side
 # ----------------------------------------------------------------------------------------------
-def serve() -> dict[str, Any] | None:
-    """Import :data:`PRELOAD`, then fork one child per job until stdin closes. Returns the job in a forked child
-    (which goes on to become the rank), None in the server when it is done."""
+def serve(folder: Path) -> tuple[dict[str, Any], list[int]] | None:
+    """Import :data:`PRELOAD`, write the ``python`` of :mod:`tests.forkclient` into ``folder`` and fork one process
+    per client until stdin closes. Returns ``(job, its standard streams)`` in a forked process (which goes on to
+    become what the job asks for), None in the server when it is done."""
     for module in PRELOAD:
         importlib.import_module(module)
     import torch
@@ -168,58 +145,80 @@ def serve() -> dict[str, Any] | None:
     if len(os.listdir("/proc/self/task")) > 1 or torch.cuda.is_initialized():
         print("not fork-safe", flush=True)
         return None
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(folder / SOCKET))
+    listener.listen(64)
+    client = Path(__file__).with_name("forkclient.py")
+    python = folder / "python"
+    python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -S {client} {folder / SOCKET} "$@"\n')
+    python.chmod(0o755)
     gc.freeze()  # the imports' objects: no rank's collection walks them, nor copies their pages by marking them
     print(READY, flush=True)
-    children: dict[int, str] = {}  # pid -> its exit file
-    pending = b""
+    waiting: set[socket.socket] = set()  # connected clients that have not sent their job yet
+    running: dict[int, socket.socket] = {}  # forked pid -> its client
     while True:
-        readable, _, _ = select.select([0], [], [], POLL_S)
-        _reap(children)
-        if not readable:
-            continue
-        chunk = os.read(0, 1 << 16)
-        if not chunk:  # the test process is done with us
-            return None
-        pending += chunk
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
-            job = json.loads(line)
-            sys.stdout.flush()
-            pid = os.fork()
-            if pid == 0:
-                return job
-            children[pid] = job["exit"]
-            print(pid, flush=True)
+        readable, _, _ = select.select([0, listener, *waiting, *running.values()], [], [], POLL_S)
+        for source in readable:
+            if source == 0:
+                if not os.read(0, 1 << 16):  # the test process is done with us
+                    return None
+            elif source is listener:
+                waiting.add(listener.accept()[0])
+            elif source in waiting:
+                waiting.remove(source)
+                message, fds, _, _ = socket.recv_fds(source, 1 << 20, 3)
+                if not message:
+                    source.close()
+                    continue
+                sync_read, sync_write = os.pipe()
+                pid = os.fork()
+                if pid == 0:
+                    for other in [listener, *waiting, *running.values(), source]:
+                        other.close()
+                    os.close(sync_read)
+                    os.setsid()  # as Popen(start_new_session=True): its client signals its group
+                    os.close(sync_write)
+                    return json.loads(message), fds
+                os.close(sync_write)
+                os.read(sync_read, 1)  # its own group exists: the client may signal it
+                os.close(sync_read)
+                for fd in fds:
+                    os.close(fd)
+                running[pid] = source
+                source.send(str(pid).encode())
+            elif not source.recv(64):  # its client died (killed): so does what it stood for
+                pid = next(pid for pid, client in running.items() if client is source)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+        _reap(running)  # after the loop: it closes the clients it answers
 
 
-def _reap(children: dict[int, str]) -> None:
-    while children:
+def _reap(running: dict[int, socket.socket]) -> None:
+    """Tell the clients of exited processes how they ended (as ``Popen.returncode``: ``-N`` for signal N)."""
+    while running:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
-        exit_file = Path(children.pop(pid))
-        exit_file.with_suffix(".tmp").write_text(str(os.waitstatus_to_exitcode(status)))
-        exit_file.with_suffix(".tmp").replace(exit_file)
+        client = running.pop(pid)
+        with contextlib.suppress(OSError):  # a killed client
+            client.send(str(os.waitstatus_to_exitcode(status)).encode())
+        client.close()
 
 
-def become_rank(job: dict[str, Any], server_pid: int) -> None:
-    """In the forked child: take the place of ``python argv...`` started by a launcher in ``env``."""
+def become(job: dict[str, Any], streams: list[int], server_pid: int, python: str) -> None:
+    """In the forked process: take the place of ``python argv...`` started in ``env`` and ``cwd`` with ``streams``
+    as its stdin, stdout and stderr."""
     from tests.launch import die_with_parent
 
-    os.setsid()  # as Popen(start_new_session=True): killing the rank's group stops whatever it started
-    die_with_parent()  # the server's death kills the rank
+    die_with_parent()  # the server's death kills it
     if os.getppid() != server_pid:  # the server died before that
         os._exit(1)
-    null = os.open(os.devnull, os.O_RDONLY)
-    log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(null)
-    os.close(log)
+    for target, fd in enumerate(streams):
+        os.dup2(fd, target)
+        os.close(fd)
     os.environ.clear()
     os.environ.update(job["env"])
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -227,7 +226,11 @@ def become_rank(job: dict[str, Any], server_pid: int) -> None:
         if name in os.environ:
             libc.mallopt(option, int(os.environ[name]))
     os.chdir(job["cwd"])
-    sys.argv = list(job["argv"])
+    sys.path[0] = job["cwd"]  # ``python -m`` puts the working directory first
+    sys.executable = python  # what it starts with ``sys.executable`` is forked too
+    if "-u" in job["argv"][: job["argv"].index("-m")]:
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(write_through=True)  # type: ignore[union-attr]
     import numpy
     import torch
     from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
@@ -237,16 +240,18 @@ def become_rank(job: dict[str, Any], server_pid: int) -> None:
     numpy.random.seed()
 
 
-def run_rank() -> NoReturn:
-    """Run the rank (:func:`tests.launch.main`) and exit as the interpreter would: an uncaught exception printed and
-    exit code 1, ``SystemExit``'s code, an uncaught ``KeyboardInterrupt`` as death by SIGINT; non-daemon threads
-    joined and exit handlers run. Then ``os._exit``: the interpreter's own teardown of the ~4000 modules the server
-    imported takes ~1 s of CPU a rank and does nothing a test can see."""
-    from tests.launch import main
-
+def run(argv: list[str]) -> NoReturn:
+    """Run ``python argv...`` (``[options..., "-m", module, args...]``) as ``python -m`` does, and exit as the
+    interpreter would: an uncaught exception printed and exit code 1, ``SystemExit``'s code, an uncaught
+    ``KeyboardInterrupt`` as death by SIGINT; non-daemon threads joined and exit handlers run. Then ``os._exit``: the
+    interpreter's own teardown of the ~4000 modules the server imported takes ~1 s of CPU a process and does nothing
+    a test can see."""
+    module = argv.index("-m") + 1
+    sys.argv = ["-m", *argv[module + 1 :]]  # runpy puts the module's file first, as ``python -m`` does
+    sys.modules.pop(argv[module], None)  # a fresh ``python -m`` runs it as ``__main__`` only: import it again
     interrupted = False
     try:
-        main()
+        runpy._run_module_as_main(argv[module])  # type: ignore[attr-defined]
         code = 0
     except SystemExit as stop:
         code = _exit_code(stop.code)
@@ -276,9 +281,10 @@ def _exit_code(code: object) -> int:
 
 
 if __name__ == "__main__":
-    server_pid = os.getpid()
-    job = serve()
-    if job is None:
+    server_pid, folder = os.getpid(), Path(sys.argv[1])
+    forked = serve(folder)
+    if forked is None:
         sys.exit(0)
-    become_rank(job, server_pid)
-    run_rank()
+    job, streams = forked
+    become(job, streams, server_pid, str(folder / "python"))
+    run(job["argv"])

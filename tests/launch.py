@@ -5,12 +5,12 @@ that have the environment of an external launcher (``MASTER_ADDR``, ``RANK``, ``
 those of torchrun or srun), so Lightning joins them instead of spawning its own. The return values come back in rank
 order. A failing or hanging rank fails the test with every rank's output, never a hang.
 
-In the test session every rank is forked from a warm process (:mod:`tests.forkserver`) that has imported torch,
-Lightning, DeepSpeed, transformers and the package: a world starts in milliseconds instead of ~8 s of CPU a rank,
-and every call still gets new processes. Ranks are started as fresh ``python -m tests.launch`` processes for the
-torchrun launcher, for ``extra_env`` read at process start (other than ``MALLOC_MMAP_THRESHOLD_``, which a forked
-rank sets with ``mallopt``), outside the test session (benchmarks and scripts run as commands measure fresh
-processes) and for every call with ``LAUNCH_FRESH=1``.
+In the test session every rank (and every torchrun launcher) is forked from a warm process (:mod:`tests.forkserver`)
+that has imported torch, Lightning, DeepSpeed, transformers and the package: a world starts in milliseconds instead
+of ~8 s of CPU a rank, and every call still gets new processes. Ranks are started as fresh ``python -m tests.launch``
+processes for ``extra_env`` read at process start (other than ``MALLOC_MMAP_THRESHOLD_``, which a forked rank sets
+with ``mallopt``), outside the test session (benchmarks and scripts run as commands measure fresh processes) and
+for every call with ``LAUNCH_FRESH=1``.
 """
 
 from __future__ import annotations
@@ -31,10 +31,8 @@ from typing import Any, Literal
 import torch
 
 from tests import forkserver
-from tests.forkserver import ForkedProcess
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-LAUNCH_SCRIPT = Path(__file__).resolve()
 Launcher = Literal["env", "torchrun", "slurm"]
 # set by tests/conftest.py for the test session; benchmarks and scripts run as commands start fresh ranks
 FORKED = False
@@ -137,7 +135,7 @@ def launch_to_exit(
 @dataclass
 class _Run:
     names: list[str]
-    procs: list[subprocess.Popen | ForkedProcess]
+    procs: list[subprocess.Popen]
     outputs: list[str]
     killed: list[str]
 
@@ -157,13 +155,14 @@ def _run(
     port = free_port()
     torch.save(args or {}, tmp_path / "args.pt")
     env = {**_launcher_environment(port), **(extra_env or {})}
+    python = interpreter(extra_env)
     worker = ["-m", "tests.launch", target, str(tmp_path)]
     if launcher == "torchrun":
         names = [f"node {node} (torchrun)" for node in range(num_nodes)]
         commands = [
             (
                 [
-                    sys.executable,
+                    python,
                     "-m",
                     "torch.distributed.run",
                     f"--nnodes={num_nodes}",
@@ -191,7 +190,7 @@ def _run(
         task_env = {key: value for key, value in env.items() if key != "MASTER_ADDR"}  # SLURM_NODELIST names it
         commands = [
             (
-                [sys.executable, *worker],
+                [python, *worker],
                 {
                     **task_env,
                     **srun,
@@ -205,30 +204,25 @@ def _run(
     else:
         names = [f"rank {rank}" for rank in range(world_size)]
         commands = [
-            ([sys.executable, *worker], {**rank_environment(world_size, num_nodes, rank, port), **(extra_env or {})})
+            ([python, *worker], {**rank_environment(world_size, num_nodes, rank, port), **(extra_env or {})})
             for rank in range(world_size)
         ]
     logs = [tmp_path / f"process{index}.log" for index in range(len(commands))]
-    server = _fork_server(launcher, extra_env)
-    procs: list[subprocess.Popen | ForkedProcess] = []
-    for index, (command, process_env) in enumerate(commands):
-        if server is not None:  # the same ``python tests/launch.py target tmp``, forked
-            argv = [str(LAUNCH_SCRIPT), *command[-2:]]
-            procs.append(server.spawn(argv, process_env, REPO_ROOT, logs[index], tmp_path / f"exit{index}"))
-        else:
-            with open(logs[index], "w") as log:
-                procs.append(
-                    subprocess.Popen(
-                        command,
-                        env=process_env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        cwd=REPO_ROOT,
-                        start_new_session=True,  # one process group each: stopping a torchrun stops its ranks too
-                        preexec_fn=die_with_parent,
-                    )
+    procs = []
+    for (command, process_env), log_path in zip(commands, logs, strict=True):
+        with open(log_path, "w") as log:
+            procs.append(
+                subprocess.Popen(
+                    command,
+                    env=process_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=REPO_ROOT,
+                    start_new_session=True,  # one process group each: stopping a torchrun stops its ranks too
+                    preexec_fn=die_with_parent,
                 )
-    count_world_start("forked" if server is not None else "fresh")
+            )
+    count_world_start("fresh" if python == sys.executable else "forked")
     try:
         killed = [names[i] for i in _wait_all(procs, timeout, grace)]
     except BaseException:  # pytest-timeout, ^C: no rank outlives the test that started it
@@ -239,17 +233,19 @@ def _run(
     return _Run(names, procs, outputs, killed)
 
 
-def _fork_server(launcher: Launcher, extra_env: dict[str, str] | None) -> forkserver.ForkServer | None:
-    """The session's fork server where this world's ranks can be forked from it; None to start fresh processes."""
-    if not FORKED or launcher == "torchrun":
-        return None
+def interpreter(extra_env: dict[str, str] | None = None) -> str:
+    """The ``python`` to start a process of the test session with: the fork server's (:mod:`tests.forkclient`), or
+    the real one outside the session, with ``LAUNCH_FRESH=1``, or for ``extra_env`` that a process reads at start."""
+    if not FORKED:
+        return sys.executable
     server_env = _launcher_environment(port=0)
     if any(
         key not in forkserver.SET_AFTER_FORK and server_env.get(key) != value
         for key, value in (extra_env or {}).items()
     ):
-        return None
-    return forkserver.get(server_env, REPO_ROOT)
+        return sys.executable
+    server = forkserver.get(server_env, REPO_ROOT)
+    return sys.executable if server is None else server.python
 
 
 WORLD_STARTS = {"fresh": 0, "forked": 0}
@@ -269,14 +265,14 @@ def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def kill_group(proc: subprocess.Popen | ForkedProcess) -> None:
+def kill_group(proc: subprocess.Popen) -> None:
     """Stop a process started with ``start_new_session=True`` and everything it started."""
     with contextlib.suppress(ProcessLookupError):  # the whole group has exited already
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
 
-def _wait_all(procs: list[subprocess.Popen | ForkedProcess], timeout: float, grace: float | None) -> list[int]:
+def _wait_all(procs: list[subprocess.Popen], timeout: float, grace: float | None) -> list[int]:
     """Wait for every process to exit; kill those left at ``timeout``, or ``grace`` seconds after one failed.
     Returns the indices of the killed processes."""
     deadline = time.monotonic() + timeout

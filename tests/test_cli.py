@@ -32,7 +32,7 @@ from lightning_ulysses.cli import main
 from lightning_ulysses.cli.commands import build_from_config
 from lightning_ulysses.model import WarmupCosine
 from lightning_ulysses.runtime.integrity import check_integrity
-from tests.launch import REPO_ROOT
+from tests.launch import REPO_ROOT, interpreter
 
 pytestmark = pytest.mark.cli
 
@@ -236,11 +236,14 @@ def cli_env() -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, cwd: Path = REPO_ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path = REPO_ROOT, env: dict[str, str] | None = None, fresh: bool = False
+) -> subprocess.CompletedProcess:
     """``lightning-ulysses <args>`` as a user runs it (``env``: added to the environment); its stdout is not a
-    terminal (plain progress lines)."""
+    terminal (plain progress lines). Its processes are forked from the session's fork server (:mod:`tests.forkserver`)
+    unless ``fresh``: a fresh process also prints what its imports print."""
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_ulysses", *args],
+        [sys.executable if fresh else interpreter(), "-m", "lightning_ulysses", *args],
         cwd=cwd,
         env={**cli_env(), **(env or {})},
         capture_output=True,
@@ -472,7 +475,7 @@ def test_quickstart_commands_as_documented(
     # lightning-ulysses fit --config my.yaml
     printed = run_cli("fit", "--config", "configs/quickstart.yaml", *shrink, "--print_config").stdout
     (tmp_path / "my.yaml").write_text(printed)
-    trained = run_cli("fit", "--config", str(tmp_path / "my.yaml"))
+    trained = run_cli("fit", "--config", str(tmp_path / "my.yaml"), fresh=True)  # the imports' noise too
     run = tmp_path / "runs" / "quickstart" / "version_0"
     losses = [loss for _, loss in logged(run, "train_loss")]
     assert len(losses) == 8
@@ -730,7 +733,7 @@ def test_ctrl_c_saves_a_checkpoint_that_the_printed_command_resumes(tmp_path: Pa
         "256",
     ]
     process = subprocess.Popen(
-        [sys.executable, "-m", "lightning_ulysses", *args],
+        [interpreter(), "-m", "lightning_ulysses", *args],
         cwd=REPO_ROOT,
         env=cli_env(),
         stdout=subprocess.PIPE,

@@ -9,9 +9,12 @@ import importlib
 import logging
 import os
 import signal
+import subprocess
 import sys
+import time
 import warnings
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -89,6 +92,13 @@ def ending_worker(args: dict[str, Any]) -> None:
         raise ValueError("an uncaught error")
     if end == "interrupt":
         raise KeyboardInterrupt
+
+
+def waiting_worker(args: dict[str, Any]) -> None:
+    """Says who it is and where it runs in ``args["ready"]``, then waits to be signalled."""
+    state = {"parent": os.getppid(), "executable": sys.executable, "rank_zero_only": state_worker({})["rank_zero_only"]}
+    torch.save(state, args["ready"])
+    time.sleep(120)
 
 
 def _fresh(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -169,8 +179,59 @@ def test_a_call_interrupted_from_outside_stops_its_ranks(monkeypatch: pytest.Mon
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
-    left = _rank_processes() - running
+    # a forked rank dies when the fork server sees its client killed: moments later, not before launch returns
+    deadline = time.monotonic() + 5
+    while (left := _rank_processes() - running) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not left, f"ranks of the interrupted call still run: {left}"
+
+
+def _session_python() -> str:
+    python = tests.launch.interpreter()
+    assert python != sys.executable, "the session has no fork server"
+    return python
+
+
+def test_the_session_python_runs_other_commands_in_the_real_interpreter() -> None:
+    python = _session_python()
+    result = subprocess.run(
+        [python, "-c", "import os, sys; print(sys.executable, os.getppid())"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [sys.executable, str(os.getpid())]  # exec'd: its own pid
+    assert subprocess.run([python, "-c", "raise SystemExit(7)"]).returncode == 7
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_session_python_reaches_the_forked_process(tmp_path: Path, signum: int) -> None:
+    """As a terminal's Ctrl-C or a launcher's SIGTERM reaches a fresh ``python -m tests.launch``: the forked process
+    gets it, and the client ends as the forked process did."""
+    python = _session_python()
+    torch.save({"ready": tmp_path / "ready.pt"}, tmp_path / "args.pt")
+    client = subprocess.Popen(
+        [python, "-m", "tests.launch", "tests.test_forkserver:waiting_worker", str(tmp_path)],
+        env={**tests.launch.rank_environment(1, 1, 0, port=0)},
+        cwd=tests.launch.REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready.pt").is_file() and client.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        state = torch.load(tmp_path / "ready.pt")
+        servers = {server.proc.pid for server in forkserver._SERVER if server is not None}
+        assert state["parent"] in servers, "not forked from the session's server"
+        assert state["executable"] == python and state["rank_zero_only"] == 0
+        client.send_signal(signum)
+        output = client.communicate(timeout=60)[0]
+    finally:
+        client.kill()
+    if signum == signal.SIGINT:  # an uncaught KeyboardInterrupt
+        assert client.returncode == -signal.SIGINT and "KeyboardInterrupt" in output, output
+    else:
+        assert client.returncode == -signal.SIGTERM, output
 
 
 def _rank_processes() -> set[int]:
