@@ -10,6 +10,8 @@ above the resident weights and gradients, largest rank). Three sides, each in it
 * ``ours``: :func:`~lightning_ulysses.apply_ulysses_attention` (sdpa) with all memory options (tiled MLP, tiled loss,
   activation checkpointing, offload), as :mod:`benchmarks.memory` runs ``all``;
 * ``ours, head_chunks=auto``: the same with head-chunked attention (:mod:`lightning_ulysses.attention.head_chunks`);
+* ``ours, head_chunks=auto, fused_norms``: and with every RMSNorm fused (:mod:`lightning_ulysses.norms`; DeepSpeed's
+  pieces have no equivalent, so the ALST side keeps transformers' RMSNorm);
 * ``alst``: DeepSpeed's own pieces with the equivalent options: ``UlyssesSPAttentionHF.register_with_transformers``
   (sdpa core), ``TiledMLP`` on every layer's MLP and ``TiledFusedLogitsLoss`` for the loss (both with DeepSpeed's
   documented ``ceil(tokens / hidden)`` tiles, agreed over the ranks, the count ours picks), transformers' own
@@ -37,6 +39,7 @@ what made them: ``forward`` (made by the forward and still alive: what the step 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import re
@@ -57,7 +60,12 @@ from tests.launch import launch
 from tests.tiny import tiny_llama
 
 MiB = 2**20
-SIDES: dict[str, HeadChunks | None] = {"ours": None, "ours, head_chunks=auto": "auto", "alst": None}
+SIDES: dict[str, tuple[HeadChunks | None, bool]] = {  # ours: (head_chunks, fused_norms)
+    "ours": (None, False),
+    "ours, head_chunks=auto": ("auto", False),
+    "ours, head_chunks=auto, fused_norms": ("auto", True),
+    "alst": (None, False),
+}
 STEP_TIMEOUT = 3 * 3600  # a CPU step at 100k+ tokens runs for many minutes on a shared machine
 
 
@@ -71,11 +79,13 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     if side == "alst":
         step = _alst(model, sp)
     else:
-        apply_ulysses_attention(model, dist.group.WORLD, sp, "sdpa", head_chunks=SIDES[side])
-        apply_memory_options(model, CONFIGS["all"])
+        head_chunks, fused_norms = SIDES[side]
+        options = dataclasses.replace(CONFIGS["all"], fused_norms=fused_norms)
+        apply_ulysses_attention(model, dist.group.WORLD, sp, "sdpa", head_chunks=head_chunks)
+        apply_memory_options(model, options)
 
         def step(batch: dict[str, torch.Tensor]) -> None:
-            _train_step(model, batch, CONFIGS["all"])
+            _train_step(model, batch, options)
 
     results: dict[str, Any] = {}
     for seq_len in [WARM_UP_LEN, *args["seq_lens"]]:

@@ -1,7 +1,7 @@
-"""Long-context memory: tiled MLP, tiled logits + loss, activation checkpointing with CPU offload.
+"""Long-context memory: tiled MLP, tiled logits + loss, activation checkpointing with CPU offload, fused norms.
 
 Past a few hundred thousand tokens per rank, attention (O(N) with flash kernels) is no longer what
-fills memory; three other things are, and each has a remedy here (ALST's, made exact and ZeRO-safe):
+fills memory; other things are, and each has a remedy here (ALST's, made exact and ZeRO-safe):
 
 * **MLP intermediates** ``[tokens, intermediate]``: :func:`tiled_map` runs a token-wise function over
   tiles of the tokens and recomputes each tile in the backward, so only one tile's intermediates live.
@@ -11,6 +11,8 @@ fills memory; three other things are, and each has a remedy here (ALST's, made e
 * **Stored activations**: :func:`checkpoint_activations` keeps only each decoder layer's inputs and
   recomputes the rest in the backward; with ``offload=True`` those inputs wait in pinned CPU memory, copied
   on a side stream (:mod:`lightning_ulysses.offload`).
+* **Norm intermediates**: ``fused_norms`` runs every RMSNorm as :func:`~lightning_ulysses.norms.rms_norm` (the same
+  output, only its input kept for the backward) where its forward is found to compute exactly that.
 
 Every tile is a :func:`torch.utils.checkpoint.checkpoint` region inside one autograd graph, not a
 backward-inside-forward as in DeepSpeed's ``TiledMLP`` / ``TiledFusedLogitsLoss``. So each parameter's
@@ -43,6 +45,7 @@ from transformers import PreTrainedModel
 
 from lightning_ulysses.hf.ledger import Ledger
 from lightning_ulysses.hf.state import PatchState, outermost_models
+from lightning_ulysses.norms import NormForm, norm_eps, rms_norm, rms_norm_form
 from lightning_ulysses.offload import ActivationOffload, default_offload
 
 TileSetting = bool | int
@@ -57,6 +60,7 @@ class MemoryOptions:
     tiled_loss: TileSetting = False
     activation_checkpointing: bool = False
     offload_activations: bool = False
+    fused_norms: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tiled_mlp", "tiled_loss"):
@@ -141,7 +145,8 @@ MEMORY_ATTRIBUTE = "_ulysses_memory"
 
 
 def apply_memory_options(model: nn.Module, options: MemoryOptions) -> None:
-    """Apply ``options.tiled_mlp`` and activation checkpointing to every transformers model inside ``model``.
+    """Apply ``options.tiled_mlp``, activation checkpointing and ``options.fused_norms`` to every transformers model
+    inside ``model``.
 
     ``options.tiled_loss`` is read by :class:`~lightning_ulysses.UlyssesLossMixin` instead (the loss is
     the LightningModule's). Raises before any work when a requested option finds nothing to act on. Every change is
@@ -149,20 +154,24 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions) -> None:
     replace the old.
     """
     hf_models = outermost_models(model)
-    if (options.tiled_mlp or options.activation_checkpointing) and not hf_models:
+    if (options.tiled_mlp or options.activation_checkpointing or options.fused_norms) and not hf_models:
         raise ValueError(
-            "tiled_mlp and activation_checkpointing act on transformers models, and this LightningModule holds "
-            "none. For a custom model call lightning_ulysses.tiled_map on its MLP and "
-            "lightning_ulysses.checkpoint_activations on its layers."
+            "tiled_mlp, activation_checkpointing and fused_norms act on transformers models, and this "
+            "LightningModule holds none. For a custom model call lightning_ulysses.tiled_map on its MLP, "
+            "lightning_ulysses.checkpoint_activations on its layers and lightning_ulysses.rms_norm in its norms."
         )
     for hf_model in hf_models:
         if options.activation_checkpointing and not hf_model.supports_gradient_checkpointing:
             raise ValueError(f"{type(hf_model).__name__} does not support activation checkpointing.")
         mlps = _dense_mlps(hf_model) if options.tiled_mlp else []
         _undo_memory_options(hf_model)
+        norms = _rms_norms(hf_model) if options.fused_norms else {}
         ledger = Ledger()
         if options.tiled_mlp:
             _tile_mlps(hf_model, mlps, options.tiled_mlp, ledger)
+        for norm, form in norms.items():
+            fused = functools.partial(_fused_norm_forward, norm, form)
+            ledger.set("fused_norms", norm, "forward", fused)
         if options.activation_checkpointing:
             # the public gradient_checkpointing_enable takes no checkpoint function (and pins memory on CPU-only hosts)
             checkpointed = functools.partial(checkpoint_activations, offload=options.offload_activations)
@@ -198,6 +207,25 @@ def _dense_mlps(model: PreTrainedModel) -> list[nn.Module]:
             "MLP with lightning_ulysses.tiled_map."
         )
     return mlps
+
+
+def _rms_norms(model: PreTrainedModel) -> dict[nn.Module, NormForm]:
+    """Every RMSNorm of ``model`` that :func:`~lightning_ulysses.norms.rms_norm` reproduces, with its form."""
+    forms = {module: rms_norm_form(module) for module in model.modules()}
+    norms = {module: form for module, form in forms.items() if form is not None}
+    if not norms:
+        raise ValueError(
+            f"fused_norms found no RMSNorm in {type(model).__name__} whose forward lightning_ulysses.rms_norm "
+            "reproduces bit for bit (a module with one 1-D 'weight' and an 'eps' or 'variance_epsilon'). Set "
+            "fused_norms=False."
+        )
+    return norms
+
+
+def _fused_norm_forward(norm: nn.Module, form: NormForm, x: Tensor) -> Tensor:
+    eps, weight = norm_eps(norm), norm.weight
+    assert eps is not None and isinstance(weight, Tensor)  # as rms_norm_form found them
+    return rms_norm(x, weight, eps, form)
 
 
 def _tile_mlps(model: PreTrainedModel, mlps: list[nn.Module], setting: TileSetting, ledger: Ledger) -> None:

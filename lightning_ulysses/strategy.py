@@ -124,6 +124,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
             the ``[tokens, vocab]`` logits.
         activation_checkpointing: keep only each decoder layer's inputs, recompute the layer in the backward.
         offload_activations: keep those inputs in CPU memory (pinned) instead of on the GPU.
+        fused_norms: run every RMSNorm whose forward is found (by running it) to compute exactly what
+            :func:`~lightning_ulysses.rms_norm` does as ``rms_norm``: the same output, and only its input and the
+            reciprocal RMS kept for the backward instead of float copies of the whole normalised tensor.
         sequence_mixers: what to do with token mixers other than attention (convolutions over the sequence, linear
             attention, state-space layers) that have no head-sharded form (those of transformers' hybrid families
             have one and always use it, see :mod:`lightning_ulysses.hf.mixers`) and that the set-up check finds:
@@ -146,12 +149,13 @@ class UlyssesStrategy(DeepSpeedStrategy):
         tiled_loss: TileSetting = False,
         activation_checkpointing: bool = False,
         offload_activations: bool = False,
+        fused_norms: bool = False,
         sequence_mixers: SequenceMixers = "refuse",
         head_chunks: HeadChunks | None = None,
         **deepspeed_strategy_kwargs: Any,
     ) -> None:
         super().__init__(**deepspeed_strategy_kwargs)
-        self.memory = MemoryOptions(tiled_mlp, tiled_loss, activation_checkpointing, offload_activations)
+        self.memory = MemoryOptions(tiled_mlp, tiled_loss, activation_checkpointing, offload_activations, fused_norms)
         if sp_size != "auto" and (isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1):
             raise ValueError(f"sp_size must be a positive integer or 'auto', got {sp_size!r}.")
         if attn_implementation != "auto":

@@ -54,6 +54,11 @@ CASES: dict[str, dict[str, Any]] = {
     # head-chunked attention (chunks of one head) inside checkpointed layers: three attention forwards per layer
     "all_zero3_head_chunks2": dict(sp=2, stage=3, memory=dict(ALL, head_chunks=2)),
     "all_rank_without_valid_tokens": dict(sp=2, stage=2, memory=ALL, data=dict(masked_spans=[(SEQ // 2 - 1, SEQ)])),
+    "fused_norms_zero1": dict(sp=2, stage=1, memory=dict(fused_norms=True)),
+    "fused_norms_checkpointing_zero2": dict(
+        sp=2, stage=2, memory=dict(fused_norms=True, activation_checkpointing=True)
+    ),
+    "all_fused_norms_zero3_head_chunks2": dict(sp=2, stage=3, memory=dict(ALL, fused_norms=True, head_chunks=2)),
     # 47 tokens -> 24 per rank, 48 per rank and batch: auto makes 2 tiles of hidden_size=32 tokens
     "all_auto_length_not_divisible": dict(
         sp=2,

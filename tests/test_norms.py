@@ -1,0 +1,140 @@
+"""Fused RMSNorm (:mod:`lightning_ulysses.norms`, ``fused_norms``): found by what a norm does, bit for bit the same
+output, the same gradients, less kept for the backward; whole-model training under SP is in ``tests/test_memory.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from lightning_ulysses import MemoryOptions, apply_memory_options, remove_memory_options, rms_norm
+from lightning_ulysses.norms import NormForm, rms_norm_form
+from tests.tiny import tiny_llama
+
+NORMS: dict[str, tuple[type[nn.Module], NormForm]] = {
+    "llama": (LlamaRMSNorm, "weight"),
+    "qwen3": (Qwen3RMSNorm, "weight"),
+    "olmo2": (Olmo2RMSNorm, "weight_in_float"),
+    "gemma": (GemmaRMSNorm, "one_plus_weight"),
+}
+HIDDEN = 48
+
+
+def _norm(name: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    norm = NORMS[name][0](HIDDEN, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(HIDDEN) * 0.5 + (name != "gemma"))
+    return norm.to(dtype)
+
+
+class ShiftedEps(LlamaRMSNorm):
+    """Holds one epsilon and uses twice it: not the RMSNorm that rms_norm would compute, which shows only on inputs
+    whose mean square is near epsilon."""
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        x = hidden_states.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 2 * self.variance_epsilon)
+        return self.weight * x.to(hidden_states.dtype)
+
+
+class MeanCentred(LlamaRMSNorm):
+    """A LayerNorm without bias wearing an RMSNorm's attributes."""
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        x = hidden_states.float()
+        x = x - x.mean(-1, keepdim=True)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(hidden_states.dtype)
+
+
+@pytest.mark.parametrize("name", NORMS)
+def test_transformers_rms_norms_are_found_with_their_form(name: str) -> None:
+    assert rms_norm_form(_norm(name)) == NORMS[name][1]
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        ShiftedEps(HIDDEN, eps=1e-10),
+        MeanCentred(HIDDEN),
+        nn.LayerNorm(HIDDEN),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.Identity(),
+    ],
+    ids=["other_eps", "mean_centred", "layer_norm", "linear", "identity"],
+)
+def test_modules_that_compute_something_else_are_left_alone(module: nn.Module) -> None:
+    assert rms_norm_form(module) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=["weight_fp32", "weight_bf16"])
+@pytest.mark.parametrize("name", NORMS)
+def test_fused_equals_the_module_forward_bit_for_bit_and_its_gradients(
+    name: str, dtype: torch.dtype, weight_dtype: torch.dtype
+) -> None:
+    norm = _norm(name, weight_dtype)
+    x = torch.randn(2, 37, HIDDEN).to(dtype).requires_grad_()
+    upstream = torch.randn(2, 37, HIDDEN)
+
+    expected = norm(x)
+    expected_grads = torch.autograd.grad(expected, [x, norm.weight], upstream.to(expected.dtype))
+    got = rms_norm(x, norm.weight, norm.variance_epsilon if name != "gemma" else norm.eps, NORMS[name][1])
+    got_grads = torch.autograd.grad(got, [x, norm.weight], upstream.to(got.dtype))
+
+    assert got.dtype == expected.dtype and torch.equal(got, expected)
+    # fp32: the closed form against autograd's chain; bf16: autograd's chain rounds its intermediates to bf16
+    tolerance = 1e-5 if dtype == weight_dtype == torch.float32 else 2e-2
+    for g, e in zip(got_grads, expected_grads, strict=True):
+        assert g.dtype == e.dtype
+        assert ((g.float() - e.float()).norm() / e.float().norm()).item() < tolerance
+
+
+def _saved_bytes(fn: object, x: Tensor) -> int:
+    """Bytes of the distinct storages autograd keeps for ``fn(x)``'s backward (parameters excluded)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        if not isinstance(t, nn.Parameter):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)  # type: ignore[operator]
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_keeps_only_the_input_and_the_reciprocal_rms(dtype: torch.dtype) -> None:
+    norm = _norm("llama", dtype)
+    x = torch.randn(4, 256, HIDDEN).to(dtype).requires_grad_()
+    fused = _saved_bytes(lambda t: rms_norm(t, norm.weight, norm.variance_epsilon), x)
+    plain = _saved_bytes(norm, x)
+    rstd = 4 * 256 * 4
+    assert fused == x.nbytes + rstd
+    assert plain >= fused + 4 * x.numel()  # transformers' keeps at least the normalised tensor in float besides
+
+
+def test_fused_norms_patch_every_rms_norm_of_a_model_and_undo() -> None:
+    model = tiny_llama()
+    norms = [m for m in model.modules() if isinstance(m, LlamaRMSNorm)]
+    assert len(norms) == 2 * model.config.num_hidden_layers + 1
+    ids = torch.randint(0, model.config.vocab_size, (2, 24))
+    expected = model(ids).logits
+    apply_memory_options(model, MemoryOptions(fused_norms=True))
+    assert all("forward" in norm.__dict__ for norm in norms)
+    assert torch.equal(model(ids).logits, expected)
+    remove_memory_options(model)
+    assert not any("forward" in norm.__dict__ for norm in norms)
+
+
+def test_fused_norms_without_an_rms_norm_is_refused() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="fused_norms found no RMSNorm in GPT2LMHeadModel"):
+        apply_memory_options(model, MemoryOptions(fused_norms=True))
