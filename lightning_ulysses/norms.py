@@ -46,28 +46,28 @@ class _FusedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        """With ``s`` the weight's float scale (``weight`` or ``1 + weight``) and ``g`` the gradient in float:
+        ``dweight = sum(g * xhat)`` over the tokens, ``dx = rstd * (g s - xhat * mean(g s xhat))``. At most two
+        ``[tokens, d]`` float temporaries at a time: ``xhat`` with ``g * xhat``, then ``xhat`` with ``dx``."""
         x, weight, rstd = ctx.saved_tensors
         xhat = x.float() * rstd
-        if ctx.form == "weight":
-            grad_weight = (grad.float() * xhat.to(x.dtype)).sum_to_size(weight.shape)  # summed in float
-            grad_xhat = (grad * weight).float()
-        else:
-            grad_weight = (grad.float() * xhat).sum_to_size(weight.shape)
-            grad_xhat = grad.float() * _float_scale(weight, ctx.form)
-        # d/dx of x * rstd(x): rstd * (g - xhat * mean(g * xhat)), in place on the float temporaries
-        mean = (grad_xhat * xhat).mean(-1, keepdim=True)
-        grad_x = grad_xhat.sub_(xhat.mul_(mean)).mul_(rstd)
+        g = grad.float()
+        scale = weight.float() if ctx.form != "one_plus_weight" else 1 + weight.float()
+        product = g * xhat
+        grad_weight = product.sum_to_size(weight.shape)
+        row_mean = (
+            (product @ scale).unsqueeze(-1).div_(x.shape[-1])
+        )  # mean(g s xhat) per token, no [tokens, d] temporary
+        del product
+        grad_x = g * scale
+        grad_x.sub_(xhat.mul_(row_mean)).mul_(rstd)
         return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None, None
 
 
 def _scale(xhat: Tensor, weight: Tensor, dtype: torch.dtype, form: NormForm) -> Tensor:
     if form == "weight":
         return weight * xhat.to(dtype)
-    return (xhat * _float_scale(weight, form)).to(dtype)
-
-
-def _float_scale(weight: Tensor, form: NormForm) -> Tensor:
-    return 1 + weight.float() if form == "one_plus_weight" else weight.float()
+    return (xhat * (1 + weight.float() if form == "one_plus_weight" else weight)).to(dtype)
 
 
 def rms_norm_form(module: nn.Module) -> NormForm | None:
