@@ -29,6 +29,12 @@ from tests.launch import launch, launch_to_exit
 pytestmark = pytest.mark.distributed
 
 
+@pytest.fixture(autouse=True)
+def _forked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the fork server: on, also in a session run with ``LAUNCH_FRESH=1``."""
+    monkeypatch.setattr(tests.launch, "FORKED", True)
+
+
 def state_worker(args: dict[str, Any]) -> dict[str, Any]:
     """What a rank could inherit from the process it was forked from, after the imports the fork server makes."""
     for module in forkserver.PRELOAD:

@@ -94,6 +94,21 @@ def test_fused_equals_the_module_forward_bit_for_bit_and_its_gradients(
         assert ((g.float() - e.float()).norm() / e.float().norm()).item() < tolerance
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", NORMS)
+def test_fused_equals_the_module_on_cuda_in_bf16(name: str) -> None:
+    norm = _norm(name, torch.bfloat16).cuda()
+    x = torch.randn(2, 4096, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    upstream = torch.randn(2, 4096, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    expected = norm(x)
+    expected_grads = torch.autograd.grad(expected, [x, norm.weight], upstream)
+    got = rms_norm(x, norm.weight, norm.variance_epsilon if name != "gemma" else norm.eps, NORMS[name][1])
+    got_grads = torch.autograd.grad(got, [x, norm.weight], upstream)
+    assert torch.equal(got, expected)
+    for g, e in zip(got_grads, expected_grads, strict=True):
+        assert ((g.float() - e.float()).norm() / e.float().norm()).item() < 2e-2
+
+
 def _saved_bytes(fn: object, x: Tensor) -> int:
     """Bytes of the distinct storages autograd keeps for ``fn(x)``'s backward (parameters excluded)."""
     storages: dict[int, int] = {}
