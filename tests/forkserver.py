@@ -91,7 +91,14 @@ class ForkServer:
             text=True,
         )
         assert self.proc.stdout is not None
-        self.ready = any(line.strip() == READY for line in self.proc.stdout)  # after what its imports print
+        self.ready = any(line.strip() == READY for line in self.proc.stdout) and self._runs()
+
+    def _runs(self) -> bool:
+        """Whether its ``python`` starts (a temporary folder mounted ``noexec`` would refuse it)."""
+        try:
+            return subprocess.run([self.python, "-c", ""], timeout=60).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            return False
 
     def alive(self) -> bool:
         return self.proc.poll() is None
