@@ -170,8 +170,9 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions) -> None:
         if options.tiled_mlp:
             _tile_mlps(hf_model, mlps, options.tiled_mlp, ledger)
         for norm, form in norms.items():
-            fused = functools.partial(_fused_norm_forward, norm, form)
-            ledger.set("fused_norms", norm, "forward", fused)
+            eps = norm_eps(norm)
+            assert eps is not None  # rms_norm_form found it
+            ledger.set("fused_norms", norm, "forward", functools.partial(_fused_norm_forward, norm, eps, form))
         if options.activation_checkpointing:
             # the public gradient_checkpointing_enable takes no checkpoint function (and pins memory on CPU-only hosts)
             checkpointed = functools.partial(checkpoint_activations, offload=options.offload_activations)
@@ -222,9 +223,11 @@ def _rms_norms(model: PreTrainedModel) -> dict[nn.Module, NormForm]:
     return norms
 
 
-def _fused_norm_forward(norm: nn.Module, form: NormForm, x: Tensor) -> Tensor:
-    eps, weight = norm_eps(norm), norm.weight
-    assert eps is not None and isinstance(weight, Tensor)  # as rms_norm_form found them
+def _fused_norm_forward(norm: nn.Module, eps: float, form: NormForm, x: Tensor) -> Tensor:
+    """``norm``'s forward as :func:`~lightning_ulysses.norms.rms_norm`; its weight read at each call (ZeRO-3 gathers
+    it for the call)."""
+    weight = norm.weight
+    assert isinstance(weight, Tensor)
     return rms_norm(x, weight, eps, form)
 
 

@@ -52,12 +52,11 @@ class _FusedRMSNorm(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         xhat = x.float() * rstd
         g = grad.float()
-        scale = weight.float() if ctx.form != "one_plus_weight" else 1 + weight.float()
+        scale = _float_scale(weight, ctx.form)
         product = g * xhat
         grad_weight = product.sum_to_size(weight.shape)
-        row_mean = (
-            (product @ scale).unsqueeze(-1).div_(x.shape[-1])
-        )  # mean(g s xhat) per token, no [tokens, d] temporary
+        # mean(g s xhat) per token by a matrix-vector product: no third [tokens, d] temporary
+        row_mean = (product @ scale).unsqueeze(-1).div_(x.shape[-1])
         del product
         grad_x = g * scale
         grad_x.sub_(xhat.mul_(row_mean)).mul_(rstd)
@@ -67,7 +66,12 @@ class _FusedRMSNorm(torch.autograd.Function):
 def _scale(xhat: Tensor, weight: Tensor, dtype: torch.dtype, form: NormForm) -> Tensor:
     if form == "weight":
         return weight * xhat.to(dtype)
-    return (xhat * (1 + weight.float() if form == "one_plus_weight" else weight)).to(dtype)
+    return (xhat * _float_scale(weight, form)).to(dtype)
+
+
+def _float_scale(weight: Tensor, form: NormForm) -> Tensor:
+    """What multiplies ``xhat`` in float in the forms other than ``"weight"``: ``1 + weight`` or ``weight``."""
+    return 1 + weight.float() if form == "one_plus_weight" else weight.float()
 
 
 def rms_norm_form(module: nn.Module) -> NormForm | None:

@@ -65,7 +65,7 @@ PRELOAD = (
 """Imported once by the server: what (nearly) every rank imports first."""
 SET_AFTER_FORK = {"MALLOC_MMAP_THRESHOLD_": -3}  # glibc reads it at process start; a forked rank calls mallopt
 READY = "ready"
-SOCKET = "socket"
+SOCKET, PYTHON = "socket", "python"  # in the server's folder
 POLL_S = 0.02
 
 
@@ -77,7 +77,7 @@ class ForkServer:
         from tests.launch import die_with_parent
 
         self.folder = tempfile.TemporaryDirectory(prefix="forkserver-")  # its socket and its ``python``
-        self.python = str(Path(self.folder.name) / "python")
+        self.python = str(Path(self.folder.name) / PYTHON)
         self.errors = tempfile.TemporaryFile("w+")  # noqa: SIM115 - the server's own output, closed by stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.forkserver", self.folder.name],
@@ -156,7 +156,7 @@ def serve(folder: Path) -> tuple[dict[str, Any], list[int]] | None:
     listener.bind(str(folder / SOCKET))
     listener.listen(64)
     client = Path(__file__).with_name("forkclient.py")
-    python = folder / "python"
+    python = folder / PYTHON
     python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -S {client} {folder / SOCKET} "$@"\n')
     python.chmod(0o755)
     gc.freeze()  # the imports' objects: no rank's collection walks them, nor copies their pages by marking them
@@ -293,5 +293,5 @@ if __name__ == "__main__":
     if forked is None:
         sys.exit(0)
     job, streams = forked
-    become(job, streams, server_pid, str(folder / "python"))
+    become(job, streams, server_pid, str(folder / PYTHON))
     run(job["argv"])

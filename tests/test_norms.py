@@ -12,7 +12,7 @@ from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from lightning_ulysses import MemoryOptions, apply_memory_options, remove_memory_options, rms_norm
-from lightning_ulysses.norms import NormForm, rms_norm_form
+from lightning_ulysses.norms import NormForm, norm_eps, rms_norm_form
 from tests.tiny import tiny_llama
 
 NORMS: dict[str, tuple[type[nn.Module], NormForm]] = {
@@ -83,7 +83,7 @@ def test_fused_equals_the_module_forward_bit_for_bit_and_its_gradients(
 
     expected = norm(x)
     expected_grads = torch.autograd.grad(expected, [x, norm.weight], upstream.to(expected.dtype))
-    got = rms_norm(x, norm.weight, norm.variance_epsilon if name != "gemma" else norm.eps, NORMS[name][1])
+    got = rms_norm(x, norm.weight, norm_eps(norm), NORMS[name][1])
     got_grads = torch.autograd.grad(got, [x, norm.weight], upstream.to(got.dtype))
 
     assert got.dtype == expected.dtype and torch.equal(got, expected)
@@ -102,7 +102,7 @@ def test_fused_equals_the_module_on_cuda_in_bf16(name: str) -> None:
     upstream = torch.randn(2, 4096, HIDDEN, device="cuda", dtype=torch.bfloat16)
     expected = norm(x)
     expected_grads = torch.autograd.grad(expected, [x, norm.weight], upstream)
-    got = rms_norm(x, norm.weight, norm.variance_epsilon if name != "gemma" else norm.eps, NORMS[name][1])
+    got = rms_norm(x, norm.weight, norm_eps(norm), NORMS[name][1])
     got_grads = torch.autograd.grad(got, [x, norm.weight], upstream)
     assert torch.equal(got, expected)
     for g, e in zip(got_grads, expected_grads, strict=True):
