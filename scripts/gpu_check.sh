@@ -5,8 +5,8 @@
 # then through the device tool, from the repository root:
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=590)
 # Steps, each stopped at its own time limit and all within BUDGET_S (540 s): install the wheels offline into
-# /tmp/site; record the GPU and versions; the ring's CUDA block kernels first (open question: exact in bf16 since
-# the layout fix?), then every CUDA-only test (marked cuda in tests/); one
+# /tmp/site; record the GPU and versions; the ring's CUDA block kernels first (bf16 exact since
+# the layout fix, 2026-12-04's second run), then every CUDA-only test (marked cuda in tests/); one
 # long-context probe per attention kernel: Llama 1B, bf16, ZeRO-3 with tiled MLP, tiled loss, checkpointing and
 # offload, one process, PROBE_SEQ_LEN tokens, with torch's SDPA restricted to its flash kernel, then compiled flex.
 # Each result is written to $OUT as soon as it exists (8 files; the device tool returns at most 8):
