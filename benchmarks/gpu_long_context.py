@@ -83,6 +83,7 @@ MEMORY_OPTIONS: dict[str, dict[str, Any]] = {
     "zero3+checkpointing": dict(stage=3, activation_checkpointing=True),
     "zero3+alst": dict(stage=3, **_ALST),
     "zero3+alst+offload": dict(stage=3, offload_optimizer=True, offload_parameters=True, **_ALST),
+    "zero3+alst+fused_norms": dict(stage=3, fused_norms=True, **_ALST),
 }
 
 
