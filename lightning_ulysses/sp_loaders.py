@@ -23,17 +23,24 @@ The check runs on every batch of every stage (training, validation, test, predic
 ``UlyssesStrategy.batch_to_device`` before the batch is cut into shards: one all-gather over the SP group of a
 5-number :func:`batch_fingerprint`, and one read of the gathered fingerprints on the host. On a mismatch every rank
 raises the same error, naming the loader and the fix.
+
+Forked workers. On CPython releases before the fix of gh-112275 (3.10.15, 3.11.10; 3.12 never had it) a forked
+child can hang before it runs a line, in ``PyOS_AfterFork_Child``, when another thread of the parent was creating or
+ending a Python thread state at that instant; the ranks of a job run such threads (collectives, the strategy's
+heartbeat), and a loader's workers are forked by default. :func:`warn_on_forked_workers` says so once per loader.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DistributedSampler
 
@@ -87,6 +94,39 @@ def sampler_over_dp_ranks(loader: Any, topology: SequenceParallelTopology, loade
         f"lightning-ulysses: the {loader_name}'s DistributedSampler runs over all {topology.world_size} ranks, which "
         f"would give the {topology.sp_size} ranks of each SP group different rows; it now runs over the "
         f"{topology.dp_size} DP ranks (num_replicas=dp_size, rank=dp_rank; same shuffle, seed and drop_last)."
+    )
+
+
+FORK_DEADLOCK_FIXED_IN = {(3, 10): 15, (3, 11): 10}
+"""CPython ``(major, minor) -> patch release`` that fixed gh-112275 (a child deadlocked on the interpreter's
+thread-state lock after ``fork``); every 3.12 and later is free of it."""
+
+
+def fork_can_deadlock(version: tuple[int, int, int] | None = None, implementation: str | None = None) -> bool:
+    """Whether a forked child of a multi-threaded process can hang in this interpreter's after-fork code (gh-112275).
+    ``version`` and ``implementation`` default to the running interpreter's."""
+    major, minor, patch = version or tuple(sys.version_info[:3])
+    if (implementation or sys.implementation.name) != "cpython":
+        return False
+    return patch < FORK_DEADLOCK_FIXED_IN.get((major, minor), 0)
+
+
+def warn_on_forked_workers(loader: Any, loader_name: str) -> None:
+    """Warn (rank zero, once per loader) when ``loader`` forks worker processes on an interpreter where a forked
+    child can hang (:func:`fork_can_deadlock`), naming the remedies."""
+    workers = getattr(loader, "num_workers", 0)
+    context = getattr(loader, "multiprocessing_context", None)
+    # the platform's default when none is set; get_start_method() without allow_none would fix it for the process
+    default = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    start_method = context.get_start_method() if context is not None else default
+    if workers == 0 or start_method != "fork" or not fork_can_deadlock():
+        return
+    rank_zero_warn(
+        f"lightning-ulysses: the {loader_name} forks {workers} worker processes, and on this Python "
+        f"({sys.version.split()[0]}) a forked child can hang before its first line while another thread of the rank "
+        "(the collectives', the strategy's heartbeat) starts or ends (CPython gh-112275; rare, and then the run "
+        "waits forever for a batch). Use Python 3.11.10, 3.10.15 or 3.12 and later, or give the DataLoader "
+        "multiprocessing_context='forkserver' (its dataset and collate function must then pickle), or num_workers=0."
     )
 
 

@@ -78,7 +78,7 @@ from lightning_ulysses.runtime.preemption import PreemptionSignals
 from lightning_ulysses.runtime.resume import ResumableLoader, is_resumable
 from lightning_ulysses.runtime.save import save_checkpoint
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
-from lightning_ulysses.sp_loaders import check_sp_group_agreement, sampler_over_dp_ranks
+from lightning_ulysses.sp_loaders import check_sp_group_agreement, sampler_over_dp_ranks, warn_on_forked_workers
 from lightning_ulysses.topology import SequenceParallelTopology, auto_ring_size, divisors
 
 log = logging.getLogger(__name__)
@@ -383,6 +383,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         assert self.lightning_module is not None  # attached by the Trainer before its hooks run
         trainer = self.lightning_module.trainer
         sampler_over_dp_ranks(dataloader, self.topology, _loader_name(trainer))
+        warn_on_forked_workers(dataloader, _loader_name(trainer))
         # seed_everything(workers=True): seeded by DP rank, on the loader itself (Lightning seeds what this returns, by
         # global rank, and would give the SP ranks of a group different augmentations; see lightning_ulysses.sp_loaders)
         _auto_add_worker_init_fn(dataloader, self.dp_rank)

@@ -36,6 +36,7 @@ from lightning_ulysses.cli import main
 from lightning_ulysses.cli.checks import _class_of
 from lightning_ulysses.data import find_text_files
 from lightning_ulysses.model import CausalLM, build_config
+from lightning_ulysses.sp_loaders import fork_can_deadlock
 from tests.launch import REPO_ROOT, Launcher, launch
 from tests.tiny import gathered_parameters
 
@@ -50,8 +51,17 @@ ON_CPU = {
     "trainer.precision": "32-true",
     "trainer.strategy.init_args.attn_implementation": "sdpa",
 }
+
+
+def loading_in_the_ranks(key: str) -> dict[str, int]:
+    """``{key: 0}`` where this Python's fork can hang a DataLoader worker (CPython gh-112275; here one suite run in five
+    hung in a config's worker start-up); the strategy warns users of it (``sp_loaders.warn_on_forked_workers``)."""
+    return {key: 0} if fork_can_deadlock() else {}
+
+
 LLAMA_3_8B_SHRUNK = {
     **ON_CPU,
+    **loading_in_the_ranks("data.num_workers"),
     "trainer.devices": 2,
     "trainer.strategy.init_args.sp_size": 2,
     "trainer.limit_val_batches": 2,
@@ -68,6 +78,7 @@ SHRINK: dict[str, dict[str, Any]] = {
     "sft_quickstart": {"data.init_args.seq_len": 256, "trainer.limit_val_batches": 2},
     "sft_8gpu": {
         **ON_CPU,
+        **loading_in_the_ranks("data.init_args.num_workers"),
         "trainer.devices": 2,
         "trainer.strategy.init_args.sp_size": 2,
         "trainer.limit_val_batches": 2,
@@ -86,6 +97,7 @@ SHRINK: dict[str, dict[str, Any]] = {
     },
     "dpo_8gpu": {
         **ON_CPU,
+        **loading_in_the_ranks("data.init_args.num_workers"),
         "trainer.devices": 2,
         "trainer.strategy.init_args.sp_size": 2,
         "trainer.limit_val_batches": 2,
@@ -101,6 +113,7 @@ SHRINK: dict[str, dict[str, Any]] = {
     "vlm_sft_quickstart": {"trainer.limit_val_batches": 2},
     "vlm_sft_8gpu": {
         **ON_CPU,
+        **loading_in_the_ranks("data.init_args.num_workers"),
         "trainer.devices": 2,
         "trainer.strategy.init_args.sp_size": 2,
         "trainer.limit_val_batches": 2,

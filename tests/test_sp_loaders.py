@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,8 +26,8 @@ from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
 
-from lightning_ulysses import UlyssesStrategy
-from lightning_ulysses.sp_loaders import batch_fingerprint
+from lightning_ulysses import UlyssesStrategy, sp_loaders
+from lightning_ulysses.sp_loaders import batch_fingerprint, fork_can_deadlock, warn_on_forked_workers
 from tests.launch import launch
 from tests.test_strategy import _error, _trainer
 from tests.tiny import VOCAB, TinyCausalLM, collate, make_samples, reference_training, relative_update_error, tiny_llama
@@ -297,3 +298,37 @@ def test_fingerprints_tell_apart_rows_that_a_sum_would_not() -> None:
     assert len(set(fingerprints.values())) == len(variants), fingerprints
     assert tuple(batch_fingerprint({"input_ids": row.clone()}, cpu).tolist()) == fingerprints["row"]
     assert batch_fingerprint([row], cpu).tolist() == [0] * 5
+
+
+@pytest.mark.parametrize(
+    ("version", "implementation", "can_hang"),
+    [
+        ((3, 10, 14), "cpython", True),
+        ((3, 10, 15), "cpython", False),
+        ((3, 11, 7), "cpython", True),
+        ((3, 11, 10), "cpython", False),
+        ((3, 12, 0), "cpython", False),
+        ((3, 11, 7), "pypy", False),
+    ],
+)
+def test_the_releases_whose_fork_can_hang_are_known(
+    version: tuple[int, int, int], implementation: str, can_hang: bool
+) -> None:
+    assert fork_can_deadlock(version, implementation) is can_hang
+
+
+def test_forked_workers_are_warned_of_where_a_fork_can_hang(monkeypatch: pytest.MonkeyPatch) -> None:
+    forking = DataLoader(range(4), num_workers=2)
+    monkeypatch.setattr(sp_loaders, "fork_can_deadlock", lambda: True)
+    with pytest.warns(UserWarning, match=r"train_dataloader forks 2 worker.*gh-112275.*3\.11\.10.*num_workers=0"):
+        warn_on_forked_workers(forking, "train_dataloader")
+    in_process, by_forkserver = (
+        DataLoader(range(4)),
+        DataLoader(range(4), num_workers=2, multiprocessing_context="forkserver"),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for loader in (in_process, by_forkserver):
+            warn_on_forked_workers(loader, "train_dataloader")
+        monkeypatch.setattr(sp_loaders, "fork_can_deadlock", lambda: False)
+        warn_on_forked_workers(forking, "train_dataloader")
