@@ -162,7 +162,7 @@ def test_a_failing_call_fails_with_every_rank_output() -> None:
 
 def test_a_hanging_call_is_stopped_at_its_timeout() -> None:
     with pytest.raises(AssertionError, match=r"\['rank 1'\] failed \(\['rank 1'\] were stopped"):
-        launch("tests.test_forkserver:sleeping_worker", 2, timeout=10)
+        launch("tests.test_forkserver:sleeping_worker", 2, timeout=6)
 
 
 class _Interrupted(Exception):
