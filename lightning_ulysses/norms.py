@@ -74,12 +74,17 @@ def _float_scale(weight: Tensor, form: NormForm) -> Tensor:
     return 1 + weight.float() if form == "one_plus_weight" else weight.float()
 
 
+PROBE_LEADING_DIMS = ((6,), (2, 3), (1, 2, 3))
+"""The probes' dimensions before the normalised one: tokens, ``[batch, seq]`` (hidden states) and ``[batch, seq,
+heads]`` (per-head q/k norms), so that a forward that branches on its input's rank is seen doing so."""
+
+
 def rms_norm_form(module: nn.Module) -> NormForm | None:
     """The :data:`NormForm` whose :func:`rms_norm` gives bit for bit ``module``'s own output, or None.
 
     The module's forward runs on a stand-in (its attributes, a probe weight, no hooks: nothing of the real module,
-    which ZeRO-3 may have partitioned, is read or gathered), on inputs in float32 and bfloat16, at the scale of the
-    data and at the scale of its epsilon (where a different epsilon would show)."""
+    which ZeRO-3 may have partitioned, is read or gathered), on inputs of 2, 3 and 4 dimensions in float32 and
+    bfloat16, at the scale of the data and at the scale of its epsilon (where a different epsilon would show)."""
     params = dict(module.named_parameters(recurse=False))
     eps = norm_eps(module)
     if eps is None or list(params) != ["weight"] or params["weight"].dim() != 1 or list(module.children()):
@@ -90,7 +95,8 @@ def rms_norm_form(module: nn.Module) -> NormForm | None:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(size, generator=generator).to(params["weight"].dtype)
     probes = [
-        (torch.randn(2, 3, size, generator=generator) * scale).to(dtype)
+        (torch.randn(*leading, size, generator=generator) * scale).to(dtype)
+        for leading in PROBE_LEADING_DIMS
         for dtype in (torch.float32, torch.bfloat16)
         for scale in (1.0, eps**0.5)
     ]

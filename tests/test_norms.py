@@ -51,6 +51,16 @@ class MeanCentred(LlamaRMSNorm):
         return self.weight * x.to(hidden_states.dtype)
 
 
+class CentredOnFourDims(LlamaRMSNorm):
+    """An RMSNorm on rows and tokens that centres per-head inputs (``[batch, seq, heads, head_dim]``): which
+    computation runs depends on the input's rank."""
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        if hidden_states.dim() == 4:
+            return MeanCentred.forward(self, hidden_states)
+        return super().forward(hidden_states)
+
+
 @pytest.mark.parametrize("name", NORMS)
 def test_transformers_rms_norms_are_found_with_their_form(name: str) -> None:
     assert rms_norm_form(_norm(name)) == NORMS[name][1]
@@ -61,11 +71,12 @@ def test_transformers_rms_norms_are_found_with_their_form(name: str) -> None:
     [
         ShiftedEps(HIDDEN, eps=1e-10),
         MeanCentred(HIDDEN),
+        CentredOnFourDims(HIDDEN),
         nn.LayerNorm(HIDDEN),
         nn.Linear(HIDDEN, HIDDEN),
         nn.Identity(),
     ],
-    ids=["other_eps", "mean_centred", "layer_norm", "linear", "identity"],
+    ids=["other_eps", "mean_centred", "other_on_four_dims", "layer_norm", "linear", "identity"],
 )
 def test_modules_that_compute_something_else_are_left_alone(module: nn.Module) -> None:
     assert rms_norm_form(module) is None
