@@ -115,11 +115,14 @@ def warn_on_forked_workers(loader: Any, loader_name: str) -> None:
     """Warn (rank zero, once per loader) when ``loader`` forks worker processes on an interpreter where a forked
     child can hang (:func:`fork_can_deadlock`), naming the remedies."""
     workers = getattr(loader, "num_workers", 0)
+    if workers == 0 or not fork_can_deadlock():
+        return
     context = getattr(loader, "multiprocessing_context", None)
-    # the platform's default when none is set; get_start_method() without allow_none would fix it for the process
-    default = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
-    start_method = context.get_start_method() if context is not None else default
-    if workers == 0 or start_method != "fork" or not fork_can_deadlock():
+    if context is not None:
+        start_method = context.get_start_method()
+    else:  # the platform's default; get_start_method() without allow_none would fix it for the process
+        start_method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    if start_method != "fork":
         return
     rank_zero_warn(
         f"lightning-ulysses: the {loader_name} forks {workers} worker processes, and on this Python "

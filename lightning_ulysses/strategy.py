@@ -382,8 +382,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         assert self.lightning_module is not None  # attached by the Trainer before its hooks run
         trainer = self.lightning_module.trainer
-        sampler_over_dp_ranks(dataloader, self.topology, _loader_name(trainer))
-        warn_on_forked_workers(dataloader, _loader_name(trainer))
+        loader_name = _loader_name(trainer)
+        sampler_over_dp_ranks(dataloader, self.topology, loader_name)
+        warn_on_forked_workers(dataloader, loader_name)
         # seed_everything(workers=True): seeded by DP rank, on the loader itself (Lightning seeds what this returns, by
         # global rank, and would give the SP ranks of a group different augmentations; see lightning_ulysses.sp_loaders)
         _auto_add_worker_init_fn(dataloader, self.dp_rank)
