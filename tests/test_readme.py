@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import shutil
 from pathlib import Path
@@ -44,6 +45,7 @@ def shrunk(code: str, folders: dict[str, str]) -> str:
 
 
 def readme_worker(args: dict[str, Any]) -> dict[str, Any]:
+    os.chdir(args["cwd"])  # where a user runs the script: Lightning writes its logs and checkpoints there
     namespace: dict[str, Any] = {"__name__": "readme"}
     exec(compile(args["code"], "README.md", "exec"), namespace)
     trainer = namespace["trainer"]
@@ -61,8 +63,11 @@ def test_the_readme_python_example_trains(tmp_path: Path) -> None:
     for path in find_text_files(["stdlib"], "*.py")[:20]:
         shutil.copy(path, texts / f"{len(list(texts.iterdir()))}.py")
     code = shrunk(readme_python_example(), {'"path/to/model"': repr(str(model)), '"path/to/texts"': repr(str(texts))})
-    for rank, result in enumerate(launch("tests.test_readme:readme_worker", 2, {"code": code})):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    for rank, result in enumerate(launch("tests.test_readme:readme_worker", 2, {"code": code, "cwd": str(cwd)})):
         assert result["global_step"] == 2, (rank, result)
         assert math.isfinite(result["train_loss"]) and math.isfinite(result["val_loss"]), (rank, result)
         # a random model on bytes: about log(259) per token, not a factor of sp_size away
         assert result["val_loss"] == pytest.approx(math.log(259), rel=0.2), (rank, result)
+    assert list((cwd / "lightning_logs").glob("version_0/checkpoints/*")), "no checkpoint in the working directory"
