@@ -207,7 +207,12 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     L.seed_everything(7, workers=True)
     module = RecordingLM()
     strategy = UlyssesStrategy(sp_size=2, stage=2, attn_implementation="sdpa")
-    loader = DataLoader(RandomRows(), batch_size=BATCH, collate_fn=collate, num_workers=1)
+    # a worker forked from this rank can hang at start-up on an affected Python (CPython gh-112275): start it from a
+    # fork server there, which seeds it alike
+    context = "forkserver" if fork_can_deadlock() else None
+    loader = DataLoader(
+        RandomRows(), batch_size=BATCH, collate_fn=collate, num_workers=1, multiprocessing_context=context
+    )
     _trainer(WORLD_SIZE, strategy, max_steps=STEPS).fit(module, loader)
     os.environ.pop("PL_SEED_WORKERS")
     result["seeded"] = {"rows": module.train_rows, "dp_rank": strategy.dp_rank, "sp_rank": strategy.sp_rank}
