@@ -43,6 +43,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_ulysses.sp_loaders import worker_start_method
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -332,6 +334,7 @@ class LongTextDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             collate_fn=functools.partial(collate_right_padded, pad_token_id=pad),
             persistent_workers=self.num_workers > 0,
+            multiprocessing_context=worker_start_method(self.num_workers),
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -27,7 +27,8 @@ raises the same error, naming the loader and the fix.
 Forked workers. On CPython releases before the fix of gh-112275 (3.10.15, 3.11.10; 3.12 never had it) a forked
 child can hang before it runs a line, in ``PyOS_AfterFork_Child``, when another thread of the parent was creating or
 ending a Python thread state at that instant; the ranks of a job run such threads (collectives, the strategy's
-heartbeat), and a loader's workers are forked by default. :func:`warn_on_forked_workers` says so once per loader.
+heartbeat), and a loader's workers are forked by default. This package's data modules start theirs from a fork
+server there (:func:`worker_start_method`); for other loaders :func:`warn_on_forked_workers` says so once per loader.
 """
 
 from __future__ import annotations
@@ -109,6 +110,14 @@ def fork_can_deadlock(version: tuple[int, int, int] | None = None, implementatio
     if (implementation or sys.implementation.name) != "cpython":
         return False
     return patch < FORK_DEADLOCK_FIXED_IN.get((major, minor), 0)
+
+
+def worker_start_method(num_workers: int) -> str | None:
+    """The ``multiprocessing_context`` of this package's data loaders: ``"forkserver"`` where a forked worker can hang
+    (:func:`fork_can_deadlock`; the workers then start from a clean server process, so the dataset and the collate
+    function travel pickled), else None (the platform's default)."""
+    forkserver = "forkserver" in multiprocessing.get_all_start_methods()
+    return "forkserver" if num_workers > 0 and forkserver and fork_can_deadlock() else None
 
 
 def warn_on_forked_workers(loader: Any, loader_name: str) -> None:

@@ -54,8 +54,9 @@ ON_CPU = {
 
 
 def loading_in_the_ranks(key: str) -> dict[str, int]:
-    """``{key: 0}`` where this Python's fork can hang a DataLoader worker (CPython gh-112275; here one suite run in five
-    hung in a config's worker start-up); the strategy warns users of it (``sp_loaders.warn_on_forked_workers``)."""
+    """``{key: 0}`` where this Python's fork can hang a DataLoader worker (CPython gh-112275). The data modules then
+    start their workers from a fork server (``sp_loaders.worker_start_method``; tested in test_data, test_finetune and
+    test_vision), and each such worker imports torch afresh, ~4 s of CPU: every config's ranks would pay it."""
     return {key: 0} if fork_can_deadlock() else {}
 
 

@@ -37,6 +37,7 @@ from lightning_ulysses.data import (
 )
 from lightning_ulysses.model import CausalLM, build_config
 from tests.cases import CaseTable
+from tests.loaders import check_workers_from_a_fork_server
 from tests.tiny import TINY_LLAMA, relative_update_error
 
 pytestmark = pytest.mark.distributed
@@ -156,6 +157,14 @@ def test_data_module_splits_by_file(corpus: Path) -> None:
         assert batch["input_ids"].shape[0] == 2 and batch["input_ids"].shape[1] <= SEQ
         if mode == "packed":
             assert batch["input_ids"].shape[1] == SEQ and (batch["position_ids"] == 0).sum() >= 1
+
+
+def test_workers_start_from_a_fork_server_where_a_forked_one_can_hang(
+    corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = data_module(corpus, "documents", batch_size=2)
+    data.setup("fit")
+    check_workers_from_a_fork_server(data, monkeypatch)
 
 
 def test_local_hugging_face_tokenizer(corpus: Path, tmp_path: Path) -> None:

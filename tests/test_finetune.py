@@ -33,6 +33,7 @@ from lightning_ulysses.finetune.packing import trained_tokens
 from lightning_ulysses.model import CausalLM, build_config
 from tests.cases import CaseTable
 from tests.finetune_data import chat, chat_of_tokens, preference_records, sft_records, write_jsonl
+from tests.loaders import check_workers_from_a_fork_server
 from tests.tiny import TINY_LLAMA, epoch_order, gathered_parameters, relative_update_error
 
 pytestmark = pytest.mark.distributed
@@ -379,6 +380,16 @@ def dpo_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     path = str(write_jsonl(root / "pairs.jsonl", preference_records()))
     odd = str(write_jsonl(root / "odd_pairs.jsonl", preference_records()[:ODD_VAL_PAIRS]))
     return {"model": str(root / "model"), "train": path, "val": path, "odd_val": odd}
+
+
+def test_sft_and_dpo_workers_start_from_a_fork_server_where_a_forked_one_can_hang(
+    data_files: dict[str, str], tokenizer_folder: str, dpo_files: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sft = sft_data(data_files, tokenizer_folder, batch_size=2)
+    dpo = PreferenceDataModule(paths=[dpo_files["train"]], val_paths=[dpo_files["val"]], seq_len=SEQ * 4, batch_size=2)
+    for data in (sft, dpo):
+        data.setup("fit")
+        check_workers_from_a_fork_server(data, monkeypatch)
 
 
 def fit_dpo_case(

@@ -101,9 +101,14 @@ def ending_worker(args: dict[str, Any]) -> None:
 
 
 def waiting_worker(args: dict[str, Any]) -> None:
-    """Says who it is and where it runs in ``args["ready"]``, then waits to be signalled."""
+    """Says who it is and where it runs in ``args["ready"]``, then waits to be signalled.
+
+    The file appears whole and only once the writing is done (a rename): a signal that came while ``torch.save`` was
+    closing its file could raise in a finalizer, where Python prints the ``KeyboardInterrupt`` and drops it."""
     state = {"parent": os.getppid(), "executable": sys.executable, "rank_zero_only": state_worker({})["rank_zero_only"]}
-    torch.save(state, args["ready"])
+    written = args["ready"].with_suffix(".partial")
+    torch.save(state, written)
+    os.replace(written, args["ready"])
     time.sleep(120)
 
 

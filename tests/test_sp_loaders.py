@@ -27,7 +27,12 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
 
 from lightning_ulysses import UlyssesStrategy, sp_loaders
-from lightning_ulysses.sp_loaders import batch_fingerprint, fork_can_deadlock, warn_on_forked_workers
+from lightning_ulysses.sp_loaders import (
+    batch_fingerprint,
+    fork_can_deadlock,
+    warn_on_forked_workers,
+    worker_start_method,
+)
 from tests.launch import launch
 from tests.test_strategy import _error, _trainer
 from tests.tiny import VOCAB, TinyCausalLM, collate, make_samples, reference_training, relative_update_error, tiny_llama
@@ -337,3 +342,12 @@ def test_forked_workers_are_warned_of_where_a_fork_can_hang(monkeypatch: pytest.
             warn_on_forked_workers(loader, "train_dataloader")
         monkeypatch.setattr(sp_loaders, "fork_can_deadlock", lambda: False)
         warn_on_forked_workers(forking, "train_dataloader")
+
+
+def test_the_data_modules_start_method_is_a_fork_server_only_where_a_fork_can_hang(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for can_hang in (True, False):
+        monkeypatch.setattr(sp_loaders, "fork_can_deadlock", lambda can_hang=can_hang: can_hang)
+        assert worker_start_method(0) is None
+        assert worker_start_method(2) == ("forkserver" if can_hang else None)

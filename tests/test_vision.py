@@ -19,6 +19,7 @@ from lightning_ulysses.hf.state import UnsupportedModelError
 from lightning_ulysses.loss import token_cross_entropy
 from lightning_ulysses.vision import VisionLanguageModel, merged_inputs_embeds, prepare_vision_batch, vision_family
 from tests.cases import CaseTable
+from tests.loaders import check_workers_from_a_fork_server
 from tests.vision_data import (
     CONFIGS,
     IMAGE,
@@ -496,6 +497,13 @@ def chat_data(files: dict[str, Any], mode: str, batch_size: int = 2) -> Any:
     )
     data.setup("fit")
     return data
+
+
+@pytest.mark.parametrize("chat_files", ["llava"], indirect=True)  # the families share the dataset and collate
+def test_workers_start_from_a_fork_server_where_a_forked_one_can_hang(
+    chat_files: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    check_workers_from_a_fork_server(chat_data(chat_files, "packed"), monkeypatch)
 
 
 def test_the_shipped_vision_example_is_what_its_script_makes(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from lightning_ulysses.data import (
 from lightning_ulysses.finetune.packing import Truncation
 from lightning_ulysses.finetune.records import load_records
 from lightning_ulysses.finetune.tokenizer import load_tokenizer
+from lightning_ulysses.sp_loaders import worker_start_method
 
 if TYPE_CHECKING:
     import datasets
@@ -125,6 +126,7 @@ class RecordsDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             collate_fn=functools.partial(self.collate, pad_token_id=self.tokenizer.pad_token_id or 0),
             persistent_workers=self.num_workers > 0,
+            multiprocessing_context=worker_start_method(self.num_workers),
         )
 
     def train_dataloader(self) -> DataLoader:
