@@ -156,7 +156,6 @@ class Prepared:
     not_built: str = ""  # why the config or the model could not be built
     missing_package: bool = False  # ... because an optional package is not installed
     reference_failed: str = ""  # why the plain model could not run (the SP run may still be refused)
-    update_tolerance: float = UPDATE_TOLERANCE  # raised to the plain model's own kernel noise (see _kernel_noise)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,7 +206,6 @@ def prepare(entry: ZooEntry) -> Prepared:
         prepared.reference_failed = f"the plain model's step is degenerate (loss {loss.item()}, or no weight moved)"
         return prepared
     prepared.reference_loss, prepared.reference_params = loss.item(), params
-    prepared.update_tolerance = max(UPDATE_TOLERANCE, KERNEL_NOISE_FACTOR * _kernel_noise(recipe, prepared, batch))
     return prepared
 
 
@@ -223,18 +221,19 @@ def reference_step(model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Te
     return loss.detach(), {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def _kernel_noise(recipe: TinyRecipe, prepared: Prepared, batch: dict[str, Tensor]) -> float:
+def _kernel_noise(prepared: Prepared) -> float:
     """How far the plain model's own step moves between its eager and SDPA kernels (relative update error): deep
     models amplify float rounding (24-layer Gemma 4: 9e-5), and the SP run may not be held closer than the plain
     model is to itself. 0 when the family has one kernel only."""
-    if prepared.attn_implementation != "eager":
+    recipe = prepared.recipe
+    if prepared.attn_implementation != "eager" or recipe is None:
         return 0.0
     try:
         model = recipe.build("sdpa", SEED)
     except ValueError:  # no SDPA for this family
         return 0.0
     model.load_state_dict(prepared.initial)
-    _, params = reference_step(model, batch)
+    _, params = reference_step(model, collate(make_samples(recipe.token_ids)))
     initial = {name: prepared.initial[name] for name in prepared.reference_params}
     return relative_update_error(initial, prepared.reference_params, params)
 
@@ -325,7 +324,11 @@ def _compare(module: ZooModule, prepared: Prepared) -> Outcome:
     initial = {name: prepared.initial[name] for name in prepared.reference_params}
     loss_error = abs(module.losses[-1] - prepared.reference_loss) / abs(prepared.reference_loss)
     update_error = relative_update_error(initial, prepared.reference_params, got)
-    passed = loss_error <= LOSS_RTOL and update_error < prepared.update_tolerance
+    # the plain model's own kernel noise, measured only where the update misses the base tolerance (a reference step)
+    tolerance = UPDATE_TOLERANCE
+    if update_error >= tolerance:
+        tolerance = max(tolerance, KERNEL_NOISE_FACTOR * _kernel_noise(prepared))
+    passed = loss_error <= LOSS_RTOL and update_error < tolerance
     return Outcome(PASS if passed else FAIL, "", loss_error, update_error)
 
 
