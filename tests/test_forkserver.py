@@ -219,49 +219,38 @@ def test_the_session_python_runs_other_commands_in_the_real_interpreter() -> Non
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_to_the_session_python_reaches_the_forked_process(tmp_path: Path, signum: int) -> None:
     """As a terminal's Ctrl-C or a launcher's SIGTERM reaches a fresh ``python -m tests.launch``: the forked process
-    gets it, and the client ends as the forked process did.
-
-    Tried twice: in two full-suite runs on 2026-12-04 (2 cores, both pytest workers busy) a SIGINT client once each did
-    not end within 60 s, which 16 runs of this test alone, with or without six busy processes beside it, never
-    repeated. A try that does not end within 30 s is reported with the state of its processes, and the test fails
-    only if the second try does not end either."""
+    gets it, and the client ends as the forked process did."""
+    if signal.getsignal(signum) == signal.SIG_IGN:
+        # e.g. a suite started as `pytest &` by a shell without job control, which ignores SIGINT and SIGQUIT in its
+        # background jobs: every process the session starts inherits that, a fresh python as much as a forked one
+        pytest.skip(f"{signal.Signals(signum).name} is ignored in this test session and in every process it starts")
     python = _session_python()
-    stuck = []
-    for attempt in range(2):
-        folder = tmp_path / f"try{attempt}"
-        folder.mkdir()
-        torch.save({"ready": folder / "ready.pt"}, folder / "args.pt")
-        client = subprocess.Popen(
-            [python, "-m", "tests.launch", "tests.test_forkserver:waiting_worker", str(folder)],
-            env={**tests.launch.rank_environment(1, 1, 0, port=0)},
-            cwd=tests.launch.REPO_ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+    torch.save({"ready": tmp_path / "ready.pt"}, tmp_path / "args.pt")
+    client = subprocess.Popen(
+        [python, "-m", "tests.launch", "tests.test_forkserver:waiting_worker", str(tmp_path)],
+        env={**tests.launch.rank_environment(1, 1, 0, port=0)},
+        cwd=tests.launch.REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready.pt").is_file() and client.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        state = torch.load(tmp_path / "ready.pt")
+        servers = {server.proc.pid for server in forkserver._SERVER if server is not None}
+        assert state["parent"] in servers, "not forked from the session's server"
+        assert state["executable"] == python and state["rank_zero_only"] == 0
+        client.send_signal(signum)
         try:
-            deadline = time.monotonic() + 60
-            while not (folder / "ready.pt").is_file() and client.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            state = torch.load(folder / "ready.pt")
-            servers = {server.proc.pid for server in forkserver._SERVER if server is not None}
-            assert state["parent"] in servers, "not forked from the session's server"
-            assert state["executable"] == python and state["rank_zero_only"] == 0
-            client.send_signal(signum)
-            try:
-                output = client.communicate(timeout=30)[0]
-                break
-            except subprocess.TimeoutExpired:
-                stuck.append(
-                    _process_states({"client": client.pid, "forked": state["pid"]}) + f"; client exit {client.poll()}"
-                )
-        finally:
-            client.kill()
-            client.communicate()
-    else:
-        pytest.fail("the client did not end after the signal, twice:\n" + "\n".join(stuck))
-    if stuck:
-        warnings.warn(f"the first try did not end within 30 s: {stuck[0]}", stacklevel=1)
+            output = client.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            pytest.fail(
+                f"no end 60 s after the signal: {_process_states({'client': client.pid, 'forked': state['pid']})}"
+            )
+    finally:
+        client.kill()
     if signum == signal.SIGINT:  # an uncaught KeyboardInterrupt
         assert client.returncode == -signal.SIGINT and "KeyboardInterrupt" in output, output
     else:
@@ -269,7 +258,7 @@ def test_a_signal_to_the_session_python_reaches_the_forked_process(tmp_path: Pat
 
 
 def _process_states(pids: dict[str, int]) -> str:
-    """Each process's state, signal masks and kernel wait channel (``/proc``), for a report."""
+    """Each process's state, pending, blocked and ignored signals, and kernel wait channel (``/proc``)."""
     states = []
     for name, pid in pids.items():
         try:
