@@ -212,11 +212,13 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     L.seed_everything(7, workers=True)
     module = RecordingLM()
     strategy = UlyssesStrategy(sp_size=2, stage=2, attn_implementation="sdpa")
-    # a worker forked from this rank can hang at start-up on an affected Python (CPython gh-112275): start it from a
-    # fork server there, which seeds it alike
-    context = "forkserver" if fork_can_deadlock() else None
+    # started as the data modules start theirs (a fork server where a forked worker can hang), which seeds it alike
     loader = DataLoader(
-        RandomRows(), batch_size=BATCH, collate_fn=collate, num_workers=1, multiprocessing_context=context
+        RandomRows(),
+        batch_size=BATCH,
+        collate_fn=collate,
+        num_workers=1,
+        multiprocessing_context=worker_start_method(1),
     )
     _trainer(WORLD_SIZE, strategy, max_steps=STEPS).fit(module, loader)
     os.environ.pop("PL_SEED_WORKERS")
