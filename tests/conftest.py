@@ -24,6 +24,10 @@ from tests.launch import WORLD_STARTS
 
 def pytest_configure(config: pytest.Config) -> None:
     tests.launch.FORKED = not os.environ.get("LAUNCH_FRESH")
+    # The test process computes the single-process references while process worlds (its own, the other pytest
+    # worker's) hold every core: a second OpenMP thread there only waits for a core, and a spinning OpenMP barrier
+    # makes a reference several times slower.
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
