@@ -1,6 +1,6 @@
 """Suite-wide hygiene: every test gets back the environment it started with; the ranks of process worlds are forked
-from one warm process (:mod:`tests.forkserver`), stopped at the session's end; CUDA-only tests (marked ``cuda``)
-skip without a GPU.
+from one warm process (:mod:`tests.forkserver`), stopped at the session's end; the test process computes on one
+OpenMP thread; CUDA-only tests (marked ``cuda``) skip without a GPU.
 
 Lightning run in the test process (the CLI's in-process commands, a plain ``Trainer``) writes its state into
 ``os.environ`` (``PL_GLOBAL_SEED`` from ``seed_everything``, ...), and :func:`tests.launch.launch` hands the environment
