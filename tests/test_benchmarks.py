@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import compare_alst, gpu_long_context, longest, mixer_cost, ring
+from benchmarks import compare_alst, gpu_long_context, longest, mixer_cost, projection_chunks, ring
 from benchmarks.compare_alst import BenchmarkConfig
 from benchmarks.gpu_long_context import LongContextConfig, flops_per_token, llama_config, parameter_counts
 from benchmarks.measure import LiveTensors
@@ -74,6 +74,23 @@ def test_mixer_cost_counts_the_formula(tmp_path: Path) -> None:
         assert 0.45 < row["saved_ratio"] < 0.6, row
     assert sum(row["halo"] > 0 for row in rows) == 2  # RWKV's token shift, ZAYA's delayed values
     assert "| `Qwen3NextGatedDeltaNet` |" in (tmp_path / "cost.md").read_text()
+
+
+def test_projection_chunks_survey_tells_the_families_apart(tmp_path: Path) -> None:
+    """Narrowed projections per head chunk reproduce Llama's attention (whole K/V groups) and GLM's (one K/V head,
+    query heads split); OLMo 2's norm over all heads' queries makes the chunked call fail, differential attention's
+    paired heads make it differ, GPT-2's fused projection is another layout."""
+    rows = projection_chunks.main(["llama", "glm", "olmo2", "diffllama", "gpt2", "--output", str(tmp_path / "s.md")])
+    verdicts = {row["family"]: row["verdict"] for row in rows}
+    assert verdicts == {
+        "llama": "equal",
+        "glm": "equal",
+        "olmo2": "fails",
+        "diffllama": "differs",
+        "gpt2": "other layout",
+    }, rows
+    assert "K/V heads 1" in next(row["detail"] for row in rows if row["family"] == "glm")
+    assert "| diffllama | differs |" in (tmp_path / "s.md").read_text()
 
 
 def test_compare_alst_refuses_steps_the_adapter_would_hang_on() -> None:
