@@ -11,8 +11,8 @@ set per chunk. Verdicts:
 
 * ``equal``: the chunks' summed output is the module's (relative error < 1e-5);
 * ``differs``: it runs and is not (heads that mix: differential attention);
-* ``fails``: the chunked call raises (a norm over all heads' projections, sinks per head, a gate in the query
-  projection, ...);
+* ``fails``: the chunked call raises (a norm over all heads' projections, sinks per head, ...), or the query
+  projection is wider than the heads (a gate in it);
 * ``other layout``: no such four projections (fused ``qkv``, MLA's latent, an output projection in another module,
   no attention);
 * ``not run``: the plain model does not build or run, or never calls the module.
@@ -141,8 +141,12 @@ def survey(model_type: str) -> dict[str, Any]:
         return {**row, "detail": f"{name} is not called"}
     args, kwargs, expected = calls[0]
     heads = getattr(module, "num_heads", None) or model.config.get_text_config().num_attention_heads
-    key = getattr(module, names["key"])
-    kv_heads = key.out_features // (getattr(module, names["query"]).out_features // heads)
+    query_features = getattr(module, names["query"]).out_features
+    head_dim = getattr(module, "head_dim", None) or query_features // heads
+    if query_features != heads * head_dim:
+        detail = f"`{name}`: a query projection of {query_features} features for {heads} heads of {head_dim}"
+        return {**row, "verdict": "fails", "detail": detail}
+    kv_heads = getattr(module, names["key"]).out_features // head_dim
     detail = f"`{name}`, heads {heads}, K/V heads {kv_heads}"
     try:
         with torch.no_grad():
