@@ -180,3 +180,10 @@ class ProbeSchedule:
             lengths.add(length)
             length *= 2
         return lengths | {self.maximum}
+
+
+def publish(report: str, output: Path | None) -> None:
+    """Print a benchmark's markdown ``report``, and write it to ``output`` when one is given."""
+    print(report)
+    if output:
+        output.write_text(report)

@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from benchmarks.measure import publish
+
 ELEMENT = 4  # fp32 bytes
 
 
@@ -273,9 +275,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = launch("benchmarks.mixer_cost:worker", args.sp, {"tokens": args.tokens}, timeout=1800)[0]
     text = report(rows, args.sp, args.tokens)
-    print(text)
-    if args.output:
-        args.output.write_text(text)
+    publish(text, args.output)
     return rows
 
 

@@ -35,6 +35,8 @@ import torch
 from torch import Tensor, nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from benchmarks.measure import publish
+
 TOKENS = 32
 TOLERANCE = 1e-5
 ROLES = {
@@ -182,9 +184,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         warnings.simplefilter("ignore")
         rows = [survey(family) for family in args.families or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)]
     text = report(rows)
-    print(text)
-    if args.output:
-        args.output.write_text(text)
+    publish(text, args.output)
     return rows
 
 
