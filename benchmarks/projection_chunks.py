@@ -7,7 +7,8 @@ config's proportions, :func:`tests.zoo_configs.tiny_recipe`) and runs 32 tokens.
 ``nn.Linear`` children named as a query, key, value and output projection is called again, on the inputs it got, in
 two chunks: whole K/V groups per chunk where it has two or more K/V heads, else half of the query heads each with the
 one K/V head. The head counts the module reads (``num_heads``, ``num_key_value_heads``, ``num_key_value_groups``) are
-set per chunk. Verdicts:
+set per chunk, and so are the widths it reshapes to (``embed_dim``, ``hidden_size``, ``all_head_size``) where they
+are the heads' output width. Verdicts:
 
 * ``equal``: the chunks' summed output is the module's (relative error < 1e-5);
 * ``differs``: it runs and is not (heads that mix: differential attention);
@@ -46,6 +47,7 @@ ROLES = {
     "output": ("o_proj", "out_proj", "dense", "o"),
 }
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_key_value_groups")
+WIDTHS = ("embed_dim", "hidden_size", "all_head_size")  # set per chunk where they equal the heads' output width
 
 
 def projections(module: nn.Module) -> dict[str, str] | None:
@@ -104,6 +106,9 @@ def chunked_output(
         for attribute, count in zip(HEAD_COUNTS, counts, strict=True):
             if hasattr(chunk, attribute):
                 setattr(chunk, attribute, count)
+        for attribute in WIDTHS:
+            if getattr(chunk, attribute, None) == heads * value_dim:
+                setattr(chunk, attribute, len(query_heads) * value_dim)
         out = chunk(*args, **kwargs)
         out = out[0] if isinstance(out, tuple) else out
         total = out if total is None else total + out
