@@ -8,12 +8,13 @@ config's proportions, :func:`tests.zoo_configs.tiny_recipe`) and runs 32 tokens.
 two chunks: whole K/V groups per chunk where it has two or more K/V heads, else half of the query heads each with the
 one K/V head. The head counts the module reads (``num_heads``, ``num_key_value_heads``, ``num_key_value_groups``) are
 set per chunk, and so are the widths it reshapes to (``embed_dim``, ``hidden_size``, ``all_head_size``) where they
-are the heads' output width. Verdicts:
+are the heads' output width. Its other per-head weights are narrowed alike: ``nn.Linear`` children with ``H * d``
+outputs (output gates) to the chunk's heads' rows, parameters of ``H`` rows (sinks) to the chunk's heads. Verdicts:
 
 * ``equal``: the chunks' summed output is the module's (relative error < 1e-5);
 * ``differs``: it runs and is not (heads that mix: differential attention);
-* ``fails``: the chunked call raises (a norm over all heads' projections, sinks per head, ...), or the query
-  projection is wider than the heads (a gate in it);
+* ``fails``: the chunked call raises (a norm over all heads' projections, ...), or the query projection is wider
+  than the heads (a gate in it);
 * ``other layout``: no such four projections (fused ``qkv``, MLA's latent, an output projection in another module,
   no attention);
 * ``not run``: the plain model does not build or run, or never calls the module.
@@ -102,6 +103,17 @@ def chunked_output(
         if index > 0 and output.bias is not None:
             output.bias.data.zero_()
         setattr(chunk, names["output"], output)
+        for name, child in module.named_children():  # gates per query head: [C] -> [H * d]
+            per_head = child.out_features // heads if isinstance(child, nn.Linear) else 0
+            if (
+                name not in names.values()
+                and per_head in (qk_dim, value_dim, 1)
+                and per_head * heads == child.out_features
+            ):
+                setattr(chunk, name, narrowed(child, rows=rows(query_heads, per_head)))
+        for name, parameter in module.named_parameters(recurse=False):  # sinks and other [H, ...] parameters
+            if parameter.shape[:1] == (heads,):
+                setattr(chunk, name, nn.Parameter(parameter.detach()[query_heads].clone()))
         counts = (len(query_heads), len(query_heads), len(kv), len(query_heads) // len(kv))
         for attribute, count in zip(HEAD_COUNTS, counts, strict=True):
             if hasattr(chunk, attribute):

@@ -77,14 +77,16 @@ def test_mixer_cost_counts_the_formula(tmp_path: Path) -> None:
 
 
 def test_projection_chunks_survey_tells_the_families_apart(tmp_path: Path) -> None:
-    """Narrowed projections per head chunk reproduce Llama's attention (whole K/V groups) and GLM's (one K/V head,
-    query heads split); OLMo 2's norm over all heads' queries makes the chunked call fail, differential attention's
-    paired heads make it differ, GPT-2's fused projection is another layout."""
-    rows = projection_chunks.main(["llama", "glm", "olmo2", "diffllama", "gpt2", "--output", str(tmp_path / "s.md")])
+    """Narrowed projections per head chunk reproduce Llama's attention (whole K/V groups), GLM's (one K/V head, query
+    heads split) and gpt-oss's (its sinks narrowed too); OLMo 2's norm over all heads' queries makes the chunked call
+    fail, differential attention's paired heads make it differ, GPT-2's fused projection is another layout."""
+    families = ["llama", "glm", "gpt_oss", "olmo2", "diffllama", "gpt2"]
+    rows = projection_chunks.main([*families, "--output", str(tmp_path / "s.md")])
     verdicts = {row["family"]: row["verdict"] for row in rows}
     assert verdicts == {
         "llama": "equal",
         "glm": "equal",
+        "gpt_oss": "equal",
         "olmo2": "fails",
         "diffllama": "differs",
         "gpt2": "other layout",
