@@ -82,46 +82,51 @@ def head_chunks(heads: int, kv_heads: int) -> list[tuple[list[int], list[int]]]:
     return [(list(range(heads // 2)), [0]), (list(range(heads // 2, heads)), [0])]
 
 
+def rows(heads: list[int], dim: int) -> list[int]:
+    """The rows (or columns) of ``heads`` in a weight laid out head by head, ``dim`` each."""
+    return [head * dim + i for head in heads for i in range(dim)]
+
+
+def chunk_of(
+    module: nn.Module, names: dict[str, str], heads: int, chunk: tuple[list[int], list[int]], first: bool
+) -> nn.Module:
+    """A copy of ``module`` that computes only ``chunk``'s ``(query heads, K/V heads)``: its projections, per-head
+    weights, head counts and output width narrowed (the output projection's bias kept in the ``first`` chunk only)."""
+    query_heads, kv = chunk
+    qk_dim = getattr(module, names["query"]).out_features // heads
+    value_dim = getattr(module, names["value"]).out_features // (getattr(module, names["key"]).out_features // qk_dim)
+    narrow = copy.deepcopy(module)
+    for role, chosen, dim in (("query", query_heads, qk_dim), ("key", kv, qk_dim), ("value", kv, value_dim)):
+        setattr(narrow, names[role], narrowed(getattr(module, names[role]), rows=rows(chosen, dim)))
+    output = narrowed(getattr(module, names["output"]), columns=rows(query_heads, value_dim))
+    if not first and output.bias is not None:
+        output.bias.data.zero_()
+    setattr(narrow, names["output"], output)
+    for name, child in module.named_children():  # gates per query head: [C] -> [H * d]
+        per_head = child.out_features // heads if isinstance(child, nn.Linear) else 0
+        if name not in names.values() and per_head in (qk_dim, value_dim, 1) and per_head * heads == child.out_features:
+            setattr(narrow, name, narrowed(child, rows=rows(query_heads, per_head)))
+    for name, parameter in module.named_parameters(recurse=False):  # sinks and other [H, ...] parameters
+        if parameter.shape[:1] == (heads,):
+            setattr(narrow, name, nn.Parameter(parameter.detach()[query_heads].clone()))
+    counts = (len(query_heads), len(query_heads), len(kv), len(query_heads) // len(kv))
+    for attribute, count in zip(HEAD_COUNTS, counts, strict=True):
+        if hasattr(narrow, attribute):
+            setattr(narrow, attribute, count)
+    for attribute in WIDTHS:
+        if getattr(narrow, attribute, None) == heads * value_dim:
+            setattr(narrow, attribute, len(query_heads) * value_dim)
+    return narrow
+
+
 def chunked_output(
     module: nn.Module, names: dict[str, str], heads: int, kv_heads: int, args: tuple, kwargs: dict[str, Any]
 ) -> Tensor:
-    """``module(*args, **kwargs)``'s output ``[B, N, C]`` computed as the sum over :func:`head_chunks` of the module
-    with narrowed projections."""
-    query, value = getattr(module, names["query"]), getattr(module, names["value"])
-    qk_dim = query.out_features // heads
-    value_dim = value.out_features // kv_heads
-
-    def rows(chosen: list[int], dim: int) -> list[int]:
-        return [head * dim + i for head in chosen for i in range(dim)]
-
+    """``module(*args, **kwargs)``'s output ``[B, N, C]`` computed as the sum over :func:`head_chunks` of
+    :func:`chunk_of` the module."""
     total: Tensor | None = None
-    for index, (query_heads, kv) in enumerate(head_chunks(heads, kv_heads)):
-        chunk = copy.deepcopy(module)
-        for role, chosen, dim in (("query", query_heads, qk_dim), ("key", kv, qk_dim), ("value", kv, value_dim)):
-            setattr(chunk, names[role], narrowed(getattr(module, names[role]), rows=rows(chosen, dim)))
-        output = narrowed(getattr(module, names["output"]), columns=rows(query_heads, value_dim))
-        if index > 0 and output.bias is not None:
-            output.bias.data.zero_()
-        setattr(chunk, names["output"], output)
-        for name, child in module.named_children():  # gates per query head: [C] -> [H * d]
-            per_head = child.out_features // heads if isinstance(child, nn.Linear) else 0
-            if (
-                name not in names.values()
-                and per_head in (qk_dim, value_dim, 1)
-                and per_head * heads == child.out_features
-            ):
-                setattr(chunk, name, narrowed(child, rows=rows(query_heads, per_head)))
-        for name, parameter in module.named_parameters(recurse=False):  # sinks and other [H, ...] parameters
-            if parameter.shape[:1] == (heads,):
-                setattr(chunk, name, nn.Parameter(parameter.detach()[query_heads].clone()))
-        counts = (len(query_heads), len(query_heads), len(kv), len(query_heads) // len(kv))
-        for attribute, count in zip(HEAD_COUNTS, counts, strict=True):
-            if hasattr(chunk, attribute):
-                setattr(chunk, attribute, count)
-        for attribute in WIDTHS:
-            if getattr(chunk, attribute, None) == heads * value_dim:
-                setattr(chunk, attribute, len(query_heads) * value_dim)
-        out = chunk(*args, **kwargs)
+    for index, chunk in enumerate(head_chunks(heads, kv_heads)):
+        out = chunk_of(module, names, heads, chunk, first=index == 0)(*args, **kwargs)
         out = out[0] if isinstance(out, tuple) else out
         total = out if total is None else total + out
     assert total is not None
