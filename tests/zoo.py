@@ -196,9 +196,8 @@ def prepare(entry: ZooEntry) -> Prepared:
         return Prepared(not_built=_one_line(exc))
     initial = {name: value.detach().clone() for name, value in model.state_dict().items()}
     prepared = Prepared(recipe, attn_implementation, features(recipe, model), initial)
-    batch = collate(make_samples(recipe.token_ids))
     try:
-        loss, params = reference_step(model, batch)
+        loss, params = reference_step(model, reference_batch(recipe))
     except Exception as exc:  # noqa: BLE001 - the plain model cannot train on token ids alone
         prepared.reference_failed = _one_line(exc)
         return prepared
@@ -207,6 +206,11 @@ def prepare(entry: ZooEntry) -> Prepared:
         return prepared
     prepared.reference_loss, prepared.reference_params = loss.item(), params
     return prepared
+
+
+def reference_batch(recipe: TinyRecipe) -> dict[str, Tensor]:
+    """The whole rows of every reference step of an entry (the plain model's, and its other kernel's)."""
+    return collate(make_samples(recipe.token_ids))
 
 
 def reference_step(model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
@@ -233,7 +237,7 @@ def _kernel_noise(prepared: Prepared) -> float:
     except ValueError:  # no SDPA for this family
         return 0.0
     model.load_state_dict(prepared.initial)
-    _, params = reference_step(model, collate(make_samples(recipe.token_ids)))
+    _, params = reference_step(model, reference_batch(recipe))
     initial = {name: prepared.initial[name] for name in prepared.reference_params}
     return relative_update_error(initial, prepared.reference_params, params)
 
