@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from benchmarks.measure import PeakMemory, SavedForBackward
+from benchmarks.measure import PeakMemory, SavedForBackward, publish
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("ours", "alst")
@@ -630,9 +630,7 @@ def main(argv: list[str] | None = None) -> dict[str, SideSummary]:
     device = torch.cuda.get_device_name() if config.accelerator == "cuda" else f"CPU ({os.cpu_count()} cores, gloo)"
     command = "python -m benchmarks.compare_alst " + shlex.join(argv if argv is not None else sys.argv[1:])
     report = render_report(config, summaries, ratios, command.strip(), device)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(report)
-    print(report)
+    publish(report, output)
     return summaries
 
 

@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks.measure import ProbeSchedule
+from benchmarks.measure import ProbeSchedule, publish
 from lightning_ulysses import UlyssesLossMixin, UlyssesStrategy, dense_peak_flops
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -304,9 +304,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             }
         )
     report = render_report(config, rows, sp, device_name)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(report)
-    print(report)
+    publish(report, output)
     return rows
 
 

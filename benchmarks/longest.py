@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.measure import LiveTensors, PeakMemory, ProbeSchedule
+from benchmarks.measure import LiveTensors, PeakMemory, ProbeSchedule, publish
 from benchmarks.memory import CONFIGS, MODEL, WARM_UP_LEN, _train_step
 from lightning_ulysses import apply_memory_options, apply_ulysses_attention, prepare_batch, shard_batch
 from lightning_ulysses.attention.head_chunks import HeadChunks
@@ -295,9 +295,7 @@ def main(argv: list[str] | None = None) -> str:
                     future.result()
         lines += probe_table(args.log, args.sides, args.sp, args.budget_mib, schedule)
     report = "\n".join(lines) + "\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report)
-    print(report)
+    publish(report, args.out)
     return report
 
 

@@ -183,7 +183,9 @@ class ProbeSchedule:
 
 
 def publish(report: str, output: Path | None) -> None:
-    """Print a benchmark's markdown ``report``, and write it to ``output`` when one is given."""
-    print(report)
+    """Write a benchmark's markdown ``report`` to ``output`` when one is given (its folder made as needed), then print
+    it."""
     if output:
+        output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(report)
+    print(report)
