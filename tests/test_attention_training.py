@@ -107,7 +107,7 @@ FOUR_RANKS = CaseTable(
         # head_chunks (lightning_ulysses.attention.head_chunks): 6 heads, 1 K/V head on 4 ranks, chunks of one head
         "sp4_heads6_mqa_head_chunks2": dict(
             sp=4, stage=3, model=dict(SIX_HEADS, num_key_value_heads=1), strategy=dict(head_chunks=2)
-        ),
+        ),  # inert head slots: attention-only chunks (a projection chunk would sum an inert copy's output)
     },
 )
 TWO_RANKS = CaseTable(
@@ -129,21 +129,43 @@ TWO_RANKS = CaseTable(
         "sp2_minicpm3_mla": dict(sp=2, stage=1, model=MINICPM3),
         "sp2_qwen2_moe_window_off": dict(sp=2, stage=2, model=QWEN2_MOE_NO_WINDOW),
         # head_chunks: one chunk of all heads (packed, ZeRO-3), chunks of 2 heads (8 heads), of 1 head with a sliding
-        # window (Mistral), "auto" (6 heads, 3 K/V heads)
+        # window (Mistral), "auto" (6 heads, 3 K/V heads): each with the projections inside the chunks
+        # (lightning_ulysses.hf.projections), Qwen 3 with its per-head q/k norms too; OLMo 2's q/k norms over all heads
+        # and DiffLlama's paired heads keep attention-only chunks
         "sp2_packed_head_chunks1": dict(
-            sp=2, stage=3, data="packed", borders=(SEQ // 2,), strategy=dict(head_chunks=1)
+            sp=2, stage=3, data="packed", borders=(SEQ // 2,), strategy=dict(head_chunks=1), projected=True
         ),
         "sp2_heads8_head_chunks2": dict(
             sp=2,
             stage=2,
-            model=dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8),
+            model=dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=12),
             strategy=dict(head_chunks=2),
+            projected=True,
         ),
         "sp2_mistral_window_head_chunks2": dict(
-            sp=2, stage=2, model=dict(model_type="mistral", sliding_window=7), strategy=dict(head_chunks=2)
+            sp=2,
+            stage=2,
+            model=dict(model_type="mistral", sliding_window=7),
+            strategy=dict(head_chunks=2),
+            projected=True,
         ),
         "sp2_heads6_kv3_head_chunks_auto": dict(
-            sp=2, stage=1, model=dict(SIX_HEADS, num_key_value_heads=3), strategy=dict(head_chunks="auto")
+            sp=2,
+            stage=1,
+            model=dict(SIX_HEADS, num_key_value_heads=3),
+            strategy=dict(head_chunks="auto"),
+            projected=True,
+        ),
+        "sp2_qwen3_head_chunks_auto": dict(
+            sp=2,
+            stage=3,
+            model=dict(model_type="qwen3", hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16),
+            strategy=dict(head_chunks="auto"),
+            projected=True,
+        ),
+        "sp2_olmo2_head_chunks2": dict(sp=2, stage=3, model=dict(model_type="olmo2"), strategy=dict(head_chunks=2)),
+        "sp2_diffllama_head_chunks2": dict(
+            sp=2, stage=2, model=dict(model_type="diffllama"), strategy=dict(head_chunks=2)
         ),
     },
 )
@@ -182,9 +204,15 @@ class TinyCausalLMWithValidation(TinyCausalLM):
         super().__init__(**kwargs)
         self.val_losses: list[float] = []
         self.batch_shapes: list[tuple[int, ...]] = []
+        self.projected: list[str] = []  # attention layers run with their projections in head chunks
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         self.batch_shapes.append(tuple(batch["input_ids"].shape))
+        self.projected = [
+            name
+            for name, m in self.model.named_modules()
+            if getattr(m.__dict__.get("_ulysses_plan"), "projection_chunks", None) is not None
+        ]
         return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
@@ -226,6 +254,7 @@ def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]
         "params": state,
         "batch_shapes": module.batch_shapes,
         "sp_rank": strategy.sp_rank,
+        "projected": module.projected,
     }
 
 
@@ -245,6 +274,7 @@ def _check(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> No
     for rank, result in enumerate(results):
         got = result[name]
         assert got["sp_rank"] == rank % case["sp"]
+        assert bool(got["projected"]) == case.get("projected", False), got["projected"]
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected_losses), rtol=loss_rtol, atol=0)
         error = relative_update_error(initial, expected, got["params"])
         assert error < update_tolerance, f"{name} rank {rank}: relative weight-update error {error:.2e}"

@@ -244,11 +244,10 @@ def test_chunk_plans() -> None:
 
 def test_auto_chunks_fit_the_query_shard() -> None:
     layout = plan_heads(8, 8, 2)  # 4 slots per rank; MHA: one chunk's q, k, v, out = 4 x its share of the query
-    q = torch.empty(1, 32, 8, 16)
-    assert auto_chunks(layout, q, q, q) == 4
+    assert auto_chunks(layout, 16, 16) == 4
     mqa = plan_heads(8, 1, 2)
-    q, kv = torch.empty(1, 32, 8, 16), torch.empty(1, 32, 1, 16)
-    assert auto_chunks(mqa, q, kv, kv) == 4  # 4 slots, the K/V slot travels with each: 1 q + 1 k + 1 v + 1 out
+    assert auto_chunks(mqa, 16, 16) == 4  # 4 slots, the K/V slot travels with each: 1 q + 1 k + 1 v + 1 out
+    assert auto_chunks(plan_heads(8, 8, 8), 16, 16) == 1  # one slot per rank: nothing to cut
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "all"])

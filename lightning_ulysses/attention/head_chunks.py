@@ -95,21 +95,38 @@ def _split(items: Sequence[int], parts: int) -> list[list[int]]:
     return [list(items[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
-def auto_chunks(layout: HeadLayout, query: Tensor, key: Tensor, value: Tensor) -> int:
+def auto_chunks(layout: HeadLayout, qk_dim: int, value_dim: int) -> int:
     """The fewest chunks whose largest chunk's whole-sequence query, key, value and output take no more bytes than
-    this rank's query shard ``[B, N/P, H, D]`` (a tensor the layer holds anyway). Depends on shapes only, so every
-    rank of the group picks the same count."""
-    batch, local = query.shape[:2]
-    tokens = batch * local * layout.sp_size
-    qk_dim, value_dim = query.shape[-1], value.shape[-1]
-    budget = query.numel()
+    this rank's query shard ``[B, N/P, H, qk_dim]`` (a tensor the layer holds anyway). The batch and the length
+    cancel out (``B * N`` tokens of ``P * slots`` against ``B * N / P`` of ``H`` heads), so every rank of the group,
+    and every batch, picks the same count."""
+    budget = layout.num_heads * qk_dim
+    width = qk_dim + value_dim
     for chunks in range(1, layout.heads_per_rank + 1):
-        largest = max(
-            len(c.query) * (qk_dim + value_dim) + len(c.kv) * (qk_dim + value_dim) for c in plan_chunks(layout, chunks)
-        )
-        if tokens * largest <= budget:
+        largest = max((len(c.query) + len(c.kv)) * width for c in plan_chunks(layout, chunks))
+        if layout.sp_size * largest <= budget:
             return chunks
     return layout.heads_per_rank
+
+
+def _slots(layout: HeadLayout, chunk: HeadChunk) -> tuple[list[int], list[int]]:
+    """The query and K/V slots of ``chunk`` on every rank, rank-major (slot ``s`` of rank ``r`` at ``r * h_j + s``)."""
+    ranks = range(layout.sp_size)
+    return (
+        [r * layout.heads_per_rank + s for r in ranks for s in chunk.query],
+        [r * layout.kv_heads_per_rank + s for r in ranks for s in chunk.kv],
+    )
+
+
+@functools.cache
+def chunk_heads(layout: HeadLayout, chunks: int) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """Per chunk, the source heads of its query and K/V slots on every rank, rank-major: the heads, in order, that
+    the chunk's all-to-all sends (``[P * h_j]`` query and ``[P * kv_j]`` K/V heads, a replicated K/V head repeated)."""
+    heads = []
+    for chunk in plan_chunks(layout, chunks):
+        query_slots, kv_slots = _slots(layout, chunk)
+        heads.append((tuple(layout.query_slots[s] for s in query_slots), tuple(layout.kv_slots[s] for s in kv_slots)))
+    return tuple(heads)
 
 
 @dataclass(frozen=True)
@@ -126,22 +143,17 @@ class _Routes:
 @functools.lru_cache(maxsize=256)
 def _routes(layout: HeadLayout, chunks: int, device: torch.device) -> tuple[_Routes, ...]:
     routes = []
-    for chunk in plan_chunks(layout, chunks):
-        query_slots = [r * layout.heads_per_rank + s for r in range(layout.sp_size) for s in chunk.query]
-        kv_slots = [r * layout.kv_heads_per_rank + s for r in range(layout.sp_size) for s in chunk.kv]
+    for chunk, (query_heads, kv_heads) in zip(plan_chunks(layout, chunks), chunk_heads(layout, chunks), strict=True):
+        query_slots, _ = _slots(layout, chunk)
         position = {slot: i for i, slot in enumerate(query_slots)}
         heads = [h for h, slot in enumerate(layout.output_slots) if slot in position]
+        index = functools.partial(torch.tensor, dtype=torch.long, device=device)
         routes.append(
             _Routes(
-                *(
-                    torch.tensor(x, dtype=torch.long, device=device)
-                    for x in (
-                        [layout.query_slots[s] for s in query_slots],
-                        [layout.kv_slots[s] for s in kv_slots],
-                        heads,
-                        [position[layout.output_slots[h]] for h in heads],
-                    )
-                )
+                index(query_heads),
+                index(kv_heads),
+                index(heads),
+                index([position[layout.output_slots[h]] for h in heads]),
             )
         )
     return tuple(routes)
@@ -394,7 +406,7 @@ def chunked_ulysses(
     Returns ``[B, N/P, H, D_v]``, exactly plain Ulysses' output; gradients reach ``query``, ``key``, ``value`` and
     ``sinks`` (this rank's attended heads, as in plain Ulysses).
     """
-    chunks = auto_chunks(layout, query, key, value) if head_chunks == "auto" else head_chunks
+    chunks = auto_chunks(layout, query.shape[-1], value.shape[-1]) if head_chunks == "auto" else head_chunks
     check_head_chunks(chunks)
     rank = dist.get_rank(group)
     return _ChunkedUlysses.apply(query, key, value, sinks, layout, int(chunks), group, attend, rank, random)

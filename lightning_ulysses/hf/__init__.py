@@ -10,7 +10,9 @@ that every layer of a patched model runs exactly (or the model is refused).
 * :mod:`~lightning_ulysses.hf.forward`: the patched model's forward (position ids, masks, per-batch plans);
 * :mod:`~lightning_ulysses.hf.masks`: the attention pattern a model asks for through its masks;
 * :mod:`~lightning_ulysses.hf.mixers`: token mixers other than attention run on the whole sequence (opt-in);
-* :mod:`~lightning_ulysses.hf.rotary`: length-dependent RoPE computed for the whole sequence.
+* :mod:`~lightning_ulysses.hf.rotary`: length-dependent RoPE computed for the whole sequence;
+* :mod:`~lightning_ulysses.hf.projections`: under ``head_chunks``, attention modules run per head chunk with their
+  projections inside.
 """
 
 from lightning_ulysses.hf.apply import sequence_parallel_disabled, unpatched

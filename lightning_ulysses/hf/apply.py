@@ -9,7 +9,7 @@ patched model's modules is written here, through the ledger (the memory options 
 keep a ledger of their own)::
 
     check_model(model, state, patch.realize)  ->  ModelPlan | Refusal     (the check proposes, the patch realises)
-    Patch.realize(plan)                       ->  ledger: ("layer", name), ("sharded", name), ("rotary", name), ...
+    Patch.realize(plan)                       ->  ledger: ("layer", name), ("projected", name), ("sharded", name), ...
     Patch.undo()                              ->  the model as it was
 """
 
@@ -28,6 +28,7 @@ from lightning_ulysses.hf.interface import ULYSSES_ATTN_IMPLEMENTATION
 from lightning_ulysses.hf.ledger import Ledger
 from lightning_ulysses.hf.mixers import gather_whole_sequence, is_token_mixer, sharded_mixer_forward
 from lightning_ulysses.hf.plan import ModelPlan, TokenDims
+from lightning_ulysses.hf.projections import projected_forward
 from lightning_ulysses.hf.rotary import whole_sequence_rotary
 from lightning_ulysses.hf.state import PatchState, model_configs, outermost_models
 
@@ -80,6 +81,10 @@ class Patch:
         for name, layer in plan.layers:
             key: Hashable = ("layer", name, layer)
             changes[key] = functools.partial(self.ledger.set, key, modules[name], "_ulysses_plan", layer)
+            if layer.projection_chunks is not None:
+                key = ("projected", name, layer.projection_chunks)
+                forward = functools.partial(projected_forward, modules[name], layer.projection_chunks, self.state)
+                changes[key] = functools.partial(self._set_forward, key, modules[name], forward)
         for name in plan.sharded_mixers():
             key = ("sharded", name)
             changes[key] = functools.partial(shard_mixer, self.ledger, key, modules[name], self.state)
@@ -90,6 +95,9 @@ class Patch:
             key = ("gathered", gathered.mixer, gathered.module)
             changes[key] = functools.partial(self._gather, key, modules[gathered.module], gathered.dims)
         return changes
+
+    def _set_forward(self, key: Hashable, module: nn.Module, forward: Callable[[], Callable[..., object]]) -> None:
+        self.ledger.set(key, module, "forward", forward())  # made when set: it wraps the forward the module has then
 
     def _whole_sequence_rotary(self, key: Hashable, module: nn.Module) -> None:
         self.ledger.hooks(key, module, "_ulysses_rotary_hooks", *whole_sequence_rotary(module, self.state))

@@ -132,7 +132,7 @@ def _hf_ulysses_attention(
         window=plan.pattern.window,
         chunk=plan.pattern.chunk,
         sinks=kwargs["s_aux"] if plan.sinks else None,
-        head_chunks=state.head_chunks,
+        head_chunks=None if plan.projection_chunks else state.head_chunks,  # the module runs in chunks around it
         bidirectional=state.spans if plan.pattern.spans else None,
     )
     return out.contiguous(), None  # as transformers' kernels return it: models .view() it

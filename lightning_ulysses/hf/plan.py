@@ -13,13 +13,35 @@ from lightning_ulysses.hf.masks import MaskPattern
 
 
 @dataclass(frozen=True)
+class ProjectionChunks:
+    """An attention module that runs once per head chunk with its projections inside the chunk
+    (:mod:`lightning_ulysses.hf.projections`): its ``query``, ``key`` and ``value`` child ``nn.Linear`` narrowed to
+    the rows of the chunk's heads, its ``output`` projection to their columns, and its per-head ``gates``
+    (``(child, features per head)``) to the chunk's query heads; ``heads`` query and ``kv_heads`` K/V heads of
+    ``qk_dim`` and ``value_dim``, in ``chunks`` chunks of each rank's head slots."""
+
+    chunks: int
+    query: str
+    key: str
+    value: str
+    output: str
+    gates: tuple[tuple[str, int], ...]
+    heads: int
+    kv_heads: int
+    qk_dim: int
+    value_dim: int
+
+
+@dataclass(frozen=True)
 class LayerPlan:
     """How one attention layer runs: the pattern its mask asked for (windows and chunks that transformers
-    applies only through the mask included), and whether it passes attention sinks (``s_aux``, one logit per
-    head, read at each call: it is a trained weight)."""
+    applies only through the mask included), whether it passes attention sinks (``s_aux``, one logit per
+    head, read at each call: it is a trained weight), and, under ``head_chunks``, whether its projections run
+    inside the chunks (else its attention alone runs in chunks)."""
 
     pattern: MaskPattern
     sinks: bool = False
+    projection_chunks: ProjectionChunks | None = None
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,10 @@ queries, keys and values all still matter, but no information moves between toke
    tensors (cos, sin) is called with positions around each ``max_position`` boundary of the config; where
    its output depends on the length (dynamic NTK, longrope), it is planned as whole-sequence rotary
    (:func:`~lightning_ulysses.hf.rotary.whole_sequence_rotary`), which must make it exact.
-5. **As in training**: this rank's shard (the whole sequence at ``sp_size=1``), the real SP group, no masks
+5. **Projections in head chunks** (``head_chunks`` set, ``sp > 1``): each attention layer whose chunks, run with
+   its projections narrowed to their heads, sum to its own output is planned to run so
+   (:mod:`~lightning_ulysses.hf.check.projections`).
+6. **As in training**: this rank's shard (the whole sequence at ``sp_size=1``), the real SP group, no masks
    built. With attention token-local, no module's per-token output may differ from the whole run: where
    one does, something other than attention moves information between tokens (a convolution over the
    sequence, a recurrent / linear-attention / state-space layer), computes from local token indices, or
@@ -47,6 +50,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from lightning_ulysses.hf.check.findings import agreed
+from lightning_ulysses.hf.check.projections import plan_projection_chunks
 from lightning_ulysses.hf.check.rope import check_rotary
 from lightning_ulysses.hf.check.shard import Shard
 from lightning_ulysses.hf.check.spans import check_token_types
@@ -88,6 +92,9 @@ def check_model(model: PreTrainedModel, state: PatchState, realize: Callable[[Mo
                 findings = check_position_numbering(model, input_ids, position_ids)
             if state.sp_size > 1 and not findings:
                 findings, plan = check_rotary(model, state, whole, shard, plan, realize)
+            if not findings:
+                plan = plan_projection_chunks(model, state, whole, plan)
+                realize(plan)
             if not findings:
                 findings, plan = run_as_in_training(model, state, input_ids, position_ids, whole, shard, plan, realize)
     finally:

@@ -1,4 +1,4 @@
-"""Step 4 of the set-up check: the forward as training runs it (this rank's shard, no masks), compared module by
+"""Step 6 of the set-up check: the forward as training runs it (this rank's shard, no masks), compared module by
 module with the whole-sequence run; with ``sequence_mixers="gather"``, the token mixers it finds gathered."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def run_as_in_training(
     plan: ModelPlan,
     realize: Callable[[ModelPlan], None],
 ) -> tuple[list[Finding], ModelPlan]:
-    """Step 4; with ``state.gather_mixers``, each module found mixing tokens is planned (and realised) to run on the
+    """Step 6; with ``state.gather_mixers``, each module found mixing tokens is planned (and realised) to run on the
     whole sequence and the step repeated (a mixer hides the ones after it), until the model is exact or a finding
     remains that gathering does not remove. Where gathering a module's inputs is not enough, the module around it is
     gathered instead, never one that holds an attention layer (that would run the attention on every rank). A
@@ -41,7 +41,8 @@ def run_as_in_training(
     attention = [name for name, _ in plan.layers]
     tried_plans: set[tuple[tuple[str, str], ...]] = set()
     while True:
-        findings = agreed(training_run(model, state, input_ids, position_ids, whole, shard), state)
+        chunked = tuple(name for name, layer in plan.layers if layer.projection_chunks is not None)
+        findings = agreed(training_run(model, state, input_ids, position_ids, whole, shard, chunked), state)
         if not state.gather_mixers or not findings or any(f.mixer is None for f in findings):
             return findings, plan
         for finding in findings:
@@ -75,9 +76,11 @@ def training_run(
     position_ids: Tensor,
     whole: WholeRun,
     shard: Shard,
+    chunked: tuple[str, ...] = (),
 ) -> list[Finding]:
     """The forward as training runs it: this rank's shard (the whole sequence at ``sp_size=1``), the real SP group,
-    no attention masks built; every module compared with the whole-sequence run."""
+    no attention masks built; every module compared with the whole-sequence run, except those inside the ``chunked``
+    attention modules (their projections run narrowed, once per head chunk; the modules' own outputs are compared)."""
     names = {module: name for name, module in model.named_modules()}
     seen: dict[str, int] = {}
     culprits: list[Finding] = []
@@ -92,6 +95,8 @@ def training_run(
 
     def compare(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         name = names[module]
+        if any(name.startswith(outer + ".") for outer in chunked):
+            return
         index = seen[name] = seen.get(name, -1) + 1
         calls = whole.calls.get(name, [])
         encloses = bool(culprits) and culprits[0].mixer is not None and culprits[0].mixer.startswith(name + ".")

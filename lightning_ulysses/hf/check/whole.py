@@ -25,12 +25,14 @@ from lightning_ulysses.hf.state import PatchState, ProbeAttention
 
 @dataclass
 class WholeRun:
-    """What the whole-sequence run saw: every module's calls (by module path), the model's output and each attention
-    layer's plan (by module path, in call order; only layers that can run exactly)."""
+    """What the whole-sequence run saw: every module's calls (by module path), the model's output, each attention
+    layer's plan (by module path, in call order; only layers that can run exactly) and the heads it passed to
+    attention (``(H, H_kv, D, D_v)`` of its first call)."""
 
     calls: dict[str, list[Call]] = field(default_factory=dict)
     output: Tensor | None = None
     layers: dict[str, LayerPlan] = field(default_factory=dict)
+    heads: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
 
 
 def whole_sequence_run(
@@ -67,6 +69,7 @@ def whole_sequence_run(
                 f"attends to {key.shape[2]} keys from {tokens} queries: keys other than the sequence's tokens",
             )
             return query.new_zeros(*query.shape[:2], tokens, value.shape[-1]).transpose(1, 2)
+        run.heads.setdefault(names[module], (query.shape[1], key.shape[1], query.shape[-1], value.shape[-1]))
         if module not in findings:
             pattern, why = recorded.pattern_of(attention_mask, kwargs.get("sliding_window"))
             plan, problems = read_layer_call(module, pattern, why, kwargs, ring)
