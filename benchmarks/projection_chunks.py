@@ -1,21 +1,21 @@
-"""Survey for head chunks with the projections inside them (docs/memory.md, "designed, not built"): does each zoo
-family's attention module, called once per chunk of its heads with the query, key and value projections narrowed to
-the chunk's heads and the output projection to their columns (its bias added once), sum to its own output?
+"""Survey of head chunks with the projections inside them (:mod:`lightning_ulysses.hf.projections`): which zoo
+families' attention modules the package can run once per head chunk, and do the chunks sum to the module's output?
 
 One process, eval mode, no gradients, fp32. Each causal-LM ``model_type`` is built from its tiny config (the flagship
-config's proportions, :func:`tests.zoo_configs.tiny_recipe`) and runs 32 tokens. The first module that has four
-``nn.Linear`` children named as a query, key, value and output projection is called again, on the inputs it got, in
-two chunks: whole K/V groups per chunk where it has two or more K/V heads, else half of the query heads each with the
-one K/V head. The head counts the module reads (``num_heads``, ``num_key_value_heads``, ``num_key_value_groups``) are
-set per chunk, and so are the widths it reshapes to (``embed_dim``, ``hidden_size``, ``all_head_size``) where they
-are the heads' output width. Its other per-head weights are narrowed alike: ``nn.Linear`` children with ``H * d``
-outputs (output gates) to the chunk's heads' rows, parameters of ``H`` rows (sinks) to the chunk's heads. Verdicts:
+config's proportions, :func:`tests.zoo_configs.tiny_recipe`) and runs 32 tokens with its own eager attention. Its first
+attention module (the first with an ``nn.Linear`` query projection) is given to
+:func:`~lightning_ulysses.hf.projections.find_projections` and, where that finds projections that narrow per head,
+called again on the inputs it got through :func:`~lightning_ulysses.hf.projections.chunked_call`: the chunks of
+``head_chunks=2`` over two ranks' head layout, each with the module's projections, gates, head counts and output width
+narrowed to the chunk's heads, summed. Unlike the set-up check (which compares with token-local attention), the
+module attends with its own kernel here. Verdicts:
 
 * ``equal``: the chunks' summed output is the module's (relative error < 1e-5);
 * ``differs``: it runs and is not (heads that mix: differential attention);
-* ``fails``: the chunked call raises (a norm over all heads' projections, ...), or the query projection is wider
-  than the heads (a gate in it);
-* ``other layout``: no such four projections (fused ``qkv``, MLA's latent, an output projection in another module,
+* ``fails``: the chunked call raises (a norm over all heads' projections, ...);
+* ``not narrowable``: ``find_projections`` gives a reason (a gate inside the query projection, parameters of the
+  module's own such as attention sinks); the set-up check keeps attention-only chunks for these, as for the two above;
+* ``other layout``: no module with those four (fused ``qkv``, MLA's latent, an output projection in another module,
   no attention);
 * ``not run``: the plain model does not build or run, or never calls the module.
 
@@ -26,7 +26,6 @@ family names as arguments survey only those.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import warnings
 from collections import Counter
@@ -38,99 +37,20 @@ from torch import Tensor, nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from benchmarks.measure import publish
+from lightning_ulysses.heads import plan_heads
+from lightning_ulysses.hf.projections import PROJECTION_NAMES, chunked_call, find_projections
 
 TOKENS = 32
 TOLERANCE = 1e-5
-ROLES = {
-    "query": ("q_proj", "query"),
-    "key": ("k_proj", "key"),
-    "value": ("v_proj", "value"),
-    "output": ("o_proj", "out_proj", "dense", "o"),
-}
-HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_key_value_groups")
-WIDTHS = ("embed_dim", "hidden_size", "all_head_size")  # set per chunk where they equal the heads' output width
+SP = 2  # the head layout the chunks are cut from
+CHUNKS = 2
 
 
-def projections(module: nn.Module) -> dict[str, str] | None:
-    """The child names of ``module``'s query, key, value and output projections, or ``None`` where one is missing."""
-    children = dict(module.named_children())
-    found = {
-        role: next((name for name in names if isinstance(children.get(name), nn.Linear)), None)
-        for role, names in ROLES.items()
-    }
-    return None if None in found.values() else found  # type: ignore[return-value]
-
-
-def narrowed(linear: nn.Linear, rows: list[int] | None = None, columns: list[int] | None = None) -> nn.Linear:
-    """A copy of ``linear`` with only the output ``rows`` and input ``columns`` of its weight (and the rows' bias)."""
-    weight = linear.weight.detach()
-    weight = weight if rows is None else weight[rows]
-    weight = weight if columns is None else weight[:, columns]
-    new = nn.Linear(weight.shape[1], weight.shape[0], bias=linear.bias is not None)
-    new.weight.data = weight.clone()
-    if linear.bias is not None:
-        new.bias.data = (linear.bias.detach() if rows is None else linear.bias.detach()[rows]).clone()
-    return new
-
-
-def head_chunks(heads: int, kv_heads: int) -> list[tuple[list[int], list[int]]]:
-    """Two chunks ``(query heads, K/V heads)``: whole K/V groups, or halves of the query heads of one K/V head."""
-    group = heads // kv_heads
-    if kv_heads >= 2:
-        halves = [list(range(kv_heads // 2)), list(range(kv_heads // 2, kv_heads))]
-        return [([kv * group + i for kv in half for i in range(group)], half) for half in halves]
-    return [(list(range(heads // 2)), [0]), (list(range(heads // 2, heads)), [0])]
-
-
-def rows(heads: list[int], dim: int) -> list[int]:
-    """The rows (or columns) of ``heads`` in a weight laid out head by head, ``dim`` each."""
-    return [head * dim + i for head in heads for i in range(dim)]
-
-
-def chunk_of(
-    module: nn.Module, names: dict[str, str], heads: int, chunk: tuple[list[int], list[int]], first: bool
-) -> nn.Module:
-    """A copy of ``module`` that computes only ``chunk``'s ``(query heads, K/V heads)``: its projections, per-head
-    weights, head counts and output width narrowed (the output projection's bias kept in the ``first`` chunk only)."""
-    query_heads, kv = chunk
-    qk_dim = getattr(module, names["query"]).out_features // heads
-    value_dim = getattr(module, names["value"]).out_features // (getattr(module, names["key"]).out_features // qk_dim)
-    narrow = copy.deepcopy(module)
-    for role, chosen, dim in (("query", query_heads, qk_dim), ("key", kv, qk_dim), ("value", kv, value_dim)):
-        setattr(narrow, names[role], narrowed(getattr(module, names[role]), rows=rows(chosen, dim)))
-    output = narrowed(getattr(module, names["output"]), columns=rows(query_heads, value_dim))
-    if not first and output.bias is not None:
-        output.bias.data.zero_()
-    setattr(narrow, names["output"], output)
-    for name, child in module.named_children():  # gates per query head: [C] -> [H * d]
-        per_head = child.out_features // heads if isinstance(child, nn.Linear) else 0
-        if name not in names.values() and per_head in (qk_dim, value_dim, 1) and per_head * heads == child.out_features:
-            setattr(narrow, name, narrowed(child, rows=rows(query_heads, per_head)))
-    for name, parameter in module.named_parameters(recurse=False):  # sinks and other [H, ...] parameters
-        if parameter.shape[:1] == (heads,):
-            setattr(narrow, name, nn.Parameter(parameter.detach()[query_heads].clone()))
-    counts = (len(query_heads), len(query_heads), len(kv), len(query_heads) // len(kv))
-    for attribute, count in zip(HEAD_COUNTS, counts, strict=True):
-        if hasattr(narrow, attribute):
-            setattr(narrow, attribute, count)
-    for attribute in WIDTHS:
-        if getattr(narrow, attribute, None) == heads * value_dim:
-            setattr(narrow, attribute, len(query_heads) * value_dim)
-    return narrow
-
-
-def chunked_output(
-    module: nn.Module, names: dict[str, str], heads: int, kv_heads: int, args: tuple, kwargs: dict[str, Any]
-) -> Tensor:
-    """``module(*args, **kwargs)``'s output ``[B, N, C]`` computed as the sum over :func:`head_chunks` of
-    :func:`chunk_of` the module."""
-    total: Tensor | None = None
-    for index, chunk in enumerate(head_chunks(heads, kv_heads)):
-        out = chunk_of(module, names, heads, chunk, first=index == 0)(*args, **kwargs)
-        out = out[0] if isinstance(out, tuple) else out
-        total = out if total is None else total + out
-    assert total is not None
-    return total
+def _projections(module: nn.Module) -> bool:
+    """Whether ``module`` has an ``nn.Linear`` child by each name of a query, key, value and output projection."""
+    return all(
+        any(isinstance(getattr(module, name, None), nn.Linear) for name in names) for names in PROJECTION_NAMES.values()
+    )
 
 
 def survey(model_type: str) -> dict[str, Any]:
@@ -143,10 +63,10 @@ def survey(model_type: str) -> dict[str, Any]:
         model = recipe.build("eager").eval()
     except Exception as exc:  # noqa: BLE001 - a family whose tiny model does not build is reported, not fatal
         return {**row, "detail": f"not built: {type(exc).__name__}"}
-    found = next(((name, m, p) for name, m in model.named_modules() if (p := projections(m)) is not None), None)
+    found = next(((name, m) for name, m in model.named_modules() if _projections(m)), None)
     if found is None:
         return {**row, "verdict": "other layout"}
-    name, module, names = found
+    name, module = found
     calls: list[tuple[tuple, dict[str, Any], Tensor]] = []
 
     def record(m: nn.Module, args: tuple, kwargs: dict[str, Any], out: Any) -> None:
@@ -164,22 +84,34 @@ def survey(model_type: str) -> dict[str, Any]:
     if not calls:
         return {**row, "detail": f"{name} is not called"}
     args, kwargs, expected = calls[0]
-    heads = getattr(module, "num_heads", None) or model.config.get_text_config().num_attention_heads
-    query_features = getattr(module, names["query"]).out_features
-    head_dim = getattr(module, "head_dim", None) or query_features // heads
-    if query_features != heads * head_dim:
-        detail = f"`{name}`: a query projection of {query_features} features for {heads} heads of {head_dim}"
-        return {**row, "verdict": "fails", "detail": detail}
-    kv_heads = getattr(module, names["key"]).out_features // head_dim
+    heads, kv_heads, qk_dim, value_dim = _head_shapes(module, model.config.get_text_config())
+    spec = find_projections(module, heads, kv_heads, qk_dim, value_dim, CHUNKS)
     detail = f"`{name}`, heads {heads}, K/V heads {kv_heads}"
+    if isinstance(spec, str):
+        return {**row, "verdict": "not narrowable", "detail": f"{detail}: {spec}"}
     try:
         with torch.no_grad():
-            got = chunked_output(module, names, heads, kv_heads, args, kwargs)
+            out = chunked_call(module, spec, plan_heads(heads, kv_heads, SP), module.forward, args, kwargs)
+        got = out[0] if isinstance(out, tuple) else out
         error = ((got - expected).norm() / expected.norm()).item()
     except Exception as exc:  # noqa: BLE001
         return {**row, "verdict": "fails", "detail": f"{detail}: {type(exc).__name__}: {str(exc).splitlines()[0][:90]}"}
     verdict = "equal" if error < TOLERANCE else "differs"
     return {**row, "verdict": verdict, "detail": f"{detail}, relative error {error:.1e}"}
+
+
+def _head_shapes(module: nn.Module, config: Any) -> tuple[int, int, int, int]:
+    """``(heads, K/V heads, query/key head size, value head size)`` from the module's attributes and projections (the
+    set-up check reads them from its attention call instead)."""
+    linear = {
+        role: next(getattr(module, n) for n in names if isinstance(getattr(module, n, None), nn.Linear))
+        for role, names in PROJECTION_NAMES.items()
+        if role != "output"
+    }
+    heads = getattr(module, "num_heads", None) or getattr(config, "num_attention_heads", None) or 1
+    qk_dim = getattr(module, "head_dim", None) or linear["query"].out_features // heads
+    kv_heads = max(1, linear["key"].out_features // qk_dim)
+    return heads, kv_heads, qk_dim, linear["value"].out_features // kv_heads
 
 
 def report(rows: list[dict[str, Any]]) -> str:

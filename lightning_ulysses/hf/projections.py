@@ -31,6 +31,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from lightning_ulysses.attention.head_chunks import chunk_heads
 from lightning_ulysses.heads import HeadLayout, plan_heads
@@ -58,8 +59,9 @@ def find_projections(
 ) -> ProjectionChunks | str:
     """``module``'s projections as a :class:`ProjectionChunks` of ``chunks``, given the head shapes it passed to
     attention; or why it has none that narrow per head (the chunked call is still to be compared by the caller)."""
-    if any(True for _ in module.parameters(recurse=False)):
-        return "holds parameters of its own (attention sinks)"
+    own = [name for name, _ in module.named_parameters(recurse=False)]
+    if own:  # read in its forward, outside its projections' calls: not gathered there in a recomputation under ZeRO-3
+        return f"holds parameters of its own ({', '.join(own)}), which are not narrowed per chunk"
     children = dict(module.named_children())
     found: dict[str, str] = {}
     for role, names in PROJECTION_NAMES.items():
@@ -68,6 +70,9 @@ def find_projections(
             return f"has no nn.Linear {role} projection (fused or latent projections, or adapters)"
         found[role] = name
     features = {role: cast(nn.Linear, children[name]) for role, name in found.items()}
+    for role, linear in features.items():  # narrowed, a projection computes nn.Linear's forward on its rows
+        if type(linear).forward is not nn.Linear.forward:
+            return f"its {role} projection is a {type(linear).__name__} with a forward of its own"
     expected = {"query": heads * qk_dim, "key": kv_heads * qk_dim, "value": kv_heads * value_dim}
     for role, width in expected.items():
         if features[role].out_features != width:
@@ -79,6 +84,7 @@ def find_projections(
         for name, child in children.items()
         if name not in found.values()
         and isinstance(child, nn.Linear)
+        and type(child).forward is nn.Linear.forward
         and child.out_features in (heads * qk_dim, heads * value_dim, heads)
     )
     return ProjectionChunks(
@@ -96,11 +102,18 @@ def chunked_call(
 ) -> Any:
     """``forward(*args, **kwargs)`` of the attention ``module``, computed as the sum of its chunks (see the module
     docstring), each a checkpoint region when autograd records. ``layout``: the heads over the Ulysses group."""
+    # a checkpoint saves its positional tensors through autograd (an enclosing checkpoint drops them) but holds its
+    # other arguments as they are: every tensor of the call goes positionally
+    leaves, tree = tree_flatten((args, kwargs))
+    tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+    skeleton = [None if isinstance(leaf, Tensor) else leaf for leaf in leaves]
     total: Tensor | None = None
     tail: tuple | None = None  # the module's other outputs (attention weights: None), from the last chunk
     for index, (query_heads, kv_heads) in enumerate(chunk_heads(layout, spec.chunks)):
-        run = functools.partial(_chunk, module, spec, query_heads, kv_heads, index == 0, forward)
-        out = recomputed_in_backward(run)(*args, **kwargs)
+        chunk = functools.partial(
+            _chunk, module, spec, query_heads, kv_heads, index == 0, forward, skeleton, tensors, tree
+        )
+        out = recomputed_in_backward(chunk)(*(leaves[i] for i in tensors))
         first, tail = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
         total = first if total is None else total + first
     return total if tail is None else (total, *tail)
@@ -113,9 +126,15 @@ def _chunk(
     kv_heads: tuple[int, ...],
     first: bool,
     forward: Callable[..., Any],
-    *args: Any,
-    **kwargs: Any,
+    skeleton: list[Any],
+    tensors: list[int],
+    tree: TreeSpec,
+    *values: Tensor,
 ) -> Any:
+    leaves = list(skeleton)
+    for i, value in zip(tensors, values, strict=True):
+        leaves[i] = value
+    args, kwargs = tree_unflatten(leaves, tree)
     with narrowed(module, spec, query_heads, kv_heads, first):
         return forward(*args, **kwargs)
 

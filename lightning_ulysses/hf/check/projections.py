@@ -39,7 +39,7 @@ def plan_projection_chunks(model: PreTrainedModel, state: PatchState, whole: Who
     if state.head_chunks is None or ulysses_size == 1 or not plan.layers:
         return plan
     modules = dict(model.named_modules())
-    found = [_projection_chunks(modules[name], name, whole, state, ulysses_size) for name, _ in plan.layers]
+    found = [projection_chunks_of(modules[name], name, whole, state, ulysses_size) for name, _ in plan.layers]
     refused = any_rank(torch.tensor([spec is None for spec in found]), state)
     layers = tuple(
         (name, layer if no else replace(layer, projection_chunks=spec))
@@ -48,9 +48,11 @@ def plan_projection_chunks(model: PreTrainedModel, state: PatchState, whole: Who
     return replace(plan, layers=layers)
 
 
-def _projection_chunks(
+def projection_chunks_of(
     module: nn.Module, name: str, whole: WholeRun, state: PatchState, ulysses_size: int
 ) -> ProjectionChunks | None:
+    """This rank's verdict on the attention layer ``name``: its :class:`ProjectionChunks` where its chunks over
+    ``ulysses_size`` ranks sum to its whole-run output, else ``None``. Not collective."""
     calls = whole.calls.get(name)
     if name not in whole.heads or not calls or not calls[0].outputs:
         return None
