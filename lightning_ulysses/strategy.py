@@ -106,10 +106,15 @@ class UlyssesStrategy(DeepSpeedStrategy):
             (:mod:`lightning_ulysses.attention.head_chunks`): one all-to-all per chunk for q, k and v together and
             one back, the layer recomputed chunk by chunk in the backward, so its whole-sequence tensors are one
             chunk's (``1 / head_chunks`` of plain Ulysses') at the price of one more attention forward; on CUDA the
-            next chunk's all-to-all overlaps the current chunk's attention. ``"auto"``: the fewest chunks whose
-            whole-sequence q, k, v and output fit in the bytes of the layer's query shard. ``None`` (default): all
-            heads at once (three all-to-alls in, one out). Exact with every path: Ulysses x Ring, sinks, packed
-            documents, windows, any head count.
+            next chunk's all-to-all overlaps the current chunk's attention. Where a transformers attention module
+            computes each head from its own rows of ``nn.Linear`` projections (found by the set-up check, which
+            compares the chunks with the whole module: Llama, Mistral, Qwen, Gemma, ...), the module itself runs
+            once per chunk with its projections narrowed to the chunk's heads, so that the layer keeps only its
+            input for the backward (:mod:`lightning_ulysses.hf.projections`); per chunk its attention then runs as
+            plain Ulysses on the chunk's heads. ``"auto"``: the fewest chunks whose whole-sequence q, k, v and
+            output fit in the bytes of the layer's query shard. ``None`` (default): all heads at once (three
+            all-to-alls in, one out). Exact with every path: Ulysses x Ring, sinks, packed documents, windows, any
+            head count.
         loss_normalization: ``"sp_group"`` (default): each SP group's token mean, averaged over DP groups as
             DDP does. ``"global"``: the token mean over every valid token of the optimizer step, all DP
             groups and accumulation micro-batches together (see :mod:`lightning_ulysses.loss`).

@@ -25,6 +25,10 @@ the work already queued on the compute stream by an event, and keeps its buffers
 before chunk ``j`` attends, and the compute stream waits for it (an event wait, no host sync) only where its result
 is read; an output's all-to-all back likewise overlaps the next chunk. Two chunks' inputs are then alive at once.
 On CPU (gloo) every all-to-all is waited on at once: the same code, synchronous. The CUDA overlap is not measured.
+
+Transformers attention modules whose projections narrow per head run their chunks one level up instead, projections
+included (:mod:`lightning_ulysses.hf.projections`), with :func:`chunk_heads`' heads; this module then runs the
+attention of the others (and of custom models calling :func:`~lightning_ulysses.ulysses_attention`).
 """
 
 from __future__ import annotations

@@ -50,7 +50,9 @@ def apply_ulysses_attention(
     than attention (convolutions, linear attention, state-space layers) that call transformers' sequential kernels
     run them head-sharded on the whole sequence (:func:`~lightning_ulysses.hf.mixers.sharded_mixer_forward`); any
     other is refused, or with ``sequence_mixers="gather"`` run on the whole sequence on every rank
-    (:mod:`lightning_ulysses.hf.mixers.gather`). ``head_chunks``: every layer's ``ulysses_attention(head_chunks=...)``.
+    (:mod:`lightning_ulysses.hf.mixers.gather`). ``head_chunks``: every layer's
+    ``ulysses_attention(head_chunks=...)``, or, where the set-up check finds its projections narrow per head, the
+    attention module run per chunk (:mod:`lightning_ulysses.hf.projections`).
     Idempotent.
     """
     if sequence_mixers not in ("refuse", "gather"):
