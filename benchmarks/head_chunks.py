@@ -10,8 +10,10 @@ heads of 16, hidden 128, 2 layers, vocabulary 16000, fp32; ``all`` options; 256 
   model's head shapes): the all-to-all calls of the forward and of the backward (``dist.all_to_all_single``
   wrapped and counted), its peak memory above its inputs (RSS high-water mark, ``MALLOC_MMAP_THRESHOLD_`` set),
   next to the formula of one chunk's whole-sequence tensors, and its median time over alternating rounds;
-* **one training step of the model** with all memory options: its peak per rank (as :mod:`benchmarks.memory`
-  measures it) and its median time over alternating rounds, per ``head_chunks``;
+* **one training step of the model** with all memory options, a model patched per ``head_chunks`` (so with ``"auto"``
+  its layers run their projections inside the chunks, :mod:`lightning_ulysses.hf.projections`): its peak per rank
+  (as :mod:`benchmarks.memory` measures it), its all-to-all calls (forward, recomputation and backward of both
+  layers) and its median time over alternating rounds;
 * with ``--probe``: the longest sequence whose step fits the budget, probed (each length one step in fresh
   processes, doubling then bisecting; :class:`~benchmarks.measure.ProbeSchedule`), never extrapolated.
 
@@ -46,7 +48,6 @@ from lightning_ulysses import (
 )
 from lightning_ulysses.attention.head_chunks import plan_chunks
 from lightning_ulysses.heads import plan_heads
-from lightning_ulysses.hf import outermost_models
 from tests.launch import launch
 from tests.tiny import tiny_llama
 
@@ -120,15 +121,17 @@ def layer_worker(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def model_worker(args: dict[str, Any]) -> dict[str, Any]:
-    """One rank: per ``head_chunks``, the peak of one training step with all memory options at each length, and
-    (``repeats > 0``) the median step time over alternating rounds."""
+    """One rank: per ``head_chunks`` (a model patched with it: the set-up check plans which layers run their
+    projections inside the chunks), the all-to-alls and peak of one training step with all memory options at each
+    length, and (``repeats > 0``) the median step time over alternating rounds."""
     dist.init_process_group("gloo")
     sp, rank = dist.get_world_size(), dist.get_rank()
-    model = tiny_llama(**MODEL).train()
-    apply_ulysses_attention(model, dist.group.WORLD, sp, "sdpa")
     options = CONFIGS["all"]
-    apply_memory_options(model, options)
-    (state,) = {id(m._ulysses_state): m._ulysses_state for m in outermost_models(model)}.values()
+    models = {}
+    for chunks in args["chunkings"]:
+        models[chunks] = tiny_llama(**MODEL).train()
+        apply_ulysses_attention(models[chunks], dist.group.WORLD, sp, "sdpa", head_chunks=chunks)
+        apply_memory_options(models[chunks], options)
 
     def shard(seq_len: int) -> dict[str, torch.Tensor]:
         batch = {
@@ -139,20 +142,23 @@ def model_worker(args: dict[str, Any]) -> dict[str, Any]:
         return shard_batch(prepare_batch(batch, sp), rank, sp)
 
     results: dict[str, Any] = {}
-    for chunks in args["chunkings"]:
-        state.head_chunks = chunks
+    calls, original = _counting()
+    _phase[0] = "step"
+    for chunks, model in models.items():
         for seq_len in [WARM_UP_LEN, *args["seq_lens"]]:
             batch = shard(seq_len)
+            calls.clear()
             memory = PeakMemory(torch.device("cpu"))
             memory.reset()
             _train_step(model, batch, options)
             results[f"peak {chunks} {seq_len}"] = memory.peak()
+        results[f"calls {chunks}"] = calls["step"]
+    dist.all_to_all_single = original
     if args["repeats"]:
         batch = shard(args["seq_lens"][0])
         times: dict[Any, list[float]] = {c: [] for c in args["chunkings"]}
         for _ in range(args["repeats"]):
-            for chunks in args["chunkings"]:
-                state.head_chunks = chunks
+            for chunks, model in models.items():
                 dist.barrier()
                 start = time.perf_counter()
                 _train_step(model, batch, options)
@@ -233,12 +239,18 @@ def main(argv: list[str] | None = None) -> str:
         "",
         f"One training step, all memory options, per rank (largest rank); step time at N={args.seq_lens[0]}:",
         "",
-        "| head_chunks | " + " | ".join(f"peak N={s} (MiB)" for s in args.seq_lens) + " | step time x plain |",
-        "|---|" + "---|" * (len(args.seq_lens) + 1),
+        "| head_chunks | "
+        + " | ".join(f"peak N={s} (MiB)" for s in args.seq_lens)
+        + " | all-to-alls per step | step time x plain |",
+        "|---|" + "---|" * (len(args.seq_lens) + 2),
     ]
     for c in chunkings:
         peaks = [max(r[f"peak {c} {s}"] for r in model) / MiB for s in args.seq_lens]
-        lines.append(f"| {c} | " + " | ".join(f"{p:.1f}" for p in peaks) + f" | {model_ratio[c]:.2f} |")
+        lines.append(
+            f"| {c} | "
+            + " | ".join(f"{p:.1f}" for p in peaks)
+            + f" | {model[0][f'calls {c}']} | {model_ratio[c]:.2f} |"
+        )
     if args.probe:
         schedule = ProbeSchedule(args.probe_start, args.probe_max, args.refine)
         budget = args.budget_mib * MiB

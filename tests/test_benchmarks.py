@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import compare_alst, gpu_long_context, longest, mixer_cost, projection_chunks, ring
+from benchmarks import compare_alst, gpu_long_context, head_chunks, longest, mixer_cost, projection_chunks, ring
 from benchmarks.compare_alst import BenchmarkConfig
 from benchmarks.gpu_long_context import LongContextConfig, flops_per_token, llama_config, parameter_counts
 from benchmarks.measure import LiveTensors
@@ -74,6 +74,17 @@ def test_mixer_cost_counts_the_formula(tmp_path: Path) -> None:
         assert 0.45 < row["saved_ratio"] < 0.6, row
     assert sum(row["halo"] > 0 for row in rows) == 2  # RWKV's token shift, ZAYA's delayed values
     assert "| `Qwen3NextGatedDeltaNet` |" in (tmp_path / "cost.md").read_text()
+
+
+def test_head_chunks_benchmark_counts_the_collectives() -> None:
+    """One layer's fused all-to-alls per chunk (2 a direction with one chunk, 2 per chunk with more), and a training
+    step's: plain Ulysses 4 a layer per pass (forward, recomputation, backward) over 2 layers; ``"auto"`` (4 chunks,
+    projections inside) 4 per chunk and pass, and each chunk's recomputation is a fourth pass."""
+    report = head_chunks.main(["--layer-seq", "64", "--seq-lens", "128", "--repeats", "1"])
+    layer, step = report.split("One training step")
+    assert "| 1 | 2 | 2 |" in layer and "| 4 | 8 | 8 |" in layer, report
+    calls = {line.split(" | ")[0]: line.split(" | ")[2] for line in step.splitlines() if line.startswith("| ")}
+    assert (calls["| None"], calls["| auto"]) == ("24", "128"), report
 
 
 def test_projection_chunks_survey_tells_the_families_apart(tmp_path: Path) -> None:
