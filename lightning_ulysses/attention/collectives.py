@@ -5,6 +5,7 @@ sequence gather (in the zigzag order of a ring when the group is a
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,43 +33,90 @@ def _exchange(x: Tensor, group: ProcessGroup | None, scatter_dim: int, gather_di
     world = dist.get_world_size(group)
     if world == 1:
         return x
+    if scatter_dim == gather_dim == 0:  # blocks already rank-major: sent as they lie
+        receive = torch.empty_like(x)
+        dist.all_to_all_single(receive, x.contiguous(), group=group)
+        return receive
     send = torch.stack(x.tensor_split(world, dim=scatter_dim))
     receive = torch.empty_like(send)
     dist.all_to_all_single(receive, send, group=group)
     return torch.cat(receive.unbind(0), dim=gather_dim)
 
 
-class _AllToAll(torch.autograd.Function):
-    """Differentiable :func:`all_to_all`: the gradient takes the inverse all-to-all back."""
+def by_rank(tensors: Sequence[Tensor], world: int) -> Tensor:
+    """Sequence-sharded ``[B, n, P * h_i, d_i]`` -> the send buffer ``[P, B, n, sum_i h_i * d_i]``: block ``r`` holds
+    the ``h_i`` heads of each tensor that rank ``r`` attends, side by side (one copy)."""
+    return torch.cat([t.unflatten(2, (world, -1)).flatten(3).movedim(2, 0) for t in tensors], dim=-1)
+
+
+def whole_sequence(receive: Tensor, heads: Sequence[tuple[int, int]]) -> list[Tensor]:
+    """A received ``[P, B, n, F]`` buffer (block ``r``: rank ``r``'s tokens) -> the whole sequence ``[B, P * n, h, d]``
+    of each ``(h, d)`` of ``heads``, views into one ``[B, N, F]`` tensor (``receive`` itself when ``B == 1``)."""
+    whole = receive.movedim(0, 1).flatten(1, 2)
+    parts = whole.split([h * d for h, d in heads], dim=-1)
+    return [p.unflatten(-1, shape) for p, shape in zip(parts, heads, strict=True)]
+
+
+def by_sequence(tensors: Sequence[Tensor], world: int) -> Tensor:
+    """Whole-sequence ``[B, N, h_i, d_i]`` -> the send buffer ``[P, B, N/P, sum_i h_i * d_i]``: block ``r`` holds rank
+    ``r``'s tokens of each (one copy)."""
+    return torch.cat([t.flatten(2).unflatten(1, (world, -1)).movedim(1, 0) for t in tensors], dim=-1)
+
+
+def rank_slots(receive: Tensor, heads: Sequence[tuple[int, int]]) -> list[Tensor]:
+    """A received ``[P, B, n, F]`` buffer of whole-sequence results (block ``r``: rank ``r``'s heads) -> this rank's
+    tokens of every rank's heads ``[B, n, P * h, d]`` per ``(h, d)`` of ``heads``, rank-major."""
+    parts = receive.split([h * d for h, d in heads], dim=-1)
+    return [p.unflatten(-1, shape).movedim(0, 2).flatten(2, 3) for p, shape in zip(parts, heads, strict=True)]
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    """``[B, N/P, P * h_i, d_i]`` each -> ``[B, N, h_i, d_i]`` each in one all-to-all; the gradients go back in one."""
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        x: Tensor,
-        group: ProcessGroup | None,
-        scatter_dim: int,
-        gather_dim: int,
-        observer: CollectiveObserver | None,
-    ) -> Tensor:
-        ctx.group, ctx.scatter_dim, ctx.gather_dim, ctx.observer = group, scatter_dim, gather_dim, observer
-        return all_to_all(x.contiguous(), group, scatter_dim, gather_dim, observer)
+    def forward(ctx: Any, group: ProcessGroup | None, observer: CollectiveObserver | None, *tensors: Tensor) -> Any:
+        world = dist.get_world_size(group)
+        ctx.group, ctx.observer, ctx.world = group, observer, world
+        ctx.heads = [(t.shape[2] // world, t.shape[3]) for t in tensors]
+        receive = all_to_all(by_rank(tensors, world), group, 0, 0, observer)
+        return tuple(whole_sequence(receive, ctx.heads))
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
-        grad = all_to_all(grad.contiguous(), ctx.group, ctx.gather_dim, ctx.scatter_dim, ctx.observer)
-        return grad, None, None, None, None
+    def backward(ctx: Any, *grads: Tensor) -> Any:
+        receive = all_to_all(by_sequence(grads, ctx.world), ctx.group, 0, 0, ctx.observer)
+        return (None, None, *rank_slots(receive, ctx.heads))
 
 
-def sequence_to_heads(x: Tensor, group: ProcessGroup | None, observer: CollectiveObserver | None = None) -> Tensor:
-    """``[B, N/P, H, D] -> [B, N, H/P, D]``: gather the sequence, scatter the heads (forward and backward reported to
-    ``observer``)."""
-    return _AllToAll.apply(x, group, 2, 1, observer)
+class _HeadsToSequence(torch.autograd.Function):
+    """``[B, N, h, d] -> [B, N/P, P * h, d]`` in one all-to-all; the gradient goes back in one."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: ProcessGroup | None, observer: CollectiveObserver | None) -> Tensor:
+        world = dist.get_world_size(group)
+        ctx.group, ctx.observer, ctx.world, ctx.heads = group, observer, world, [tuple(x.shape[2:])]
+        (out,) = rank_slots(all_to_all(by_sequence([x], world), group, 0, 0, observer), ctx.heads)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        heads = [(grad.shape[2] // ctx.world, grad.shape[3])]
+        (whole,) = whole_sequence(all_to_all(by_rank([grad], ctx.world), ctx.group, 0, 0, ctx.observer), heads)
+        return whole, None, None
+
+
+def sequence_to_heads(
+    *tensors: Tensor, group: ProcessGroup | None, observer: CollectiveObserver | None = None
+) -> tuple[Tensor, ...]:
+    """``[B, N/P, H_i, D_i] -> [B, N, H_i/P, D_i]`` for each tensor, all in one all-to-all (query, key and value
+    together): gather the sequence, scatter the heads; the backward sends their gradients back in one (both reported
+    to ``observer``)."""
+    return _SequenceToHeads.apply(group, observer, *tensors)
 
 
 def heads_to_sequence(x: Tensor, group: ProcessGroup | None, observer: CollectiveObserver | None = None) -> Tensor:
     """``[B, N, H/P, D] -> [B, N/P, H, D]``: gather the heads, scatter the sequence (forward and backward reported to
     ``observer``)."""
-    return _AllToAll.apply(x, group, 1, 2, observer)
+    return _HeadsToSequence.apply(x, group, observer)
 
 
 def gather_from_ranks(x: Tensor, group: ProcessGroup | None) -> list[Tensor]:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_ulysses.attention.collectives import by_sequence, rank_slots, whole_sequence
 from lightning_ulysses.heads import HeadLayout
 
 HeadChunks = int | Literal["auto"]
@@ -191,35 +192,6 @@ def _to_ranks(source: Sequence[tuple[Tensor, Tensor]], sp: int) -> Tensor:
     return send
 
 
-def _gathered(receive: Tensor, widths: Sequence[tuple[int, int]]) -> list[Tensor]:
-    """A received ``[P, B, n, F]`` buffer (block ``r``: rank ``r``'s tokens) -> the whole sequence ``[B, P * n, c, d]``
-    of each ``(c, d)`` of ``widths`` (views into one ``[B, N, F]`` copy)."""
-    whole = receive.movedim(0, 1).flatten(1, 2)  # [B, N, F]
-    return _split_last(whole, widths)
-
-
-def _split_last(x: Tensor, widths: Sequence[tuple[int, int]]) -> list[Tensor]:
-    parts = x.split([c * d for c, d in widths], dim=-1)
-    return [p.unflatten(-1, (c, d)) for p, (c, d) in zip(parts, widths, strict=True)]
-
-
-def _from_gathered(parts: Sequence[Tensor], sp: int) -> Tensor:
-    """Whole-sequence ``[B, N, c_i, d_i]`` -> the send buffer ``[P, B, N/P, sum_i c_i * d_i]`` (block ``r``: rank
-    ``r``'s tokens), written in place."""
-    widths = [p.shape[2] * p.shape[3] for p in parts]
-    batch, tokens = parts[0].shape[:2]
-    send = parts[0].new_empty((sp, batch, tokens // sp, sum(widths)))
-    for p, part in zip(parts, send.split(widths, dim=-1), strict=True):
-        part.copy_(p.flatten(2).unflatten(1, (sp, -1)).movedim(1, 0))
-    return send
-
-
-def _received_slots(receive: Tensor, widths: Sequence[tuple[int, int]]) -> list[Tensor]:
-    """A received ``[P, B, n, F]`` buffer of whole-sequence results -> ``[B, n, P * c, d]`` per ``(c, d)``: this
-    rank's tokens of every rank's slots, rank-major."""
-    return [p.movedim(0, 2).flatten(2, 3) for p in _split_last(receive, widths)]
-
-
 class _ChunkedUlysses(torch.autograd.Function):
     """``query [B, N/P, H, D]``, ``key [B, N/P, H_kv, D]``, ``value [B, N/P, H_kv, D_v]``, ``sinks [H]`` or ``None``
     -> ``[B, N/P, H, D_v]`` (see the module docstring); keeps only the inputs for the backward."""
@@ -250,7 +222,7 @@ class _ChunkedUlysses(torch.autograd.Function):
 
         incoming, returning = start(0), None
         for j, r in enumerate(routes):
-            q, k, v = _gathered(incoming.take(), _widths(r, query, value, sp))
+            q, k, v = whole_sequence(incoming.take(), _widths(r, query, value, sp))
             if overlap and j + 1 < len(routes):
                 incoming = start(j + 1)  # arrives while this chunk attends
             rng_states.append(_rng_state(query.device) if random else None)
@@ -258,7 +230,7 @@ class _ChunkedUlysses(torch.autograd.Function):
             del q, k, v
             if returning is not None:
                 _place(out, *returning, value, sp)
-            returning = (_Exchange(_from_gathered([result], sp), group), r)
+            returning = (_Exchange(by_sequence([result], sp), group), r)
             del result
             if not overlap:  # CPU: one chunk at a time
                 _place(out, *returning, value, sp)
@@ -292,7 +264,7 @@ class _ChunkedUlysses(torch.autograd.Function):
         incoming, returning = start(0), None
         for j, r in enumerate(routes):
             widths = _widths(r, query, value, sp)
-            q, k, v, grad_out = _gathered(incoming.take(), [*widths, (widths[0][0], widths[2][1])])
+            q, k, v, grad_out = whole_sequence(incoming.take(), [*widths, (widths[0][0], widths[2][1])])
             if overlap and j + 1 < len(routes):
                 incoming = start(j + 1)
             inputs = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -307,7 +279,7 @@ class _ChunkedUlysses(torch.autograd.Function):
                 grad_sinks += chunk_grads[3]
             if returning is not None:
                 _accumulate(grads, *returning, (query, key, value), sp)
-            returning = (_Exchange(_from_gathered(chunk_grads[:3], sp), group), r)
+            returning = (_Exchange(by_sequence(chunk_grads[:3], sp), group), r)
             del chunk_grads
             if not overlap:
                 _accumulate(grads, *returning, (query, key, value), sp)
@@ -327,13 +299,13 @@ def _widths(r: _Routes, query: Tensor, value: Tensor, sp: int) -> list[tuple[int
 
 def _place(out: Tensor, back: _Exchange, r: _Routes, value: Tensor, sp: int) -> None:
     """Write the real query heads of a chunk's returned output into ``out [B, N/P, H, D_v]``."""
-    (slots,) = _received_slots(back.take(), [(len(r.query_heads) // sp, value.shape[-1])])
+    (slots,) = rank_slots(back.take(), [(len(r.query_heads) // sp, value.shape[-1])])
     out.index_copy_(2, r.output_heads, slots.index_select(2, r.output_slots))
 
 
 def _accumulate(grads: list[Tensor | None], back: _Exchange, r: _Routes, inputs: Sequence[Tensor], sp: int) -> None:
     """Add a chunk's returned query, key and value gradients into the input gradients (replicated slots sum)."""
-    received = _received_slots(back.take(), _widths(r, inputs[0], inputs[2], sp))
+    received = rank_slots(back.take(), _widths(r, inputs[0], inputs[2], sp))
     for i, (heads, part) in enumerate(zip((r.query_heads, r.kv_heads, r.kv_heads), received, strict=True)):
         if grads[i] is None:
             grads[i] = torch.zeros_like(inputs[i])

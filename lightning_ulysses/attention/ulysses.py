@@ -140,8 +140,9 @@ def ulysses_attention(
     if head_chunks is not None:
         return chunked_ulysses(query, key, value, sinks, layout, group, attend, head_chunks, random=dropout_p > 0)
     sinks = _sinks_of_rank(sinks, layout, group)
-    query = sequence_to_heads(select_heads(query, layout.query_slots), group, observer)  # [B, N, h, D]
-    key, value = (sequence_to_heads(select_heads(t, layout.kv_slots), group, observer) for t in (key, value))
+    query, key, value = sequence_to_heads(  # [B, N, h, D], [B, N, kv, D], [B, N, kv, D_v]: one all-to-all
+        *(select_heads(t, slots) for t, slots in _slots(query, key, value, layout)), group=group, observer=observer
+    )
     out = attend(query, key, value, sinks)  # [B, N, h, D_v]
     return select_heads(heads_to_sequence(out, group, observer), layout.output_slots)  # [B, N/P, H, D_v]
 
@@ -191,6 +192,10 @@ def check_spans_supported(spans: Spans, chunk: int | None, sinks: Tensor | None,
         )
 
 
+def _slots(query: Tensor, key: Tensor, value: Tensor, layout: HeadLayout) -> list[tuple[Tensor, tuple[int, ...]]]:
+    return [(query, layout.query_slots), (key, layout.kv_slots), (value, layout.kv_slots)]
+
+
 def _sinks_of_rank(sinks: Tensor | None, layout: HeadLayout, group: ProcessGroup) -> Tensor | None:
     """The sinks ``[H] -> [h]`` of this rank's query slots in ``group``, inert copies included (their outputs are
     dropped, so no gradient reaches them)."""
@@ -236,8 +241,9 @@ def _ulysses_x_ring(
         # ulysses: SequenceParallelGroups.create makes Ulysses groups with a ring (were it None, dist's default group)
         return chunked_ulysses(query, key, value, sinks, layout, ulysses, attend, head_chunks)  # type: ignore[arg-type]
     sinks = _sinks_of_rank(sinks, layout, ulysses)  # type: ignore[arg-type]  # as above
-    query = sequence_to_heads(select_heads(query, layout.query_slots), ulysses, observer)  # [B, N/R, h, D]
-    key, value = (sequence_to_heads(select_heads(t, layout.kv_slots), ulysses, observer) for t in (key, value))
+    query, key, value = sequence_to_heads(  # [B, N/R, h, D] ...: one all-to-all
+        *(select_heads(t, slots) for t, slots in _slots(query, key, value, layout)), group=ulysses, observer=observer
+    )
     out = ring_attention(
         query,
         key,

@@ -84,7 +84,9 @@ class ShardedCore:
     def scatter(self, x: Tensor, grouped: bool = False) -> Tensor:
         """``[B, N/P, H or G, D]`` (this rank's tokens) -> ``[B, N, h, D]``: every token of this rank's slots, in
         sequence order."""
-        x = sequence_to_heads(select_heads(x, self._slots(grouped)), self.process_group, self.observer)
+        (x,) = sequence_to_heads(
+            select_heads(x, self._slots(grouped)), group=self.process_group, observer=self.observer
+        )
         return to_sequence_order(x, self.group)
 
     def run(self, kernel: Kernel, *streams: Tensor) -> tuple[Tensor, Any]:
