@@ -108,6 +108,15 @@ FOUR_RANKS = CaseTable(
         "sp4_heads6_mqa_head_chunks2": dict(
             sp=4, stage=3, model=dict(SIX_HEADS, num_key_value_heads=1), strategy=dict(head_chunks=2)
         ),  # inert head slots: attention-only chunks (a projection chunk would sum an inert copy's output)
+        # 8 heads, 2 K/V heads replicated over 4 ranks, head_dim 12 against hidden / heads = 8: the projections inside
+        # chunks of one query slot per rank (4 chunks asked, 2 slots per rank)
+        "sp4_gqa_kv2_head_chunks4": dict(
+            sp=4,
+            stage=2,
+            model=dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=12),
+            strategy=dict(head_chunks=4),
+            projected=True,
+        ),
     },
 )
 TWO_RANKS = CaseTable(
@@ -204,15 +213,9 @@ class TinyCausalLMWithValidation(TinyCausalLM):
         super().__init__(**kwargs)
         self.val_losses: list[float] = []
         self.batch_shapes: list[tuple[int, ...]] = []
-        self.projected: list[str] = []  # attention layers run with their projections in head chunks
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         self.batch_shapes.append(tuple(batch["input_ids"].shape))
-        self.projected = [
-            name
-            for name, m in self.model.named_modules()
-            if getattr(m.__dict__.get("_ulysses_plan"), "projection_chunks", None) is not None
-        ]
         return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:

@@ -64,7 +64,8 @@ FOUR_RANKS = CaseTable(
         "sp4_zero3_gqa_kv2": dict(sp=4, stage=3, model=dict(num_key_value_heads=2)),
         "dp2_sp2_zero1": dict(sp=2, stage=1),
         "dp2_sp2_zero3_accumulate2": dict(sp=2, stage=3, accumulate=2),
-        "dp2_sp2_zero2_head_chunks2": dict(sp=2, stage=2, strategy=dict(head_chunks=2)),  # chunks of one head
+        # chunks of one head, the projections inside them
+        "dp2_sp2_zero2_head_chunks2": dict(sp=2, stage=2, strategy=dict(head_chunks=2), projected=True),
         "sp4_length_not_divisible": dict(sp=4, stage=2, data=dict(seq_len=SEQ - 3)),
         "dp2_sp2_zero2_short_windows_two_epochs": dict(sp=2, stage=2, accumulate=2, epochs=2, data=dict(num=20)),
     },
@@ -121,6 +122,7 @@ def _fit(
         "sp_group_ranks": dist.get_process_group_ranks(strategy.sp_group),
         "dp_group_ranks": dist.get_process_group_ranks(strategy.dp_group),
         "cluster_environment": type(strategy.cluster_environment).__name__,
+        "projected": module.projected,
     }
 
 
@@ -128,6 +130,7 @@ def _check(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> No
     if "epochs" in case:
         _check_whole_epochs(results, name, case)
         return
+    assert all(bool(r[name]["projected"]) == case.get("projected", False) for r in results), name
     world_size = len(results)
     dp_size = world_size // case["sp"]
     accumulate = case.get("accumulate", 1)

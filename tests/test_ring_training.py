@@ -46,8 +46,11 @@ CASES: dict[str, dict[str, Any]] = {
     "ring2_ulysses2_zero2_checkpointed_tiled_mlp": dict(
         sp=4, stage=2, packed=(12, 3), strategy=dict(activation_checkpointing=True, tiled_mlp=True)
     ),
-    # head_chunks: chunks of one head, each chunk's all-to-all and ring attention again in the backward
-    "ring2_ulysses2_zero2_packed_head_chunks2": dict(sp=4, stage=2, packed=(12, 3), strategy=dict(head_chunks=2)),
+    # head_chunks: chunks of one head, the projections inside them (each chunk's all-to-all and ring attention again
+    # in its recomputation)
+    "ring2_ulysses2_zero2_packed_head_chunks2": dict(
+        sp=4, stage=2, packed=(12, 3), strategy=dict(head_chunks=2), projected=True
+    ),
 }
 
 
@@ -145,6 +148,7 @@ def _fit(case: dict[str, Any], devices: int) -> dict[str, Any]:
         "params": state,
         "dp_rank": strategy.dp_rank,
         "layout": (strategy.dp_size, strategy.ring_size, strategy.sp_size // strategy.ring_size),
+        "projected": module.projected,
     }
 
 
@@ -165,6 +169,7 @@ def test_ulysses_x_ring_training_equals_single_process(results: list[dict[str, A
     for rank, result in enumerate(results):
         got = result[name]
         assert got["layout"] == (dp_size, 2, case["sp"] // 2)
+        assert bool(got["projected"]) == case.get("projected", False), got["projected"]
         if got["dp_rank"] == 0:
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected_losses), rtol=1e-5, atol=0)
         error = relative_update_error(initial, expected, got["params"])

@@ -65,6 +65,15 @@ def make_optimizer(
     return torch.optim.SGD(params, lr=lr, momentum=momentum)
 
 
+def projected_layers(model: torch.nn.Module) -> list[str]:
+    """The attention layers of a patched ``model`` planned to run with their projections inside head chunks."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if getattr(module.__dict__.get("_ulysses_plan"), "projection_chunks", None) is not None
+    ]
+
+
 class TinyCausalLM(UlyssesLossMixin, L.LightningModule):
     """A causal LM step in its plainest form: forward with position ids, token-weighted loss, SGD or AdamW."""
 
@@ -83,8 +92,12 @@ class TinyCausalLM(UlyssesLossMixin, L.LightningModule):
         self.optimizer_name = optimizer
         self.loss_multiplier = loss_multiplier
         self.losses: list[float] = []
+        self.projected: list[str] = []
+        """The attention layers that ran with their projections inside head chunks (lightning_ulysses.hf.projections),
+        read at each training step (the strategy's teardown removes the patch)."""
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        self.projected = projected_layers(self.model)
         logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         loss = self.causal_lm_loss(logits, batch["shift_labels"]) * self.loss_multiplier
         self.losses.append(loss.item())
