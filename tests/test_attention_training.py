@@ -38,6 +38,7 @@ pytestmark = pytest.mark.distributed
 
 SEQ, LR = 24, 0.5
 SIX_HEADS = dict(hidden_size=48, num_attention_heads=6, head_dim=8)
+EIGHT_HEADS = dict(hidden_size=64, num_attention_heads=8, head_dim=12)  # head_dim against hidden / heads = 8
 # DeepSeek V3's proportions shrunk by 8: qk_nope 128 : qk_rope 64 : v 128 (query and key heads of 24, values of 16),
 # kv_lora_rank 4x and q_lora_rank 12x the nope dims, hidden 14x the kv rank, its yarn RoPE (whose mscale changes the
 # softmax scale), a dense layer and a routed-MoE one
@@ -108,14 +109,10 @@ FOUR_RANKS = CaseTable(
         "sp4_heads6_mqa_head_chunks2": dict(
             sp=4, stage=3, model=dict(SIX_HEADS, num_key_value_heads=1), strategy=dict(head_chunks=2)
         ),  # inert head slots: attention-only chunks (a projection chunk would sum an inert copy's output)
-        # 8 heads, 2 K/V heads replicated over 4 ranks, head_dim 12 against hidden / heads = 8: the projections inside
-        # chunks of one query slot per rank (4 chunks asked, 2 slots per rank)
+        # 8 heads, 2 K/V heads replicated over 4 ranks: the projections inside chunks of one query slot per rank (4
+        # chunks asked, 2 slots per rank)
         "sp4_gqa_kv2_head_chunks4": dict(
-            sp=4,
-            stage=2,
-            model=dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=12),
-            strategy=dict(head_chunks=4),
-            projected=True,
+            sp=4, stage=2, model=dict(EIGHT_HEADS, num_key_value_heads=2), strategy=dict(head_chunks=4), projected=True
         ),
     },
 )
@@ -140,16 +137,12 @@ TWO_RANKS = CaseTable(
         # head_chunks: one chunk of all heads (packed, ZeRO-3), chunks of 2 heads (8 heads), of 1 head with a sliding
         # window (Mistral), "auto" (6 heads, 3 K/V heads): each with the projections inside the chunks
         # (lightning_ulysses.hf.projections), Qwen 3 with its per-head q/k norms too; OLMo 2's q/k norms over all heads
-        # and DiffLlama's paired heads keep attention-only chunks
+        # and DiffLlama's mixing weights (parameters of its attention module) keep attention-only chunks
         "sp2_packed_head_chunks1": dict(
             sp=2, stage=3, data="packed", borders=(SEQ // 2,), strategy=dict(head_chunks=1), projected=True
         ),
         "sp2_heads8_head_chunks2": dict(
-            sp=2,
-            stage=2,
-            model=dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=12),
-            strategy=dict(head_chunks=2),
-            projected=True,
+            sp=2, stage=2, model=dict(EIGHT_HEADS, num_key_value_heads=4), strategy=dict(head_chunks=2), projected=True
         ),
         "sp2_mistral_window_head_chunks2": dict(
             sp=2,

@@ -5,10 +5,11 @@ For each planned attention layer, from the heads it passed to attention in the w
 count it will run with, over the Ulysses group's head layout) are computed by calling the module once per chunk with
 its projections narrowed, on the inputs it got there and with the same token-local attention, and compared with its
 own output of that run. A layer runs so only where they agree on every rank of the SP group; the others run
-attention-only chunks. Where a head's output depends on other heads (norms over all heads' projections, heads paired
-by differential attention, a gate inside the query projection), the chunks fail or differ and the layer stays as it
-was. The as-in-training step that follows runs the chunked modules on the real group and compares their outputs
-once more.
+attention-only chunks. Where a head's output depends on other heads, the chunks fail (a norm over all heads'
+projections, whose weight no longer fits) or differ (the same norm without a weight), and the layer stays as it was;
+modules whose projections do not narrow per head (fused, latent, a gate inside the query projection, parameters of
+the module's own) are not tried (:func:`~lightning_ulysses.hf.projections.find_projections`). The as-in-training
+step that follows runs the chunked modules on the real group and compares their outputs once more.
 """
 
 from __future__ import annotations
