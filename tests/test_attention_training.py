@@ -38,6 +38,15 @@ pytestmark = pytest.mark.distributed
 
 SEQ, LR = 24, 0.5
 SIX_HEADS = dict(hidden_size=48, num_attention_heads=6, head_dim=8)
+GPT_OSS = dict(
+    model_type="gpt_oss",
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    head_dim=12,
+    sliding_window=5,
+    layer_types=["sliding_attention", "full_attention"],
+    attn_implementation="eager",
+)
 EIGHT_HEADS = dict(hidden_size=64, num_attention_heads=8, head_dim=12)  # head_dim against hidden / heads = 8
 # DeepSeek V3's proportions shrunk by 8: qk_nope 128 : qk_rope 64 : v 128 (query and key heads of 24, values of 16),
 # kv_lora_rank 4x and q_lora_rank 12x the nope dims, hidden 14x the kv rank, its yarn RoPE (whose mscale changes the
@@ -165,6 +174,12 @@ TWO_RANKS = CaseTable(
             strategy=dict(head_chunks="auto"),
             projected=True,
         ),
+        # gpt-oss: its sinks narrowed with the chunk's query heads, a window on every other layer, MoE; under ZeRO-3
+        # (which partitions the sinks, read outside the module's call) attention-only chunks
+        "sp2_gpt_oss_sinks_head_chunks2": dict(
+            sp=2, stage=2, model=GPT_OSS, strategy=dict(head_chunks=2), projected=True
+        ),
+        "sp2_gpt_oss_sinks_zero3_head_chunks2": dict(sp=2, stage=3, model=GPT_OSS, strategy=dict(head_chunks=2)),
         "sp2_olmo2_head_chunks2": dict(sp=2, stage=3, model=dict(model_type="olmo2"), strategy=dict(head_chunks=2)),
         "sp2_diffllama_head_chunks2": dict(
             sp=2, stage=2, model=dict(model_type="diffllama"), strategy=dict(head_chunks=2)

@@ -90,17 +90,17 @@ def test_head_chunks_benchmark_counts_the_collectives() -> None:
 
 
 def test_projection_chunks_survey_tells_the_families_apart(tmp_path: Path) -> None:
-    """The package's narrowed projections per head chunk reproduce Llama's attention (whole K/V groups) and GLM's (one
-    K/V head, query heads split); OLMo 2's norm over all heads' queries makes the chunked call fail; gpt-oss's sinks
-    and DiffLlama's mixing weights are parameters of the attention module's own, not narrowed; GPT-2's fused
-    projection is another layout."""
+    """The package's narrowed projections per head chunk reproduce Llama's attention (whole K/V groups), GLM's (one
+    K/V head, query heads split) and gpt-oss's (its sinks narrowed too); OLMo 2's norm over all heads' queries makes
+    the chunked call fail; DiffLlama's mixing weights are parameters of its own that are not one per head; GPT-2's
+    fused projection is another layout."""
     families = ["llama", "glm", "gpt_oss", "olmo2", "diffllama", "gpt2"]
     rows = projection_chunks.main([*families, "--output", str(tmp_path / "s.md")])
     verdicts = {row["family"]: row["verdict"] for row in rows}
     assert verdicts == {
         "llama": "equal",
         "glm": "equal",
-        "gpt_oss": "not narrowable",
+        "gpt_oss": "equal",
         "olmo2": "fails",
         "diffllama": "not narrowable",
         "gpt2": "other layout",

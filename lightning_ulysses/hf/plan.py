@@ -16,9 +16,10 @@ from lightning_ulysses.hf.masks import MaskPattern
 class ProjectionChunks:
     """An attention module that runs once per head chunk with its projections inside the chunk
     (:mod:`lightning_ulysses.hf.projections`): its ``query``, ``key`` and ``value`` child ``nn.Linear`` narrowed to
-    the rows of the chunk's heads, its ``output`` projection to their columns, and its per-head ``gates``
-    (``(child, features per head)``) to the chunk's query heads; ``heads`` query and ``kv_heads`` K/V heads of
-    ``qk_dim`` and ``value_dim``, in ``chunks`` chunks of each rank's head slots."""
+    the rows of the chunk's heads, its ``output`` projection to their columns, its per-head ``gates``
+    (``(child, features per head)``) and its own ``per_head`` parameters (``[heads, ...]``: attention sinks) to the
+    chunk's query heads; ``heads`` query and ``kv_heads`` K/V heads of ``qk_dim`` and ``value_dim``, in ``chunks``
+    chunks of each rank's head slots."""
 
     chunks: int
     query: str
@@ -26,6 +27,7 @@ class ProjectionChunks:
     value: str
     output: str
     gates: tuple[tuple[str, int], ...]
+    per_head: tuple[str, ...]
     heads: int
     kv_heads: int
     qk_dim: int

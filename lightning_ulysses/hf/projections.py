@@ -18,7 +18,9 @@ computes the same chunks, and the all-to-all inside hands each rank the chunk's 
 Which modules run so is decided by behaviour: the set-up check (:mod:`lightning_ulysses.hf.check.projections`)
 calls each candidate this way and keeps it only where the chunks sum to the module's own output; the rest keep
 attention-only chunks. Narrowing reads the weights inside the projections' own calls (``index_select`` on the
-parameter, so its gradient reaches the whole weight, and ZeRO-3's hooks have gathered it).
+parameter, so its gradient reaches the whole weight, and ZeRO-3's hooks have gathered it). Per-head parameters of the
+module's own (attention sinks, ``[heads]``) are narrowed to the chunk's query heads; the module reads them outside any
+call of its own in a chunk's recomputation, so under ZeRO-3, which partitions them, such a module is not chunked so.
 """
 
 from __future__ import annotations
@@ -59,9 +61,14 @@ def find_projections(
 ) -> ProjectionChunks | str:
     """``module``'s projections as a :class:`ProjectionChunks` of ``chunks``, given the head shapes it passed to
     attention; or why it has none that narrow per head (the chunked call is still to be compared by the caller)."""
-    own = [name for name, _ in module.named_parameters(recurse=False)]
-    if own:  # read in its forward, outside its projections' calls: not gathered there in a recomputation under ZeRO-3
-        return f"holds parameters of its own ({', '.join(own)}), which are not narrowed per chunk"
+    own = dict(module.named_parameters(recurse=False))
+    other = [name for name, p in own.items() if tuple(getattr(p, "ds_shape", p.shape))[:1] != (heads,)]  # ZeRO-3
+    if other:
+        return f"holds parameters of its own that are not one per head ({', '.join(other)})"
+    # read by its forward in each chunk, outside the module's own call, where ZeRO-3 has not gathered them
+    partitioned = [name for name, p in own.items() if hasattr(p, "ds_id")]
+    if partitioned:
+        return f"holds parameters of its own ({', '.join(partitioned)}) that ZeRO-3 partitions"
     children = dict(module.named_children())
     found: dict[str, str] = {}
     for role, names in PROJECTION_NAMES.items():
@@ -88,7 +95,17 @@ def find_projections(
         and child.out_features in (heads * qk_dim, heads * value_dim, heads)
     )
     return ProjectionChunks(
-        chunks, found["query"], found["key"], found["value"], found["output"], gates, heads, kv_heads, qk_dim, value_dim
+        chunks,
+        found["query"],
+        found["key"],
+        found["value"],
+        found["output"],
+        gates,
+        tuple(own),
+        heads,
+        kv_heads,
+        qk_dim,
+        value_dim,
     )
 
 
@@ -164,6 +181,9 @@ def narrowed(
             if getattr(module, name, None) == spec.heads * spec.value_dim
         }
         stack.enter_context(_attributes(module, {k: v for k, v in counts.items() if hasattr(module, k)}))
+        query_index = _rows(query_heads, 1, device)
+        for name in spec.per_head:  # an instance attribute is found before the registered parameter
+            stack.enter_context(_attributes(module, {name: getattr(module, name).index_select(0, query_index)}))
         yield
 
 
@@ -209,15 +229,18 @@ def _forward(linear: nn.Linear, forward: Callable[[nn.Linear, Tensor], Tensor]) 
 
 
 @contextmanager
-def _attributes(module: nn.Module, values: dict[str, int]) -> Iterator[None]:
-    saved = {name: getattr(module, name) for name in values}
+def _attributes(module: nn.Module, values: dict[str, Any]) -> Iterator[None]:
+    """``module``'s instance attributes set to ``values`` in the block (a parameter's name shadowed by a tensor)."""
+    saved = {name: module.__dict__[name] for name in values if name in module.__dict__}
     try:
-        for name, value in values.items():
-            setattr(module, name, value)
+        module.__dict__.update(values)
         yield
     finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
+        for name in values:
+            if name in saved:
+                module.__dict__[name] = saved[name]
+            else:
+                del module.__dict__[name]
 
 
 def ulysses_layout(spec: ProjectionChunks, state: PatchState) -> HeadLayout:
