@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesStrategy
 from tests.cases import CaseTable
+from tests.test_model_check import GPT_OSS as MODEL_CHECK_GPT_OSS
 from tests.tiny import (
     TinyCausalLM,
     collate,
@@ -38,15 +39,7 @@ pytestmark = pytest.mark.distributed
 
 SEQ, LR = 24, 0.5
 SIX_HEADS = dict(hidden_size=48, num_attention_heads=6, head_dim=8)
-GPT_OSS = dict(
-    model_type="gpt_oss",
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    head_dim=12,
-    sliding_window=5,
-    layer_types=["sliding_attention", "full_attention"],
-    attn_implementation="eager",
-)
+GPT_OSS = dict(MODEL_CHECK_GPT_OSS, model_type="gpt_oss", head_dim=12)  # sinks, a window on every other layer, MoE
 EIGHT_HEADS = dict(hidden_size=64, num_attention_heads=8, head_dim=12)  # head_dim against hidden / heads = 8
 # DeepSeek V3's proportions shrunk by 8: qk_nope 128 : qk_rope 64 : v 128 (query and key heads of 24, values of 16),
 # kv_lora_rank 4x and q_lora_rank 12x the nope dims, hidden 14x the kv rank, its yarn RoPE (whose mscale changes the
