@@ -93,8 +93,8 @@ class _HeadsToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: ProcessGroup | None, observer: CollectiveObserver | None) -> Tensor:
         world = dist.get_world_size(group)
-        ctx.group, ctx.observer, ctx.world, ctx.heads = group, observer, world, [tuple(x.shape[2:])]
-        (out,) = rank_slots(all_to_all(by_sequence([x], world), group, 0, 0, observer), ctx.heads)
+        ctx.group, ctx.observer, ctx.world = group, observer, world
+        (out,) = rank_slots(all_to_all(by_sequence([x], world), group, 0, 0, observer), [(x.shape[2], x.shape[3])])
         return out
 
     @staticmethod

@@ -27,7 +27,7 @@ from lightning_ulysses.hf.forward import guarded_forward
 from lightning_ulysses.hf.interface import ULYSSES_ATTN_IMPLEMENTATION
 from lightning_ulysses.hf.ledger import Ledger
 from lightning_ulysses.hf.mixers import gather_whole_sequence, is_token_mixer, sharded_mixer_forward
-from lightning_ulysses.hf.plan import ModelPlan, TokenDims
+from lightning_ulysses.hf.plan import ModelPlan, ProjectionChunks, TokenDims
 from lightning_ulysses.hf.projections import projected_forward
 from lightning_ulysses.hf.rotary import whole_sequence_rotary
 from lightning_ulysses.hf.state import PatchState, model_configs, outermost_models
@@ -83,8 +83,7 @@ class Patch:
             changes[key] = functools.partial(self.ledger.set, key, modules[name], "_ulysses_plan", layer)
             if layer.projection_chunks is not None:
                 key = ("projected", name, layer.projection_chunks)
-                forward = functools.partial(projected_forward, modules[name], layer.projection_chunks, self.state)
-                changes[key] = functools.partial(self._set_forward, key, modules[name], forward)
+                changes[key] = functools.partial(self._project, key, modules[name], layer.projection_chunks)
         for name in plan.sharded_mixers():
             key = ("sharded", name)
             changes[key] = functools.partial(shard_mixer, self.ledger, key, modules[name], self.state)
@@ -96,8 +95,8 @@ class Patch:
             changes[key] = functools.partial(self._gather, key, modules[gathered.module], gathered.dims)
         return changes
 
-    def _set_forward(self, key: Hashable, module: nn.Module, forward: Callable[[], Callable[..., object]]) -> None:
-        self.ledger.set(key, module, "forward", forward())  # made when set: it wraps the forward the module has then
+    def _project(self, key: Hashable, module: nn.Module, spec: ProjectionChunks) -> None:
+        self.ledger.set(key, module, "forward", projected_forward(module, spec, self.state))
 
     def _whole_sequence_rotary(self, key: Hashable, module: nn.Module) -> None:
         self.ledger.hooks(key, module, "_ulysses_rotary_hooks", *whole_sequence_rotary(module, self.state))

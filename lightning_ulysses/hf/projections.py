@@ -243,11 +243,6 @@ def _attributes(module: nn.Module, values: dict[str, Any]) -> Iterator[None]:
                 del module.__dict__[name]
 
 
-def ulysses_layout(spec: ProjectionChunks, state: PatchState) -> HeadLayout:
-    """The layout of the module's heads over the Ulysses group (the SP group without its ring)."""
-    return plan_heads(spec.heads, spec.kv_heads, state.sp_size // state.group.ring_size)
-
-
 def projected_forward(module: nn.Module, spec: ProjectionChunks, state: PatchState) -> Callable[..., Any]:
     """The forward of an attention ``module`` planned with ``spec``: chunked under sequence parallelism, its own
     otherwise (unpatched, or sequence parallelism disabled)."""
@@ -256,6 +251,7 @@ def projected_forward(module: nn.Module, spec: ProjectionChunks, state: PatchSta
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not state.enabled or state.sp_size == 1:
             return own(*args, **kwargs)
-        return chunked_call(module, spec, ulysses_layout(spec, state), own, args, kwargs)
+        layout = plan_heads(spec.heads, spec.kv_heads, state.group.topology.ulysses_size)  # the heads' all-to-all group
+        return chunked_call(module, spec, layout, own, args, kwargs)
 
     return forward

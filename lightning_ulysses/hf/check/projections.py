@@ -36,7 +36,7 @@ def plan_projection_chunks(model: PreTrainedModel, state: PatchState, whole: Who
     """``plan`` with each attention layer whose projections run inside its head chunks planned so. Collective over
     the SP group (the verdicts are agreed) where ``state.head_chunks`` is set and the Ulysses group has two ranks or
     more."""
-    ulysses_size = state.sp_size // state.group.ring_size
+    ulysses_size = state.group.topology.ulysses_size
     if state.head_chunks is None or ulysses_size == 1 or not plan.layers:
         return plan
     modules = dict(model.named_modules())
