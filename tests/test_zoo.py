@@ -1,12 +1,15 @@
 """The model zoo (see :mod:`tests.zoo`): every causal LM that transformers registers trains exactly like one
-process on the whole sequence under ``UlyssesStrategy(sp_size=2)``, or is refused at set-up.
+process on the whole sequence under ``UlyssesStrategy(sp_size=2)``, or is refused at set-up; and trains so from a
+``save_pretrained`` folder with every memory option on, or is refused at set-up naming the option to drop.
 
-One test per entry, all from one 2-process launch; the table of every entry is printed once. The families whose
-token mixers run head-sharded (:mod:`lightning_ulysses.hf.mixers`) run again at sp=4, from one 4-process launch. An
-entry fails when its verdict is FAIL (ran and differs), ERROR (an exception other than the set-up refusal) or NOT
+One test per entry and setting, all from one 2-process launch; the table of every entry is printed once. The families
+whose token mixers run head-sharded (:mod:`lightning_ulysses.hf.mixers`) run again at sp=4, from one 4-process launch.
+An entry fails when its verdict is FAIL (ran and differs), ERROR (an exception other than the set-up refusal) or NOT
 BUILT (the harness could not build the tiny model or run the plain one: a harness bug to fix), and is skipped when
-building it needs an optional package that is not installed. The control tests check that the harness can fail:
-families known to match pass, and the same model with a wrong SP loss fails.
+building it needs an optional package that is not installed. With every option on it fails unless it PASSes (exact,
+and activation checkpointing and the tiled loss show their effect) or is REFUSED by a message that names an option.
+Each single option runs in ``tests/test_zoo_options.py``. The control tests check that the harness can fail: families
+known to match pass, and the same model with a wrong SP loss fails, with and without the options.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ from tests.zoo import (
     CONTROL_ENTRIES,
     FAIL,
     GATHER,
+    NOT_BUILT,
     PASS,
     REFUSED,
     SHARDED_MIXER_FAMILIES,
     Outcome,
     format_table,
+    option_run_problem,
     run_zoo,
     zoo_entries,
 )
@@ -30,11 +35,12 @@ pytestmark = [pytest.mark.distributed, pytest.mark.zoo]
 
 ENTRIES = [entry.name for entry in zoo_entries() if entry not in CONTROL_ENTRIES]
 KNOWN_TO_MATCH = ["llama", "mistral", "qwen3"]
+EVERY_OPTION = "all options"
 
 
 @pytest.fixture(scope="module")
 def zoo(request: pytest.FixtureRequest) -> dict[str, Outcome]:
-    results = run_zoo()
+    results = run_zoo(settings=[EVERY_OPTION])
     with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
         print("\n" + format_table(results))  # shown also when pytest captures output
     return results
@@ -58,18 +64,29 @@ def test_family_trains_exactly_or_is_refused(zoo: dict[str, Outcome], name: str)
     )
 
 
+@pytest.mark.parametrize("name", ENTRIES)
+def test_family_trains_from_pretrained_with_every_option_or_refuses_one(zoo: dict[str, Outcome], name: str) -> None:
+    outcome = zoo[name]
+    if outcome.verdict in (REFUSED, NOT_BUILT):
+        pytest.skip(f"{name} does not train in the default set-up ({outcome.verdict}): no option runs")
+    problem = option_run_problem(outcome, EVERY_OPTION)
+    assert not problem, f"{name} [{outcome.features}] {problem}"
+
+
 @pytest.mark.parametrize("name", KNOWN_TO_MATCH)
 def test_families_known_to_match_pass(zoo: dict[str, Outcome], name: str) -> None:
     assert zoo[name].verdict == PASS, zoo[name]
 
 
 def test_wrong_sp_loss_fails(zoo: dict[str, Outcome]) -> None:
-    """The control entry doubles the SP loss: the harness must see a loss and an update off by a factor of 2."""
+    """The control entry doubles the SP loss: the harness must see a loss and an update off by a factor of 2, in the
+    default set-up and from the pretrained folder with every option on."""
     for entry in CONTROL_ENTRIES:
         outcome = zoo[entry.name]
-        assert outcome.verdict == FAIL, outcome
-        assert outcome.loss_error == pytest.approx(1.0, rel=1e-3)
-        assert outcome.update_error == pytest.approx(1.0, rel=1e-3)
+        for run in (outcome, outcome.options[EVERY_OPTION]):
+            assert run.verdict == FAIL, run
+            assert run.loss_error == pytest.approx(1.0, rel=1e-3)
+            assert run.update_error == pytest.approx(1.0, rel=1e-3)
 
 
 def test_sharded_mixer_families_are_listed(zoo: dict[str, Outcome]) -> None:

@@ -16,6 +16,19 @@ features on (:mod:`tests.zoo_configs`) and:
   ``REFUSED`` (UnsupportedModelError before any training step), ``FAIL`` (ran and differs), ``ERROR`` (any other
   exception in the SP run) or ``NOT BUILT`` (the tiny config or the plain reference could not be built or run).
 
+The user's path, crossed with the memory options: each entry's tiny model (its perturbed initial weights) is written
+with ``save_pretrained`` to a folder, and the reference is the plain model loaded from there with ``from_pretrained``
+and trained in train mode (every zoo config has dropout 0), checked to hold exactly the saved parameters and buffers.
+For each setting of :data:`OPTION_SETTINGS` (no option, each of ``tiled_loss``, ``tiled_mlp``, ``fused_norms``,
+``head_chunks="auto"``, activation checkpointing with offload, all of them together) an entry that trains in the
+default set-up (``PASS``, ``GATHER``: with ``sequence_mixers="gather"``) trains again, its model loaded on each rank
+with ``from_pretrained`` as a user gets it (eval mode), the loss through
+:meth:`~lightning_ulysses.UlyssesLossMixin.forward_causal_lm_loss` (tiled when ``tiled_loss`` is on). Verdict:
+``PASS`` (exact as above, and activation checkpointing and the tiled loss show their effect: decoder layers, and
+``lm_head``, run again in the backward), ``REFUSED`` (refused at set-up by a message that names an option asked for:
+the one to drop), else ``FAIL`` / ``ERROR`` / ``NOT BUILT`` (the folder could not be written or read back). The
+reference is computed once per entry and serves every setting.
+
 Data: 2 rows of 32 random token ids (no special tokens), labels -100 on a span across the shard border.
 
 All entries run inside one launch of 2 processes, one after the other, each caught on its own. The references are
@@ -25,17 +38,21 @@ the ranks exchange their outcomes on a process group of the harness's own. An en
 releases the others after ``COLLECTIVE_TIMEOUT``; the ranks then make every process group afresh (see
 :class:`_World`), so that no abandoned collective reaches the next entry.
 
-``python -m tests.zoo`` prints the table; ``python -m tests.zoo --markdown docs/model-support.md`` writes the page.
+``python -m tests.zoo`` prints the table (every entry, every option setting; ``--options`` picks settings, none with
+``--options`` alone); ``python -m tests.zoo --markdown docs/model-support.md`` writes the page.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import tempfile
 import time
 import warnings
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -48,6 +65,8 @@ import torch.nn.functional as F
 import transformers
 from torch import Tensor
 from torch.utils.data import DataLoader
+from transformers import PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from lightning_ulysses import IGNORE_INDEX, UlyssesLossMixin, UlyssesStrategy, UnsupportedModelError
@@ -115,9 +134,64 @@ SHARDED_MIXER_FAMILIES = [
     "zamba2",
     "zaya",
 ]
-VARIANT_ENTRIES = [("llama", "rope=dynamic"), ("phi3", "rope=longrope")]
+VARIANT_ENTRIES = [
+    ("llama", "rope=dynamic"),
+    ("phi3", "rope=longrope"),
+    # the families that scale their logits outside lm_head, with the factor their checkpoints set (defaults: 1)
+    *[(model_type, "logits scaled") for model_type in ("granite", "granitemoe", "granitemoeshared")],
+    *[(model_type, "logits scaled") for model_type in ("granitemoehybrid", "falcon_h1", "hyperclovax")],
+    ("gemma4_text", "KV sharing"),
+]
 # entries that check the harness: families known to match must PASS, a wrong SP loss must FAIL
 CONTROL_ENTRIES = [ZooEntry("llama[control: SP loss x2]", "llama", sp_loss_scale=2.0)]
+
+
+# The memory options crossed with the families (each run from a save_pretrained folder loaded with from_pretrained):
+# column name -> UlyssesStrategy keyword arguments. "pretrained" asks for no option: the user's path alone.
+EVERY_OPTION: dict[str, Any] = {
+    "tiled_loss": True,
+    "tiled_mlp": True,
+    "fused_norms": True,
+    "head_chunks": "auto",
+    "activation_checkpointing": True,
+    "offload_activations": True,  # runs on CPU: the kept inputs are already in host memory
+}
+OPTION_SETTINGS: dict[str, dict[str, Any]] = {
+    "pretrained": {},
+    "tiled_loss": {"tiled_loss": True},
+    "tiled_mlp": {"tiled_mlp": True},
+    "fused_norms": {"fused_norms": True},
+    "head_chunks": {"head_chunks": "auto"},
+    "checkpointing": {"activation_checkpointing": True, "offload_activations": True},
+    "all options": EVERY_OPTION,
+}
+SINGLE_OPTION_SETTINGS = [name for name in OPTION_SETTINGS if name != "all options"]
+# The families that the regular suite runs with each single option (every family runs with all options together):
+# one per kind of module an option acts on.
+REPRESENTATIVE_ENTRIES = {
+    "llama": "dense, Llama-like",
+    "qwen3": "dense, sliding windows, QK norms",
+    "mixtral": "MoE",
+    "qwen2_moe": "MoE with a shared expert",
+    "gpt_oss": "MoE block named mlp that returns router scores; attention sinks",
+    "deepseek_v3": "MLA, MoE",
+    "minicpm3": "MLA; hidden states scaled before lm_head",
+    "granite[logits scaled]": "logits divided outside lm_head",
+    "granitemoehybrid[logits scaled]": "gated RMSNorm, Mamba2 mixer, MoE, logits divided outside lm_head",
+    "falcon_h1[logits scaled]": "gated RMSNorm, parallel Mamba2 and attention, logits multiplied outside lm_head",
+    "bamba": "gated RMSNorm, Mamba2 mixer",
+    "zamba2": "gated RMSNorm, shared attention block",
+    "qwen3_next": "gated RMSNorm, linear attention, MoE",
+    "mamba2": "state-space only, gated RMSNorm",
+    "lfm2": "short convolutions, feed-forward not named mlp",
+    "jamba": "Mamba mixer, MoE",
+    "cohere": "LayerNorm, logit_scale",
+    "starcoder2": "LayerNorm, biases, dropout after o_proj",
+    "gpt2": "LayerNorm, Conv1D projections",
+    "gemma3n_text": "KV sharing, final logit soft-cap, AltUp",
+    "gemma4_text[KV sharing]": "KV sharing, MoE, deep stack",
+    "gpt_neo": "GATHER: attention outside the attention interface",
+}
 
 
 def zoo_entries() -> list[ZooEntry]:
@@ -141,6 +215,9 @@ class Outcome:
     sharded_mixers: int = (
         0  # token mixers whose kernels ran head-sharded (lightning_ulysses.hf.mixers.shard_token_mixers)
     )
+    recomputed_layers: int = 0  # decoder layers run again in the backward (activation checkpointing's effect)
+    lm_head_recomputed: bool = False  # the output embedding ran again in the backward (the tiled loss's effect)
+    options: dict[str, Outcome] = field(default_factory=dict)  # the runs from the save_pretrained folder, by setting
 
 
 @dataclass
@@ -156,6 +233,8 @@ class Prepared:
     not_built: str = ""  # why the config or the model could not be built
     missing_package: bool = False  # ... because an optional package is not installed
     reference_failed: str = ""  # why the plain model could not run (the SP run may still be refused)
+    folder: str = ""  # the save_pretrained folder of the initial weights
+    pretrained_failed: str = ""  # why the folder could not be written, or read back into the same model
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,8 +264,10 @@ def build_model(recipe: TinyRecipe) -> tuple[torch.nn.Module, str]:
     return model, attn_implementation
 
 
-def prepare(entry: ZooEntry) -> Prepared:
-    """Build the entry's tiny model and run the reference step (one process, whole sequences)."""
+def prepare(entry: ZooEntry, folder: Path) -> Prepared:
+    """Build the entry's tiny model, write it to ``folder`` with ``save_pretrained`` and run the reference step (one
+    process, whole sequences) on the model loaded back from there with ``from_pretrained``, in train mode (on the
+    built model where the folder does not give it back)."""
     try:
         recipe = tiny_recipe(entry.model_type, entry.variant)
         model, attn_implementation = build_model(recipe)
@@ -195,7 +276,10 @@ def prepare(entry: ZooEntry) -> Prepared:
     except Exception as exc:  # noqa: BLE001 - any failure to build is the entry's NOT BUILT reason
         return Prepared(not_built=_one_line(exc))
     initial = {name: value.detach().clone() for name, value in model.state_dict().items()}
-    prepared = Prepared(recipe, attn_implementation, features(recipe, model), initial)
+    prepared = Prepared(recipe, attn_implementation, features(recipe, model), initial, folder=str(folder))
+    loaded, prepared.pretrained_failed = save_and_reload(model, recipe, attn_implementation, folder)
+    if loaded is not None:
+        model = loaded.train()  # as one process of plain PyTorch trains it
     try:
         loss, params = reference_step(model, reference_batch(recipe))
     except Exception as exc:  # noqa: BLE001 - the plain model cannot train on token ids alone
@@ -206,6 +290,37 @@ def prepare(entry: ZooEntry) -> Prepared:
         return prepared
     prepared.reference_loss, prepared.reference_params = loss.item(), params
     return prepared
+
+
+def load_pretrained(recipe: TinyRecipe, attn_implementation: str, folder: str | Path) -> PreTrainedModel:
+    """The model as a user gets it from a checkpoint folder: ``from_pretrained``, fp32, in eval mode."""
+    return recipe.model_class.from_pretrained(folder, attn_implementation=attn_implementation, dtype=torch.float32)
+
+
+def save_and_reload(
+    model: PreTrainedModel, recipe: TinyRecipe, attn_implementation: str, folder: Path
+) -> tuple[PreTrainedModel | None, str]:
+    """``model`` written to ``folder`` with ``save_pretrained`` and loaded back with :func:`load_pretrained`; ``None``
+    and the reason where that fails or the loaded model differs from ``model`` (:func:`state_difference`)."""
+    try:
+        model.save_pretrained(folder)
+        loaded = load_pretrained(recipe, attn_implementation, folder)
+    except Exception as exc:  # noqa: BLE001 - the family's pretrained runs are NOT BUILT for this reason
+        return None, f"save_pretrained / from_pretrained failed: {_one_line(exc)}"
+    difference = state_difference(model, loaded)
+    return (None, difference) if difference else (loaded, "")
+
+
+def state_difference(saved: torch.nn.Module, loaded: torch.nn.Module) -> str:
+    """Where ``loaded`` is not in ``saved``'s state: parameters and buffers (persistent or not) missing, extra or
+    not equal; ``""`` when it is."""
+    want = dict(saved.named_parameters()) | dict(saved.named_buffers())
+    got = dict(loaded.named_parameters()) | dict(loaded.named_buffers())
+    names = sorted(
+        (want.keys() ^ got.keys())
+        | {name for name in want.keys() & got.keys() if not torch.equal(want[name].detach(), got[name].detach())}
+    )
+    return f"the model loaded from the folder differs from the saved one: {', '.join(names)}"[:300] if names else ""
 
 
 def reference_batch(recipe: TinyRecipe) -> dict[str, Tensor]:
@@ -246,45 +361,93 @@ def _kernel_noise(prepared: Prepared) -> float:
 # the sequence-parallel run
 # ----------------------------------------------------------------------------------------------
 class ZooModule(UlyssesLossMixin, L.LightningModule):
-    """One causal-LM training step: forward with the shard's global position ids, the exact token mean, SGD."""
+    """One causal-LM training step: :meth:`~lightning_ulysses.UlyssesLossMixin.forward_causal_lm_loss` (the shard's
+    global position ids, the exact token mean, the tiled loss when the strategy asks for it), SGD. Counts the calls
+    of the decoder layers' submodules and of the output embedding, to tell which of them the backward ran again."""
 
-    def __init__(self, model: torch.nn.Module, loss_scale: float) -> None:
+    def __init__(self, model: PreTrainedModel, loss_scale: float) -> None:
         super().__init__()
         self.model = model
         self.loss_scale = loss_scale
         self.steps_started = 0
         self.losses: list[float] = []
         self.sharded_mixers = 0  # token mixers running head-sharded in the latest step
+        self.calls: Counter[tuple[str, str]] = Counter()  # (layer, submodule) -> forward calls so far
+        self.forward_calls: Counter[tuple[str, str]] = Counter()  # ... when the latest step's loss was computed
+        # transformers checkpoints a layer's forward, not its __call__: the layer's own hooks do not run again, those
+        # of its submodules do
+        watched = {
+            (f"layer {i}", name): child
+            for i, layer in enumerate(decoder_layers(model))
+            for name, child in layer.named_children()
+        }
+        if isinstance(lm_head := model.get_output_embeddings(), torch.nn.Module):
+            watched["lm_head", ""] = lm_head
+        for key, module in watched.items():
+            module.register_forward_pre_hook(lambda *_, key=key: self.calls.update([key]))
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         self.steps_started += 1
         self.sharded_mixers = sum("_ulysses_mixer_forward" in m.__dict__ for m in self.model.modules())
-        logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        loss = self.causal_lm_loss(logits, batch["shift_labels"]) * self.loss_scale
+        loss = self.forward_causal_lm_loss(self.model, batch) * self.loss_scale
+        self.forward_calls = Counter(self.calls)
         self.losses.append(loss.item())
         return loss
+
+    def recomputed(self) -> set[str]:
+        """The decoder layers (``"layer i"``) every submodule of which that ran in the latest step's forward ran again
+        in its backward (activation checkpointing's effect: a tiled MLP or head chunks recompute parts of a layer
+        only), and ``"lm_head"`` if the output embedding ran again (the tiled loss's)."""
+        ran: dict[str, list[bool]] = {}
+        for (owner, child), count in self.forward_calls.items():
+            ran.setdefault(owner, []).append(self.calls[owner, child] > count)
+        return {owner for owner, again in ran.items() if all(again)}
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=LR)
 
 
-def sp_run(entry: ZooEntry, prepared: Prepared, world_size: int, sequence_mixers: SequenceMixers = "refuse") -> Outcome:
-    """Train the entry one step under UlyssesStrategy and compare it with its reference (this rank's view). A model
-    refused only for token mixers outside attention is run again with ``sequence_mixers="gather"``: ``GATHER`` when
-    that is exact."""
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers that activation checkpointing acts on: transformers' ``GradientCheckpointingLayer`` modules, or
+    where a model has none, every module of an ``nn.ModuleList``."""
+    layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    stacks = [module for module in model.modules() if isinstance(module, torch.nn.ModuleList)]
+    return layers or [layer for stack in stacks for layer in stack]
+
+
+def sp_run(
+    entry: ZooEntry,
+    prepared: Prepared,
+    world_size: int,
+    sequence_mixers: SequenceMixers = "refuse",
+    setting: str | None = None,
+) -> Outcome:
+    """Train the entry one step under UlyssesStrategy and compare it with its reference (this rank's view).
+
+    ``setting`` None: the default set-up, on the model built from the config. A model refused only for token mixers
+    outside attention is run again with ``sequence_mixers="gather"``: ``GATHER`` when that is exact. ``setting`` a
+    key of :data:`OPTION_SETTINGS`: the model loaded from the ``save_pretrained`` folder (in eval mode, as
+    ``from_pretrained`` gives it) with those options; ``REFUSED`` only when refused at set-up by a message that names
+    an option asked for, and ``FAIL`` where the run is exact but an option shows no effect (activation checkpointing
+    ran no decoder layer again in the backward, the tiled loss no ``lm_head`` tile)."""
     assert prepared.recipe is not None
+    options = {} if setting is None else OPTION_SETTINGS[setting]
     strategy = UlyssesStrategy(
         sp_size=world_size,
         stage=2,
         attn_implementation="sdpa",
         timeout=COLLECTIVE_TIMEOUT,
         sequence_mixers=sequence_mixers,
+        **options,
     )
     module: ZooModule | None = None
     refused: Outcome | None = None
     try:
-        model = prepared.recipe.build(prepared.attn_implementation, SEED)
-        model.load_state_dict(prepared.initial)
+        if setting is None:
+            model = prepared.recipe.build(prepared.attn_implementation, SEED)
+            model.load_state_dict(prepared.initial)
+        else:
+            model = load_pretrained(prepared.recipe, prepared.attn_implementation, prepared.folder)
         module = ZooModule(model, entry.sp_loss_scale)
         trainer = L.Trainer(
             accelerator="cpu",
@@ -300,10 +463,14 @@ def sp_run(entry: ZooEntry, prepared: Prepared, world_size: int, sequence_mixers
     except UnsupportedModelError as exc:
         if module is None or module.steps_started:
             return Outcome(ERROR, f"refused inside a training step, not at set-up: {_one_line(exc)}")
+        if setting is not None:
+            return _option_refusal(exc, options)
         refused = Outcome(REFUSED, _refusal_reason(exc))
         if sequence_mixers != "refuse" or "sequence_mixers='gather'" not in str(exc):
             return refused
     except Exception as exc:  # noqa: BLE001 - any other failure of the SP run is the entry's ERROR
+        if options and isinstance(exc, ValueError) and module is not None and not module.steps_started:
+            return _option_refusal(exc, options)  # the memory options refuse at set-up with a ValueError
         plain = f" (the plain model fails too: {prepared.reference_failed})" if prepared.reference_failed else ""
         return Outcome(ERROR, _one_line(exc) + plain)
     finally:
@@ -319,7 +486,48 @@ def sp_run(entry: ZooEntry, prepared: Prepared, world_size: int, sequence_mixers
         return Outcome(ERROR, "the Trainer ran no training step")
     outcome = _compare(module, prepared)
     outcome.sharded_mixers = module.sharded_mixers
+    recomputed = module.recomputed()
+    outcome.recomputed_layers = len(recomputed - {"lm_head"})
+    outcome.lm_head_recomputed = "lm_head" in recomputed
+    missing = _missing_effects(options, outcome)
+    if outcome.verdict == PASS and missing:
+        return replace(outcome, verdict=FAIL, reason=f"exact, but {missing}")
     return outcome
+
+
+def _missing_effects(options: dict[str, Any], outcome: Outcome) -> str:
+    """The asked options whose effect the run does not show, and why; ``""`` when none."""
+    missing = []
+    if options.get("activation_checkpointing") and not outcome.recomputed_layers:
+        missing.append("activation_checkpointing recomputed no decoder layer in the backward")
+    if options.get("tiled_loss") and not outcome.lm_head_recomputed:
+        missing.append("tiled_loss recomputed no lm_head tile in the backward")
+    return "; ".join(missing)
+
+
+def option_run_problem(outcome: Outcome, setting: str) -> str:
+    """What is wrong with an entry's run of ``setting`` (``""``: nothing): it must be ``PASS``, or ``REFUSED`` by a
+    message that names an option the setting asks for."""
+    run = outcome.options[setting]
+    if run.verdict == PASS:
+        return ""
+    named = run.reason.split(": ", 1)[0].split(", ")  # _option_refusal puts the options the message names first
+    if run.verdict == REFUSED and set(named) <= OPTION_SETTINGS[setting].keys():
+        return ""
+    return (
+        f"{setting}: {run.verdict} (loss error {run.loss_error}, update error {run.update_error}, layers recomputed "
+        f"{run.recomputed_layers}, lm_head recomputed {run.lm_head_recomputed}) {run.reason}"
+    )
+
+
+def _option_refusal(exc: Exception, options: dict[str, Any]) -> Outcome:
+    """A set-up refusal of a run with ``options``: ``REFUSED`` when the message names an option asked for (the one to
+    drop), else ``ERROR``."""
+    named = [name for name in options if name in str(exc)]
+    if named:
+        return Outcome(REFUSED, f"{', '.join(named)}: {_refusal_reason(exc)}")
+    asked = ", ".join(options) or "no option"
+    return Outcome(ERROR, f"refused at set-up, naming none of the options asked ({asked}): {_refusal_reason(exc)}")
 
 
 def _compare(module: ZooModule, prepared: Prepared) -> Outcome:
@@ -352,7 +560,7 @@ def _free_process_groups(strategy: UlyssesStrategy) -> None:
         dist.destroy_process_group(group)
 
 
-def _refusal_reason(exc: UnsupportedModelError) -> str:
+def _refusal_reason(exc: Exception) -> str:
     """The refused layers and why (the ``- layer: reason`` lines of the message), else its first sentence."""
     lines = [line.strip()[2:] for line in str(exc).splitlines() if line.strip().startswith("- ")]
     return "; ".join(lines)[:600] if lines else str(exc).split(". ")[0] + "."
@@ -367,27 +575,38 @@ def _one_line(exc: BaseException) -> str:
 # the launch
 # ----------------------------------------------------------------------------------------------
 def zoo_worker(args: dict[str, Any]) -> list[Outcome]:
-    """One rank: prepare its share of the entries, then run every entry's SP step with the other ranks."""
+    """One rank: prepare its share of the entries, then run every entry's SP steps with the other ranks: the default
+    set-up, then each of ``args["settings"]`` (for the entries of ``args["option_entries"]``, None: all) unless the
+    default set-up is refused or not built."""
     _quiet()
     entries: list[ZooEntry] = args["entries"]
+    settings: list[str] = args["settings"]
+    option_entries: set[str] | None = args["option_entries"]
     folder = Path(args["folder"])
-    world = _World(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-    for index in range(world.rank, len(entries), world.size):
-        torch.save(prepare(entries[index]), folder / f"{index}.pt")
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    for index in range(rank, len(entries), size):  # before torch.distributed: save_pretrained writes on its rank 0 only
+        torch.save(prepare(entries[index], folder / str(index)), folder / f"{index}.pt")
+    world = _World(rank, size)
     world.barrier()
     outcomes = []
     for index, entry in enumerate(entries):
-        start = time.perf_counter()
         prepared: Prepared = torch.load(folder / f"{index}.pt", weights_only=False)
         if prepared.not_built:
-            outcome = Outcome(NOT_BUILT, prepared.not_built, missing_package=prepared.missing_package)
+            run = functools.partial(Outcome, NOT_BUILT, prepared.not_built, missing_package=prepared.missing_package)
         else:
-            outcome = sp_run(entry, prepared, world.size)
-        outcome.features, outcome.seconds = prepared.features, time.perf_counter() - start
-        everyone = world.gather(outcome)
-        if any((o.verdict, o.reason) != (outcome.verdict, outcome.reason) for o in everyone):
-            world.renew()  # the ranks parted ways: collectives one of them abandoned must not reach the next entry
-        outcomes.append(merge(everyone))
+            run = functools.partial(sp_run, entry, prepared, world.size)
+        outcome = world.agree(run)
+        outcome.features = prepared.features
+        crossed = option_entries is None or entry.name in option_entries
+        if crossed and outcome.verdict not in (REFUSED, NOT_BUILT):
+            mixers: SequenceMixers = "gather" if outcome.verdict == GATHER else "refuse"
+            for setting in settings:
+                if prepared.pretrained_failed:
+                    run = functools.partial(Outcome, NOT_BUILT, prepared.pretrained_failed)
+                else:
+                    run = functools.partial(sp_run, entry, prepared, world.size, mixers, setting)
+                outcome.options[setting] = world.agree(run)
+        outcomes.append(outcome)
     return outcomes
 
 
@@ -429,10 +648,16 @@ class _World:
     def barrier(self) -> None:
         dist.barrier(group=self.harness)
 
-    def gather(self, outcome: Outcome) -> list[Outcome]:
+    def agree(self, run: Callable[[], Outcome]) -> Outcome:
+        """``run()`` on every rank, timed, merged over the ranks (:func:`merge`)."""
+        start = time.perf_counter()
+        outcome = run()
+        outcome.seconds = time.perf_counter() - start
         everyone: list[Any] = [None] * self.size
         dist.all_gather_object(everyone, outcome, group=self.harness)
-        return everyone
+        if any((o.verdict, o.reason) != (outcome.verdict, outcome.reason) for o in everyone):
+            self.renew()  # the ranks parted ways: collectives one of them abandoned must not reach the next run
+        return merge(everyone)
 
 
 def merge(outcomes: list[Outcome]) -> Outcome:
@@ -451,6 +676,8 @@ def merge(outcomes: list[Outcome]) -> Outcome:
         max(o.seconds for o in outcomes),
         worst.missing_package,
         max(o.sharded_mixers for o in outcomes),
+        max(o.recomputed_layers for o in outcomes),
+        any(o.lm_head_recomputed for o in outcomes),
     )
 
 
@@ -462,13 +689,19 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def run_zoo(entries: list[ZooEntry] | None = None, sp_size: int = SP_SIZE) -> dict[str, Outcome]:
-    """Run the zoo on ``sp_size`` CPU processes (one SP group); entry name -> merged outcome."""
+def run_zoo(
+    entries: list[ZooEntry] | None = None,
+    sp_size: int = SP_SIZE,
+    settings: list[str] | tuple[str, ...] = (),
+    option_entries: set[str] | None = None,
+) -> dict[str, Outcome]:
+    """Run the zoo on ``sp_size`` CPU processes (one SP group); entry name -> merged outcome, whose ``options`` hold
+    the runs of each of ``settings`` (keys of :data:`OPTION_SETTINGS`) for the entries named in ``option_entries``
+    (None: every entry)."""
     entries = zoo_entries() if entries is None else entries
+    args = {"entries": entries, "settings": list(settings), "option_entries": option_entries}
     with tempfile.TemporaryDirectory() as folder:
-        results = launch(
-            "tests.zoo:zoo_worker", sp_size, {"entries": entries, "folder": folder}, timeout=LAUNCH_TIMEOUT_S
-        )
+        results = launch("tests.zoo:zoo_worker", sp_size, {**args, "folder": folder}, timeout=LAUNCH_TIMEOUT_S)
     return {entry.name: outcome for entry, outcome in zip(entries, results[0], strict=True)}
 
 
@@ -476,10 +709,21 @@ def run_zoo(entries: list[ZooEntry] | None = None, sp_size: int = SP_SIZE) -> di
 # reports
 # ----------------------------------------------------------------------------------------------
 def format_table(results: dict[str, Outcome]) -> str:
-    """A plain-text table: entry, features, verdict, loss and update errors, reason; then the verdict counts."""
-    header = ("entry", "features", "verdict", "loss err", "update err", "s", "reason")
+    """A plain-text table: entry, features, verdict, loss and update errors, seconds, each option setting's verdict,
+    reason; then the option runs that did not pass, and the verdict counts."""
+    settings = _settings(results)
+    header = ("entry", "features", "verdict", "loss err", "update err", "s", *settings, "reason")
     rows = [
-        (name, o.features, o.verdict, _error(o.loss_error), _error(o.update_error), f"{o.seconds:.1f}", o.reason)
+        (
+            name,
+            o.features,
+            o.verdict,
+            _error(o.loss_error),
+            _error(o.update_error),
+            f"{o.seconds:.1f}",
+            *[_cell(o, setting) for setting in settings],
+            o.reason,
+        )
         for name, o in results.items()
     ]
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header) - 1)]
@@ -487,14 +731,33 @@ def format_table(results: dict[str, Outcome]) -> str:
         "  ".join(str(cell).ljust(width) for cell, width in zip(row[:-1], widths, strict=True)) + "  " + row[-1]
         for row in [header, *rows]
     ]
-    return "\n".join([*lines, "", _counts(results)])
+    failed = [
+        f"{name} / {setting}: {run.verdict} (loss err {_error(run.loss_error)}, update err {_error(run.update_error)}, "
+        f"{run.seconds:.1f} s) {run.reason}"
+        for name, setting, run in _option_runs(results)
+        if run.verdict != PASS
+    ]
+    counts = [f"{setting}: {_counts(_column(results, setting))}" for setting in settings]
+    return "\n".join([*lines, "", *failed, "", _counts(results), *counts])
 
 
 def markdown_page(results: dict[str, Outcome]) -> str:
-    """The generated model-support page: one row per family (and variant), its verdict and the reason."""
+    """The generated model-support page: one row per family (and variant), its verdict and the reason, a column per
+    option setting; then the option runs that did not pass, with their reasons."""
     controls = {entry.name for entry in CONTROL_ENTRIES}
     shown = {name: outcome for name, outcome in results.items() if name not in controls}
-    rows = [f"| `{name}` | {o.features} | {o.verdict} | {_page_reason(o)} |" for name, o in shown.items()]
+    settings = _settings(shown)
+    rows = [
+        f"| `{name}` | {o.features} | {o.verdict} | {' | '.join(_cell(o, s) for s in settings)}"
+        f"{' | ' if settings else ''}{_page_reason(o)} |"
+        for name, o in shown.items()
+    ]
+    option_rows = [
+        f"| `{name}` | {setting} | {run.verdict} | {_page_reason(run)} |"
+        for name, setting, run in _option_runs(shown)
+        if run.verdict != PASS
+    ]
+    option_counts = [f"- {setting}: {_counts(_column(shown, setting))}" for setting in settings]
     return "\n".join(
         [
             "# Model support",
@@ -517,18 +780,67 @@ def markdown_page(results: dict[str, Outcome]) -> str:
             "**REFUSED**: the strategy refuses the model at set-up, for the reason given (the layer, then why). "
             "Anything else is a bug.",
             "",
+            *_options_explained(settings),
             _counts(shown),
+            *option_counts,
             "",
-            "| family | features | verdict | reason |",
-            "|---|---|---|---|",
+            f"| family | features | verdict | {''.join(f'{s} | ' for s in settings)}reason |",
+            f"|---|---|---|{'---|' * len(settings)}---|",
             *rows,
             "",
+            *(
+                ["## Option runs that did not pass", "", "| family | option | verdict | reason |", "|---|---|---|---|"]
+                + option_rows
+                + [""]
+                if option_rows
+                else []
+            ),
         ]
     )
 
 
+def _options_explained(settings: list[str]) -> list[str]:
+    if not settings:
+        return []
+    asked = "; ".join(
+        f"**{name}**: " + (", ".join(f"`{k}={v!r}`" for k, v in OPTION_SETTINGS[name].items()) or "no option")
+        for name in settings
+    )
+    return [
+        "The option columns take the user's path: the tiny model (its seeded initial weights) written with "
+        "`save_pretrained`, loaded on each rank with `from_pretrained` (in eval mode, as it comes) and trained one "
+        "step with the strategy's memory options, against one process of the plain model loaded from the same folder "
+        f"and trained in train mode (every zoo config has dropout 0). The settings: {asked}. Each is **PASS** "
+        "(exact as above, and the option shows its effect: activation checkpointing runs decoder layers again in the "
+        "backward, the tiled loss runs `lm_head` again per tile) or **REFUSED** at set-up by a message that names the "
+        "option to drop; anything else is a bug. A family refused (or not built) in the default set-up has no option "
+        "runs (-). The test suite runs *all options* for every family and each single option for a representative "
+        f"set of families ({', '.join(f'`{name}`' for name in REPRESENTATIVE_ENTRIES)}: one per kind of module an "
+        "option acts on); every single option for every family runs in the tests marked `slow` and for this page.",
+        "",
+    ]
+
+
+def _settings(results: dict[str, Outcome]) -> list[str]:
+    """The option settings run for any entry, in the order of :data:`OPTION_SETTINGS`."""
+    return [name for name in OPTION_SETTINGS if any(name in o.options for o in results.values())]
+
+
+def _option_runs(results: dict[str, Outcome]) -> list[tuple[str, str, Outcome]]:
+    return [(name, setting, run) for name, o in results.items() for setting, run in o.options.items()]
+
+
+def _column(results: dict[str, Outcome], setting: str) -> dict[str, Outcome]:
+    return {name: o.options[setting] for name, o in results.items() if setting in o.options}
+
+
+def _cell(outcome: Outcome, setting: str) -> str:
+    run = outcome.options.get(setting)
+    return "-" if run is None else run.verdict
+
+
 def _page_reason(outcome: Outcome) -> str:
-    if outcome.verdict == FAIL:
+    if outcome.verdict == FAIL and not outcome.reason:
         return f"loss error {_error(outcome.loss_error)}, update error {_error(outcome.update_error)}"
     return outcome.reason.replace("|", "/")
 
@@ -546,11 +858,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--markdown", type=Path, help="also write the model-support page here")
     parser.add_argument("--sp-size", type=int, default=SP_SIZE, help="processes, all in one SP group (default: 2)")
+    parser.add_argument(
+        "--options",
+        nargs="*",
+        choices=list(OPTION_SETTINGS),
+        default=list(OPTION_SETTINGS),
+        help="option settings to run from the save_pretrained folder (default: all; none: --options with no name)",
+    )
     parser.add_argument("families", nargs="*", help="entries to run (default: all)")
     args = parser.parse_args()
     wanted = set(args.families)
     entries = [e for e in zoo_entries() if not wanted or e.name in wanted or e.model_type in wanted]
-    results = run_zoo(entries, args.sp_size)
+    results = run_zoo(entries, args.sp_size, args.options)
     print(format_table(results))
     if args.markdown:
         args.markdown.write_text(markdown_page(results))

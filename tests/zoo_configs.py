@@ -439,9 +439,24 @@ def _longrope(config: PreTrainedConfig) -> dict[str, Any]:
     return overrides
 
 
+LOGIT_SCALE_FIELDS = ("logits_scaling", "lm_head_multiplier")  # Granite's logits / s, Falcon-H1's and HyperCLOVAX's * s
+
+
+def _logit_scaling(config: PreTrainedConfig) -> dict[str, Any]:
+    """A factor applied to the logits outside ``lm_head``, as the real checkpoints set it (Granite 3: 16; the
+    defaults' 1.0 would hide a loss that skips it)."""
+    scales = {name: 8.0 for name in LOGIT_SCALE_FIELDS if name in _init_fields(type(config))}
+    if not scales:
+        raise ValueError(f"{type(config).__name__} has none of {LOGIT_SCALE_FIELDS}")
+    return scales
+
+
 VARIANTS: dict[str, Callable[[PreTrainedConfig], dict[str, Any]]] = {
     "rope=dynamic": _dynamic_rope,
     "rope=longrope": _longrope,
+    "logits scaled": _logit_scaling,
+    # the last layers reuse the key-value states of earlier ones (Gemma 4's small checkpoints)
+    "KV sharing": lambda config: {"num_kv_shared_layers": 2},
 }
 
 
@@ -671,6 +686,12 @@ def features(recipe: TinyRecipe, model: nn.Module) -> str:
     found += _rope_features(text)
     if any(_field_value(text, name) not in (None, _MISSING) for name in ("attn_logit_softcapping", "logits_soft_cap")):
         found.append("softcap")
+    if _field_value(text, "final_logit_softcapping") not in (None, _MISSING):
+        found.append("logit softcap")
+    if any(_field_value(text, name) not in (None, _MISSING, 1.0) for name in (*LOGIT_SCALE_FIELDS, "logit_scale")):
+        found.append("logits scaled")
+    if _is_int(shared := _field_value(text, "num_kv_shared_layers")) and shared > 0:
+        found.append("KV sharing")
     found += [
         name.removesuffix("_config")
         for name in config.sub_configs

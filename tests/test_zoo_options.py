@@ -1,0 +1,151 @@
+"""The zoo crossed with each memory option (see :mod:`tests.zoo`): a family that trains in the default set-up also
+trains exactly from a ``save_pretrained`` folder loaded with ``from_pretrained`` (eval mode, as users get it) with
+each of ``tiled_loss``, ``tiled_mlp``, ``fused_norms``, ``head_chunks="auto"`` and activation checkpointing with
+offload, and with none ("pretrained"), against one process of the plain model loaded from the same folder in train
+mode; or is refused at set-up by a message that names the option. Every option together runs for every family in
+``tests/test_zoo.py``.
+
+The regular suite runs each option for :data:`~tests.zoo.REPRESENTATIVE_ENTRIES` (one family per kind of module an
+option acts on) in one 2-process launch; the tests marked ``slow`` run each option for every family (``pytest -m slow
+tests/test_zoo_options.py``), as ``python -m tests.zoo --markdown docs/model-support.md`` does for the page. The
+controls show the harness can fail: a wrong SP loss fails under each option; a model loaded from the folder is in the
+state the folder holds (a changed weight is seen); the effect count sees layers recomputed, and none in eval mode.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.zoo import (
+    CONTROL_ENTRIES,
+    FAIL,
+    NOT_BUILT,
+    REFUSED,
+    REPRESENTATIVE_ENTRIES,
+    SINGLE_OPTION_SETTINGS,
+    Outcome,
+    ZooEntry,
+    ZooModule,
+    build_model,
+    decoder_layers,
+    format_table,
+    load_pretrained,
+    option_run_problem,
+    prepare,
+    reference_batch,
+    run_zoo,
+    save_and_reload,
+    state_difference,
+    zoo_entries,
+)
+from tests.zoo_configs import tiny_recipe
+
+ENTRIES = [entry.name for entry in zoo_entries() if entry not in CONTROL_ENTRIES]
+
+
+def _crossing(request: pytest.FixtureRequest, entries: list[ZooEntry]) -> dict[str, Outcome]:
+    results = run_zoo(entries, settings=SINGLE_OPTION_SETTINGS)
+    with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+        print("\n" + format_table(results))  # shown also when pytest captures output
+    return results
+
+
+@pytest.fixture(scope="module")
+def crossing(request: pytest.FixtureRequest) -> dict[str, Outcome]:
+    """Each single option for the representative families and the control entries (one launch)."""
+    entries = [entry for entry in zoo_entries() if entry.name in REPRESENTATIVE_ENTRIES] + CONTROL_ENTRIES
+    return _crossing(request, entries)
+
+
+@pytest.fixture(scope="module")
+def crossing_everywhere(request: pytest.FixtureRequest) -> dict[str, Outcome]:
+    """Each single option for every family (one launch)."""
+    return _crossing(request, zoo_entries())
+
+
+def _assert_option_run(results: dict[str, Outcome], name: str, setting: str) -> None:
+    outcome = results[name]
+    if outcome.verdict in (REFUSED, NOT_BUILT):
+        pytest.skip(f"{name} does not train in the default set-up ({outcome.verdict}): no option runs")
+    problem = option_run_problem(outcome, setting)
+    assert not problem, f"{name} [{outcome.features}] {problem}"
+
+
+def test_representative_entries_are_zoo_entries() -> None:
+    assert set(REPRESENTATIVE_ENTRIES) <= set(ENTRIES)
+
+
+@pytest.mark.distributed
+@pytest.mark.zoo
+@pytest.mark.parametrize("setting", SINGLE_OPTION_SETTINGS)
+@pytest.mark.parametrize("name", list(REPRESENTATIVE_ENTRIES))
+def test_family_trains_from_pretrained_with_the_option_or_refuses_it(
+    crossing: dict[str, Outcome], name: str, setting: str
+) -> None:
+    _assert_option_run(crossing, name, setting)
+
+
+@pytest.mark.distributed
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", SINGLE_OPTION_SETTINGS)
+@pytest.mark.parametrize("name", ENTRIES)
+def test_every_family_trains_from_pretrained_with_the_option_or_refuses_it(
+    crossing_everywhere: dict[str, Outcome], name: str, setting: str
+) -> None:
+    _assert_option_run(crossing_everywhere, name, setting)
+
+
+@pytest.mark.distributed
+@pytest.mark.zoo
+@pytest.mark.parametrize("setting", SINGLE_OPTION_SETTINGS)
+def test_wrong_sp_loss_fails_under_each_option(crossing: dict[str, Outcome], setting: str) -> None:
+    """The control entry doubles the SP loss: every option run from the folder sees it."""
+    for entry in CONTROL_ENTRIES:
+        run = crossing[entry.name].options[setting]
+        assert run.verdict == FAIL, run
+        assert run.loss_error == pytest.approx(1.0, rel=1e-3)
+        assert run.update_error == pytest.approx(1.0, rel=1e-3)
+
+
+def test_folder_gives_back_the_saved_model_in_eval_mode(tmp_path: Path) -> None:
+    """The pretrained runs start from the folder's state, as ``from_pretrained`` gives it (eval mode); the check of
+    that state sees a weight that differs."""
+    recipe = tiny_recipe("llama")
+    model, attn_implementation = build_model(recipe)
+    loaded, why = save_and_reload(model, recipe, attn_implementation, tmp_path)
+    assert loaded is not None, why
+    assert not loaded.training and model.training
+    assert state_difference(model, loaded) == ""
+    with torch.no_grad():
+        model.get_output_embeddings().weight[0, 0] += 1.0
+    assert "lm_head.weight" in state_difference(model, loaded)
+
+
+def test_prepare_writes_the_folder_the_reference_was_loaded_from(tmp_path: Path) -> None:
+    """The reference is the plain model loaded from the entry's folder: its folder holds the initial weights."""
+    prepared = prepare(ZooEntry("llama", "llama"), tmp_path)
+    assert prepared.recipe is not None and not prepared.pretrained_failed and prepared.reference_loss is not None
+    loaded = load_pretrained(prepared.recipe, prepared.attn_implementation, prepared.folder)
+    state = loaded.state_dict()
+    assert state.keys() == prepared.initial.keys()
+    assert all(torch.equal(state[name], prepared.initial[name]) for name in state)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_effect_count_sees_recomputed_layers(train: bool) -> None:
+    """:meth:`ZooModule.recomputed` counts the decoder layers that activation checkpointing runs again in the
+    backward: all of them in train mode, none in eval mode (transformers checkpoints only while training)."""
+    recipe = tiny_recipe("llama")
+    model, _ = build_model(recipe)
+    model.gradient_checkpointing_enable()
+    module = ZooModule(model.train(train), loss_scale=1.0)
+    batch = reference_batch(recipe)
+    batch = {**batch, "position_ids": torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"])}
+    batch["shift_labels"] = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    module.training_step(batch, 0).backward()
+    layers = {f"layer {i}" for i in range(len(decoder_layers(model)))}
+    assert module.recomputed() == (layers if train else set())
