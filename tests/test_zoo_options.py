@@ -19,10 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_ulysses import UnsupportedModelError
 from tests.zoo import (
     CONTROL_ENTRIES,
+    ERROR,
     FAIL,
     NOT_BUILT,
+    PASS,
     REFUSED,
     REPRESENTATIVE_ENTRIES,
     SINGLE_OPTION_SETTINGS,
@@ -33,6 +36,7 @@ from tests.zoo import (
     decoder_layers,
     format_table,
     load_pretrained,
+    option_refusal,
     option_run_problem,
     prepare,
     reference_batch,
@@ -149,3 +153,18 @@ def test_effect_count_sees_recomputed_layers(train: bool) -> None:
     module.training_step(batch, 0).backward()
     layers = {f"layer {i}" for i in range(len(decoder_layers(model)))}
     assert module.recomputed() == (layers if train else set())
+
+
+def test_a_refusal_passes_only_when_it_names_an_option_asked_for() -> None:
+    """A set-up refusal of an option run is accepted when its message names the option to drop, not otherwise (e.g.
+    head chunks refused for "mixing tokens outside attention", which dropping no option the message names fixes)."""
+    named = option_refusal(ValueError("tiled_mlp found no dense MLP in X. Set tiled_mlp=False."), {"tiled_mlp": True})
+    unnamed = option_refusal(
+        UnsupportedModelError("layers.0.self_attn (X): mixes information between tokens outside attention"),
+        {"head_chunks": "auto"},
+    )
+    assert (named.verdict, unnamed.verdict) == (REFUSED, ERROR)
+    outcome = Outcome(PASS, options={"tiled_mlp": named, "head_chunks": unnamed, "tiled_loss": named})
+    assert option_run_problem(outcome, "tiled_mlp") == ""
+    assert option_run_problem(outcome, "head_chunks").startswith("head_chunks: ERROR")
+    assert option_run_problem(outcome, "tiled_loss").startswith("tiled_loss: REFUSED")  # names another option

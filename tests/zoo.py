@@ -464,13 +464,13 @@ def sp_run(
         if module is None or module.steps_started:
             return Outcome(ERROR, f"refused inside a training step, not at set-up: {_one_line(exc)}")
         if setting is not None:
-            return _option_refusal(exc, options)
+            return option_refusal(exc, options)
         refused = Outcome(REFUSED, _refusal_reason(exc))
         if sequence_mixers != "refuse" or "sequence_mixers='gather'" not in str(exc):
             return refused
     except Exception as exc:  # noqa: BLE001 - any other failure of the SP run is the entry's ERROR
         if options and isinstance(exc, ValueError) and module is not None and not module.steps_started:
-            return _option_refusal(exc, options)  # the memory options refuse at set-up with a ValueError
+            return option_refusal(exc, options)  # the memory options refuse at set-up with a ValueError
         plain = f" (the plain model fails too: {prepared.reference_failed})" if prepared.reference_failed else ""
         return Outcome(ERROR, _one_line(exc) + plain)
     finally:
@@ -511,7 +511,7 @@ def option_run_problem(outcome: Outcome, setting: str) -> str:
     run = outcome.options[setting]
     if run.verdict == PASS:
         return ""
-    named = run.reason.split(": ", 1)[0].split(", ")  # _option_refusal puts the options the message names first
+    named = run.reason.split(": ", 1)[0].split(", ")  # option_refusal puts the options the message names first
     if run.verdict == REFUSED and set(named) <= OPTION_SETTINGS[setting].keys():
         return ""
     return (
@@ -520,7 +520,7 @@ def option_run_problem(outcome: Outcome, setting: str) -> str:
     )
 
 
-def _option_refusal(exc: Exception, options: dict[str, Any]) -> Outcome:
+def option_refusal(exc: Exception, options: dict[str, Any]) -> Outcome:
     """A set-up refusal of a run with ``options``: ``REFUSED`` when the message names an option asked for (the one to
     drop), else ``ERROR``."""
     named = [name for name in options if name in str(exc)]
