@@ -34,6 +34,7 @@ from tests.zoo import (
     ZooModule,
     build_model,
     decoder_layers,
+    draws_random_numbers,
     format_table,
     load_pretrained,
     option_refusal,
@@ -168,3 +169,14 @@ def test_a_refusal_passes_only_when_it_names_an_option_asked_for() -> None:
     assert option_run_problem(outcome, "tiled_mlp") == ""
     assert option_run_problem(outcome, "head_chunks").startswith("head_chunks: ERROR")
     assert option_run_problem(outcome, "tiled_loss").startswith("tiled_loss: REFUSED")  # names another option
+
+
+def test_a_model_with_dropout_on_is_seen() -> None:
+    """The zoo's models draw no random numbers in train mode (its configs switch dropout off), and the check that
+    keeps a family with dropout out of the comparison sees dropout that is on."""
+    recipe = tiny_recipe("llama")
+    model, _ = build_model(recipe)
+    batch = reference_batch(recipe)
+    assert not draws_random_numbers(model.train(), batch)
+    model.model.layers[0].self_attn.attention_dropout = 0.5  # read by the eager attention in train mode
+    assert draws_random_numbers(model, batch)

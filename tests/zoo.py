@@ -18,7 +18,8 @@ features on (:mod:`tests.zoo_configs`) and:
 
 The user's path, crossed with the memory options: each entry's tiny model (its perturbed initial weights) is written
 with ``save_pretrained`` to a folder, and the reference is the plain model loaded from there with ``from_pretrained``
-and trained in train mode (every zoo config has dropout 0), checked to hold exactly the saved parameters and buffers.
+and trained in train mode, checked to hold exactly the saved parameters and buffers and to draw no random numbers
+(every zoo config has dropout 0: two train-mode forwards agree).
 For each setting of :data:`OPTION_SETTINGS` (no option, each of ``tiled_loss``, ``tiled_mlp``, ``fused_norms``,
 ``head_chunks="auto"``, activation checkpointing with offload, all of them together) an entry that trains in the
 default set-up (``PASS``, ``GATHER``: with ``sequence_mixers="gather"``) trains again, its model loaded on each rank
@@ -280,6 +281,8 @@ def prepare(entry: ZooEntry, folder: Path) -> Prepared:
     loaded, prepared.pretrained_failed = save_and_reload(model, recipe, attn_implementation, folder)
     if loaded is not None:
         model = loaded.train()  # as one process of plain PyTorch trains it
+    if draws_random_numbers(model, reference_batch(recipe)):
+        return Prepared(not_built="the plain model's train-mode forward is random (dropout or noise left on)")
     try:
         loss, params = reference_step(model, reference_batch(recipe))
     except Exception as exc:  # noqa: BLE001 - the plain model cannot train on token ids alone
@@ -321,6 +324,18 @@ def state_difference(saved: torch.nn.Module, loaded: torch.nn.Module) -> str:
         | {name for name in want.keys() & got.keys() if not torch.equal(want[name].detach(), got[name].detach())}
     )
     return f"the model loaded from the folder differs from the saved one: {', '.join(names)}"[:300] if names else ""
+
+
+def draws_random_numbers(model: torch.nn.Module, batch: dict[str, Tensor]) -> bool:
+    """Whether two train-mode forwards of ``batch`` differ (dropout, router jitter): one step of the SP ranks equals one
+    of a single process only where neither draws, so every zoo config switches them off (:mod:`tests.zoo_configs`).
+    False where the plain model cannot run (its reference step says why)."""
+    try:
+        with torch.no_grad():
+            first, second = (model(input_ids=batch["input_ids"]).logits for _ in range(2))
+    except Exception:  # noqa: BLE001 - the reference step reports the failure
+        return False
+    return not torch.equal(first, second)
 
 
 def reference_batch(recipe: TinyRecipe) -> dict[str, Tensor]:
