@@ -33,9 +33,11 @@ reference is computed once per entry and serves every setting.
 Data: 2 rows of 32 random token ids (no special tokens), labels -100 on a span across the shard border.
 
 All entries run inside one launch of 2 processes, one after the other, each caught on its own. The references are
-split between the two ranks and computed first; each rank saves the recipe, the (perturbed, seeded) initial
-weights and the reference result of its entries to a shared folder, which the SP runs then read. After each entry
-the ranks exchange their outcomes on a process group of the harness's own. An entry that failed on one rank only
+split between the two ranks and computed first, before any process group exists (``save_pretrained`` writes on
+torch.distributed's rank 0 only); each rank saves the recipe, the (perturbed, seeded) initial weights, their
+``save_pretrained`` folder and the reference result of its entries to a shared folder, which the SP runs then read.
+After each run (an entry's default set-up, then each option setting) the ranks exchange their outcomes on a
+process group of the harness's own. An entry that failed on one rank only
 releases the others after ``COLLECTIVE_TIMEOUT``; the ranks then make every process group afresh (see
 :class:`_World`), so that no abandoned collective reaches the next entry.
 
