@@ -139,6 +139,11 @@ class UlyssesStrategy(DeepSpeedStrategy):
             ``sp_size`` times their compute and with their activations at full length).
         **deepspeed_strategy_kwargs: anything :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`
             takes (``stage``, ``config``, offload options, ...).
+
+    Dropout: in training, the transformers models draw their dropout masks from an RNG stream of their SP rank
+    (seeded at set-up from the run's seed and the SP rank; :mod:`lightning_ulysses.hf.dropout`), so the ranks of an
+    SP group draw independent masks for their tokens and heads with one process's keep rate, not one process's bits;
+    everything outside the model's forward keeps the shared generator state.
     """
 
     strategy_name = "ulysses"

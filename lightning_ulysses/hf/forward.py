@@ -9,6 +9,7 @@
 * it reads bidirectional spans from ``token_type_ids`` where the set-up check found the masks make image tokens
   attend to each other both ways (Gemma 3), and refuses ``token_type_ids`` that the masks read otherwise;
 * it switches the KV cache off (it would hold one shard of the sequence);
+* in training it draws its random numbers (dropout) from this SP rank's stream (:mod:`lightning_ulysses.hf.dropout`);
 * once per batch it builds what every layer reuses: the documents, the attention backend's plans for each layer
   pattern, the token mixers' document rows and the tiled MLP's token agreement.
 """
@@ -24,6 +25,7 @@ from transformers import PreTrainedModel
 
 from lightning_ulysses.attention import documents_of, gather_sequence, plan_batch, plan_spans
 from lightning_ulysses.groups import SequenceParallelGroup
+from lightning_ulysses.hf.dropout import forward_draws
 from lightning_ulysses.hf.mixers import plan_document_rows
 from lightning_ulysses.hf.state import PatchState
 
@@ -50,9 +52,11 @@ def guarded_forward(model: PreTrainedModel, state: PatchState) -> Any:
             # would number this shard's tokens from 0)
         if not takes_position_ids:
             kwargs.pop("position_ids", None)
+        draws = forward_draws(state.rng, model, state.depth == 0, state.position_ids)
         state.depth += 1
         try:
-            return forward(*args, **kwargs)
+            with draws:
+                return forward(*args, **kwargs)
         finally:
             state.depth -= 1
 

@@ -12,6 +12,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from lightning_ulysses.attention.head_chunks import HeadChunks
 from lightning_ulysses.groups import SequenceParallelGroups, as_groups
+from lightning_ulysses.hf.dropout import SequenceParallelRNG
 
 SequenceMixers = Literal["refuse", "gather"]
 
@@ -65,6 +66,9 @@ class PatchState:
     head_chunks: HeadChunks | None = None
     """``UlyssesStrategy(head_chunks=...)``: every layer's ``ulysses_attention(head_chunks=...)``
     (:mod:`lightning_ulysses.attention.head_chunks`)."""
+    rng: SequenceParallelRNG | None = None
+    """This SP rank's RNG stream, which the model's forward draws from in training (dropout masks of its own,
+    :mod:`lightning_ulysses.hf.dropout`); ``None`` without sequence parallelism."""
 
     def __post_init__(self) -> None:
         self.group = as_groups(self.group)
