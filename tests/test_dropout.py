@@ -6,7 +6,8 @@ each rank's half of the sequence, and the attention-dropout masks of each rank's
 state each attention call started from). Every mask keeps ``1 - p`` of its elements, and the masks of the two shards
 of one sequence, of heads on different ranks and of successive steps are independent (they agree on about half of
 their elements, where a shared generator makes them agree on all). The forward leaves the shared generator alone.
-With activation checkpointing the recompute draws the forward's masks: the update equals the one without.
+With activation checkpointing the recompute draws the forward's masks: the update equals the one without. A model
+with LayerDrop is refused at set-up on CPU.
 
 The statistics run on ~8k-16k elements per comparison with fixed seeds: each bound is more than 5 standard deviations
 of a fair binomial, so the test cannot flake, and a shared stream (agreement 1.0) fails it by far.
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 from lightning_ulysses import UlyssesStrategy
 from lightning_ulysses.hf.dropout import SequenceParallelRNG, layerdrop_refusal, stream_seed
 from tests.launch import launch
-from tests.test_strategy import _trainer
+from tests.test_strategy import _error, _trainer
 from tests.tiny import TinyCausalLM, collate, make_samples, tiny_llama
 
 SEQ, NUM, BATCH, STEPS, P = 64, 4, 2, 2, 0.5
@@ -115,6 +116,11 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
             "attention": attention.masks if not checkpointed else None,
             "shared_untouched": module.shared_untouched,
         }
+    layerdrop = TinyCausalLM(model_type="opt", layerdrop=0.25)
+    strategy = UlyssesStrategy(sp_size=2, stage=2, attn_implementation="sdpa")
+    loader = torch.utils.data.DataLoader(samples, batch_size=BATCH, collate_fn=collate)
+    result["layerdrop"] = _error(lambda: _trainer(WORLD_SIZE, strategy, max_steps=STEPS).fit(layerdrop, loader))
+    result["layerdrop_steps"] = len(layerdrop.losses)
     return result
 
 
@@ -209,10 +215,18 @@ def test_sp_ranks_seed_streams_of_their_own() -> None:
     assert torch.equal(torch.cat([first, second]), expected)
 
 
+@pytest.mark.distributed
+def test_layerdrop_is_refused_at_set_up_on_cpu(results: list[dict[str, Any]]) -> None:
+    for result in results:
+        assert result["layerdrop"].startswith(
+            "UnsupportedModelError: OPTForCausalLM uses LayerDrop (model.decoder.layerdrop=0.25)"
+        ), result["layerdrop"]
+        assert result["layerdrop_steps"] == 0
+
+
 def test_layerdrop_is_refused_on_cpu_only() -> None:
     model = tiny_llama(model_type="opt", layerdrop=0.25)
     refusal = layerdrop_refusal(model, torch.device("cpu"))
-    assert refusal is not None and refusal.startswith("OPTForCausalLM uses LayerDrop (model.decoder.layerdrop=0.25)")
-    assert "Set the config's layerdrop to 0, or train on CUDA GPUs" in refusal
+    assert refusal is not None and "Set the config's layerdrop to 0, or train on CUDA GPUs" in refusal
     assert layerdrop_refusal(model, torch.device("cuda", 0)) is None
     assert layerdrop_refusal(tiny_llama(model_type="opt"), torch.device("cpu")) is None
