@@ -159,16 +159,19 @@ def _mix(x: Tensor) -> Tensor:
 
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+HASHED_AT_ONCE = 1 << 22
+"""Elements of a tensor hashed per step of :func:`tensor_fingerprint`: bounds its int64 temporaries (a few of 32 MiB)
+whatever the batch holds (a video's pixels)."""
 
 
-def _bits(tensor: Tensor) -> Tensor:
-    """``tensor``'s elements as int64 values: integers and booleans as they are, floating-point (and complex) elements
-    by their bits, so two tensors agree only where every element is bit-identical."""
+def _as_integers(tensor: Tensor) -> Tensor:
+    """``tensor``'s elements as integers without a copy: integers and booleans as they are, floating-point (and
+    complex) elements by their bits, so two tensors agree only where every element is bit-identical."""
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor)
     if tensor.is_floating_point():
         tensor = tensor.view(_INT_OF_WIDTH[tensor.element_size()])  # same width: any layout views
-    return tensor.long()
+    return tensor
 
 
 def tensor_fingerprint(tensor: Tensor) -> Tensor:
@@ -176,12 +179,15 @@ def tensor_fingerprint(tensor: Tensor) -> Tensor:
     without a host sync.
 
     Each element is hashed with its flat position and the hashes are summed (addition modulo 2**64 does not depend
-    on the order of a parallel reduction), so rows that hold the same tokens in another order, or shifted by one
-    column, differ; a plain sum of the values would not tell them apart.
+    on the order of a parallel reduction, nor on how the elements are split into steps), so rows that hold the same
+    tokens in another order, or shifted by one column, differ; a plain sum of the values would not tell them apart.
     """
-    values = _bits(tensor.detach()).reshape(-1)
-    positions = torch.arange(values.numel(), device=values.device)
-    fingerprint = _mix(values * _GOLDEN + positions).sum()
+    values = _as_integers(tensor.detach()).reshape(-1)
+    fingerprint = torch.zeros((), dtype=torch.long, device=values.device)
+    for start in range(0, values.numel(), HASHED_AT_ONCE):
+        part = values[start : start + HASHED_AT_ONCE].long()
+        positions = torch.arange(start, start + part.numel(), device=values.device)
+        fingerprint = fingerprint + _mix(part * _GOLDEN + positions).sum()
     for size in tensor.shape:
         fingerprint = _mix(fingerprint + size)
     return fingerprint

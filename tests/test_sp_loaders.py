@@ -399,6 +399,15 @@ def test_fingerprints_cover_every_tensor_of_a_nested_batch_bit_for_bit() -> None
     ]
 
 
+def test_a_tensor_hashed_in_steps_has_the_fingerprint_of_one_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    pixels = torch.rand(3, 5, 7, generator=torch.Generator().manual_seed(0))
+    whole = sp_loaders.tensor_fingerprint(pixels)
+    monkeypatch.setattr(sp_loaders, "HASHED_AT_ONCE", 4)  # 27 steps, the last one shorter
+    assert sp_loaders.tensor_fingerprint(pixels) == whole
+    swapped = pixels.flatten()[[*range(96), 97, 96, *range(98, 105)]].view(3, 5, 7)  # two elements of a late step
+    assert sp_loaders.tensor_fingerprint(swapped) != whole
+
+
 @pytest.mark.parametrize(
     ("version", "implementation", "can_hang"),
     [
