@@ -351,6 +351,51 @@ def test_a_missing_data_folder_is_refused_in_one_line_before_start_up(tmp_path: 
     ), output
 
 
+UNINSTALL = """
+import importlib.metadata
+import sys
+
+MODULES, DISTRIBUTIONS = ("PIL", "matplotlib"), ("pillow", "matplotlib")
+
+
+class Uninstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in MODULES:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+installed = importlib.metadata.distribution
+importlib.metadata.distribution = lambda name: (
+    installed(name) if name.lower() not in DISTRIBUTIONS else installed("no-such-distribution")
+)
+sys.meta_path.insert(0, Uninstalled())
+"""
+"""A ``sitecustomize`` that makes Pillow (and matplotlib, the dev extra's, which needs it) absent as if uninstalled."""
+
+
+def test_a_missing_optional_package_is_refused_in_one_line_naming_the_pip_install(tmp_path: Path) -> None:
+    """The vision quickstart as a user types it where Pillow is not installed: one line naming the ``pip install``
+    (it was jsonargparse's 40-line traceback). Pillow is a dependency, so the README's install has it: the image
+    processors of transformers have a PIL backend, and torchvision (which must match the torch build) is not needed."""
+    (tmp_path / "sitecustomize.py").write_text(UNINSTALL)
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_ulysses", "fit", "--config", "configs/vlm_sft_quickstart.yaml"],
+        cwd=REPO_ROOT,
+        env={**cli_env(), "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = (result.stdout + result.stderr).strip()
+    assert result.returncode == 2 and output == (
+        "lightning-ulysses: error: Could not load any image processor class for examples/data/vlm/processor: none of "
+        "torchvision, Pillow is installed. Install it: pip install Pillow"
+    ), output
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11
+    declared = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(re.match(r"pillow\b", requirement, re.IGNORECASE) for requirement in declared), declared
+
+
 def test_a_mistyped_key_gets_the_closest_valid_one(
     capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
