@@ -71,6 +71,7 @@ from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove
 from lightning_ulysses.hf.mixers import register_mixer_weights_for_zero3
 from lightning_ulysses.loss import STEP_TOKENS_KEY, LossContext, StepTokenCounts
 from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
+from lightning_ulysses.model_checkpoint import keep_last_checkpoint_current
 from lightning_ulysses.runtime.eval_data import DUPLICATES_KEY, drop_rows, pad_over_dp_ranks
 from lightning_ulysses.runtime.failures import Heartbeat, NonFiniteLoss, NonFiniteLossGuard
 from lightning_ulysses.runtime.load import load_checkpoint
@@ -337,6 +338,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         assert self.lightning_module is not None
+        keep_last_checkpoint_current(trainer.callbacks)
         assert isinstance(self.config, dict)  # DeepSpeedStrategy.__init__ has built or loaded it
         if self.config.get("zero_optimization", {}).get("stage", 0) == 3:
             register_mixer_weights_for_zero3(self.lightning_module)
