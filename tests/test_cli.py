@@ -166,10 +166,10 @@ def test_a_resume_onto_a_new_schedule_length_changes_the_rate_at_the_resumed_ste
 
     from lightning_ulysses.model import _reconcile_schedule
 
-    def resumed() -> torch.optim.lr_scheduler.LambdaLR:
+    def resumed(step: int = 10) -> torch.optim.lr_scheduler.LambdaLR:
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(2, 10, 0.1))
-        for _ in range(10):
+        for _ in range(step):
             optimizer.step(), scheduler.step()
         return scheduler
 
@@ -184,6 +184,9 @@ def test_a_resume_onto_a_new_schedule_length_changes_the_rate_at_the_resumed_ste
     ):
         _reconcile_schedule(scheduler, None, trainer)
     assert scheduler.optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
+    # the README's one-process resume: a second resume, at step 20 of the 10-step schedule, names its own first step
+    with pytest.warns(UserWarning, match="Resumed at step 20 .* this run ends at step 30, so steps 20-29 run at its"):
+        _reconcile_schedule(resumed(20), None, SimpleNamespace(max_steps=30, estimated_stepping_batches=30))
     scheduler = resumed()
     _reconcile_schedule(scheduler, 20, trainer)
     assert scheduler.optimizer.param_groups[0]["lr"] == pytest.approx(2.0 * WarmupCosine(2, 20, 0.1)(10))
@@ -555,6 +558,8 @@ def test_quickstart_commands_as_documented(
     assert lrs == pytest.approx([0.002 * 0.1] * 4, rel=1e-6), lrs
     assert_no_noise(resumed_run)
     assert "decays over 8 optimizer steps; this run ends at step 12" in resumed_run.stderr
+    # the summary counts the steps this run made, beside its tokens (it said 12)
+    assert re.search(r"optimizer steps +4, global steps 8 -> 12\n", resumed_run.stdout + resumed_run.stderr)
     assert "--model.lr_schedule_steps 12" in resumed_run.stderr
     assert "step 12/12" in resumed_run.stdout
     R, checkpoint = resumed, resumed / "checkpoints" / "last.ckpt"  # R=runs/quickstart/version_1
@@ -588,7 +593,7 @@ def test_quickstart_commands_as_documented(
     )  # the saved config's max_steps is reached: it says so and how to go on
     assert "saved at global step 12 and trainer.max_steps=12: nothing is left to train" in line
     assert "--trainer.max_steps 24" in line
-    run_cli(
+    one_process_run = run_cli(
         "fit",
         "--config",
         str(R / "config.yaml"),
@@ -598,6 +603,8 @@ def test_quickstart_commands_as_documented(
         "--trainer.max_steps",
         "14",
     )
+    # its warning names its own first step (it said "steps 8-13" in a run that starts at 12)
+    assert "this run ends at step 14, so steps 12-13 run at its final learning rate" in one_process_run.stderr
     steps = [step for step, _ in logged(tmp_path / "runs" / "quickstart" / "version_2", "train_loss")]
     assert steps == [12, 13], f"the converted checkpoint did not continue at step 12 on one process: {steps}"
     folders = sorted(path.name for path in (tmp_path / "runs" / "quickstart").iterdir())
@@ -676,6 +683,16 @@ def assert_export_equals_the_run(exported: Path, run: Path, val_loss: float) -> 
             AutoTokenizer.from_pretrained(exported)("def f():")["input_ids"] == data.tokenizer("def f():")["input_ids"]
         )
     assert_generation_stops_at(exported, data.tokenizer.eos_token_id)  # ByT5's </s>, 1
+    assert_readable_as_any_model_folder(exported)
+
+
+def assert_readable_as_any_model_folder(exported: Path) -> None:
+    """Every file ``export`` wrote has the permissions of a new file under the umask (0644 under 022); transformers
+    wrote the weights 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {path.name: oct(path.stat().st_mode & 0o777) for path in exported.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {oct(0o666 & ~umask)}, modes
 
 
 def assert_generation_stops_at(exported: Path, end_token_id: int) -> None:
@@ -738,6 +755,7 @@ def test_sft_export_holds_what_the_dpo_quickstart_loads(capsys: pytest.CaptureFi
     module = CausalLM(model=str(exported), pretrained=True, vocab_size=len(sft.tokenizer))
     module.configure_model()  # refuses a folder that lacks or mismatches any weight
     assert_generation_stops_at(exported, sft.tokenizer.convert_tokens_to_ids("<|im_end|>"))  # the chat's end, 256
+    assert_readable_as_any_model_folder(exported)
 
 
 def test_export_stops_generation_at_the_end_of_a_turn_that_is_not_eos() -> None:
