@@ -239,8 +239,8 @@ def _reconcile_schedule(scheduler: LambdaLR, requested_steps: int | None, traine
     end = int(trainer.estimated_stepping_batches) if trainer.max_steps != -1 else None
     if requested_steps is None and end is not None and end != schedule.total_steps:
         final = scheduler.base_lrs[0] * schedule.min_ratio
-        after = (
-            f"steps {schedule.total_steps}-{end - 1} run at its final learning rate {final:.3g}"
+        after = (  # from the later of the schedule's end and this run's first step
+            f"steps {max(schedule.total_steps, step)}-{end - 1} run at its final learning rate {final:.3g}"
             if end > schedule.total_steps
             else f"the run stops at step {end}, before the schedule's end"
         )

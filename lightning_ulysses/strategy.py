@@ -71,9 +71,11 @@ from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove
 from lightning_ulysses.hf.mixers import register_mixer_weights_for_zero3
 from lightning_ulysses.loss import STEP_TOKENS_KEY, LossContext, StepTokenCounts
 from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
+from lightning_ulysses.model_checkpoint import keep_last_checkpoint_current
 from lightning_ulysses.runtime.eval_data import DUPLICATES_KEY, drop_rows, pad_over_dp_ranks
 from lightning_ulysses.runtime.failures import Heartbeat, NonFiniteLoss, NonFiniteLossGuard
 from lightning_ulysses.runtime.load import load_checkpoint
+from lightning_ulysses.runtime.out_of_memory import is_out_of_memory, out_of_memory_advice
 from lightning_ulysses.runtime.preemption import PreemptionSignals
 from lightning_ulysses.runtime.resume import ResumableLoader, is_resumable
 from lightning_ulysses.runtime.save import save_checkpoint
@@ -89,7 +91,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
 
     Args:
         sp_size: ranks that share one sequence (each holds ``1 / sp_size`` of its tokens). The world
-            size (devices x num_nodes) must be a multiple; ``dp_size = world_size / sp_size``.
+            size (devices x num_nodes) must be a multiple (refused when the Trainer is built, before any process
+            starts); ``dp_size = world_size / sp_size``.
             ``"auto"``: all processes of a node (SP inside each node, DP across nodes).
         ring_size: Ulysses x Ring (:mod:`lightning_ulysses.attention.ring`): each SP group runs Ulysses over
             ``sp_size / ring_size`` consecutive ranks (inside a node) and ring attention across ``ring_size`` such
@@ -201,7 +204,18 @@ class UlyssesStrategy(DeepSpeedStrategy):
 
     @property
     def sp_size(self) -> int:
-        return self.topology.sp_size
+        """Ranks that share one sequence: the configured value, also before set-up; ``"auto"`` (the processes of a
+        node) is known once a Trainer holds the strategy."""
+        if self._topology is not None:
+            return self._topology.sp_size
+        if self._requested_sp_size != "auto":
+            return self._requested_sp_size
+        if not self.parallel_devices:
+            raise RuntimeError(
+                "sp_size='auto' is the number of processes per node, known once a Trainer holds this strategy "
+                "(L.Trainer(devices=..., strategy=...)); give an integer sp_size to know it before."
+            )
+        return self.num_processes
 
     @property
     def sp_rank(self) -> int:
@@ -293,18 +307,31 @@ class UlyssesStrategy(DeepSpeedStrategy):
         DDPStrategy.setup_environment(self)
 
     @override
+    def _configure_launcher(self) -> None:
+        # the Trainer's constructor calls it once the processes are known: a layout that cannot run is refused here,
+        # in the user's process, before a launcher starts any other
+        self._layout()
+        super()._configure_launcher()
+
+    def _layout(self) -> tuple[int, int]:
+        """``(sp_size, ring_size)`` with ``"auto"`` resolved from the processes per node; raises ``ValueError`` for a
+        layout that does not fit the world size."""
+        sp_size = self.num_processes if self._requested_sp_size == "auto" else self._requested_sp_size
+        ring_size = self._requested_ring_size
+        if ring_size == "auto":
+            ring_size = auto_ring_size(sp_size, self.num_processes) if self.world_size % sp_size == 0 else 1
+            _check_ring_options(ring_size, sp_size, self._requested_attn_implementation)
+        SequenceParallelTopology(self.world_size, sp_size, 0, ring_size)
+        return sp_size, ring_size
+
+    @override
     def setup_distributed(self) -> None:
         assert self.parallel_devices is not None
         if self.root_device.type == "cuda":
             _validate_device_index_selection(self.parallel_devices)
         reset_seed()
         self.set_world_ranks()
-        # validated before any process group exists, so a bad layout fails fast on every rank alike
-        sp_size = self.num_processes if self._requested_sp_size == "auto" else self._requested_sp_size
-        ring_size = self._requested_ring_size
-        if ring_size == "auto":
-            ring_size = auto_ring_size(sp_size, self.num_processes) if self.world_size % sp_size == 0 else 1
-            _check_ring_options(ring_size, sp_size, self._requested_attn_implementation)
+        sp_size, ring_size = self._layout()
         self._topology = SequenceParallelTopology(self.world_size, sp_size, self.global_rank, ring_size)
         if ring_size > 1:
             _check_ring_kernels(self.root_device, compute_dtype(self.precision_plugin.precision), ring_size)
@@ -342,6 +369,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         assert self.lightning_module is not None
+        keep_last_checkpoint_current(trainer.callbacks)
         assert isinstance(self.config, dict)  # DeepSpeedStrategy.__init__ has built or loaded it
         if self.config.get("zero_optimization", {}).get("stage", 0) == 3:
             register_mixer_weights_for_zero3(self.lightning_module)
@@ -565,7 +593,19 @@ class UlyssesStrategy(DeepSpeedStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """A collective that failed because a peer died names no rank: name the ranks whose heartbeat stopped and
-        the checkpoint to resume from, in the log and as the last line of the traceback (a note on the exception)."""
+        the checkpoint to resume from, in the log and as the last line of the traceback (a note on the exception).
+        Out of memory: rank 0 logs one line with the options that would fit the sequence
+        (:mod:`lightning_ulysses.runtime.out_of_memory`); the exception is raised as it was."""
+        if is_out_of_memory(exception) and self._topology is not None and self.global_rank == 0:
+            advice = out_of_memory_advice(
+                exception,
+                self.memory,
+                self.head_chunks,
+                self.sp_size,
+                self.world_size,
+                self.root_device.type == "cuda",
+            )
+            log.error(advice)
         if isinstance(exception, RuntimeError) and self._heartbeat is not None:
             report = self._heartbeat.dead_ranks_report()
             if report:
