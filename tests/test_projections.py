@@ -191,13 +191,13 @@ TRAINING = CaseTable(
     2,
     {
         "sp2_gemma3n_kv_sharing_head_chunks2": dict(
-            sp=2, stage=3, model=GEMMA3N, strategy=dict(head_chunks=2), projected=True
+            sp=2, stage=1, model=GEMMA3N, strategy=dict(head_chunks=2), projected=True
         ),
         "sp2_gemma3n_kv_sharing_head_chunks_auto": dict(
             sp=2, stage=2, model=GEMMA3N, strategy=dict(head_chunks="auto"), projected=True
         ),
         "sp2_gemma4_kv_sharing_head_chunks2": dict(
-            sp=2, stage=2, model=GEMMA4, strategy=dict(head_chunks=2), projected=True
+            sp=2, stage=3, model=GEMMA4, strategy=dict(head_chunks=2), projected=True
         ),
     },
     also={"residual_dropout": "tests.test_projections:residual_dropout_draws"},
