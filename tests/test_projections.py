@@ -145,6 +145,10 @@ GEMMA4 = dict(KV_SHARING, model_type="gemma4_text", global_head_dim=16)  # full 
 NEITHER_STORES_NOR_REUSES = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
 # residual dropout applied to the output projection's result (p = 0.5), no other dropout
 STARCODER2 = dict(model_type="starcoder2", residual_dropout=0.5, attention_dropout=0.0, embedding_dropout=0.0)
+SEED_OSS = dict(model_type="seed_oss", residual_dropout=0.5, attention_dropout=0.0, head_dim=8)
+GPTJ = dict(
+    model_type="gptj", resid_pdrop=0.5, attn_pdrop=0.0, embd_pdrop=0.0, rotary_dim=4, bos_token_id=0, eos_token_id=0
+)
 
 
 def test_the_check_keeps_attention_only_chunks_where_chunks_write_other_shared_states() -> None:
@@ -166,22 +170,30 @@ def test_the_check_keeps_attention_only_chunks_where_chunks_write_other_shared_s
         assert all(torch.equal(t, b) for t, b in zip(states, before[name], strict=True)), name
 
 
-def test_the_check_keeps_attention_only_chunks_where_the_module_draws_outside_attention() -> None:
-    """Starcoder2's residual dropout on the output projection's result would drop each chunk's partial sum with a mask
-    of its own: with it no layer runs its projections in chunks, without it both do. The check leaves the modules' eval
-    mode and the random number generator's state as they were."""
-    for residual_dropout, expected in ((0.5, []), (0.0, ["model.layers.0.self_attn", "model.layers.1.self_attn"])):
-        model = tiny_llama(**dict(STARCODER2, residual_dropout=residual_dropout))
-        state, whole = _whole_run(model)
+@pytest.mark.parametrize(
+    ("model", "dropout"),
+    [(STARCODER2, "residual_dropout"), (SEED_OSS, "residual_dropout"), (GPTJ, "resid_pdrop")],
+    ids=["starcoder2", "seed_oss", "gptj"],
+)
+def test_the_check_keeps_attention_only_chunks_where_the_module_draws_outside_attention(
+    model: dict[str, Any], dropout: str
+) -> None:
+    """Dropout on the output projection's result (Starcoder2's and Seed-OSS's residual dropout, GPT-J's resid_pdrop)
+    would drop each chunk's partial sum with a mask of its own: with it no layer runs its projections in chunks,
+    without it both do. The check leaves the modules' eval mode and the random number generator's state as they
+    were."""
+    for p, expected in ((0.5, 0), (0.0, 2)):
+        tiny = tiny_llama(**dict(model, **{dropout: p}))
+        state, whole = _whole_run(tiny)
         rng = torch.get_rng_state()
         projected = [
             name
-            for name, module in model.named_modules()
-            if name.endswith("self_attn") and projection_chunks_of(module, name, whole, state, SP) is not None
+            for name, module in tiny.named_modules()
+            if name in whole.heads and projection_chunks_of(module, name, whole, state, SP) is not None
         ]
-        assert projected == expected, residual_dropout
+        assert len(whole.heads) == 2 and len(projected) == expected, (p, projected)
         assert torch.equal(torch.get_rng_state(), rng)
-        assert not any(module.training for module in model.modules())
+        assert not any(module.training for module in tiny.modules())
 
 
 SEQ = 24  # test_attention_training's

@@ -66,7 +66,8 @@ def projection_chunks_of(
     module: nn.Module, name: str, whole: WholeRun, state: PatchState, ulysses_size: int
 ) -> ProjectionChunks | None:
     """This rank's verdict on the attention layer ``name``: its :class:`ProjectionChunks` where its chunks over
-    ``ulysses_size`` ranks sum to its whole-run output, else ``None``. Not collective."""
+    ``ulysses_size`` ranks sum to its own output and write into its arguments what it writes (:func:`chunks_agree`),
+    and it draws no random numbers outside attention (:func:`draws_at_random`), else ``None``. Not collective."""
     calls = whole.calls.get(name)
     if name not in whole.heads or not calls or not calls[0].outputs:
         return None
