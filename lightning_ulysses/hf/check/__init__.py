@@ -20,7 +20,8 @@ queries, keys and values all still matter, but no information moves between toke
    its output depends on the length (dynamic NTK, longrope), it is planned as whole-sequence rotary
    (:func:`~lightning_ulysses.hf.rotary.whole_sequence_rotary`), which must make it exact.
 5. **Projections in head chunks** (``head_chunks`` set, ``sp > 1``): each attention layer whose chunks, run with
-   its projections narrowed to their heads, sum to its own output is planned to run so
+   its projections narrowed to their heads, sum to its own output and write into its arguments what it writes, and
+   which draws no random numbers outside attention, is planned to run so
    (:mod:`~lightning_ulysses.hf.check.projections`).
 6. **As in training**: this rank's shard (the whole sequence at ``sp_size=1``), the real SP group, no masks
    built. With attention token-local, no module's per-token output may differ from the whole run: where
