@@ -12,6 +12,7 @@ of the plain model (loss and update). ``validate`` switches nothing.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -238,12 +239,17 @@ class Recipe(nn.Module):
         self.chosen.model.layers[1].eval()
 
 
-def test_the_rule_switches_loaded_models_and_keeps_frozen_parts_and_a_recipes_modes(tmp_path: Path) -> None:
+def test_the_rule_switches_loaded_models_and_keeps_frozen_parts_and_a_recipes_modes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     tiny_llama().save_pretrained(tmp_path)
     recipe = Recipe(tmp_path)
     assert not any(m.training for m in recipe.policy.modules())  # what from_pretrained returns
 
-    assert train_loaded_models(recipe) == ["policy (LlamaForCausalLM)"]
+    with caplog.at_level(logging.INFO):
+        assert train_loaded_models(recipe) == ["policy (LlamaForCausalLM)"]
+    (line,) = [r.getMessage() for r in caplog.records if "train mode" in r.getMessage()]
+    assert line.startswith("Put policy (LlamaForCausalLM) in train mode") and "policy.model.embed_tokens" in line
     eval_modules = {n for n, m in recipe.named_modules() if not m.training}
     reference = {f"reference{'.' + n if n else ''}" for n, _ in recipe.reference.named_modules()}
     chosen_layer = {
