@@ -41,7 +41,8 @@ def train_loaded_models(module: nn.Module) -> list[str]:
         switched.append(f"{names[id(model)] or 'the model'} ({type(model).__name__})")
         kept += [names[id(sub)] for sub in frozen]
     if switched:
-        frozen_note = f"; its frozen parts stay in eval mode: {', '.join(kept)}" if kept else ""
+        listed = ", ".join(kept[:8]) + (f", ... ({len(kept)} in all)" if len(kept) > 8 else "")
+        frozen_note = f"; frozen parts kept in eval mode: {listed}" if kept else ""
         rank_zero_info(
             f"Put {', '.join(switched)} in train mode: loaded in eval mode (as from_pretrained returns a model), it "
             f"would train without dropout or activation checkpointing{frozen_note}. To train in eval mode on purpose, "
