@@ -104,6 +104,7 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
                 self.model = _load_pretrained(hp.model, self.auto_class, **options)
             else:
                 self.model = self.auto_class.from_config(build_config(hp.model, hp.vocab_size), **options)
+        self.model.train()  # from_pretrained returns it in eval mode: no dropout, no activation checkpointing
         if hp.pretrained:
             model_vocab = self.model.get_input_embeddings().num_embeddings
             if hp.vocab_size is not None and hp.vocab_size > model_vocab:

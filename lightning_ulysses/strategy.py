@@ -20,7 +20,8 @@ What it adds to :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`:
 * a rank that dies is named by the survivors (:class:`~lightning_ulysses.runtime.failures.Heartbeat`);
 * every transformers model inside the LightningModule runs all-to-all attention
   (:mod:`lightning_ulysses.hf`), checked at set-up to run exactly or be refused, optionally with tiled MLPs and
-  checkpointed, offloaded layers (:mod:`lightning_ulysses.memory`);
+  checkpointed, offloaded layers (:mod:`lightning_ulysses.memory`); a model loaded in eval mode (``from_pretrained``)
+  trains in train mode, its frozen parts excepted (:mod:`lightning_ulysses.train_mode`);
 * CPU (gloo) is a supported target next to CUDA (NCCL).
 
 Gradient reduction contract. DeepSpeed is given no SP ``mpu``: under every ZeRO stage it averages
@@ -82,6 +83,7 @@ from lightning_ulysses.runtime.save import save_checkpoint
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
 from lightning_ulysses.sp_loaders import check_sp_group_agreement, sampler_over_dp_ranks, warn_on_forked_workers
 from lightning_ulysses.topology import SequenceParallelTopology, auto_ring_size, divisors
+from lightning_ulysses.train_mode import train_loaded_models
 
 log = logging.getLogger(__name__)
 
@@ -373,6 +375,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
         assert isinstance(self.config, dict)  # DeepSpeedStrategy.__init__ has built or loaded it
         if self.config.get("zero_optimization", {}).get("stage", 0) == 3:
             register_mixer_weights_for_zero3(self.lightning_module)
+        if trainer.state.fn == TrainerFn.FITTING:
+            train_loaded_models(self.lightning_module)  # from_pretrained's eval mode would skip checkpointing, dropout
         super().setup(trainer)
         # after DeepSpeed's engine exists: the set-up check runs a short forward (ZeRO-3 gathers the weights for it)
         apply_ulysses_attention(
