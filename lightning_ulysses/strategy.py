@@ -68,6 +68,7 @@ from lightning_ulysses.attention.head_chunks import HeadChunks, check_head_chunk
 from lightning_ulysses.attention.ring_blocks import check_block_kernels
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses.hf.check.logits import check_tiled_logits
 from lightning_ulysses.hf.mixers import register_mixer_weights_for_zero3
 from lightning_ulysses.loss import STEP_TOKENS_KEY, LossContext, StepTokenCounts
 from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
@@ -350,6 +351,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
             self.sequence_mixers,
             self.head_chunks,
         )
+        if self.memory.tiled_loss:
+            check_tiled_logits(self.lightning_module)  # refuses a model whose logits do not tile
         apply_memory_options(self.lightning_module, self.memory)
         if trainer.state.fn == TrainerFn.FITTING:
             self.nonfinite_loss.setup(self.model)
