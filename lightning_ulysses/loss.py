@@ -132,7 +132,9 @@ class UlyssesLossMixin:
         ignore_index: int = IGNORE_INDEX,
     ) -> Tensor:
         """:meth:`causal_lm_loss` of ``lm_head(hidden_states [B, n, hidden])``, computed in token tiles so that
-        the ``[B * n, vocab]`` logits never exist (each tile's logits are recomputed in the backward).
+        the ``[B * n, vocab]`` logits never exist (each tile's logits are recomputed in the backward). ``lm_head``
+        must make the model's logits: for a transformers model that scales or soft-caps them outside its output
+        embeddings, ``tiled_logit_map(model).head(model.get_output_embeddings())``.
 
         ``num_tiles``: an int, or ``True`` for ``ceil(tokens / hidden)`` agreed over ranks; ``None`` takes the
         strategy's ``tiled_loss`` (``True`` when it is off).

@@ -127,7 +127,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
             ``hidden_size`` tokens) or a number of tiles.
         tiled_loss: number of token tiles (or ``True``: auto) for the logits + loss of
             :meth:`~lightning_ulysses.UlyssesLossMixin.forward_causal_lm_loss`, which then never materialises
-            the ``[tokens, vocab]`` logits.
+            the ``[tokens, vocab]`` logits; each tile gets the scaling or soft-cap the model applies outside
+            ``lm_head``, as the set-up check found it (:mod:`lightning_ulysses.hf.check.logits`), and a model whose
+            logits follow otherwise is refused at set-up.
         activation_checkpointing: keep only each decoder layer's inputs, recompute the layer in the backward.
         offload_activations: keep those inputs in CPU memory (pinned) instead of on the GPU.
         fused_norms: run every RMSNorm whose forward is found (by running it) to compute exactly what

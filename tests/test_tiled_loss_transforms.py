@@ -247,6 +247,7 @@ class TiledLossModule(UlyssesLossMixin, L.LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self.steps_started += 1
         labels = batch["shift_labels"]
         logits = {
             "tiled": self.causal_lm_logits(self.model, batch),
@@ -313,7 +314,7 @@ def test_tiled_loss_equals_one_process(tiled_loss_results: list[dict[str, Any]],
     if name == "token_bias_refused":
         for result in tiled_loss_results:
             got = result[name]
-            assert got.get("steps_started") == 0, "refused at set-up, before any step"
+            assert got.get("steps_started") == 0, "refused at set-up, before any validation or training step"
             assert "TokenBiasedLlama" in got["refused"] and "set tiled_loss=false" in got["refused"].lower(), got
         return
     model = _model(case)

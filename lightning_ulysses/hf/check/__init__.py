@@ -9,23 +9,23 @@ queries, keys and values all still matter, but no information moves between toke
    :func:`~lightning_ulysses.hf.masks.recording_mask_interface`; each attention layer's call is read
    (:func:`~lightning_ulysses.hf.interface.read_layer_call`): the mask pattern it receives (windows and
    chunks applied only through the mask included) and its arguments (sinks; soft-capping, bidirectional
-   attention, model-computed biases are refused). Every module's inputs and outputs are kept.
-2. **Logits** (:mod:`~lightning_ulysses.hf.check.logits`): how the logits follow from the decoder's final hidden
-   states (a constant factor, a tanh soft-cap), which the tiled loss applies per tile; the strategy refuses
+   attention, model-computed biases are refused). Every module's inputs and outputs are kept. From them and one
+   plain forward more: how the logits follow from the decoder's final hidden states (a constant factor, a tanh
+   soft-cap: :mod:`~lightning_ulysses.hf.check.logits`), which the tiled loss applies per tile; the strategy refuses
    ``tiled_loss`` where they follow otherwise.
-3. **Token types.** Where the model takes ``token_type_ids``, the whole-sequence probe runs once more with runs of
+2. **Token types.** Where the model takes ``token_type_ids``, the whole-sequence probe runs once more with runs of
    ``1`` in them: layers whose masks make each run bidirectional (Gemma 3's image tokens) are planned with
    bidirectional spans (:mod:`~lightning_ulysses.hf.check.spans`).
-4. **Position numbering.** The plain model must compute the same with position ids ``0, 1, 2, ...`` as with
+3. **Position numbering.** The plain model must compute the same with position ids ``0, 1, 2, ...`` as with
    its own (RoBERTa counts from ``padding_idx + 1``): sequence parallelism must pass global ones.
-5. **Rotary embeddings** (``sp > 1``): every module that maps ``position_ids`` to a pair of per-token
+4. **Rotary embeddings** (``sp > 1``): every module that maps ``position_ids`` to a pair of per-token
    tensors (cos, sin) is called with positions around each ``max_position`` boundary of the config; where
    its output depends on the length (dynamic NTK, longrope), it is planned as whole-sequence rotary
    (:func:`~lightning_ulysses.hf.rotary.whole_sequence_rotary`), which must make it exact.
-6. **Projections in head chunks** (``head_chunks`` set, ``sp > 1``): each attention layer whose chunks, run with
+5. **Projections in head chunks** (``head_chunks`` set, ``sp > 1``): each attention layer whose chunks, run with
    its projections narrowed to their heads, sum to its own output is planned to run so
    (:mod:`~lightning_ulysses.hf.check.projections`).
-7. **As in training**: this rank's shard (the whole sequence at ``sp_size=1``), the real SP group, no masks
+6. **As in training**: this rank's shard (the whole sequence at ``sp_size=1``), the real SP group, no masks
    built. With attention token-local, no module's per-token output may differ from the whole run: where
    one does, something other than attention moves information between tokens (a convolution over the
    sequence, a recurrent / linear-attention / state-space layer), computes from local token indices, or

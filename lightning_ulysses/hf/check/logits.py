@@ -1,4 +1,4 @@
-"""A step of the set-up check: how the model makes its logits from its decoder's final hidden states, for the tiled loss.
+"""A step of the set-up check: how a model makes its logits from its decoder's final hidden states (tiled loss).
 
 ``UlyssesStrategy(tiled_loss=...)`` never builds the ``[tokens, V]`` logits: it runs the decoder
 (``model.get_decoder()``) and then ``lm_head`` (``model.get_output_embeddings()``) one token tile at a time
