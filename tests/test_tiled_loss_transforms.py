@@ -13,8 +13,9 @@ otherwise is refused at set-up.
   Gemma 3n (a small final soft-cap, tied embeddings, ZeRO-3) train one step with ``tiled_loss`` under
   ``UlyssesStrategy(sp_size=2)`` and equal one process of the plain model (loss rtol 1e-5, update 1e-4); their
   evaluation metrics before the step (a sanity validation) are the same from the tiled logits as from the model's own
-  and equal the plain model's loss; a model that adds a per-token bias to its logits is refused at set-up with
-  ``tiled_loss``, and trains without it.
+  and equal the plain model's loss; a tiny Gemma 3 vision-language model trains two steps with ``tiled_loss``
+  under ZeRO-3 as ``tests/test_vision.py`` checks it without; a model that adds a per-token bias to its logits is
+  refused at set-up with ``tiled_loss``, before any validation or training step, and trains without it.
 """
 
 from __future__ import annotations
@@ -205,6 +206,8 @@ CASES: dict[str, dict[str, Any]] = {
     "falcon_h1_lm_head_multiplier": dict(model_type="falcon_h1", config=dict(lm_head_multiplier=0.3), stage=2),
     # a cap below the tiny model's logits, so that a loss without it would differ
     "gemma3n_softcap": dict(model_type="gemma3n_text", config=dict(final_logit_softcapping=0.3), stage=2),
+    # a vision-language model: the tiled loss of its language model's hidden states, images merged on each shard
+    "gemma3_vision_language_zero3": dict(family="gemma3", sp=2, stage=3),
     "token_bias_refused": dict(model_type="token_biased_llama", stage=2),
     "token_bias_untiled": dict(model_type="token_biased_llama", stage=2, tiled_loss=False),
 }
@@ -272,6 +275,8 @@ class TiledLossModule(UlyssesLossMixin, L.LightningModule):
 def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]:
     import deepspeed
 
+    if "family" in case:
+        return fit_vision_case(case, world_size)
     module = TiledLossModule(_model(case))
     strategy = UlyssesStrategy(
         sp_size=world_size, stage=case["stage"], attn_implementation="sdpa", tiled_loss=case.get("tiled_loss", 3)
@@ -303,6 +308,35 @@ def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]
     }
 
 
+def fit_vision_case(case: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """``tests.test_vision``'s training of a tiny vision-language model, with ``tiled_loss``."""
+    from tests.test_vision import CONFIGS, STEPS, SGDVisionLanguageModel, case_batches, tiny_model
+    from tests.tiny import gathered_parameters
+
+    class Recorded(SGDVisionLanguageModel):
+        def causal_lm_logits(self, model: Any, batch: Any) -> Any:
+            logits = super().causal_lm_logits(model, batch)
+            self.logits_kinds.add(type(logits).__name__)
+            return logits
+
+    module = Recorded(model=CONFIGS[case["family"]])
+    module.model, module.losses, module.logits_kinds = tiny_model(case["family"]), [], set()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=STEPS,
+        logger=False,
+        num_sanity_val_steps=0,
+        strategy=UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa", tiled_loss=3),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, DataLoader(case_batches(case), batch_size=1, collate_fn=lambda items: items[0]))
+    params = gathered_parameters(module.model, case["stage"] == 3)
+    return {"losses": module.losses, "params": params, "logits_kinds": module.logits_kinds}
+
+
 TABLE = CaseTable("tiled_loss_results", "tests.test_tiled_loss_transforms:fit_case", 2, CASES)
 tiled_loss_results = TABLE.fixture()
 
@@ -316,6 +350,12 @@ def test_tiled_loss_equals_one_process(tiled_loss_results: list[dict[str, Any]],
             got = result[name]
             assert got.get("steps_started") == 0, "refused at set-up, before any validation or training step"
             assert "TokenBiasedLlama" in got["refused"] and "set tiled_loss=false" in got["refused"].lower(), got
+        return
+    if "family" in case:
+        from tests.test_vision import check_against_reference
+
+        assert all(result[name]["logits_kinds"] == {"TiledLogits"} for result in tiled_loss_results)
+        check_against_reference(name, case, tiled_loss_results)
         return
     model = _model(case)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
