@@ -54,25 +54,26 @@ def find_logit_map(
     return _agreed(_logit_map(model, whole, input_ids, position_ids), state)
 
 
-def fit_output_map(x: Tensor, y: Tensor, caps: Iterable[float]) -> LogitMap | str:
+def fit_output_map(x: Tensor, y: Tensor, constants: Iterable[float] = ()) -> LogitMap | str:
     """``y`` (the logits) as ``scale * x`` or ``cap * tanh(scale * x / cap)`` of ``x`` (``lm_head``'s output), every
     element to :func:`~lightning_ulysses.hf.check.shard.tolerance` of ``y``'s dtype relative to itself, or what was
-    seen instead. ``caps``: candidate caps besides the largest ``|y|``; ``x`` must have no zero."""
+    seen instead. ``constants`` (the config's): candidate caps besides the largest ``|y|``, and values (or inverses)
+    that a fitted factor is taken as where it is within rounding of one; ``x`` must have no zero."""
     if x.shape != y.shape:
         return f"its logits, shaped {tuple(y.shape)}, are not an element-wise map of lm_head's output {tuple(x.shape)}"
-    tol = tolerance(y.dtype)
+    tol, constants = tolerance(y.dtype), list(constants)
     x, y = x.double().flatten(), y.double().flatten()
     if not torch.isfinite(y).all():
         return "its logits are not finite where lm_head's output is"
-    scale = _factor(x, y)
+    scale = _factor(x, y, constants, tol)
     if _matches(scale * x, y, tol):
         return LogitMap(scale=scale)
     largest = y.abs().max().item()
-    for cap in dict.fromkeys([*caps, largest]):  # in order, each once
+    for cap in dict.fromkeys([*constants, largest]):  # in order, each once
         inner = y.abs() <= cap / 2  # where atanh is well conditioned
         if y.abs().max() > cap * (1 + tol) or not inner.any():
             continue
-        cap_scale = _factor(x[inner], cap * torch.atanh(y[inner] / cap))
+        cap_scale = _factor(x[inner], cap * torch.atanh(y[inner] / cap), constants, tol)
         if _matches(cap * torch.tanh(cap_scale * x / cap), y, tol):
             return LogitMap(scale=cap_scale, cap=cap)
     error = ((scale * x - y).abs() / (scale * x).abs()).max().item()
@@ -145,15 +146,28 @@ def _logit_map(model: PreTrainedModel, whole: WholeRun, input_ids: Tensor, posit
             f"decoder ({names.get(decoder, '?')}) {len(decoder_calls)} times, not once each"
         )
     received, hidden = next(iter(head_calls[0].inputs.values())), decoder_calls[0].outputs[0]
-    input_scale = _factor(hidden.double(), received.double()) if received.shape == hidden.shape else math.nan
+    constants = [
+        value
+        for config in model_configs(model)
+        for value in config.to_dict().values()
+        if isinstance(value, float) and math.isfinite(value) and value > 0
+    ]
+    input_scale = math.nan
+    if received.shape == hidden.shape:
+        input_scale = _factor(hidden.double(), received.double(), constants, tolerance(hidden.dtype))
     if not close(received, (hidden.double() * input_scale).to(hidden.dtype)):
         return "its output embeddings receive other than a constant times its decoder's final hidden states"
-    found = _output_map(model, lm_head, head_calls[0].outputs[0], input_ids, position_ids)
+    found = _output_map(model, lm_head, head_calls[0].outputs[0], input_ids, position_ids, constants)
     return found if isinstance(found, str) else LogitMap(input_scale, found.scale, found.cap)
 
 
 def _output_map(
-    model: PreTrainedModel, lm_head: nn.Module, output: Tensor, input_ids: Tensor, position_ids: Tensor
+    model: PreTrainedModel,
+    lm_head: nn.Module,
+    output: Tensor,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    constants: list[float],
 ) -> LogitMap | str:
     """Step 2 of the module docstring: the map from ``lm_head``'s output to the logits."""
     values = spread_values(output.shape, output.dtype, output.device)
@@ -173,19 +187,16 @@ def _output_map(
         handle.remove()
     if calls != [values.shape] or logits is None:
         return f"its plain forward calls its output embeddings {len(calls)} times, not once on the whole sequence"
-    caps = [
-        value
-        for config in model_configs(model)
-        for value in config.to_dict().values()
-        if isinstance(value, float) and math.isfinite(value) and value > 0
-    ]
-    return fit_output_map(values, logits, caps)
+    return fit_output_map(values, logits, constants)
 
 
-def _factor(x: Tensor, y: Tensor) -> float:
-    """The least-squares ``c`` of ``y = c * x`` (float64 tensors), ``1.0`` where that is within rounding of it."""
+def _factor(x: Tensor, y: Tensor, constants: list[float], tol: float) -> float:
+    """The least-squares ``c`` of ``y = c * x`` (float64 tensors), or the nearest of ``1``, ``constants`` and their
+    inverses where that is within ``tol / 10`` of it (rounding in the model's dtype: Granite's ``1 / 3`` for the
+    ``0.33332`` fitted to bf16 logits)."""
     scale = ((x * y).sum() / (x * x).sum().clamp(min=1e-300)).item()
-    return 1.0 if abs(scale - 1) <= 1e-6 else scale
+    nearest = min([1.0, *constants, *(1 / c for c in constants)], key=lambda c: abs(c - scale))
+    return nearest if abs(nearest - scale) <= tol / 10 * abs(scale) else scale
 
 
 def _matches(expected: Tensor, got: Tensor, tol: float) -> bool:
