@@ -14,14 +14,17 @@ model does is read by running it, not from its config's names:
    every magnitude from ``1e-2`` to ``1e4``, of both signs, in random places (so that a soft-cap shows even where
    the probe's own logits are small). The logits must be ``scale * x`` or ``cap * tanh(scale * x / cap)`` of those
    values ``x``, each logit to the tolerance of the model's dtype (relative to itself: a per-token offset, or a map
-   that mixes logits, shows on the smallest). ``scale`` is fitted; a ``cap`` is one of the config's positive float
-   values or the largest logit seen (where the tanh saturates), then verified like the rest.
+   that mixes logits, shows on the smallest). ``scale`` is fitted by least squares (and taken as ``1``, or as one of
+   the config's positive float values or its inverse, where it is within rounding of it: bf16 logits give Granite's
+   ``1 / 3`` as ``0.33332``); a ``cap`` is one of those values or the largest logit seen (where the tanh
+   saturates). Either is then verified like the rest.
 
 The verdict (a :class:`~lightning_ulysses.logits.LogitMap`, or why the logits cannot be tiled) is the plan's
 ``logits``, the same on every rank of the SP group: the tiled loss applies the map to each tile
 (:func:`tiled_logit_map`), and with ``tiled_loss`` on the strategy refuses a model without one at set-up
 (:func:`check_tiled_logits`). Everything is a Python float decided here: nothing in a training step syncs with the
-host for it.
+host for it. Under ZeRO-3 both forwards gather ``lm_head``'s weight as training does (the hooks see its output
+inside the call), tied embeddings included.
 """
 
 from __future__ import annotations
