@@ -14,7 +14,7 @@ Under autograd each tile is a :func:`torch.utils.checkpoint.checkpoint` region r
 
 Some families make their logits from ``lm_head``'s output, or its input, with more than ``lm_head``: Granite divides
 them by ``logits_scaling``, Cohere and Falcon-H1 multiply them by a constant, MiniCPM3 divides the hidden states before
-``lm_head``, Gemma 2 and Gemma 3n soft-cap them (``cap * tanh(logits / cap)``). Each of these acts on every logit
+``lm_head``, Gemma 3n and RecurrentGemma soft-cap them (``cap * tanh(logits / cap)``). Each of these acts on every logit
 alone, so it applies per tile: a :class:`LogitMap`, which the set-up check finds by running the model
 (:mod:`lightning_ulysses.hf.check.logits`).
 """

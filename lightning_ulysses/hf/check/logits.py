@@ -4,7 +4,7 @@
 (``model.get_decoder()``) and then ``lm_head`` (``model.get_output_embeddings()``) one token tile at a time
 (:mod:`lightning_ulysses.logits`). Families scale or cap the logits outside ``lm_head``: Granite, GraniteMoe,
 GraniteMoeShared and GraniteMoeHybrid divide them by ``logits_scaling``, Cohere, Falcon-H1 and HyperCLOVAX multiply
-them by a constant, MiniCPM3 divides the hidden states before ``lm_head``, Gemma 2 and Gemma 3n soft-cap them. What the
+them by a constant, MiniCPM3 divides the hidden states before ``lm_head``, Gemma 3n and xLSTM soft-cap them. What the
 model does is read by running it, not from its config's names:
 
 1. **What ``lm_head`` receives.** In the whole-sequence run (:mod:`~lightning_ulysses.hf.check.whole`) ``lm_head`` and
