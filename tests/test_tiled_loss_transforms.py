@@ -1,21 +1,22 @@
 """The tiled loss computes the logits each model makes, scaled or soft-capped outside ``lm_head``, or refuses it.
 
 ``UlyssesStrategy(tiled_loss=...)`` runs ``lm_head`` per token tile on the decoder's final hidden states; families
-that scale their logits (Granite's ``logits / logits_scaling``, Cohere's and Falcon-H1's multipliers), scale the hidden
-states before ``lm_head`` (MiniCPM3) or soft-cap the logits (Gemma 2, Gemma 3n) get that map applied per tile, as the
-set-up check finds it by running the model (:mod:`lightning_ulysses.hf.check.logits`); a model whose logits follow
-otherwise is refused at set-up.
+that scale their logits (Granite's ``logits / logits_scaling``, Cohere's, Falcon-H1's and HyperCLOVAX's multipliers),
+scale the hidden states before ``lm_head`` (MiniCPM3) or soft-cap the logits (Gemma 3n) get that map applied per tile,
+as the set-up check finds it by running the model (:mod:`lightning_ulysses.hf.check.logits`); a model whose logits
+follow otherwise is refused at set-up.
 
-* One process: the classifier on constructed maps (identity, factor, soft-cap with and without a factor, in fp32 and
-  bf16, and maps it must refuse), and the map the check finds for tiny models of each family, whose tiled logits must
-  equal the model's own.
-* Two processes (one launch): tiny Granite (``logits_scaling=4``), MiniCPM3, Falcon-H1 (``lm_head_multiplier``) and
-  Gemma 3n (a small final soft-cap, tied embeddings, ZeRO-3) train one step with ``tiled_loss`` under
+* One process: the classifier on constructed maps (identity, factors, soft-caps with and without a factor, in fp32
+  and bf16, and six maps it must refuse); the tiles through a map equal the mapped logits (loss and gradient) without
+  a host sync; the map the check finds for tiny models of each family (fp32 and bf16), whose tiled logits equal the
+  model's own; a toy model with a per-token bias on its logits refused by ``check_tiled_logits``.
+* Two processes (one launch): tiny Granite (``logits_scaling=4``), MiniCPM3 (ZeRO-3, tied embeddings), Falcon-H1
+  (``lm_head_multiplier=0.3``) and Gemma 3n (final soft-cap 0.3) train one step with ``tiled_loss`` under
   ``UlyssesStrategy(sp_size=2)`` and equal one process of the plain model (loss rtol 1e-5, update 1e-4); their
   evaluation metrics before the step (a sanity validation) are the same from the tiled logits as from the model's own
   and equal the plain model's loss; a tiny Gemma 3 vision-language model trains two steps with ``tiled_loss``
-  under ZeRO-3 as ``tests/test_vision.py`` checks it without; a model that adds a per-token bias to its logits is
-  refused at set-up with ``tiled_loss``, before any validation or training step, and trains without it.
+  under ZeRO-3 as ``tests/test_vision.py`` checks it without; the toy model is refused at set-up with
+  ``tiled_loss``, before any validation or training step, and trains without it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -42,8 +44,9 @@ from lightning_ulysses import (
 )
 from lightning_ulysses.hf import unpatched
 from lightning_ulysses.hf.check.logits import check_tiled_logits, fit_output_map, spread_values, tiled_logit_map
-from lightning_ulysses.logits import LogitMap
+from lightning_ulysses.logits import LogitMap, TiledLogits, token_losses
 from tests.cases import CaseTable
+from tests.test_host_syncs import HostSyncs
 from tests.tiny import collate, relative_update_error
 from tests.zoo import LR, ROWS, build_model, make_samples, reference_step
 from tests.zoo_configs import TinyRecipe, tiny_recipe
@@ -99,6 +102,27 @@ def test_fit_output_map_refuses_other_maps(logits_of, seen: str) -> None:
     x = _x()
     found = fit_output_map(x, logits_of(x), [30.0])
     assert isinstance(found, str) and seen in found, found
+
+
+def test_tiles_through_a_map_equal_the_mapped_logits_and_never_sync_with_the_host() -> None:
+    torch.manual_seed(0)
+    lm_head = nn.Linear(16, 50, bias=False)
+    hidden_states = torch.randn(2, 9, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 9))
+    logit_map = LogitMap(input_scale=0.5, scale=0.25, cap=0.7)  # the cap below the logits: it changes the loss
+    expected = F.cross_entropy(
+        (torch.tanh(0.25 * lm_head(0.5 * hidden_states) / 0.7) * 0.7).flatten(0, 1), labels.flatten(), reduction="sum"
+    )
+    expected_grad = torch.autograd.grad(expected, hidden_states)[0]
+    syncs = HostSyncs()
+    with syncs, syncs.methods_counted():
+        loss = token_losses(TiledLogits(hidden_states, logit_map.head(lm_head), 4), labels).sum()
+        grad = torch.autograd.grad(loss, hidden_states)[0]
+    assert not syncs.counts, syncs.counts
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-7)
+    plain = F.cross_entropy(lm_head(hidden_states).flatten(0, 1), labels.flatten(), reduction="sum")
+    assert not torch.isclose(plain, expected, rtol=1e-2)
 
 
 # ----------------------------------------------------------------------------------------------
