@@ -74,7 +74,7 @@ def fit_output_map(x: Tensor, y: Tensor, constants: Iterable[float] = ()) -> Log
     largest = y.abs().max().item()
     for cap in dict.fromkeys([*constants, largest]):  # in order, each once
         inner = y.abs() <= cap / 2  # where atanh is well conditioned
-        if y.abs().max() > cap * (1 + tol) or not inner.any():
+        if largest > cap * (1 + tol) or not inner.any():
             continue
         cap_scale = _factor(x[inner], cap * torch.atanh(y[inner] / cap), constants, tol)
         if _matches(cap * torch.tanh(cap_scale * x / cap), y, tol):
