@@ -18,7 +18,8 @@ from lightning_ulysses.hf import (
     remove_ulysses_attention,
     sequence_parallel_disabled,
 )
-from lightning_ulysses.logits import TiledLogits, tiled_cross_entropy_sum
+from lightning_ulysses.hf.check.logits import tiled_logit_map
+from lightning_ulysses.logits import LogitMap, TiledLogits, tiled_cross_entropy_sum
 from lightning_ulysses.loss import UlyssesLossMixin, token_cross_entropy
 from lightning_ulysses.memory import (
     MemoryOptions,
@@ -55,6 +56,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DPO",
     "HeadLayout",
+    "LogitMap",
     "LongTextDataModule",
     "MemoryOptions",
     "ModelCheckpoint",
@@ -94,6 +96,7 @@ __all__ = [
     "sequence_parallel_disabled",
     "shard_batch",
     "tiled_cross_entropy_sum",
+    "tiled_logit_map",
     "tiled_map",
     "token_cross_entropy",
     "token_log_probs",

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_ulysses.groups import SequenceParallelGroups
+from lightning_ulysses.hf.check.logits import tiled_logit_map
 from lightning_ulysses.logits import Logits, TiledLogits, token_losses
 from lightning_ulysses.memory import TileSetting, resolve_num_tiles
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch
@@ -131,7 +132,9 @@ class UlyssesLossMixin:
         ignore_index: int = IGNORE_INDEX,
     ) -> Tensor:
         """:meth:`causal_lm_loss` of ``lm_head(hidden_states [B, n, hidden])``, computed in token tiles so that
-        the ``[B * n, vocab]`` logits never exist (each tile's logits are recomputed in the backward).
+        the ``[B * n, vocab]`` logits never exist (each tile's logits are recomputed in the backward). ``lm_head``
+        must make the model's logits: for a transformers model that scales or soft-caps them outside its output
+        embeddings, ``tiled_logit_map(model).head(model.get_output_embeddings())``.
 
         ``num_tiles``: an int, or ``True`` for ``ceil(tokens / hidden)`` agreed over ranks; ``None`` takes the
         strategy's ``tiled_loss`` (``True`` when it is off).
@@ -153,27 +156,22 @@ class UlyssesLossMixin:
         the evaluation metrics and :func:`~lightning_ulysses.token_log_probs`.
 
         With the strategy's ``tiled_loss`` on they are :class:`~lightning_ulysses.TiledLogits` of the decoder's
-        hidden states and ``model.get_output_embeddings()`` (the ``[tokens, vocab]`` logits never exist), with the
-        tile count of ``tiled_loss`` (``True``: ``ceil(tokens / hidden)`` agreed over ranks); otherwise the model's
-        own logits.
+        hidden states and ``model.get_output_embeddings()`` followed by the map from its output to the model's logits
+        that the set-up check found (a constant factor, a tanh soft-cap: see
+        :mod:`lightning_ulysses.hf.check.logits`), with the tile count of ``tiled_loss`` (``True``:
+        ``ceil(tokens / hidden)`` agreed over ranks): the ``[tokens, vocab]`` logits never exist. Otherwise the
+        model's own logits.
         """
         inputs = self.model_inputs(model, batch)
         context = self._loss_context()
         if context is None or not context.tiled_loss:
             return model(**inputs).logits
-        config = model.config.get_text_config()
-        for attribute in ("final_logit_softcapping", "logit_scale"):
-            if getattr(config, attribute, None) is not None:
-                raise NotImplementedError(
-                    f"{type(model).__name__} applies {attribute} to its logits, which tiled_loss (logits = lm_head("
-                    "hidden_states)) would skip. Set tiled_loss=False, or call tiled_causal_lm_loss with an lm_head "
-                    "function that applies it."
-                )
+        lm_head = tiled_logit_map(model).head(model.get_output_embeddings())
         hidden_states = model.get_decoder()(**inputs).last_hidden_state
         tiles = resolve_num_tiles(
             context.tiled_loss, hidden_states.shape[:-1].numel(), hidden_states.shape[-1], hidden_states.device
         )
-        return TiledLogits(hidden_states, model.get_output_embeddings(), tiles)
+        return TiledLogits(hidden_states, lm_head, tiles)
 
     def model_inputs(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """The keyword inputs of the model's (and its decoder's) forward: ``input_ids`` and ``position_ids``."""

@@ -69,6 +69,7 @@ from lightning_ulysses.attention.head_chunks import HeadChunks, check_head_chunk
 from lightning_ulysses.attention.ring_blocks import check_block_kernels
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses.hf.check.logits import check_tiled_logits
 from lightning_ulysses.hf.mixers import register_mixer_weights_for_zero3
 from lightning_ulysses.loss import STEP_TOKENS_KEY, LossContext, StepTokenCounts
 from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
@@ -131,7 +132,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
             ``hidden_size`` tokens) or a number of tiles.
         tiled_loss: number of token tiles (or ``True``: auto) for the logits + loss of
             :meth:`~lightning_ulysses.UlyssesLossMixin.forward_causal_lm_loss`, which then never materialises
-            the ``[tokens, vocab]`` logits.
+            the ``[tokens, vocab]`` logits; each tile gets the scaling or soft-cap the model applies outside
+            ``lm_head``, as the set-up check found it (:mod:`lightning_ulysses.hf.check.logits`), and a model whose
+            logits follow otherwise is refused at set-up.
         activation_checkpointing: keep only each decoder layer's inputs, recompute the layer in the backward.
         offload_activations: keep those inputs in CPU memory (pinned) instead of on the GPU.
         fused_norms: run every RMSNorm whose forward is found (by running it) to compute exactly what
@@ -387,6 +390,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
             self.sequence_mixers,
             self.head_chunks,
         )
+        if self.memory.tiled_loss:
+            check_tiled_logits(self.lightning_module)  # refuses a model whose logits do not tile
         apply_memory_options(self.lightning_module, self.memory)
         if trainer.state.fn == TrainerFn.FITTING:
             self.nonfinite_loss.setup(self.model)
