@@ -234,9 +234,8 @@ class UlyssesLossMixin:
         each other); :meth:`teardown` removes that patch."""
         if "shift_labels" in batch:
             return batch
-        with torch.inference_mode(
-            False
-        ):  # the first call runs the set-up check, which validate's inference mode breaks
+        # the first call runs the set-up check, which validate's inference mode breaks
+        with torch.inference_mode(False):
             apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")  # idempotent
         return prepare_batch(batch, sp_size=1)
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader
+from transformers import LlamaForCausalLM
 
 from lightning_ulysses import UlyssesLossMixin, UlyssesStrategy, apply_ulysses_attention, sequence_parallel_disabled
 from tests.cases import CaseTable
@@ -262,3 +263,17 @@ def test_a_model_that_adds_a_router_loss_to_its_loss_is_refused() -> None:
     model(input_ids=IDS, position_ids=POSITIONS, labels=IDS)  # its loss function's loss
     with pytest.raises(ValueError, match="router's auxiliary loss"):  # added to it in place
         model(input_ids=IDS, position_ids=POSITIONS, labels=IDS, output_router_logits=True)
+
+
+def test_a_model_that_computes_its_loss_without_its_loss_function_is_refused() -> None:
+    class OwnLossLlama(LlamaForCausalLM):
+        def forward(self, input_ids: Tensor, position_ids: Tensor, labels: Tensor, **kwargs: Any) -> Any:
+            output = super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
+            output.loss = F.cross_entropy(output.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+            return output
+
+    model = OwnLossLlama(tiny_llama().config)
+    recording = _patched(model)
+    with pytest.raises(ValueError, match="without transformers' loss_function"):
+        model(input_ids=IDS, position_ids=POSITIONS, labels=IDS)
+    assert not recording.calls
