@@ -267,9 +267,12 @@ def test_a_model_that_adds_a_router_loss_to_its_loss_is_refused() -> None:
 
 def test_a_model_that_computes_its_loss_without_its_loss_function_is_refused() -> None:
     class OwnLossLlama(LlamaForCausalLM):
-        def forward(self, input_ids: Tensor, position_ids: Tensor, labels: Tensor, **kwargs: Any) -> Any:
+        def forward(
+            self, input_ids: Tensor, position_ids: Tensor | None = None, labels: Tensor | None = None, **kwargs: Any
+        ) -> Any:
             output = super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
-            output.loss = F.cross_entropy(output.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+            if labels is not None:
+                output.loss = F.cross_entropy(output.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
             return output
 
     model = OwnLossLlama(tiny_llama().config)
