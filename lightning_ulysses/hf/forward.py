@@ -93,8 +93,9 @@ def _forward_with_labels_loss(
             "token mean over the SP group's whole sequences (UlyssesStrategy(loss_normalization='global') for one "
             "token mean over the optimizer step); leave num_items_in_batch out."
         )
+    given_shift_labels = kwargs.get("shift_labels")  # taken from here: a model may not pass them on to its loss
     if kwargs.get("labels") is None:  # transformers computes a loss only when given labels (so does the HF Trainer)
-        kwargs["labels"] = kwargs["shift_labels"]
+        kwargs["labels"] = given_shift_labels
     returned: list[Tensor] = []
     versions: list[int] = []  # of each returned loss: a model may add to it in place (Mixtral's router loss)
 
@@ -106,6 +107,7 @@ def _forward_with_labels_loss(
         shift_labels: Tensor | None = None,
         **_: Any,
     ) -> Tensor:
+        shift_labels = given_shift_labels if shift_labels is None else shift_labels
         returned.append(labels_loss(logits, labels, shift_labels, ignore_index))
         versions.append(returned[-1]._version)
         return returned[-1]
