@@ -30,14 +30,18 @@ gradients over all ``W = dp * sp`` ranks. Rank ``r`` of SP group ``g`` returns t
 
     grad = 1/W * sum_r dL_r/dtheta = 1/dp * sum_g d(sum_{r in g} S_r / T_g)/dtheta = 1/dp * sum_g d(mean_g)/dtheta
 
-which is DDP's average over DP groups of the exact token mean of each group's whole sequences. The
-all-to-all backward routes each rank's loss gradient to the ranks whose activations it used, so the
-sum over ``r`` covers every term. ``sp`` is :attr:`UlyssesStrategy.loss_gradient_scale`, applied by
-:class:`~lightning_ulysses.UlyssesLossMixin`. Gradient accumulation: Lightning already divides each
-micro-batch loss by ``accumulate_grad_batches``, so the engine's second division is switched off. Lightning, not
-DeepSpeed's micro-batch counter, decides which micro-batch ends an optimizer step, as without a strategy: every
+which is DDP's average over DP groups of the exact token mean of each group's whole sequences. The all-to-all
+backward routes each rank's loss gradient to the ranks whose activations it used, so the sum over ``r`` covers every
+term. ``sp`` is :attr:`UlyssesStrategy.loss_gradient_scale`, applied by :class:`~lightning_ulysses.UlyssesLossMixin`
+and by a transformers model called with ``labels=`` (or ``shift_labels=``), whose loss the strategy makes the same
+reduction (:func:`~lightning_ulysses.loss.labels_loss`, the labels shifted over the whole sequence). A training step
+at ``sp > 1`` whose loss went through none of these reductions (a plain mean of this rank's shard) is refused
+(``check_loss_reduction``). Gradient accumulation: Lightning already divides each micro-batch loss by
+``accumulate_grad_batches``, so the engine's second division is switched off. Lightning, not DeepSpeed's micro-batch
+counter, decides which micro-batch ends an optimizer step, as without a strategy: every
 ``accumulate_grad_batches``-th batch of an epoch and the epoch's last one (a shorter last window is applied, not
-carried into the next epoch); the engine is told so before each micro-batch (``set_gradient_accumulation_boundary``).
+carried into the next epoch); the engine is told so before each micro-batch
+(``set_gradient_accumulation_boundary``).
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.hf.check.logits import check_tiled_logits
 from lightning_ulysses.hf.mixers import register_mixer_weights_for_zero3
-from lightning_ulysses.loss import STEP_TOKENS_KEY, LossContext, StepTokenCounts
+from lightning_ulysses.loss import STEP_TOKENS_KEY, LossContext, StepTokenCounts, labels_loss, padding_tokens
 from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
 from lightning_ulysses.model_checkpoint import keep_last_checkpoint_current
 from lightning_ulysses.runtime.eval_data import DUPLICATES_KEY, drop_rows, pad_over_dp_ranks
@@ -87,6 +91,9 @@ from lightning_ulysses.topology import SequenceParallelTopology, auto_ring_size,
 from lightning_ulysses.train_mode import train_loaded_models
 
 log = logging.getLogger(__name__)
+
+PADDING_KEY = "_ulysses_padding"
+"""Prepared-batch entry (added and removed by ``batch_to_device``) that carries the padding tokens through sharding."""
 
 
 class UlyssesStrategy(DeepSpeedStrategy):
@@ -145,6 +152,13 @@ class UlyssesStrategy(DeepSpeedStrategy):
             have one and always use it, see :mod:`lightning_ulysses.hf.mixers`) and that the set-up check finds:
             ``"refuse"`` the model (default), or ``"gather"``: run each on the whole sequence on every rank (exact, at
             ``sp_size`` times their compute and with their activations at full length).
+        check_loss_reduction: refuse (``True``, default) a training step at ``sp_size > 1`` whose loss went through
+            none of the package's exact reductions over the SP group (``UlyssesLossMixin``'s ``causal_lm_loss``,
+            ``forward_causal_lm_loss``, ``reduce_token_loss``; a transformers model called with ``labels=`` or
+            ``shift_labels=``; DPO's): a plain mean such as ``F.cross_entropy(logits, batch["shift_labels"])`` is the
+            mean of this rank's shard, so the logged loss is one shard's and, where the shards' token counts differ,
+            the update is wrong. A flag per step, no extra computation. ``False``: for a ``training_step`` that
+            reduces its loss over the SP group exactly by itself.
         **deepspeed_strategy_kwargs: anything :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`
             takes (``stage``, ``config``, offload options, ...).
 
@@ -170,6 +184,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         fused_norms: bool = False,
         sequence_mixers: SequenceMixers = "refuse",
         head_chunks: HeadChunks | None = None,
+        check_loss_reduction: bool = True,
         **deepspeed_strategy_kwargs: Any,
     ) -> None:
         super().__init__(**deepspeed_strategy_kwargs)
@@ -197,6 +212,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
         self._heartbeat: Heartbeat | None = None
         self._applied_steps = 0  # Lightning's global step once it has counted the last step DeepSpeed applied
         self._repeated_rows: Tensor | None = None  # evaluation / prediction: [B] bool, the current batch's repeats
+        self._padding: Tensor | None = None  # [B, N/sp] bool, the current batch's padding tokens on this rank
+        self.check_loss_reduction = check_loss_reduction
+        self._exact_loss_reductions = 0  # in the running training step (see check_loss_reduction)
 
     # ------------------------------------------------------------------------------------------
     # topology
@@ -264,6 +282,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
     @property
     def loss_context(self) -> LossContext:
         """What :class:`~lightning_ulysses.UlyssesLossMixin` reduces the current batch's loss with (read per batch)."""
+        assert self.lightning_module is not None  # attached by the Trainer before its hooks run
         return LossContext(
             self.groups,
             self.loss_normalization,
@@ -271,7 +290,17 @@ class UlyssesStrategy(DeepSpeedStrategy):
             self.step_valid_tokens,
             self.memory.tiled_loss,
             self._repeated_rows,
+            self._padding,
+            self.lightning_module.trainer.accumulate_grad_batches,
+            self._record_exact_reduction,
         )
+
+    def _record_exact_reduction(self) -> None:
+        self._exact_loss_reductions += 1
+
+    def _labels_loss(self, logits: Tensor, labels: Tensor | None, shift_labels: Tensor | None, ignore: int) -> Tensor:
+        """The loss of a patched model called with ``labels=`` / ``shift_labels=``: the SP-exact token mean."""
+        return labels_loss(self.loss_context, logits, labels, shift_labels, ignore)
 
     @property
     def attn_implementation(self) -> str:
@@ -389,6 +418,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
             self.attn_implementation,
             self.sequence_mixers,
             self.head_chunks,
+            self._labels_loss,
         )
         if self.memory.tiled_loss:
             check_tiled_logits(self.lightning_module)  # refuses a model whose logits do not tile
@@ -466,20 +496,24 @@ class UlyssesStrategy(DeepSpeedStrategy):
             sp_group = self.sp_group
             assert sp_group is not None  # set up, with more than one rank
             check_sp_group_agreement(batch, sp_group, device or self.root_device, loader_name)
-        batch = shard_batch(
-            prepare_batch(batch, self.sp_size, self.ring_size), self.sp_rank, self.sp_size, self.ring_size
-        )
+        prepared = prepare_batch(batch, self.sp_size, self.ring_size)
+        prepared[PADDING_KEY] = padding_tokens(batch, prepared)
+        batch = shard_batch(prepared, self.sp_rank, self.sp_size, self.ring_size)
+        self._padding = batch.pop(PADDING_KEY)
         if self._repeated_rows is not None:  # repeated to even out the DP ranks: no token of theirs counts
             batch["shift_labels"][self._repeated_rows.to(batch["shift_labels"].device)] = IGNORE_INDEX
         return batch
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        self._exact_loss_reductions = 0
         output = super().training_step(*args, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
         if isinstance(loss, Tensor):
             assert self.lightning_module is not None  # attached by the Trainer before its hooks run
             trainer = self.lightning_module.trainer
+            if self.check_loss_reduction and self.sp_size > 1 and not self._exact_loss_reductions:
+                raise RuntimeError(_unreduced_loss_message(self.sp_size, trainer.global_step))
             self.nonfinite_loss.check_loss(loss, trainer.global_step, trainer.fit_loop.epoch_loop.batch_idx)
         return output
 
@@ -685,6 +719,20 @@ def _check_ring_kernels(device: torch.device, dtype: torch.dtype, ring_size: int
             f"exactly here (checked at set-up against float64 attention: {'; '.join(failures)}). Use ring_size=1 "
             "(Ulysses only) on this machine."
         )
+
+
+def _unreduced_loss_message(sp_size: int, step: int) -> str:
+    return (
+        f"The loss of training step {step} went through none of lightning-ulysses' reductions over the SP group "
+        f"(sp_size={sp_size}): each rank holds 1/{sp_size} of every sequence, so a plain mean such as "
+        "F.cross_entropy(logits, batch['shift_labels']) is this rank's shard's (the logged loss is one shard's and, "
+        "where the shards hold different numbers of valid tokens, the update differs from one process on whole "
+        "sequences). Mix UlyssesLossMixin into the LightningModule and return "
+        "self.forward_causal_lm_loss(model, batch), self.causal_lm_loss(logits, batch['shift_labels']) or "
+        "self.reduce_token_loss(loss_sum, num_valid_tokens); or call the transformers model with "
+        "labels=batch['input_ids'] (or shift_labels=batch['shift_labels']) and return its .loss. If the step "
+        "already reduces its loss over the SP group exactly, pass UlyssesStrategy(check_loss_reduction=False)."
+    )
 
 
 def _resume_hint(trainer: Any) -> str:

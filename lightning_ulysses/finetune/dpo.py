@@ -115,6 +115,7 @@ class DPO(CausalLM):
             return local
         total = local.detach().clone()
         dist.all_reduce(total, group=group)  # not autograd: each rank's gradient comes from its own tokens
+        self._record_exact_reduction()
         scaled = local * gradient_scale
         return scaled + (total - scaled).detach()
 

@@ -29,7 +29,7 @@ from lightning_ulysses.hf.apply import Patch, patch_of
 from lightning_ulysses.hf.check import check_model
 from lightning_ulysses.hf.dropout import SequenceParallelRNG, layerdrop_refusal
 from lightning_ulysses.hf.plan import ModelPlan, Refusal
-from lightning_ulysses.hf.state import PatchState, SequenceMixers, UnsupportedModelError, outermost_models
+from lightning_ulysses.hf.state import LabelsLoss, PatchState, SequenceMixers, UnsupportedModelError, outermost_models
 
 
 def apply_ulysses_attention(
@@ -39,6 +39,7 @@ def apply_ulysses_attention(
     core: str,
     sequence_mixers: SequenceMixers = "refuse",
     head_chunks: HeadChunks | None = None,
+    labels_loss: LabelsLoss | None = None,
 ) -> None:
     """Make every transformers ``PreTrainedModel`` inside ``model`` run Ulysses attention over ``group`` (the
     strategy's :class:`~lightning_ulysses.groups.SequenceParallelGroups`, Ulysses x Ring included, or a plain process
@@ -76,6 +77,7 @@ def apply_ulysses_attention(
                 gather_mixers=sequence_mixers == "gather",
                 head_chunks=head_chunks,
                 rng=rng,
+                labels_loss=labels_loss,
             ),
         )
         try:

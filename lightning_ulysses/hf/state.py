@@ -21,6 +21,12 @@ ProbeAttention = Callable[..., Tensor]
 layer computes while the set-up check probes the model (:mod:`lightning_ulysses.hf.check`)."""
 
 
+LabelsLoss = Callable[[Tensor, Tensor | None, Tensor | None, int], Tensor]
+"""``(logits [B, N/sp, V], labels [B, N/sp] | None, shift_labels [B, N/sp] | None, ignore_index) -> loss``: what a
+patched model called with ``labels=`` or ``shift_labels=`` returns as its loss (``UlyssesStrategy`` sets it: the
+SP-exact token mean, :func:`lightning_ulysses.loss.labels_loss`)."""
+
+
 class UnsupportedModelError(ValueError):
     """A model that sequence parallelism cannot run exactly, refused at set-up (before any data or step).
 
@@ -69,6 +75,9 @@ class PatchState:
     rng: SequenceParallelRNG | None = None
     """This SP rank's RNG stream, which the model's forward draws from in training (dropout masks of its own,
     :mod:`lightning_ulysses.hf.dropout`); ``None`` without sequence parallelism."""
+    labels_loss: LabelsLoss | None = None
+    """The loss of a call with ``labels=`` / ``shift_labels=`` (:mod:`lightning_ulysses.hf.forward`); ``None``: the
+    model's own (which would shift the labels inside each shard)."""
 
     def __post_init__(self) -> None:
         self.group = as_groups(self.group)
