@@ -187,10 +187,13 @@ def norm_eps(module: nn.Module) -> float | None:
 
 
 def _stand_in(module: nn.Module, params: dict[str, Tensor]) -> nn.Module:
-    """A shallow copy of ``module`` with ``params`` as its parameters and no hooks."""
+    """A shallow copy of ``module`` with ``params`` as its parameters (those it holds as None kept) and no hooks."""
     stand_in = copy.copy(module)
     stand_in.__dict__.update(
-        _parameters={name: nn.Parameter(p, requires_grad=False) for name, p in params.items()},
+        _parameters={
+            name: None if name not in params else nn.Parameter(params[name], requires_grad=False)
+            for name in module._parameters
+        },
         _forward_hooks=OrderedDict(),
         _forward_pre_hooks=OrderedDict(),
     )

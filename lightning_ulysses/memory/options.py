@@ -166,7 +166,7 @@ def _report(found: list[_Found], options: MemoryOptions, fitting: bool) -> Memor
                 "reproduces bit for bit (a module with a 1-D 'weight', maybe a 'bias', and an 'eps' or "
                 "'variance_epsilon'). Set fused_norms=False."
             )
-        fused = [(n.name, n.module) for n in norms if n.fused]
+        fused = [(n.name, n.module) for n in norms if n.fused and not n.gated]
         native = [(n.name, n.module) for n in norms if not n.fused]
         applies = f"{summarize(fused)} fused" if fused else ""
         if native:
