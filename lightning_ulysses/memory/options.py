@@ -194,7 +194,7 @@ def _checkpointing_row(found: list[_Found], options: MemoryOptions, fitting: boo
             "a model in eval mode and Lightning keeps the mode it finds: call model.train() after loading it, or "
             "set activation_checkpointing=False."
         )
-    what = "checkpointed, inputs offloaded to pinned CPU memory" if options.offload_activations else "checkpointed"
+    what = "checkpointed, their inputs kept in pinned CPU memory (from a GPU)" if options.offload_activations else "checkpointed"
     option = "activation_checkpointing" + (" + offload_activations" if options.offload_activations else "")
     return OptionReport(option, f"{summarize(on)} {what}")
 
