@@ -160,18 +160,19 @@ def _report(found: list[_Found], options: MemoryOptions, fitting: bool) -> Memor
         rows.append(OptionReport(f"tiled_mlp={options.tiled_mlp}", f"{summarize(tiled)} tiled", left))
     if options.fused_norms:
         norms = [n for item in found for n in item.norms]
-        if not norms:
+        fused = [(n.name, n.module) for n in norms if n.fused and not n.gated]
+        native = [(n.name, n.module) for n in norms if not n.fused]
+        gated = tuple(f"{n.name}: called with a gate, runs its own forward there" for n in norms if n.gated)
+        if not fused and not native:
             raise ValueError(
                 f"fused_norms found no RMSNorm or LayerNorm in {_model_names(found)} whose forward a fused norm "
                 "reproduces bit for bit (a module with a 1-D 'weight', maybe a 'bias', and an 'eps' or "
-                "'variance_epsilon'). Set fused_norms=False."
+                f"'variance_epsilon'){' called without a gate' if gated else ''}. Set fused_norms=False."
             )
-        fused = [(n.name, n.module) for n in norms if n.fused and not n.gated]
-        native = [(n.name, n.module) for n in norms if not n.fused]
-        applies = f"{summarize(fused)} fused" if fused else ""
-        if native:
-            applies += ("; " if applies else "") + f"{summarize(native)}: torch's kernel, kept (it saves only the same)"
-        gated = tuple(f"{n.name}: called with a gate, runs its own forward there" for n in norms if n.gated)
+        applies = "; ".join(
+            [f"{summarize(fused)} fused"] * bool(fused)
+            + [f"{summarize(native)}: torch's kernel, kept (it saves only the same)"] * bool(native)
+        )
         rows.append(OptionReport("fused_norms", applies, gated))
     return MemoryReport(rows)
 
@@ -194,7 +195,11 @@ def _checkpointing_row(found: list[_Found], options: MemoryOptions, fitting: boo
             "a model in eval mode and Lightning keeps the mode it finds: call model.train() after loading it, or "
             "set activation_checkpointing=False."
         )
-    what = "checkpointed, their inputs kept in pinned CPU memory (from a GPU)" if options.offload_activations else "checkpointed"
+    what = (
+        "checkpointed, their inputs kept in pinned CPU memory (from a GPU)"
+        if options.offload_activations
+        else "checkpointed"
+    )
     option = "activation_checkpointing" + (" + offload_activations" if options.offload_activations else "")
     return OptionReport(option, f"{summarize(on)} {what}")
 
