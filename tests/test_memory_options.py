@@ -172,7 +172,7 @@ def test_a_feed_forward_that_is_not_token_wise_is_not_tiled_and_named(make: type
     model.model.layers[1].mlp = make(model.config.hidden_size)
     report = apply_memory_options(model, MemoryOptions(tiled_mlp=2))
     (row,) = report.rows
-    assert "model.layers.*.mlp (LlamaMLP) tiled" in row.applies  # layer 0's; layer 1's is left whole
+    assert row.applies == "model.layers.0.mlp (LlamaMLP) tiled"  # layer 1's is left whole
     (left,) = row.left_out
     assert left.startswith(f"model.layers.1.mlp ({make.__name__})") and problem in left
     assert "forward" in model.model.layers[0].mlp.__dict__ and "forward" not in model.model.layers[1].mlp.__dict__
@@ -234,3 +234,25 @@ def test_a_frozen_model_in_eval_mode_next_to_a_trained_one_is_accepted() -> None
         nn.ModuleDict({"policy": policy, "reference": reference}), MemoryOptions(activation_checkpointing=True)
     )
     assert report.rows[0].applies == "model.layers.* (LlamaDecoderLayer) x2 checkpointed"
+
+
+def test_report_reads_the_head_chunk_plan_and_the_tiled_loss() -> None:
+    from lightning_ulysses.hf.masks import MaskPattern
+    from lightning_ulysses.hf.plan import LayerPlan, ModelPlan, ProjectionChunks
+    from lightning_ulysses.memory import MemoryReport, head_chunks_row, tiled_loss_row
+
+    projected = ProjectionChunks(2, "q_proj", "k_proj", "v_proj", "o_proj", (), (), 4, 2, 8, 8)
+    plan = ModelPlan(
+        layers=(
+            ("model.layers.0.self_attn", LayerPlan(MaskPattern(), projection_chunks=projected)),
+            ("model.layers.1.self_attn", LayerPlan(MaskPattern(), projection_chunks=projected)),
+            ("model.layers.2.self_attn", LayerPlan(MaskPattern())),
+        )
+    )
+    report = MemoryReport([head_chunks_row([plan], 2), tiled_loss_row(True, logits_transform="divided by 4.0")])
+    assert report.table().splitlines()[3:] == [
+        "| head_chunks=2 | 3 attention layers: 2 projected per chunk | model.layers.2.self_attn: chunked attention "
+        "only (projections not per head) |",
+        "| tiled_loss=True | lm_head + cross entropy of forward_causal_lm_loss in tiles of hidden_size tokens, each "
+        "tile's logits divided by 4.0 | - |",
+    ]

@@ -7,7 +7,6 @@ Module paths are summarised by pattern: ``model.layers.0.mlp`` ... ``model.layer
 from __future__ import annotations
 
 import re
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -37,9 +36,25 @@ class MemoryReport:
 
 
 def summarize(modules: Iterable[tuple[str, nn.Module]]) -> str:
-    """``model.layers.*.mlp (LlamaMLP) x4, ...``: module paths with layer numbers folded, by class."""
-    counts = Counter((re.sub(r"\.\d+(?=\.|$)", ".*", name), type(module).__name__) for name, module in modules)
-    return ", ".join(f"{path} ({cls}) x{n}" if n > 1 else f"{path} ({cls})" for (path, cls), n in counts.items())
+    """``model.layers.*.mlp (LlamaMLP) x4, ...``: module paths with layer numbers folded, by class (a path that occurs
+    once is shown whole)."""
+    return _folded((name, f" ({type(module).__name__})") for name, module in modules)
+
+
+def summarize_names(names: Iterable[str]) -> str:
+    """``model.layers.*.mlp x4, ...``: module paths with layer numbers folded (a path that occurs once is shown
+    whole)."""
+    return _folded((name, "") for name in names)
+
+
+def _folded(items: Iterable[tuple[str, str]]) -> str:
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, suffix in items:
+        groups.setdefault((re.sub(r"\.\d+(?=\.|$)", ".*", name), suffix), []).append(name)
+    return ", ".join(
+        f"{names[0]}{suffix}" if len(names) == 1 else f"{path}{suffix} x{len(names)}"
+        for (path, suffix), names in groups.items()
+    )
 
 
 def head_chunks_row(plans: list[ModelPlan], head_chunks: int | str) -> OptionReport:
@@ -63,9 +78,3 @@ def tiled_loss_row(setting: int | bool, logits_transform: str | None = None) -> 
     if logits_transform:
         applies += f", each tile's logits {logits_transform}"
     return OptionReport(f"tiled_loss={setting}", applies)
-
-
-def summarize_names(names: list[str]) -> str:
-    """``model.layers.*.mlp x4, ...``: module paths with layer numbers folded."""
-    folded = Counter(re.sub(r"\.\d+(?=\.|$)", ".*", name) for name in names)
-    return ", ".join(f"{path} x{n}" if n > 1 else path for path, n in folded.items())
