@@ -8,7 +8,9 @@ checkpointed layer is recomputed for its backward, which is where long-context t
 output) and keep the input, the parameters and the ``[tokens, 1]`` per-token statistics (reciprocal RMS; mean and
 reciprocal standard deviation); their backward is the closed form.
 
-Which modules are such norms is found by what they do (:func:`norm_form`): a module with a 1-D ``weight`` (and
+Mamba 2's gated RMSNorm (``x * silu(gate)`` normalised in groups) is :func:`gated_rms_norm`, found by calling the
+module with a gate (:func:`gated_norm_groups`). Which modules are such norms is found by what they do
+(:func:`norm_form`): a module with a 1-D ``weight`` (and
 optionally a 1-D ``bias``) and an epsilon attribute whose own forward, run on probe inputs, gives bit for bit the
 output of one of the :data:`FORMS`. A module that computes ``torch.nn.functional.layer_norm`` (``nn.LayerNorm``) is
 found as ``"native_layer_norm"``: torch's kernel already keeps only the input and the per-token statistics, so it is
@@ -53,6 +55,13 @@ def layer_norm(
     (one of :data:`LAYER_NORM_FORMS`), keeping only ``x``, the mean and the reciprocal standard deviation
     (``[..., 1]`` each) for the backward."""
     return _FusedLayerNorm.apply(x, weight, bias, eps, form)
+
+
+def gated_rms_norm(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, groups: int = 1) -> Tensor:
+    """Mamba 2's gated RMSNorm: ``u = x.float() * silu(gate.float())`` (``x.float()`` without a gate), normalised
+    over ``groups`` equal groups of its last dimension, ``weight * uhat.to(x.dtype)``; keeping only ``x``, ``gate``
+    and the reciprocal RMS ``[..., groups, 1]`` for the backward."""
+    return _FusedGatedRMSNorm.apply(x, gate, weight, eps, groups)
 
 
 def fused_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, form: NormForm) -> Tensor:
@@ -120,6 +129,41 @@ class _FusedLayerNorm(torch.autograd.Function):
         return grad_x.to(x.dtype), grad_weight, grad_bias, None, None
 
 
+class _FusedGatedRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, groups: int) -> Tensor:
+        u = _gated(x, gate)
+        grouped = u.view(*u.shape[:-1], groups, u.shape[-1] // groups)
+        rstd = torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, gate, weight, rstd)
+        return weight * (grouped * rstd).view(u.shape).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        """RMSNorm's closed form per group for ``du``, then ``dx = du * silu(gate)`` and
+        ``dgate = du * x * silu'(gate)``, ``silu'(z) = sigmoid(z) * (1 + z * (1 - sigmoid(z)))``."""
+        x, gate, weight, rstd = ctx.saved_tensors
+        groups = rstd.shape[-2]
+        u = _gated(x, gate)
+        uhat = u.view(*u.shape[:-1], groups, -1) * rstd  # not in place: u is x itself for an fp32 x and no gate
+        g = grad.float()
+        grad_weight = (g * uhat.view(u.shape)).sum_to_size(weight.shape).to(weight.dtype)
+        gs = (g * weight.float()).view_as(uhat)
+        du = (gs - uhat * (gs * uhat).mean(-1, keepdim=True)).mul_(rstd).view(u.shape)
+        if gate is None:
+            return du.to(x.dtype), None, grad_weight, None, None
+        z = gate.float()
+        sigmoid = torch.sigmoid(z)
+        grad_gate = du * x.float() * sigmoid * (1 + z * (1 - sigmoid))
+        return (du * (z * sigmoid)).to(x.dtype), grad_gate.to(gate.dtype), grad_weight, None, None
+
+
+def _gated(x: Tensor, gate: Tensor | None) -> Tensor:
+    """``x.float() * silu(gate.float())`` as transformers' gated norms compute it, or ``x.float()``."""
+    u = x.to(torch.float32)
+    return u if gate is None else u * F.silu(gate.to(torch.float32))
+
+
 def _scale(xhat: Tensor, weight: Tensor, dtype: torch.dtype, form: NormForm) -> Tensor:
     if form == "weight":
         return weight * xhat.to(dtype)
@@ -172,6 +216,42 @@ def norm_form(module: nn.Module) -> NormForm | None:
             got = [_reference(x, weight, bias, eps, form) for x in probes]
             if all(_same(g, e) for g, e in zip(got, expected, strict=True)):
                 return form
+    return None
+
+
+def gated_norm_groups(module: nn.Module) -> int | None:
+    """The number of groups ``g`` for which :func:`gated_rms_norm` gives bit for bit ``module(x, gate)``'s output (and
+    ``module(x)``'s, as ``gated_rms_norm(x, None, ...)``), or None; probed on a stand-in as :func:`norm_form` does."""
+    params = dict(module.named_parameters(recurse=False))
+    eps = norm_eps(module)
+    if eps is None or list(params) != ["weight"] or list(module.children()) or "forward" in module.__dict__:
+        return None
+    shape = tuple(getattr(params["weight"], "ds_shape", params["weight"].shape))
+    if len(shape) != 1:
+        return None
+    size = shape[0]
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(size, generator=generator).to(params["weight"].dtype)
+    probes = [
+        tuple((torch.randn(*leading, size, generator=generator) * scale).to(dtype) for scale in (1.0, eps**0.5))
+        for leading in PROBE_LEADING_DIMS[:2]
+        for dtype in (torch.float32, torch.bfloat16)
+    ]
+    stand_in = _stand_in(module, {"weight": weight})
+    with torch.no_grad():
+        try:
+            expected = [
+                (type(module).forward(stand_in, x, gate), type(module).forward(stand_in, x)) for x, gate in probes
+            ]
+        except Exception:  # noqa: BLE001 - a forward that takes no gate is not a gated norm
+            return None
+        for groups in (g for g in range(1, size + 1) if size % g == 0):
+            got = [
+                (gated_rms_norm(x, gate, weight, eps, groups), gated_rms_norm(x, None, weight, eps, groups))
+                for x, gate in probes
+            ]
+            if all(_same(g, e) for pair, pairs in zip(got, expected, strict=True) for g, e in zip(pair, pairs)):
+                return groups
     return None
 
 

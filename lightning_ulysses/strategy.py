@@ -150,8 +150,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
         fused_norms: run every RMSNorm and LayerNorm whose forward is found (by running it) to compute exactly what
             :func:`~lightning_ulysses.rms_norm` / :func:`~lightning_ulysses.layer_norm` do as those: the same output,
             and only its input and per-token statistics kept for the backward instead of float copies of the whole
-            normalised tensor (``nn.LayerNorm``'s kernel already keeps only those, and is kept). A norm called with
-            a gate (Mamba 2's gated RMSNorm) runs its own forward for those calls.
+            normalised tensor (``nn.LayerNorm``'s kernel already keeps only those, and is kept); Mamba 2's gated
+            RMSNorm as :func:`~lightning_ulysses.norms.gated_rms_norm`. A call with arguments a fused form does
+            not take (a gate applied after the norm) runs the module's own forward.
         sequence_mixers: what to do with token mixers other than attention (convolutions over the sequence, linear
             attention, state-space layers) that have no head-sharded form (those of transformers' hybrid families
             have one and always use it, see :mod:`lightning_ulysses.hf.mixers`) and that the set-up check finds:

@@ -269,7 +269,10 @@ FAMILIES: dict[str, list[str]] = {
     "gpt_oss": ["model.layers.*.mlp (GptOssMLP) x2 tiled"],
     "mixtral": ["model.layers.*.mlp (MixtralSparseMoeBlock) x2 tiled"],
     "lfm2": ["model.layers.*.feed_forward (Lfm2MLP) x2 tiled"],
-    "granitemoehybrid": ["model.layers.*.block_sparse_moe (GraniteMoeHybridMoE) x2", "called with a gate"],
+    "granitemoehybrid": [
+        "model.layers.*.block_sparse_moe (GraniteMoeHybridMoE) x2",
+        "(GraniteMoeHybridRMSNormGated) x2",
+    ],
     "falcon_h1": ["model.layers.*.feed_forward (FalconH1MLP) x2 tiled"],
     "cohere": ["model.layers.*.input_layernorm (CohereLayerNorm) x2", "fused"],
 }

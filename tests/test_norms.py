@@ -10,11 +10,14 @@ from torch import Tensor, nn
 from transformers.models.cohere.modeling_cohere import CohereLayerNorm
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from lightning_ulysses import MemoryOptions, apply_memory_options, layer_norm, remove_memory_options, rms_norm
-from lightning_ulysses.norms import NormForm, norm_eps, norm_form
+from lightning_ulysses.hf.ledger import Ledger
+from lightning_ulysses.memory.norms import Norm, fuse_norms
+from lightning_ulysses.norms import NormForm, gated_norm_groups, gated_rms_norm, norm_eps, norm_form
 from tests.tiny import tiny_llama
 from tests.zoo_configs import tiny_recipe
 
@@ -224,8 +227,8 @@ def test_torch_layer_norm_is_found_and_kept_as_it_is() -> None:
 
 @pytest.mark.parametrize("model_type", ["mamba2", "granitemoehybrid", "cohere"])
 def test_fused_norms_train_gated_and_layer_norm_families_exactly(model_type: str) -> None:
-    """Mamba 2's gated RMSNorm passes the probe without a gate and is called with one in training: that call runs
-    its own forward (it crashed: the fused forward took no gate). Cohere's LayerNorms are fused."""
+    """Mamba 2's gated RMSNorm passes the probe without a gate and is called with one in training (the fused forward
+    took no gate and crashed): its gated form is fused. Cohere's LayerNorms are fused."""
     model = tiny_recipe(model_type).build("eager").train()
     ids = torch.randint(1, 200, (2, 16))
 
@@ -236,16 +239,57 @@ def test_fused_norms_train_gated_and_layer_norm_families_exactly(model_type: str
     expected, expected_grads = logits_and_grads()
     report = apply_memory_options(model, MemoryOptions(fused_norms=True))
     (row,) = report.rows
-    gated = [name for name, m in model.named_modules() if "Gated" in type(m).__name__]
-    assert bool(gated) == (model_type != "cohere")
-    assert row.left_out == tuple(f"{name}: called with a gate, runs its own forward there" for name in gated)
-    if model_type == "cohere":
-        assert "(CohereLayerNorm)" in row.applies and "fused" in row.applies
+    gated = {type(m).__name__ for m in model.modules() if "Gated" in type(m).__name__}
+    assert bool(gated) == (model_type != "cohere") and row.left_out == ()
+    for name in gated | ({"CohereLayerNorm"} if model_type == "cohere" else set()):
+        assert f"({name}) x2" in row.applies
     got, grads = logits_and_grads()
     assert torch.equal(got, expected)
     for g, e in zip(grads, expected_grads, strict=True):
         if e.norm() > 0:
             assert ((g - e).norm() / e.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group_size", [HIDDEN, HIDDEN // 4], ids=["one_group", "four_groups"])
+def test_gated_norm_equals_mamba2s_bit_for_bit_and_keeps_less(group_size: int, dtype: torch.dtype) -> None:
+    norm = MambaRMSNormGated(HIDDEN, group_size).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(HIDDEN))
+    groups = gated_norm_groups(norm)
+    assert groups == HIDDEN // group_size
+    x, gate = (torch.randn(2, 37, HIDDEN).to(dtype).requires_grad_() for _ in range(2))
+    upstream = torch.randn(2, 37, HIDDEN).to(dtype)
+    for g in (gate, None):
+        inputs = [x, norm.weight] + ([g] if g is not None else [])
+        expected = norm(x, g)
+        got = gated_rms_norm(x, g, norm.weight, norm.variance_epsilon, groups)
+        assert torch.equal(got, expected)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        for a, e in zip(torch.autograd.grad(got, inputs, upstream), torch.autograd.grad(expected, inputs, upstream)):
+            assert ((a.float() - e.float()).norm() / e.float().norm()).item() < tolerance
+    fused = _saved_bytes(lambda t: gated_rms_norm(t, gate, norm.weight, norm.variance_epsilon, groups), x)
+    assert fused == 2 * x.nbytes + 2 * 37 * groups * 4  # x, gate and the reciprocal RMS
+    assert _saved_bytes(lambda t: norm(t, gate), x) >= fused + 4 * x.numel()
+
+
+class GateAfterNorm(MambaRMSNormGated):
+    """Gates after the norm (Falcon-H1's and Qwen3-Next's order): no gated form of ours, the ungated one is."""
+
+    def forward(self, hidden_states: Tensor, gate: Tensor | None = None) -> Tensor:
+        out = super().forward(hidden_states)
+        return out if gate is None else out * torch.nn.functional.silu(gate)
+
+
+def test_a_norm_called_with_a_gate_it_has_no_form_for_runs_its_own_forward() -> None:
+    norm = GateAfterNorm(HIDDEN, HIDDEN)
+    assert norm_form(norm) == "weight" and gated_norm_groups(norm) is None
+    x, gate = torch.randn(2, 5, HIDDEN), torch.randn(2, 5, HIDDEN)
+    expected = norm(x, gate)
+    fuse_norms([Norm("norm", norm, "weight")], Ledger())
+    assert "forward" in norm.__dict__
+    assert torch.equal(norm(x, gate), expected)  # its own forward
+    assert torch.equal(norm(x), GateAfterNorm.forward(norm, x))  # fused, bit for bit
 
 
 def test_fused_norms_without_a_norm_is_refused() -> None:

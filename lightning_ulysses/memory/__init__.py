@@ -13,7 +13,7 @@ fills memory; other things are, and each has a remedy here (ALST's, made exact a
 * **Stored activations**: :func:`checkpoint_activations` keeps only each decoder layer's inputs and
   recomputes the rest in the backward; with ``offload=True`` those inputs wait in pinned CPU memory, copied
   on a side stream (:mod:`lightning_ulysses.offload`).
-* **Norm intermediates**: ``fused_norms`` runs every RMSNorm and LayerNorm as a fused norm
+* **Norm intermediates**: ``fused_norms`` runs every RMSNorm, gated RMSNorm and LayerNorm as a fused norm
   (:mod:`lightning_ulysses.norms`: the same output, only its input and per-token statistics kept for the backward)
   where its forward is found to compute exactly that (:mod:`.norms`).
 

@@ -160,9 +160,9 @@ def _report(found: list[_Found], options: MemoryOptions, fitting: bool) -> Memor
         rows.append(OptionReport(f"tiled_mlp={options.tiled_mlp}", f"{summarize(tiled)} tiled", left))
     if options.fused_norms:
         norms = [n for item in found for n in item.norms]
-        fused = [(n.name, n.module) for n in norms if n.fused and not n.gated]
+        fused = [(n.name, n.module) for n in norms if n.fused and not n.runs_own_forward]
         native = [(n.name, n.module) for n in norms if not n.fused]
-        gated = tuple(f"{n.name}: called with a gate, runs its own forward there" for n in norms if n.gated)
+        gated = tuple(f"{n.name}: called with a gate, runs its own forward there" for n in norms if n.runs_own_forward)
         if not fused and not native:
             raise ValueError(
                 f"fused_norms found no RMSNorm or LayerNorm in {_model_names(found)} whose forward a fused norm "
