@@ -31,7 +31,7 @@ from lightning_ulysses.memory import (
 from lightning_ulysses.metrics import Perplexity, TokenAccuracy, TokenCrossEntropy
 from lightning_ulysses.model import CausalLM, WarmupCosine
 from lightning_ulysses.model_checkpoint import ModelCheckpoint
-from lightning_ulysses.norms import rms_norm
+from lightning_ulysses.norms import layer_norm, rms_norm
 from lightning_ulysses.offload import ActivationOffload
 from lightning_ulysses.prediction import PredictionWriter, gather_sequence, token_log_probs
 from lightning_ulysses.runtime import (
@@ -92,6 +92,7 @@ __all__ = [
     "prepare_batch",
     "remove_memory_options",
     "remove_ulysses_attention",
+    "layer_norm",
     "rms_norm",
     "sequence_parallel_disabled",
     "shard_batch",

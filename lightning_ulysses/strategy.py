@@ -61,7 +61,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.optim import Optimizer
@@ -73,10 +73,19 @@ from lightning_ulysses.attention.head_chunks import HeadChunks, check_head_chunk
 from lightning_ulysses.attention.ring_blocks import check_block_kernels
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses.hf.apply import patches
 from lightning_ulysses.hf.check.logits import check_tiled_logits
 from lightning_ulysses.hf.mixers import register_mixer_weights_for_zero3
 from lightning_ulysses.loss import STEP_TOKENS_KEY, LossContext, StepTokenCounts, labels_loss, padding_tokens
-from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
+from lightning_ulysses.memory import (
+    MemoryOptions,
+    MemoryReport,
+    TileSetting,
+    apply_memory_options,
+    head_chunks_row,
+    remove_memory_options,
+    tiled_loss_row,
+)
 from lightning_ulysses.model_checkpoint import keep_last_checkpoint_current
 from lightning_ulysses.runtime.eval_data import DUPLICATES_KEY, drop_rows, pad_over_dp_ranks
 from lightning_ulysses.runtime.failures import Heartbeat, NonFiniteLoss, NonFiniteLossGuard
@@ -98,6 +107,10 @@ PADDING_KEY = "_ulysses_padding"
 
 class UlyssesStrategy(DeepSpeedStrategy):
     """Ulysses sequence parallelism on DeepSpeed (ZeRO 1/2/3), for CUDA and CPU.
+
+    At set-up each asked memory option is applied and its effect logged as one table (:attr:`memory_report`: layers
+    checkpointed, feed-forwards tiled, norms fused, attention layers projected per head chunk, the tiled loss); an
+    option that would apply to nothing, or that the model's mode switches off, is refused there, naming what to drop.
 
     Args:
         sp_size: ranks that share one sequence (each holds ``1 / sp_size`` of its tokens). The world
@@ -135,18 +148,27 @@ class UlyssesStrategy(DeepSpeedStrategy):
             all-reduce of ``world_size`` flags per micro-batch): ``"raise"`` the same error on all ranks, naming
             the step and the ranks; ``"skip"`` warn likewise and skip the optimizer step (no weight or optimizer
             state update; ZeRO stage 1-3, see :mod:`lightning_ulysses.runtime.failures`); ``"off"``: no check.
-        tiled_mlp: run each decoder layer's MLP in token tiles, recomputed in the backward: ``True`` (tiles of
-            ``hidden_size`` tokens) or a number of tiles.
+        tiled_mlp: run each decoder layer's feed-forward in tiles of the sequence, recomputed in the backward:
+            ``True`` (tiles of ``hidden_size`` tokens) or a number of tiles. The feed-forwards are found by what they
+            do (the children of a decoder layer that map its hidden states alone to hidden states: dense MLPs and
+            mixture-of-experts blocks alike), and each is tiled where its tiles, run at set-up, equal its whole call
+            (router logits and scores included); one that is not token-wise is left whole and named in the report.
         tiled_loss: number of token tiles (or ``True``: auto) for the logits + loss of
             :meth:`~lightning_ulysses.UlyssesLossMixin.forward_causal_lm_loss`, which then never materialises
             the ``[tokens, vocab]`` logits; each tile gets the scaling or soft-cap the model applies outside
             ``lm_head``, as the set-up check found it (:mod:`lightning_ulysses.hf.check.logits`), and a model whose
             logits follow otherwise is refused at set-up.
-        activation_checkpointing: keep only each decoder layer's inputs, recompute the layer in the backward.
+        activation_checkpointing: keep only each decoder layer's inputs, recompute the layer in the backward. A fit
+            whose trainable layers are in eval mode (transformers then checkpoints nothing) is refused at set-up; a
+            model loaded in eval mode (``from_pretrained``) is put in train mode first
+            (:mod:`lightning_ulysses.train_mode`).
         offload_activations: keep those inputs in CPU memory (pinned) instead of on the GPU.
-        fused_norms: run every RMSNorm whose forward is found (by running it) to compute exactly what
-            :func:`~lightning_ulysses.rms_norm` does as ``rms_norm``: the same output, and only its input and the
-            reciprocal RMS kept for the backward instead of float copies of the whole normalised tensor.
+        fused_norms: run every RMSNorm and LayerNorm whose forward is found (by running it) to compute exactly what
+            :func:`~lightning_ulysses.rms_norm` / :func:`~lightning_ulysses.layer_norm` do as those: the same output,
+            and only its input and per-token statistics kept for the backward instead of float copies of the whole
+            normalised tensor (``nn.LayerNorm``'s kernel already keeps only those, and is kept); Mamba 2's gated
+            RMSNorm as :func:`~lightning_ulysses.norms.gated_rms_norm`. A call with arguments a fused form does
+            not take (a gate applied after the norm) runs the module's own forward.
         sequence_mixers: what to do with token mixers other than attention (convolutions over the sequence, linear
             attention, state-space layers) that have no head-sharded form (those of transformers' hybrid families
             have one and always use it, see :mod:`lightning_ulysses.hf.mixers`) and that the set-up check finds:
@@ -215,6 +237,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
         self._padding: Tensor | None = None  # [B, N/sp] bool, the current batch's padding tokens on this rank
         self.check_loss_reduction = check_loss_reduction
         self._exact_loss_reductions = 0  # in the running training step (see check_loss_reduction)
+        self.memory_report = MemoryReport()
+        """What each asked memory option (and ``head_chunks``) applies to, found at set-up and logged at fit start."""
 
     # ------------------------------------------------------------------------------------------
     # topology
@@ -420,9 +444,18 @@ class UlyssesStrategy(DeepSpeedStrategy):
             self.head_chunks,
             self._labels_loss,
         )
+        # refuses a model whose logits do not tile, before any other option's work
+        logit_maps = check_tiled_logits(self.lightning_module) if self.memory.tiled_loss else None
+        self.memory_report = apply_memory_options(
+            self.lightning_module, self.memory, fitting=trainer.state.fn == TrainerFn.FITTING
+        )
+        if self.head_chunks is not None:
+            plans = [patch.plan for patch in patches(self.lightning_module)]
+            self.memory_report.rows.append(head_chunks_row(plans, self.head_chunks))
         if self.memory.tiled_loss:
-            check_tiled_logits(self.lightning_module)  # refuses a model whose logits do not tile
-        apply_memory_options(self.lightning_module, self.memory)
+            self.memory_report.rows.append(tiled_loss_row(self.memory.tiled_loss, logit_maps))
+        if self.memory_report.rows:
+            rank_zero_info(self.memory_report.table())
         if trainer.state.fn == TrainerFn.FITTING:
             self.nonfinite_loss.setup(self.model)
         if not isinstance(trainer._signal_connector, PreemptionSignals):  # registers its handlers after set-up

@@ -34,7 +34,6 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
@@ -112,9 +111,11 @@ def tiled_logit_map(model: PreTrainedModel) -> LogitMap:
     return found
 
 
-def check_tiled_logits(module: nn.Module) -> None:
+def check_tiled_logits(module: nn.Module) -> str | None:
     """Refuse, at set-up, the ``tiled_loss`` of any patched transformers model inside ``module`` whose logits cannot be
-    computed in tiles; log the map of each that makes its logits with more than ``lm_head``."""
+    computed in tiles. Returns what the tiles apply besides ``lm_head`` (e.g. ``"GraniteForCausalLM: 0.25 *
+    lm_head(h)"``, for the set-up report), or ``None`` where every model's logits are plain ``lm_head(h)``."""
+    maps = []
     for model in outermost_models(module):
         patch = patch_of(model)
         if patch is None:
@@ -123,7 +124,8 @@ def check_tiled_logits(module: nn.Module) -> None:
         if isinstance(found, str):
             raise UnsupportedModelError(_refusal(model, found))
         if found != LogitMap():
-            rank_zero_info(f"{type(model).__name__}: tiled_loss computes each tile's logits = {found}.")
+            maps.append(f"{type(model).__name__}: {found}")
+    return "; ".join(maps) or None
 
 
 def _refusal(model: PreTrainedModel, problem: str) -> str:
