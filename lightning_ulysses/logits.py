@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_ulysses.memory import recomputed_in_backward
 from lightning_ulysses.sharding import IGNORE_INDEX
+from lightning_ulysses.tiling import recomputed_in_backward
 
 TokenFunction = Callable[[Tensor, Tensor], Tensor]
 """``(logits [tokens, V], labels [tokens]) -> [tokens]``: one value per token."""

@@ -48,8 +48,8 @@ from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.hf.check.logits import tiled_logit_map
 from lightning_ulysses.logits import Logits, TiledLogits, token_losses
-from lightning_ulysses.memory import TileSetting, resolve_num_tiles
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_index
+from lightning_ulysses.tiling import TileSetting, resolve_num_tiles
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer

@@ -41,7 +41,7 @@ from lightning_ulysses.attention.head_chunks import chunk_heads
 from lightning_ulysses.heads import HeadLayout, plan_heads
 from lightning_ulysses.hf.plan import ProjectionChunks
 from lightning_ulysses.hf.state import PatchState
-from lightning_ulysses.memory import recomputed_in_backward
+from lightning_ulysses.tiling import recomputed_in_backward
 
 PROJECTION_NAMES = {
     "query": ("q_proj", "query"),

@@ -23,7 +23,7 @@ gradient is accumulated once per backward, as ZeRO's hooks expect, under any ZeR
 ``ds_grad_is_ready``; and the loss gradient is scaled by whatever multiplies the loss afterwards
 (DeepSpeed's fused loss computes ``lm_head``'s gradient in the forward, blind to later scaling, and its
 ``"mean"`` averages tile means instead of tokens). The price is one extra forward of each tile. Tile counts agree
-across ranks (:mod:`.tiling`).
+across ranks (:mod:`lightning_ulysses.tiling`).
 
 :func:`apply_memory_options` returns a :class:`~.report.MemoryReport` of what each asked option applies to (the
 strategy logs it at fit start) and refuses an option that would apply to nothing.
@@ -37,7 +37,7 @@ from lightning_ulysses.memory.options import (
     remove_memory_options,
 )
 from lightning_ulysses.memory.report import MemoryReport, OptionReport, head_chunks_row, tiled_loss_row
-from lightning_ulysses.memory.tiling import (
+from lightning_ulysses.tiling import (
     TileSetting,
     agree_max_tokens,
     recomputed_in_backward,

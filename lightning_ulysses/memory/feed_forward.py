@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from lightning_ulysses.hf.ledger import Ledger
 from lightning_ulysses.hf.state import PatchState
 from lightning_ulysses.memory.probe import PROBE_TOKENS, Call, agreed_on_all_ranks
-from lightning_ulysses.memory.tiling import TileSetting, agree_max_tokens, resolve_num_tiles, tiled_map
+from lightning_ulysses.tiling import TileSetting, agree_max_tokens, resolve_num_tiles, tiled_map
 
 PROBE_TILES = (3, PROBE_TOKENS + 1)
 

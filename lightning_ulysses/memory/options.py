@@ -24,8 +24,8 @@ from lightning_ulysses.memory.feed_forward import (
 from lightning_ulysses.memory.norms import Norm, find_norms, fuse_norms, with_call_signatures
 from lightning_ulysses.memory.probe import probe_calls, probing
 from lightning_ulysses.memory.report import MemoryReport, OptionReport, summarize, summarize_names
-from lightning_ulysses.memory.tiling import TileSetting
 from lightning_ulysses.offload import ActivationOffload, default_offload
+from lightning_ulysses.tiling import TileSetting
 
 
 @dataclass(frozen=True)
