@@ -31,7 +31,7 @@ class LitLlama(UlyssesLossMixin, L.LightningModule):
             intermediate_size=384,
             num_hidden_layers=4,
             num_attention_heads=4,
-            num_key_value_heads=2,  # heads must split over sp_size
+            num_key_value_heads=2,  # any head count works with any sp_size (GQA, MQA, heads that do not divide)
         )
         self.model = LlamaForCausalLM(config)
 

@@ -18,7 +18,8 @@ from lightning_ulysses.hf import (
     remove_ulysses_attention,
     sequence_parallel_disabled,
 )
-from lightning_ulysses.logits import TiledLogits, tiled_cross_entropy_sum
+from lightning_ulysses.hf.check.logits import tiled_logit_map
+from lightning_ulysses.logits import LogitMap, TiledLogits, tiled_cross_entropy_sum
 from lightning_ulysses.loss import UlyssesLossMixin, token_cross_entropy
 from lightning_ulysses.memory import (
     MemoryOptions,
@@ -30,7 +31,7 @@ from lightning_ulysses.memory import (
 from lightning_ulysses.metrics import Perplexity, TokenAccuracy, TokenCrossEntropy
 from lightning_ulysses.model import CausalLM, WarmupCosine
 from lightning_ulysses.model_checkpoint import ModelCheckpoint
-from lightning_ulysses.norms import rms_norm
+from lightning_ulysses.norms import layer_norm, rms_norm
 from lightning_ulysses.offload import ActivationOffload
 from lightning_ulysses.prediction import PredictionWriter, gather_sequence, token_log_probs
 from lightning_ulysses.runtime import (
@@ -55,6 +56,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DPO",
     "HeadLayout",
+    "LogitMap",
     "LongTextDataModule",
     "MemoryOptions",
     "ModelCheckpoint",
@@ -90,10 +92,12 @@ __all__ = [
     "prepare_batch",
     "remove_memory_options",
     "remove_ulysses_attention",
+    "layer_norm",
     "rms_norm",
     "sequence_parallel_disabled",
     "shard_batch",
     "tiled_cross_entropy_sum",
+    "tiled_logit_map",
     "tiled_map",
     "token_cross_entropy",
     "token_log_probs",

@@ -263,6 +263,7 @@ class SequenceParallelMonitor(Callback):
         self._mark = 0.0
         self._epoch: Tensor | None = None
         self._fit: Tensor | None = None
+        self._first_step = 0  # the global step this fit started at (a resumed fit's checkpoint step)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -294,6 +295,7 @@ class SequenceParallelMonitor(Callback):
                 f"found {len(models)}, so FLOPs, TFLOP/s and MFU are not logged."
             )
         self._fit = None
+        self._first_step = trainer.global_step
         if self._timer is not None:
             self._timer.install()
         # here too: a fit resumed inside an epoch does not call on_train_epoch_start for that epoch
@@ -379,7 +381,7 @@ class SequenceParallelMonitor(Callback):
             return
         assert self._strategy is not None  # set by setup('fit'); these hooks run in a fit
         self.summary = summarize(self._fit, self._strategy.sp_size, **self._metric_options)
-        rank_zero_info(format_summary(self.summary, self._strategy, trainer.global_step))
+        rank_zero_info(format_summary(self.summary, self._strategy, trainer.global_step, self._first_step))
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._remove_timer()
@@ -392,15 +394,17 @@ class SequenceParallelMonitor(Callback):
             self._timer.remove()
 
 
-def format_summary(metrics: dict[str, float], strategy: UlyssesStrategy, steps: int) -> str:
-    """A run's :func:`summarize` metrics as a two-column table (rendered by ``rich``, as plain text)."""
+def format_summary(metrics: dict[str, float], strategy: UlyssesStrategy, steps: int, first_step: int = 0) -> str:
+    """A run's :func:`summarize` metrics as a two-column table (rendered by ``rich``, as plain text): the optimizer
+    steps of this fit, from ``first_step`` (where it resumed) to the global step ``steps``, which its metrics count."""
     table = Table(
         title="Sequence-parallel training summary", title_justify="left", show_header=False, box=box.HORIZONTALS
     )
     table.add_column()
     table.add_column(justify="right")
     table.add_row("world (dp x sp)", f"{strategy.dp_size} x {strategy.sp_size}")
-    table.add_row("optimizer steps", f"{steps}")
+    resumed = f", global steps {first_step} -> {steps}" if first_step else ""
+    table.add_row("optimizer steps", f"{steps - first_step}{resumed}")
     if skipped := strategy.nonfinite_loss.skipped_steps:
         table.add_row("skipped (non-finite loss)", f"{len(skipped)}: steps {skipped}")
     for name, value in metrics.items():

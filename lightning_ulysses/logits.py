@@ -11,6 +11,12 @@ tile is reduced to its per-token values before the next tile exists, so at most 
 
 Under autograd each tile is a :func:`torch.utils.checkpoint.checkpoint` region recomputed in the backward
 (see :mod:`lightning_ulysses.memory`), so the same code is the training loss's tiled path.
+
+Some families make their logits from ``lm_head``'s output, or its input, with more than ``lm_head``: Granite divides
+them by ``logits_scaling``, Cohere and Falcon-H1 multiply them by a constant, MiniCPM3 divides the hidden states before
+``lm_head``, Gemma 3n and RecurrentGemma soft-cap them (``cap * tanh(logits / cap)``). Each of these acts on every logit
+alone, so it applies per tile: a :class:`LogitMap`, which the set-up check finds by running the model
+(:mod:`lightning_ulysses.hf.check.logits`).
 """
 
 from __future__ import annotations
@@ -23,11 +29,47 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_ulysses.memory import recomputed_in_backward
 from lightning_ulysses.sharding import IGNORE_INDEX
+from lightning_ulysses.tiling import recomputed_in_backward
 
 TokenFunction = Callable[[Tensor, Tensor], Tensor]
 """``(logits [tokens, V], labels [tokens]) -> [tokens]``: one value per token."""
+
+
+@dataclass(frozen=True)
+class LogitMap:
+    """How a model's logits follow from its final hidden states ``h`` and its output embeddings ``lm_head``::
+
+        logits = cap * tanh(scale * lm_head(input_scale * h) / cap)     (without the tanh where cap is None)
+
+    Each factor is a Python float (fixed at set-up: no tensor, no host sync in a step); ``LogitMap()`` is
+    ``lm_head(h)``. It acts on every token and every logit alone, so it applies to each token tile of the logits.
+    """
+
+    input_scale: float = 1.0
+    scale: float = 1.0
+    cap: float | None = None
+
+    def head(self, lm_head: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+        """``[tokens, hidden] -> [tokens, V]``: the model's logits of a tile of final hidden states (``lm_head`` itself
+        where the map is the identity)."""
+        if self == LogitMap():
+            return lm_head
+
+        def logits_of(hidden_states: Tensor) -> Tensor:
+            logits = lm_head(hidden_states if self.input_scale == 1 else hidden_states * self.input_scale)
+            if self.scale != 1:
+                logits = logits * self.scale
+            if self.cap is not None:  # as transformers soft-caps: divide, tanh, multiply
+                logits = torch.tanh(logits / self.cap) * self.cap
+            return logits
+
+        return logits_of
+
+    def __str__(self) -> str:
+        hidden = "h" if self.input_scale == 1 else f"{self.input_scale:.6g} * h"
+        logits = f"lm_head({hidden})" if self.scale == 1 else f"{self.scale:.6g} * lm_head({hidden})"
+        return logits if self.cap is None else f"{self.cap:.6g} * tanh({logits} / {self.cap:.6g})"
 
 
 @dataclass(frozen=True)
@@ -36,7 +78,8 @@ class TiledLogits:
 
     Attributes:
         hidden_states: ``[B, n, hidden]``, the final (normed) hidden states.
-        lm_head: ``[tokens, hidden] -> [tokens, V]``, e.g. ``model.get_output_embeddings()``.
+        lm_head: ``[tokens, hidden] -> [tokens, V]``, e.g. ``model.get_output_embeddings()``, or
+            ``LogitMap.head`` of it where the model makes its logits with more than ``lm_head``.
         num_tiles: exactly this many ``lm_head`` calls per consumer (tiles may be empty), on every rank alike:
             under ZeRO-3 each call gathers ``lm_head``'s weight collectively.
     """

@@ -24,6 +24,11 @@ The loss *value* is the exact token mean of the current micro-batch over all ran
 
 The tiled loss (:mod:`lightning_ulysses.logits`) plugs into the same reduction: it returns a sum, never a
 mean of tiles, so the loss stays the exact token mean.
+
+A transformers causal LM called with ``labels=`` (or ``shift_labels=``) under the strategy returns the same reduction
+(:func:`labels_loss`, which the strategy hands the patched model): the labels of this rank's shard are shifted over
+the whole sequence, as transformers shifts a whole row. Every exact reduction tells the strategy that it ran
+(``LossContext.record_exact_reduction``), so that a training step whose loss went through none is refused.
 """
 
 from __future__ import annotations
@@ -31,16 +36,20 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_ulysses.attention import gather_sequence
 from lightning_ulysses.groups import SequenceParallelGroups
+from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses.hf.check.logits import tiled_logit_map
 from lightning_ulysses.logits import Logits, TiledLogits, token_losses
-from lightning_ulysses.memory import TileSetting, resolve_num_tiles
-from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch
+from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_index
+from lightning_ulysses.tiling import TileSetting, resolve_num_tiles
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -60,7 +69,11 @@ class LossContext:
     gradients exact (``sp_size`` under DeepSpeed's average over all ranks); ``step_valid_tokens``: under ``"global"``,
     this SP group's valid tokens in the current optimizer step (``None`` outside the training loop);
     ``tiled_loss``: the strategy's ``tiled_loss`` setting; ``repeated_rows``: ``[B]`` bool on an evaluation or
-    prediction batch, the rows repeated to even out the DP ranks (``None``: none).
+    prediction batch, the rows repeated to even out the DP ranks (``None``: none); ``padding``: ``[B, N/sp]`` bool,
+    this rank's padding tokens (the batch's ``attention_mask`` zeros and the columns
+    :func:`~lightning_ulysses.prepare_batch` appended; ``None``: none), which :func:`labels_loss` never counts;
+    ``accumulate_grad_batches``: the trainer's; ``record_exact_reduction``: called by every SP-exact reduction (the
+    strategy refuses a training step whose loss went through none).
     """
 
     groups: SequenceParallelGroups
@@ -69,6 +82,9 @@ class LossContext:
     step_valid_tokens: int | None
     tiled_loss: TileSetting
     repeated_rows: Tensor | None
+    padding: Tensor | None
+    accumulate_grad_batches: int
+    record_exact_reduction: Callable[[], None]
 
 
 def token_cross_entropy(
@@ -80,14 +96,90 @@ def token_cross_entropy(
     return token_losses(logits, shift_labels, ignore_index).sum(), (shift_labels != ignore_index).sum()
 
 
+def token_mean(loss_sum: Tensor, num_valid_tokens: Tensor | int, context: LossContext | None) -> Tensor:
+    """The exact token mean of :meth:`UlyssesLossMixin.reduce_token_loss` under ``context`` (``None``: no sequence
+    parallelism, the plain mean ``loss_sum / num_valid_tokens``), recorded as an exact reduction."""
+    count = torch.as_tensor(num_valid_tokens, dtype=torch.float32, device=loss_sum.device)
+    loss_sum = loss_sum.float()
+    if context is None:
+        return loss_sum / count.clamp(min=1)
+    context.record_exact_reduction()
+    if context.normalization == "global":
+        return _global_token_mean(loss_sum, count, context)
+    if context.groups.topology.sp_size == 1:
+        return loss_sum / count.clamp(min=1)
+    totals = torch.stack([loss_sum.detach(), count])
+    dist.all_reduce(totals, group=context.groups.sp)  # not autograd: the gradient path stays local
+    denominator = totals[1].clamp(min=1)
+    group_mean = totals[0] / denominator
+    scaled = loss_sum * (context.gradient_scale / denominator)
+    return scaled + (group_mean - scaled).detach()
+
+
+def labels_loss(
+    context: LossContext, logits: Tensor, labels: Tensor | None, shift_labels: Tensor | None, ignore_index: int
+) -> Tensor:
+    """The loss of a transformers causal LM called with ``labels=`` or ``shift_labels=`` under the strategy: the
+    :func:`token_mean` of the next-token cross entropy of ``logits [B, N/sp, V]``, which equals the plain
+    model's ``labels=`` loss on one process on the whole sequence (and trains as it does).
+
+    ``shift_labels [B, N/sp]`` (the batch's, already shifted) are taken as they are; else ``labels [B, N/sp]``, this
+    rank's shard of unshifted labels (``labels=batch["input_ids"]``), are shifted over the whole sequence
+    (:func:`next_token_labels`). Collective over the SP group.
+    """
+    if shift_labels is None:
+        assert labels is not None  # the patched forward routes a call with labels or shift_labels here
+        shift_labels = next_token_labels(labels, context, ignore_index)
+    if shift_labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"The model was given labels of shape {tuple(shift_labels.shape)} for logits of shape "
+            f"{tuple(logits.shape)}: under sequence parallelism pass this rank's shard of the labels, shaped like its "
+            "input_ids (e.g. labels=batch['input_ids'] or shift_labels=batch['shift_labels'] of the batch "
+            "UlyssesStrategy delivers)."
+        )
+    return token_mean(*token_cross_entropy(logits, shift_labels, ignore_index), context)
+
+
+def next_token_labels(labels: Tensor, context: LossContext, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """``[B, N/sp]``: the target of each token of this rank's shard of ``labels [B, N/sp]``: the label of the next
+    token of the whole sequence (across shard borders, the zigzag of a ring included), as transformers shifts a whole
+    row; ``ignore_index`` after a row's last token, on repeated rows, and where the token or the next one is padding
+    (``context.padding``: padding neither predicts nor is predicted). Collective over the SP group (one all-gather
+    of the labels)."""
+    if context.padding is not None:
+        labels = labels.masked_fill(context.padding, ignore_index)
+    whole = gather_sequence(labels.long(), context.groups)  # [B, N] in sequence order
+    shifted = F.pad(whole[:, 1:], (0, 1), value=ignore_index)
+    topology = context.groups.topology
+    columns = shard_index(whole.shape[1], topology.sp_rank, topology.sp_size, topology.ring_size)
+    local = shifted.index_select(1, columns.to(shifted.device))
+    if context.padding is not None:
+        local = local.masked_fill(context.padding, ignore_index)
+    if context.repeated_rows is not None:
+        local = local.masked_fill(context.repeated_rows.to(local.device)[:, None], ignore_index)
+    return local
+
+
+def padding_tokens(batch: Mapping[str, Tensor], prepared: Mapping[str, Tensor]) -> Tensor:
+    """``[B, N']`` bool: the padding tokens of ``prepared``, :func:`~lightning_ulysses.prepare_batch` of ``batch``:
+    the columns it appended and the zeros of the batch's ``attention_mask``."""
+    padding = torch.zeros_like(prepared["input_ids"], dtype=torch.bool)
+    padding[:, batch["input_ids"].shape[1] :] = True
+    if "attention_mask" in prepared:
+        padding |= prepared["attention_mask"] == 0
+    return padding
+
+
 class UlyssesLossMixin:
     """Mix into a ``LightningModule`` to reduce token losses exactly, with or without sequence parallelism.
 
     Under :class:`~lightning_ulysses.UlyssesStrategy` the returned loss *value* is the SP group's token
     mean on every rank of the group (so ``self.log("train_loss", loss)`` shows the true loss), and its
     *gradient* is scaled so that training equals one process seeing the whole sequence. Under any other
-    strategy it is the plain token mean of the local batch. DP groups are averaged as DDP does: each SP
-    group's token mean counts equally.
+    strategy it is the plain token mean of the local batch, and :meth:`forward_causal_lm_loss` and
+    :meth:`causal_lm_logits` take the batch as the loader yields it (:meth:`prepared_batch`), so that switching
+    strategies to debug runs the same step. DP groups are averaged as DDP does: each SP group's token mean counts
+    equally.
     """
 
     _trainer: Trainer | None
@@ -100,21 +192,7 @@ class UlyssesLossMixin:
             loss_sum: scalar, the sum of this rank's token losses (differentiable).
             num_valid_tokens: this rank's number of tokens in ``loss_sum`` (may be 0).
         """
-        count = torch.as_tensor(num_valid_tokens, dtype=torch.float32, device=loss_sum.device)
-        loss_sum = loss_sum.float()
-        context = self._loss_context()
-        if context is not None and context.normalization == "global":
-            assert self._trainer is not None  # the context is its strategy's
-            return _global_token_mean(loss_sum, count, context, self._trainer.accumulate_grad_batches)
-        group, gradient_scale = self._sp_reduction()
-        if group is None:
-            return loss_sum / count.clamp(min=1)
-        totals = torch.stack([loss_sum.detach(), count])
-        dist.all_reduce(totals, group=group)  # not autograd: the gradient path stays local
-        denominator = totals[1].clamp(min=1)
-        group_mean = totals[0] / denominator
-        scaled = loss_sum * (gradient_scale / denominator)
-        return scaled + (group_mean - scaled).detach()
+        return token_mean(loss_sum, num_valid_tokens, self._loss_context())
 
     def causal_lm_loss(self, logits: Logits, shift_labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
         """Next-token cross entropy of ``logits [B, n, V]`` (whole or :class:`TiledLogits`) against
@@ -131,7 +209,9 @@ class UlyssesLossMixin:
         ignore_index: int = IGNORE_INDEX,
     ) -> Tensor:
         """:meth:`causal_lm_loss` of ``lm_head(hidden_states [B, n, hidden])``, computed in token tiles so that
-        the ``[B * n, vocab]`` logits never exist (each tile's logits are recomputed in the backward).
+        the ``[B * n, vocab]`` logits never exist (each tile's logits are recomputed in the backward). ``lm_head``
+        must make the model's logits: for a transformers model that scales or soft-caps them outside its output
+        embeddings, ``tiled_logit_map(model).head(model.get_output_embeddings())``.
 
         ``num_tiles``: an int, or ``True`` for ``ceil(tokens / hidden)`` agreed over ranks; ``None`` takes the
         strategy's ``tiled_loss`` (``True`` when it is off).
@@ -144,36 +224,51 @@ class UlyssesLossMixin:
 
     def forward_causal_lm_loss(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> Tensor:
         """Run a transformers causal LM on a batch from ``UlyssesStrategy`` (``input_ids``, ``position_ids``,
-        ``shift_labels``, all ``[B, N/sp]``) and return the exact token-mean loss: :meth:`causal_lm_loss` of
-        :meth:`causal_lm_logits`, tiled when the strategy's ``tiled_loss`` is on."""
+        ``shift_labels``, all ``[B, N/sp]``; from another strategy, the loader's batch: :meth:`prepared_batch`) and
+        return the exact token-mean loss: :meth:`causal_lm_loss` of :meth:`causal_lm_logits`, tiled when the
+        strategy's ``tiled_loss`` is on."""
+        batch = self.prepared_batch(model, batch)
         return self.causal_lm_loss(self.causal_lm_logits(model, batch), batch["shift_labels"])
 
+    def prepared_batch(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        """The batch as ``UlyssesStrategy`` delivers it. A batch without ``shift_labels`` (from any other strategy)
+        is prepared here, whole (:func:`~lightning_ulysses.prepare_batch` with ``sp_size=1``), and ``model`` is
+        patched to run the same document-masked attention locally (plain SDPA would let packed documents attend to
+        each other); :meth:`teardown` removes that patch."""
+        if "shift_labels" in batch:
+            return batch
+        # the first call runs the set-up check, which validate's inference mode breaks
+        with torch.inference_mode(False):
+            apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")  # idempotent
+        return prepare_batch(batch, sp_size=1)
+
+    def teardown(self, stage: str) -> None:
+        """Remove the local patch of :meth:`prepared_batch` (``UlyssesStrategy`` removes its own at its teardown)."""
+        remove_ulysses_attention(cast(torch.nn.Module, self))
+        super().teardown(stage)  # type: ignore[misc]  # LightningModule's, which this mixes into
+
     def causal_lm_logits(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> Logits:
-        """The logits ``[B, N/sp, V]`` of a transformers causal LM on a batch from ``UlyssesStrategy``, for the loss,
-        the evaluation metrics and :func:`~lightning_ulysses.token_log_probs`.
+        """The logits ``[B, N/sp, V]`` of a transformers causal LM on a batch from ``UlyssesStrategy`` (from another
+        strategy, the loader's batch: :meth:`prepared_batch`), for the loss, the evaluation metrics and
+        :func:`~lightning_ulysses.token_log_probs`.
 
         With the strategy's ``tiled_loss`` on they are :class:`~lightning_ulysses.TiledLogits` of the decoder's
-        hidden states and ``model.get_output_embeddings()`` (the ``[tokens, vocab]`` logits never exist), with the
-        tile count of ``tiled_loss`` (``True``: ``ceil(tokens / hidden)`` agreed over ranks); otherwise the model's
-        own logits.
+        hidden states and ``model.get_output_embeddings()`` followed by the map from its output to the model's logits
+        that the set-up check found (a constant factor, a tanh soft-cap: see
+        :mod:`lightning_ulysses.hf.check.logits`), with the tile count of ``tiled_loss`` (``True``:
+        ``ceil(tokens / hidden)`` agreed over ranks): the ``[tokens, vocab]`` logits never exist. Otherwise the
+        model's own logits.
         """
-        inputs = self.model_inputs(model, batch)
+        inputs = self.model_inputs(model, self.prepared_batch(model, batch))
         context = self._loss_context()
         if context is None or not context.tiled_loss:
             return model(**inputs).logits
-        config = model.config.get_text_config()
-        for attribute in ("final_logit_softcapping", "logit_scale"):
-            if getattr(config, attribute, None) is not None:
-                raise NotImplementedError(
-                    f"{type(model).__name__} applies {attribute} to its logits, which tiled_loss (logits = lm_head("
-                    "hidden_states)) would skip. Set tiled_loss=False, or call tiled_causal_lm_loss with an lm_head "
-                    "function that applies it."
-                )
+        lm_head = tiled_logit_map(model).head(model.get_output_embeddings())
         hidden_states = model.get_decoder()(**inputs).last_hidden_state
         tiles = resolve_num_tiles(
             context.tiled_loss, hidden_states.shape[:-1].numel(), hidden_states.shape[-1], hidden_states.device
         )
-        return TiledLogits(hidden_states, model.get_output_embeddings(), tiles)
+        return TiledLogits(hidden_states, lm_head, tiles)
 
     def model_inputs(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """The keyword inputs of the model's (and its decoder's) forward: ``input_ids`` and ``position_ids``."""
@@ -193,10 +288,15 @@ class UlyssesLossMixin:
             return None, 1.0
         return context.groups.sp, context.gradient_scale
 
+    def _record_exact_reduction(self) -> None:
+        """Tell the strategy that this step's loss went through an SP-exact reduction (one of its own, e.g. DPO's)."""
+        context = self._loss_context()
+        if context is not None:
+            context.record_exact_reduction()
 
-def _global_token_mean(loss_sum: Tensor, count: Tensor, context: LossContext, accumulate: int) -> Tensor:
-    """``loss_normalization="global"``: the gradient of ``sum(all token losses of the step) / T_step`` (``accumulate``:
-    the trainer's ``accumulate_grad_batches``)."""
+
+def _global_token_mean(loss_sum: Tensor, count: Tensor, context: LossContext) -> Tensor:
+    """``loss_normalization="global"``: the gradient of ``sum(all token losses of the step) / T_step``."""
     if context.step_valid_tokens is None:
         raise RuntimeError(
             "loss_normalization='global' needs each training batch's step token count, which UlyssesStrategy adds "
@@ -209,7 +309,7 @@ def _global_token_mean(loss_sum: Tensor, count: Tensor, context: LossContext, ac
     totals[0], totals[1] = loss_sum.detach(), count
     dist.all_reduce(totals)  # over every rank: this micro-batch's sums and the step's tokens of all DP groups
     micro_batch_mean = (totals[0] / totals[1].clamp(min=1)).float()
-    scaled = loss_sum * (topology.world_size * accumulate / totals[2].clamp(min=1)).float()
+    scaled = loss_sum * (topology.world_size * context.accumulate_grad_batches / totals[2].clamp(min=1)).float()
     return scaled + (micro_batch_mean - scaled).detach()
 
 

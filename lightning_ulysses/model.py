@@ -3,7 +3,7 @@
 The step reads the batch that :class:`~lightning_ulysses.UlyssesStrategy` delivers (this rank's
 ``[B, N/sp]`` shard of ``input_ids``, global ``position_ids`` and ``shift_labels``) and reduces the
 token losses with :class:`~lightning_ulysses.UlyssesLossMixin`, so logged losses and gradients equal
-those of one process on whole sequences. Under any other strategy the batch is prepared here, whole,
+those of one process on whole sequences. Under any other strategy the mixin prepares the batch, whole,
 and the model runs the same document-masked attention locally (plain SDPA would let packed
 documents attend to each other).
 """
@@ -25,12 +25,10 @@ from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.logits import Logits
 from lightning_ulysses.loss import UlyssesLossMixin
 from lightning_ulysses.metrics import TokenCrossEntropy
 from lightning_ulysses.prediction import token_log_probs
-from lightning_ulysses.sharding import prepare_batch
 
 
 class CausalLM(UlyssesLossMixin, L.LightningModule):
@@ -104,6 +102,7 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
                 self.model = _load_pretrained(hp.model, self.auto_class, **options)
             else:
                 self.model = self.auto_class.from_config(build_config(hp.model, hp.vocab_size), **options)
+        self.model.train()  # from_pretrained returns it in eval mode: no dropout, no activation checkpointing
         if hp.pretrained:
             model_vocab = self.model.get_input_embeddings().num_embeddings
             if hp.vocab_size is not None and hp.vocab_size > model_vocab:
@@ -115,16 +114,9 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def _prepared(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The batch as UlyssesStrategy delivers it; under any other strategy prepared here, whole, with the
-        documents masked by the same attention run locally."""
-        if "shift_labels" in batch:
-            return batch
+        """The batch as UlyssesStrategy delivers it (:meth:`~lightning_ulysses.UlyssesLossMixin.prepared_batch`)."""
         assert self.model is not None  # configure_model has run
-        with torch.inference_mode(
-            False
-        ):  # the first call runs the set-up check, which validate's inference mode breaks
-            apply_ulysses_attention(self.model, group=None, sp_size=1, core="sdpa")  # idempotent
-        return prepare_batch(batch, sp_size=1)
+        return dict(self.prepared_batch(self.model, batch))
 
     def _logits(self, batch: dict[str, Tensor]) -> Logits:
         assert self.model is not None  # configure_model has run
@@ -174,10 +166,6 @@ class CausalLM(UlyssesLossMixin, L.LightningModule):
         if isinstance(scheduler, LambdaLR) and isinstance(scheduler.lr_lambdas[0], WarmupCosine):
             # hparams: an AttributeDict of the constructor's arguments, typed as any mutable mapping
             _reconcile_schedule(scheduler, self.hparams.lr_schedule_steps, self.trainer)  # type: ignore[attr-defined]
-
-    def teardown(self, stage: str) -> None:
-        if self.model is not None:
-            remove_ulysses_attention(self.model)  # undo the local patch (a no-op after UlyssesStrategy's teardown)
 
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         """AdamW, weight decay on the matrices only, and the warmup + cosine schedule, stepped every optimizer step."""
@@ -239,8 +227,8 @@ def _reconcile_schedule(scheduler: LambdaLR, requested_steps: int | None, traine
     end = int(trainer.estimated_stepping_batches) if trainer.max_steps != -1 else None
     if requested_steps is None and end is not None and end != schedule.total_steps:
         final = scheduler.base_lrs[0] * schedule.min_ratio
-        after = (
-            f"steps {schedule.total_steps}-{end - 1} run at its final learning rate {final:.3g}"
+        after = (  # from the later of the schedule's end and this run's first step
+            f"steps {max(schedule.total_steps, step)}-{end - 1} run at its final learning rate {final:.3g}"
             if end > schedule.total_steps
             else f"the run stops at step {end}, before the schedule's end"
         )

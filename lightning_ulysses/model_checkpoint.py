@@ -4,15 +4,18 @@ Lightning 2.6's :class:`~lightning.pytorch.callbacks.ModelCheckpoint` with ``sav
 at a step where it also saves a top-k checkpoint, and at the end of fit only if it never saved one. With
 ``monitor: val_loss`` a validation that is not the best therefore leaves ``last.ckpt`` at an older step (the DPO
 quickstart's held step 30 of 60), and with ``every_n_train_steps`` the steps after the last multiple are never saved:
-a resume or an export from ``last.ckpt`` silently took an older model. The ``lightning-ulysses`` CLI runs this class
-wherever a config names Lightning's.
+a resume or an export from ``last.ckpt`` silently took an older model. :class:`~lightning_ulysses.UlyssesStrategy` runs
+Lightning's own ``ModelCheckpoint`` as this class (:func:`keep_last_checkpoint_current`, at set-up), and the
+``lightning-ulysses`` CLI builds this class wherever a config names Lightning's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
@@ -45,3 +48,14 @@ class ModelCheckpoint(LightningModelCheckpoint):
         if fast_dev_run or trainer.state.fn != TrainerFn.FITTING:
             return
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+def keep_last_checkpoint_current(callbacks: Iterable[Callback]) -> None:
+    """Turn each of Lightning's own ``ModelCheckpoint`` callbacks into :class:`ModelCheckpoint` in place: the same
+    object, arguments and state, whose ``last.ckpt`` then holds the latest step. Subclasses are left alone (they may
+    decide differently what to save)."""
+    for callback in callbacks:
+        if type(callback) is LightningModelCheckpoint:
+            callback.__class__ = ModelCheckpoint
+            assert isinstance(callback, ModelCheckpoint)
+            callback._last_saved_at_step = None

@@ -9,7 +9,8 @@ bring its own:
   does), which Lightning keeps. :func:`sampler_over_dp_ranks` replaces it by the same sampler over the DP ranks
   (``num_replicas=dp_size, rank=dp_rank``, same dataset, shuffle, seed, ``drop_last`` and epoch) and says so;
 * anything else that depends on the global rank (a sampler of its own, an ``IterableDataset`` sharded or randomly
-  cropped by rank), which nothing can repair. :func:`check_sp_group_agreement` refuses it at its first batch.
+  cropped by rank, augmentation seeded by rank), or a dataset that each process builds differently (random data
+  drawn without a seed), which nothing can repair. :func:`check_sp_group_agreement` refuses it at its first batch.
 
 Worker seeding. With ``seed_everything(workers=True)`` Lightning seeds every loader worker from the worker's torch
 seed, its id and the global rank (``pl_worker_init_function``), so that DDP ranks draw different random
@@ -20,9 +21,14 @@ process's default generator, which ``seed_everything`` sets alike on every rank;
 group, the check below would stop the run.
 
 The check runs on every batch of every stage (training, validation, test, prediction) with ``sp_size > 1``, in
-``UlyssesStrategy.batch_to_device`` before the batch is cut into shards: one all-gather over the SP group of a
-5-number :func:`batch_fingerprint`, and one read of the gathered fingerprints on the host. On a mismatch every rank
-raises the same error, naming the loader and the fix.
+``UlyssesStrategy.batch_to_device`` before the batch is cut into shards. It covers every leaf the batch carries,
+nested dicts, lists, tuples and dataclasses walked: each tensor, of any dtype (floats by their bits, so one element
+that differs in its last bit is found), with its key path, dtype and shape, and plain values (str, int, ...); images
+augmented by rank are caught like rows sampled by rank. Its cost: a few elementwise kernels per tensor, one
+all-gather over the SP group of a 2-number :meth:`BatchFingerprint.summary`, and one read of the gathered numbers on
+the host (not inside any layer). On a mismatch, a second exchange finds the keys that differ, and every rank raises
+the same error, naming the loader, the keys, the two common causes (rows picked by global rank; a dataset built
+differently in each process) and their fixes.
 
 Forked workers. On CPython releases before the fix of gh-112275 (3.10.15, 3.11.10; 3.12 never had it) a forked
 child can hang before it runs a line, in ``PyOS_AfterFork_Child``, when another thread of the parent was creating or
@@ -33,9 +39,11 @@ server there (:func:`worker_start_method`); for other loaders :func:`warn_on_for
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import multiprocessing
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -46,11 +54,7 @@ from torch import Tensor
 from torch.utils.data import DistributedSampler
 
 from lightning_ulysses.attention.collectives import gather_from_ranks
-from lightning_ulysses.sharding import SEQUENCE_KEYS
 from lightning_ulysses.topology import SequenceParallelTopology
-
-FINGERPRINT_SLOTS = ("entries present", *SEQUENCE_KEYS)
-"""What each number of :func:`batch_fingerprint` stands for."""
 
 
 def _int64(constant: int) -> int:
@@ -154,49 +158,136 @@ def _mix(x: Tensor) -> Tensor:
     return x ^ _shift_right(x, 31)
 
 
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+HASHED_AT_ONCE = 1 << 22
+"""Elements of a tensor hashed per step of :func:`tensor_fingerprint`: bounds its int64 temporaries (a few of 32 MiB)
+whatever the batch holds (a video's pixels)."""
+
+
+def _as_integers(tensor: Tensor) -> Tensor:
+    """``tensor``'s elements as integers without a copy: integers and booleans as they are, floating-point (and
+    complex) elements by their bits, so two tensors agree only where every element is bit-identical."""
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    if tensor.is_floating_point():
+        tensor = tensor.view(_INT_OF_WIDTH[tensor.element_size()])  # same width: any layout views
+    return tensor
+
+
 def tensor_fingerprint(tensor: Tensor) -> Tensor:
-    """A 0-d int64 hash of ``tensor``'s values (as integers), their positions and its shape, without a host sync.
+    """A 0-d int64 hash of ``tensor``'s values (by their bits, whatever the dtype), their positions and its shape,
+    without a host sync.
 
     Each element is hashed with its flat position and the hashes are summed (addition modulo 2**64 does not depend
-    on the order of a parallel reduction), so rows that hold the same tokens in another order, or shifted by one
-    column, differ; a plain sum of the values would not tell them apart.
+    on the order of a parallel reduction, nor on how the elements are split into steps), so rows that hold the same
+    tokens in another order, or shifted by one column, differ; a plain sum of the values would not tell them apart.
     """
-    values = tensor.detach().reshape(-1).long()
-    positions = torch.arange(values.numel(), device=values.device)
-    fingerprint = _mix(values * _GOLDEN + positions).sum()
+    values = _as_integers(tensor.detach()).reshape(-1)
+    fingerprint = torch.zeros((), dtype=torch.long, device=values.device)
+    for start in range(0, values.numel(), HASHED_AT_ONCE):
+        part = values[start : start + HASHED_AT_ONCE].long()
+        positions = torch.arange(start, start + part.numel(), device=values.device)
+        fingerprint = fingerprint + _mix(part * _GOLDEN + positions).sum()
     for size in tensor.shape:
         fingerprint = _mix(fingerprint + size)
     return fingerprint
 
 
-def batch_fingerprint(batch: Any, device: torch.device) -> Tensor:
-    """``[5]`` int64 on ``device``: a bit per present entry of ``SEQUENCE_KEYS``, then each entry's
-    :func:`tensor_fingerprint` (0 where absent); all zeros for a batch that is not a dict."""
-    fingerprint = torch.zeros(len(FINGERPRINT_SLOTS), dtype=torch.long, device=device)
-    if not isinstance(batch, Mapping):
-        return fingerprint  # prepare_batch refuses it on every rank
-    for slot, key in enumerate(SEQUENCE_KEYS, start=1):
-        if isinstance(batch.get(key), Tensor):
-            fingerprint[0] += 1 << slot
-            fingerprint[slot] = tensor_fingerprint(batch[key].to(device))
-    return fingerprint
+def batch_leaves(batch: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """Every leaf of ``batch`` with its key path (``"pixel_values"``, ``"images.0.crop"``; ``"batch"`` for a batch
+    that is a leaf itself): mappings (in key order), lists, tuples and dataclasses are walked, anything else is a
+    leaf."""
+    if isinstance(batch, Mapping):
+        entries: Any = sorted(batch.items(), key=lambda item: str(item[0]))
+    elif isinstance(batch, (list, tuple)):
+        entries = enumerate(batch)
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        entries = ((field.name, getattr(batch, field.name)) for field in dataclasses.fields(batch))
+    else:
+        yield path or "batch", batch
+        return
+    for key, value in entries:
+        yield from batch_leaves(value, f"{path}.{key}" if path else str(key))
+
+
+def _describe(leaf: Any) -> str:
+    """What the host knows of a leaf: a tensor's dtype and shape, a plain value itself, any other object's type."""
+    if isinstance(leaf, Tensor):
+        return f"tensor {leaf.dtype} {tuple(leaf.shape)}"
+    if leaf is None or isinstance(leaf, (bool, int, float, complex, str, bytes)):
+        return f"{type(leaf).__name__} {leaf!r}"
+    return type(leaf).__qualname__
+
+
+def _host_hash(text: str) -> int:
+    """A 64-bit hash of ``text`` as an int64, the same in every process (``hash()`` of a str is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+@dataclasses.dataclass
+class BatchFingerprint:
+    """What :func:`check_sp_group_agreement` compares of one batch: every leaf's path and description (host), and
+    every tensor leaf's :func:`tensor_fingerprint` (device)."""
+
+    described: dict[str, str]
+    """Path -> :func:`_describe` of every leaf, in :func:`batch_leaves` order."""
+    tensors: dict[str, Tensor]
+    """Path -> 0-d int64 :func:`tensor_fingerprint` of every tensor leaf."""
+
+    def summary(self, device: torch.device) -> Tensor:
+        """``[2]`` int64 on ``device``: a hash of the structure (paths, dtypes, shapes, plain values), then one of
+        every tensor's values with its path."""
+        structure = _host_hash(repr(list(self.described.items())))
+        values = torch.zeros((), dtype=torch.long, device=device)
+        for path, fingerprint in self.tensors.items():
+            values = values + _mix(fingerprint + _host_hash(path))
+        return torch.stack([torch.full_like(values, structure), values])
+
+
+def batch_fingerprint(batch: Any, device: torch.device) -> BatchFingerprint:
+    """The :class:`BatchFingerprint` of every leaf of ``batch`` (:func:`batch_leaves`), tensors hashed on ``device``
+    (a few elementwise kernels per tensor, no host sync)."""
+    leaves = list(batch_leaves(batch))
+    return BatchFingerprint(
+        {path: _describe(leaf) for path, leaf in leaves},
+        {path: tensor_fingerprint(leaf.to(device)) for path, leaf in leaves if isinstance(leaf, Tensor)},
+    )
+
+
+def _differing_keys(fingerprint: BatchFingerprint, group: dist.ProcessGroup) -> list[str]:
+    """The paths whose leaf differs somewhere in the SP ``group``, or that some of its ranks lack (a collective, run
+    only once the summaries differ, so every rank of the group runs it)."""
+    local = {
+        path: (described, int(fingerprint.tensors[path]) if path in fingerprint.tensors else None)
+        for path, described in fingerprint.described.items()
+    }
+    every_rank: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every_rank, local, group=group)
+    paths = list(dict.fromkeys(path for leaves in every_rank for path in leaves))
+    return [path for path in paths if len({repr(leaves.get(path)) for leaves in every_rank}) > 1]
 
 
 def check_sp_group_agreement(batch: Any, group: dist.ProcessGroup, device: torch.device, loader_name: str) -> None:
-    """Raise on every rank of the SP ``group`` unless all of them hold the same ``batch`` (a collective: every rank
-    of the group calls it for every batch)."""
-    fingerprints = torch.stack(gather_from_ranks(batch_fingerprint(batch, device), group)).tolist()
-    differing = [rank for rank, fingerprint in enumerate(fingerprints) if fingerprint != fingerprints[0]]
+    """Raise on every rank of the SP ``group`` unless all of them hold the same ``batch``, every tensor, nested ones
+    included, bit for bit (a collective: every rank of the group calls it for every batch; one all-gather of
+    :meth:`BatchFingerprint.summary`, and a second exchange that names the keys only when they differ)."""
+    fingerprint = batch_fingerprint(batch, device)
+    summaries = torch.stack(gather_from_ranks(fingerprint.summary(device), group)).tolist()
+    differing = [rank for rank, summary in enumerate(summaries) if summary != summaries[0]]
     if not differing:
         return
-    entries = [name for slot, name in enumerate(FINGERPRINT_SLOTS) if len({f[slot] for f in fingerprints}) > 1]
+    keys = _differing_keys(fingerprint, group)
     raise ValueError(
         f"The {loader_name} gave the ranks of an SP group (global ranks {dist.get_process_group_ranks(group)}) "
-        f"different batches: {', '.join(entries)} of SP rank(s) {differing} differ from SP rank 0's. The ranks of an "
-        "SP group split each sequence between them and must load the same rows, but this loader picks its rows by "
-        "the global rank (a sampler of its own, an IterableDataset sharded or randomly cropped by rank, random "
-        "augmentation seeded by rank). Pick them by the data-parallel rank instead: DistributedSampler(dataset, "
-        "num_replicas=trainer.strategy.dp_size, rank=trainer.strategy.dp_rank), or shard an IterableDataset by "
-        "those; or leave the sampler to Lightning: a DataLoader without a distributed sampler of its own and "
-        "Trainer(use_distributed_sampler=True), the default. Every rank stops here, before this batch runs."
+        f"different batches: {', '.join(keys)} of SP rank(s) {differing} differ from SP rank 0's. The ranks of an "
+        "SP group split each sequence between them and must load the same rows. Two causes are common. (1) The "
+        "loader picks its rows by the global rank (a sampler of its own, an IterableDataset sharded or randomly "
+        "cropped by rank, random augmentation seeded by rank). Pick them by the data-parallel rank instead: "
+        "DistributedSampler(dataset, num_replicas=trainer.strategy.dp_size, rank=trainer.strategy.dp_rank), or "
+        "shard an IterableDataset by those; or leave the sampler to Lightning: a DataLoader without a distributed "
+        "sampler of its own and Trainer(use_distributed_sampler=True), the default. (2) The dataset is built "
+        "differently in each process: random data made without a seed (at import, in __init__ or setup), each "
+        "process drawing its own. Seed it (torch.Generator().manual_seed(...), or L.seed_everything(...) before "
+        "building it), or build it once in prepare_data and read it from files in setup. Every rank stops here, "
+        "before this batch runs."
     )

@@ -20,7 +20,8 @@ What it adds to :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`:
 * a rank that dies is named by the survivors (:class:`~lightning_ulysses.runtime.failures.Heartbeat`);
 * every transformers model inside the LightningModule runs all-to-all attention
   (:mod:`lightning_ulysses.hf`), checked at set-up to run exactly or be refused, optionally with tiled MLPs and
-  checkpointed, offloaded layers (:mod:`lightning_ulysses.memory`);
+  checkpointed, offloaded layers (:mod:`lightning_ulysses.memory`); a model loaded in eval mode (``from_pretrained``)
+  trains in train mode, its frozen parts excepted (:mod:`lightning_ulysses.train_mode`);
 * CPU (gloo) is a supported target next to CUDA (NCCL).
 
 Gradient reduction contract. DeepSpeed is given no SP ``mpu``: under every ZeRO stage it averages
@@ -29,14 +30,18 @@ gradients over all ``W = dp * sp`` ranks. Rank ``r`` of SP group ``g`` returns t
 
     grad = 1/W * sum_r dL_r/dtheta = 1/dp * sum_g d(sum_{r in g} S_r / T_g)/dtheta = 1/dp * sum_g d(mean_g)/dtheta
 
-which is DDP's average over DP groups of the exact token mean of each group's whole sequences. The
-all-to-all backward routes each rank's loss gradient to the ranks whose activations it used, so the
-sum over ``r`` covers every term. ``sp`` is :attr:`UlyssesStrategy.loss_gradient_scale`, applied by
-:class:`~lightning_ulysses.UlyssesLossMixin`. Gradient accumulation: Lightning already divides each
-micro-batch loss by ``accumulate_grad_batches``, so the engine's second division is switched off. Lightning, not
-DeepSpeed's micro-batch counter, decides which micro-batch ends an optimizer step, as without a strategy: every
+which is DDP's average over DP groups of the exact token mean of each group's whole sequences. The all-to-all
+backward routes each rank's loss gradient to the ranks whose activations it used, so the sum over ``r`` covers every
+term. ``sp`` is :attr:`UlyssesStrategy.loss_gradient_scale`, applied by :class:`~lightning_ulysses.UlyssesLossMixin`
+and by a transformers model called with ``labels=`` (or ``shift_labels=``), whose loss the strategy makes the same
+reduction (:func:`~lightning_ulysses.loss.labels_loss`, the labels shifted over the whole sequence). A training step
+at ``sp > 1`` whose loss went through none of these reductions (a plain mean of this rank's shard) is refused
+(``check_loss_reduction``). Gradient accumulation: Lightning already divides each micro-batch loss by
+``accumulate_grad_batches``, so the engine's second division is switched off. Lightning, not DeepSpeed's micro-batch
+counter, decides which micro-batch ends an optimizer step, as without a strategy: every
 ``accumulate_grad_batches``-th batch of an epoch and the epoch's last one (a shorter last window is applied, not
-carried into the next epoch); the engine is told so before each micro-batch (``set_gradient_accumulation_boundary``).
+carried into the next epoch); the engine is told so before each micro-batch
+(``set_gradient_accumulation_boundary``).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.optim import Optimizer
@@ -68,28 +73,49 @@ from lightning_ulysses.attention.head_chunks import HeadChunks, check_head_chunk
 from lightning_ulysses.attention.ring_blocks import check_block_kernels
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses.hf.apply import patches
+from lightning_ulysses.hf.check.logits import check_tiled_logits
 from lightning_ulysses.hf.mixers import register_mixer_weights_for_zero3
-from lightning_ulysses.loss import STEP_TOKENS_KEY, LossContext, StepTokenCounts
-from lightning_ulysses.memory import MemoryOptions, TileSetting, apply_memory_options, remove_memory_options
+from lightning_ulysses.loss import STEP_TOKENS_KEY, LossContext, StepTokenCounts, labels_loss, padding_tokens
+from lightning_ulysses.memory import (
+    MemoryOptions,
+    MemoryReport,
+    TileSetting,
+    apply_memory_options,
+    head_chunks_row,
+    remove_memory_options,
+    tiled_loss_row,
+)
+from lightning_ulysses.model_checkpoint import keep_last_checkpoint_current
 from lightning_ulysses.runtime.eval_data import DUPLICATES_KEY, drop_rows, pad_over_dp_ranks
 from lightning_ulysses.runtime.failures import Heartbeat, NonFiniteLoss, NonFiniteLossGuard
 from lightning_ulysses.runtime.load import load_checkpoint
+from lightning_ulysses.runtime.out_of_memory import is_out_of_memory, out_of_memory_advice
 from lightning_ulysses.runtime.preemption import PreemptionSignals
 from lightning_ulysses.runtime.resume import ResumableLoader, is_resumable
 from lightning_ulysses.runtime.save import save_checkpoint
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
 from lightning_ulysses.sp_loaders import check_sp_group_agreement, sampler_over_dp_ranks, warn_on_forked_workers
 from lightning_ulysses.topology import SequenceParallelTopology, auto_ring_size, divisors
+from lightning_ulysses.train_mode import train_loaded_models
 
 log = logging.getLogger(__name__)
+
+PADDING_KEY = "_ulysses_padding"
+"""Prepared-batch entry (added and removed by ``batch_to_device``) that carries the padding tokens through sharding."""
 
 
 class UlyssesStrategy(DeepSpeedStrategy):
     """Ulysses sequence parallelism on DeepSpeed (ZeRO 1/2/3), for CUDA and CPU.
 
+    At set-up each asked memory option is applied and its effect logged as one table (:attr:`memory_report`: layers
+    checkpointed, feed-forwards tiled, norms fused, attention layers projected per head chunk, the tiled loss); an
+    option that would apply to nothing, or that the model's mode switches off, is refused there, naming what to drop.
+
     Args:
         sp_size: ranks that share one sequence (each holds ``1 / sp_size`` of its tokens). The world
-            size (devices x num_nodes) must be a multiple; ``dp_size = world_size / sp_size``.
+            size (devices x num_nodes) must be a multiple (refused when the Trainer is built, before any process
+            starts); ``dp_size = world_size / sp_size``.
             ``"auto"``: all processes of a node (SP inside each node, DP across nodes).
         ring_size: Ulysses x Ring (:mod:`lightning_ulysses.attention.ring`): each SP group runs Ulysses over
             ``sp_size / ring_size`` consecutive ranks (inside a node) and ring attention across ``ring_size`` such
@@ -122,23 +148,46 @@ class UlyssesStrategy(DeepSpeedStrategy):
             all-reduce of ``world_size`` flags per micro-batch): ``"raise"`` the same error on all ranks, naming
             the step and the ranks; ``"skip"`` warn likewise and skip the optimizer step (no weight or optimizer
             state update; ZeRO stage 1-3, see :mod:`lightning_ulysses.runtime.failures`); ``"off"``: no check.
-        tiled_mlp: run each decoder layer's MLP in token tiles, recomputed in the backward: ``True`` (tiles of
-            ``hidden_size`` tokens) or a number of tiles.
+        tiled_mlp: run each decoder layer's feed-forward in tiles of the sequence, recomputed in the backward:
+            ``True`` (tiles of ``hidden_size`` tokens) or a number of tiles. The feed-forwards are found by what they
+            do (the children of a decoder layer that map its hidden states alone to hidden states: dense MLPs and
+            mixture-of-experts blocks alike), and each is tiled where its tiles, run at set-up, equal its whole call
+            (router logits and scores included); one that is not token-wise is left whole and named in the report.
         tiled_loss: number of token tiles (or ``True``: auto) for the logits + loss of
             :meth:`~lightning_ulysses.UlyssesLossMixin.forward_causal_lm_loss`, which then never materialises
-            the ``[tokens, vocab]`` logits.
-        activation_checkpointing: keep only each decoder layer's inputs, recompute the layer in the backward.
+            the ``[tokens, vocab]`` logits; each tile gets the scaling or soft-cap the model applies outside
+            ``lm_head``, as the set-up check found it (:mod:`lightning_ulysses.hf.check.logits`), and a model whose
+            logits follow otherwise is refused at set-up.
+        activation_checkpointing: keep only each decoder layer's inputs, recompute the layer in the backward. A fit
+            whose trainable layers are in eval mode (transformers then checkpoints nothing) is refused at set-up; a
+            model loaded in eval mode (``from_pretrained``) is put in train mode first
+            (:mod:`lightning_ulysses.train_mode`).
         offload_activations: keep those inputs in CPU memory (pinned) instead of on the GPU.
-        fused_norms: run every RMSNorm whose forward is found (by running it) to compute exactly what
-            :func:`~lightning_ulysses.rms_norm` does as ``rms_norm``: the same output, and only its input and the
-            reciprocal RMS kept for the backward instead of float copies of the whole normalised tensor.
+        fused_norms: run every RMSNorm and LayerNorm whose forward is found (by running it) to compute exactly what
+            :func:`~lightning_ulysses.rms_norm` / :func:`~lightning_ulysses.layer_norm` do as those: the same output,
+            and only its input and per-token statistics kept for the backward instead of float copies of the whole
+            normalised tensor (``nn.LayerNorm``'s kernel already keeps only those, and is kept); Mamba 2's gated
+            RMSNorm as :func:`~lightning_ulysses.norms.gated_rms_norm`. A call with arguments a fused form does
+            not take (a gate applied after the norm) runs the module's own forward.
         sequence_mixers: what to do with token mixers other than attention (convolutions over the sequence, linear
             attention, state-space layers) that have no head-sharded form (those of transformers' hybrid families
             have one and always use it, see :mod:`lightning_ulysses.hf.mixers`) and that the set-up check finds:
             ``"refuse"`` the model (default), or ``"gather"``: run each on the whole sequence on every rank (exact, at
             ``sp_size`` times their compute and with their activations at full length).
+        check_loss_reduction: refuse (``True``, default) a training step at ``sp_size > 1`` whose loss went through
+            none of the package's exact reductions over the SP group (``UlyssesLossMixin``'s ``causal_lm_loss``,
+            ``forward_causal_lm_loss``, ``reduce_token_loss``; a transformers model called with ``labels=`` or
+            ``shift_labels=``; DPO's): a plain mean such as ``F.cross_entropy(logits, batch["shift_labels"])`` is the
+            mean of this rank's shard, so the logged loss is one shard's and, where the shards' token counts differ,
+            the update is wrong. A flag per step, no extra computation. ``False``: for a ``training_step`` that
+            reduces its loss over the SP group exactly by itself.
         **deepspeed_strategy_kwargs: anything :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`
             takes (``stage``, ``config``, offload options, ...).
+
+    Dropout: in training, the transformers models draw their dropout masks from an RNG stream of their SP rank
+    (seeded at set-up from the run's seed and the SP rank; :mod:`lightning_ulysses.hf.dropout`), so the ranks of an
+    SP group draw independent masks for their tokens and heads with one process's keep rate, not one process's bits;
+    everything outside the model's forward keeps the shared generator state.
     """
 
     strategy_name = "ulysses"
@@ -157,6 +206,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         fused_norms: bool = False,
         sequence_mixers: SequenceMixers = "refuse",
         head_chunks: HeadChunks | None = None,
+        check_loss_reduction: bool = True,
         **deepspeed_strategy_kwargs: Any,
     ) -> None:
         super().__init__(**deepspeed_strategy_kwargs)
@@ -184,6 +234,11 @@ class UlyssesStrategy(DeepSpeedStrategy):
         self._heartbeat: Heartbeat | None = None
         self._applied_steps = 0  # Lightning's global step once it has counted the last step DeepSpeed applied
         self._repeated_rows: Tensor | None = None  # evaluation / prediction: [B] bool, the current batch's repeats
+        self._padding: Tensor | None = None  # [B, N/sp] bool, the current batch's padding tokens on this rank
+        self.check_loss_reduction = check_loss_reduction
+        self._exact_loss_reductions = 0  # in the running training step (see check_loss_reduction)
+        self.memory_report = MemoryReport()
+        """What each asked memory option (and ``head_chunks``) applies to, found at set-up and logged at fit start."""
 
     # ------------------------------------------------------------------------------------------
     # topology
@@ -196,7 +251,18 @@ class UlyssesStrategy(DeepSpeedStrategy):
 
     @property
     def sp_size(self) -> int:
-        return self.topology.sp_size
+        """Ranks that share one sequence: the configured value, also before set-up; ``"auto"`` (the processes of a
+        node) is known once a Trainer holds the strategy."""
+        if self._topology is not None:
+            return self._topology.sp_size
+        if self._requested_sp_size != "auto":
+            return self._requested_sp_size
+        if not self.parallel_devices:
+            raise RuntimeError(
+                "sp_size='auto' is the number of processes per node, known once a Trainer holds this strategy "
+                "(L.Trainer(devices=..., strategy=...)); give an integer sp_size to know it before."
+            )
+        return self.num_processes
 
     @property
     def sp_rank(self) -> int:
@@ -240,6 +306,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
     @property
     def loss_context(self) -> LossContext:
         """What :class:`~lightning_ulysses.UlyssesLossMixin` reduces the current batch's loss with (read per batch)."""
+        assert self.lightning_module is not None  # attached by the Trainer before its hooks run
         return LossContext(
             self.groups,
             self.loss_normalization,
@@ -247,7 +314,17 @@ class UlyssesStrategy(DeepSpeedStrategy):
             self.step_valid_tokens,
             self.memory.tiled_loss,
             self._repeated_rows,
+            self._padding,
+            self.lightning_module.trainer.accumulate_grad_batches,
+            self._record_exact_reduction,
         )
+
+    def _record_exact_reduction(self) -> None:
+        self._exact_loss_reductions += 1
+
+    def _labels_loss(self, logits: Tensor, labels: Tensor | None, shift_labels: Tensor | None, ignore: int) -> Tensor:
+        """The loss of a patched model called with ``labels=`` / ``shift_labels=``: the SP-exact token mean."""
+        return labels_loss(self.loss_context, logits, labels, shift_labels, ignore)
 
     @property
     def attn_implementation(self) -> str:
@@ -288,18 +365,31 @@ class UlyssesStrategy(DeepSpeedStrategy):
         DDPStrategy.setup_environment(self)
 
     @override
+    def _configure_launcher(self) -> None:
+        # the Trainer's constructor calls it once the processes are known: a layout that cannot run is refused here,
+        # in the user's process, before a launcher starts any other
+        self._layout()
+        super()._configure_launcher()
+
+    def _layout(self) -> tuple[int, int]:
+        """``(sp_size, ring_size)`` with ``"auto"`` resolved from the processes per node; raises ``ValueError`` for a
+        layout that does not fit the world size."""
+        sp_size = self.num_processes if self._requested_sp_size == "auto" else self._requested_sp_size
+        ring_size = self._requested_ring_size
+        if ring_size == "auto":
+            ring_size = auto_ring_size(sp_size, self.num_processes) if self.world_size % sp_size == 0 else 1
+            _check_ring_options(ring_size, sp_size, self._requested_attn_implementation)
+        SequenceParallelTopology(self.world_size, sp_size, 0, ring_size)
+        return sp_size, ring_size
+
+    @override
     def setup_distributed(self) -> None:
         assert self.parallel_devices is not None
         if self.root_device.type == "cuda":
             _validate_device_index_selection(self.parallel_devices)
         reset_seed()
         self.set_world_ranks()
-        # validated before any process group exists, so a bad layout fails fast on every rank alike
-        sp_size = self.num_processes if self._requested_sp_size == "auto" else self._requested_sp_size
-        ring_size = self._requested_ring_size
-        if ring_size == "auto":
-            ring_size = auto_ring_size(sp_size, self.num_processes) if self.world_size % sp_size == 0 else 1
-            _check_ring_options(ring_size, sp_size, self._requested_attn_implementation)
+        sp_size, ring_size = self._layout()
         self._topology = SequenceParallelTopology(self.world_size, sp_size, self.global_rank, ring_size)
         if ring_size > 1:
             _check_ring_kernels(self.root_device, compute_dtype(self.precision_plugin.precision), ring_size)
@@ -337,9 +427,12 @@ class UlyssesStrategy(DeepSpeedStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         assert self.lightning_module is not None
+        keep_last_checkpoint_current(trainer.callbacks)
         assert isinstance(self.config, dict)  # DeepSpeedStrategy.__init__ has built or loaded it
         if self.config.get("zero_optimization", {}).get("stage", 0) == 3:
             register_mixer_weights_for_zero3(self.lightning_module)
+        if trainer.state.fn == TrainerFn.FITTING:
+            train_loaded_models(self.lightning_module)  # from_pretrained's eval mode would skip checkpointing, dropout
         super().setup(trainer)
         # after DeepSpeed's engine exists: the set-up check runs a short forward (ZeRO-3 gathers the weights for it)
         apply_ulysses_attention(
@@ -349,8 +442,20 @@ class UlyssesStrategy(DeepSpeedStrategy):
             self.attn_implementation,
             self.sequence_mixers,
             self.head_chunks,
+            self._labels_loss,
         )
-        apply_memory_options(self.lightning_module, self.memory)
+        # refuses a model whose logits do not tile, before any other option's work
+        logit_maps = check_tiled_logits(self.lightning_module) if self.memory.tiled_loss else None
+        self.memory_report = apply_memory_options(
+            self.lightning_module, self.memory, fitting=trainer.state.fn == TrainerFn.FITTING
+        )
+        if self.head_chunks is not None:
+            plans = [patch.plan for patch in patches(self.lightning_module)]
+            self.memory_report.rows.append(head_chunks_row(plans, self.head_chunks))
+        if self.memory.tiled_loss:
+            self.memory_report.rows.append(tiled_loss_row(self.memory.tiled_loss, logit_maps))
+        if self.memory_report.rows:
+            rank_zero_info(self.memory_report.table())
         if trainer.state.fn == TrainerFn.FITTING:
             self.nonfinite_loss.setup(self.model)
         if not isinstance(trainer._signal_connector, PreemptionSignals):  # registers its handlers after set-up
@@ -424,20 +529,24 @@ class UlyssesStrategy(DeepSpeedStrategy):
             sp_group = self.sp_group
             assert sp_group is not None  # set up, with more than one rank
             check_sp_group_agreement(batch, sp_group, device or self.root_device, loader_name)
-        batch = shard_batch(
-            prepare_batch(batch, self.sp_size, self.ring_size), self.sp_rank, self.sp_size, self.ring_size
-        )
+        prepared = prepare_batch(batch, self.sp_size, self.ring_size)
+        prepared[PADDING_KEY] = padding_tokens(batch, prepared)
+        batch = shard_batch(prepared, self.sp_rank, self.sp_size, self.ring_size)
+        self._padding = batch.pop(PADDING_KEY)
         if self._repeated_rows is not None:  # repeated to even out the DP ranks: no token of theirs counts
             batch["shift_labels"][self._repeated_rows.to(batch["shift_labels"].device)] = IGNORE_INDEX
         return batch
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        self._exact_loss_reductions = 0
         output = super().training_step(*args, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
         if isinstance(loss, Tensor):
             assert self.lightning_module is not None  # attached by the Trainer before its hooks run
             trainer = self.lightning_module.trainer
+            if self.check_loss_reduction and self.sp_size > 1 and not self._exact_loss_reductions:
+                raise RuntimeError(_unreduced_loss_message(self.sp_size, trainer.global_step))
             self.nonfinite_loss.check_loss(loss, trainer.global_step, trainer.fit_loop.epoch_loop.batch_idx)
         return output
 
@@ -560,7 +669,19 @@ class UlyssesStrategy(DeepSpeedStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """A collective that failed because a peer died names no rank: name the ranks whose heartbeat stopped and
-        the checkpoint to resume from, in the log and as the last line of the traceback (a note on the exception)."""
+        the checkpoint to resume from, in the log and as the last line of the traceback (a note on the exception).
+        Out of memory: rank 0 logs one line with the options that would fit the sequence
+        (:mod:`lightning_ulysses.runtime.out_of_memory`); the exception is raised as it was."""
+        if is_out_of_memory(exception) and self._topology is not None and self.global_rank == 0:
+            advice = out_of_memory_advice(
+                exception,
+                self.memory,
+                self.head_chunks,
+                self.sp_size,
+                self.world_size,
+                self.root_device.type == "cuda",
+            )
+            log.error(advice)
         if isinstance(exception, RuntimeError) and self._heartbeat is not None:
             report = self._heartbeat.dead_ranks_report()
             if report:
@@ -631,6 +752,20 @@ def _check_ring_kernels(device: torch.device, dtype: torch.dtype, ring_size: int
             f"exactly here (checked at set-up against float64 attention: {'; '.join(failures)}). Use ring_size=1 "
             "(Ulysses only) on this machine."
         )
+
+
+def _unreduced_loss_message(sp_size: int, step: int) -> str:
+    return (
+        f"The loss of training step {step} went through none of lightning-ulysses' reductions over the SP group "
+        f"(sp_size={sp_size}): each rank holds 1/{sp_size} of every sequence, so a plain mean such as "
+        "F.cross_entropy(logits, batch['shift_labels']) is this rank's shard's (the logged loss is one shard's and, "
+        "where the shards hold different numbers of valid tokens, the update differs from one process on whole "
+        "sequences). Mix UlyssesLossMixin into the LightningModule and return "
+        "self.forward_causal_lm_loss(model, batch), self.causal_lm_loss(logits, batch['shift_labels']) or "
+        "self.reduce_token_loss(loss_sum, num_valid_tokens); or call the transformers model with "
+        "labels=batch['input_ids'] (or shift_labels=batch['shift_labels']) and return its .loss. If the step "
+        "already reduces its loss over the SP group exactly, pass UlyssesStrategy(check_loss_reduction=False)."
+    )
 
 
 def _resume_hint(trainer: Any) -> str:

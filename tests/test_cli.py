@@ -166,10 +166,10 @@ def test_a_resume_onto_a_new_schedule_length_changes_the_rate_at_the_resumed_ste
 
     from lightning_ulysses.model import _reconcile_schedule
 
-    def resumed() -> torch.optim.lr_scheduler.LambdaLR:
+    def resumed(step: int = 10) -> torch.optim.lr_scheduler.LambdaLR:
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(2, 10, 0.1))
-        for _ in range(10):
+        for _ in range(step):
             optimizer.step(), scheduler.step()
         return scheduler
 
@@ -184,6 +184,9 @@ def test_a_resume_onto_a_new_schedule_length_changes_the_rate_at_the_resumed_ste
     ):
         _reconcile_schedule(scheduler, None, trainer)
     assert scheduler.optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
+    # the README's one-process resume: a second resume, at step 20 of the 10-step schedule, names its own first step
+    with pytest.warns(UserWarning, match="Resumed at step 20 .* this run ends at step 30, so steps 20-29 run at its"):
+        _reconcile_schedule(resumed(20), None, SimpleNamespace(max_steps=30, estimated_stepping_batches=30))
     scheduler = resumed()
     _reconcile_schedule(scheduler, 20, trainer)
     assert scheduler.optimizer.param_groups[0]["lr"] == pytest.approx(2.0 * WarmupCosine(2, 20, 0.1)(10))
@@ -351,6 +354,51 @@ def test_a_missing_data_folder_is_refused_in_one_line_before_start_up(tmp_path: 
     ), output
 
 
+UNINSTALL = """
+import importlib.metadata
+import sys
+
+MODULES, DISTRIBUTIONS = ("PIL", "matplotlib"), ("pillow", "matplotlib")
+
+
+class Uninstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in MODULES:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+installed = importlib.metadata.distribution
+importlib.metadata.distribution = lambda name: (
+    installed(name) if name.lower() not in DISTRIBUTIONS else installed("no-such-distribution")
+)
+sys.meta_path.insert(0, Uninstalled())
+"""
+"""A ``sitecustomize`` that makes Pillow (and matplotlib, the dev extra's, which needs it) absent as if uninstalled."""
+
+
+def test_a_missing_optional_package_is_refused_in_one_line_naming_the_pip_install(tmp_path: Path) -> None:
+    """The vision quickstart as a user types it where Pillow is not installed: one line naming the ``pip install``
+    (it was jsonargparse's 40-line traceback). Pillow is a dependency, so the README's install has it: the image
+    processors of transformers have a PIL backend, and torchvision (which must match the torch build) is not needed."""
+    (tmp_path / "sitecustomize.py").write_text(UNINSTALL)
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_ulysses", "fit", "--config", "configs/vlm_sft_quickstart.yaml"],
+        cwd=REPO_ROOT,
+        env={**cli_env(), "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = (result.stdout + result.stderr).strip()
+    assert result.returncode == 2 and output == (
+        "lightning-ulysses: error: Could not load any image processor class for examples/data/vlm/processor: none of "
+        "torchvision, Pillow is installed. Install it: pip install Pillow"
+    ), output
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11
+    declared = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(re.match(r"pillow\b", requirement, re.IGNORECASE) for requirement in declared), declared
+
+
 def test_a_mistyped_key_gets_the_closest_valid_one(
     capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -510,6 +558,8 @@ def test_quickstart_commands_as_documented(
     assert lrs == pytest.approx([0.002 * 0.1] * 4, rel=1e-6), lrs
     assert_no_noise(resumed_run)
     assert "decays over 8 optimizer steps; this run ends at step 12" in resumed_run.stderr
+    # the summary counts the steps this run made, beside its tokens (it said 12)
+    assert re.search(r"optimizer steps +4, global steps 8 -> 12\n", resumed_run.stdout + resumed_run.stderr)
     assert "--model.lr_schedule_steps 12" in resumed_run.stderr
     assert "step 12/12" in resumed_run.stdout
     R, checkpoint = resumed, resumed / "checkpoints" / "last.ckpt"  # R=runs/quickstart/version_1
@@ -543,7 +593,7 @@ def test_quickstart_commands_as_documented(
     )  # the saved config's max_steps is reached: it says so and how to go on
     assert "saved at global step 12 and trainer.max_steps=12: nothing is left to train" in line
     assert "--trainer.max_steps 24" in line
-    run_cli(
+    one_process_run = run_cli(
         "fit",
         "--config",
         str(R / "config.yaml"),
@@ -553,6 +603,8 @@ def test_quickstart_commands_as_documented(
         "--trainer.max_steps",
         "14",
     )
+    # its warning names its own first step (it said "steps 8-13" in a run that starts at 12)
+    assert "this run ends at step 14, so steps 12-13 run at its final learning rate" in one_process_run.stderr
     steps = [step for step, _ in logged(tmp_path / "runs" / "quickstart" / "version_2", "train_loss")]
     assert steps == [12, 13], f"the converted checkpoint did not continue at step 12 on one process: {steps}"
     folders = sorted(path.name for path in (tmp_path / "runs" / "quickstart").iterdir())
@@ -631,6 +683,16 @@ def assert_export_equals_the_run(exported: Path, run: Path, val_loss: float) -> 
             AutoTokenizer.from_pretrained(exported)("def f():")["input_ids"] == data.tokenizer("def f():")["input_ids"]
         )
     assert_generation_stops_at(exported, data.tokenizer.eos_token_id)  # ByT5's </s>, 1
+    assert_readable_as_any_model_folder(exported)
+
+
+def assert_readable_as_any_model_folder(exported: Path) -> None:
+    """Every file ``export`` wrote has the permissions of a new file under the umask (0644 under 022); transformers
+    wrote the weights 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {path.name: oct(path.stat().st_mode & 0o777) for path in exported.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {oct(0o666 & ~umask)}, modes
 
 
 def assert_generation_stops_at(exported: Path, end_token_id: int) -> None:
@@ -693,6 +755,7 @@ def test_sft_export_holds_what_the_dpo_quickstart_loads(capsys: pytest.CaptureFi
     module = CausalLM(model=str(exported), pretrained=True, vocab_size=len(sft.tokenizer))
     module.configure_model()  # refuses a folder that lacks or mismatches any weight
     assert_generation_stops_at(exported, sft.tokenizer.convert_tokens_to_ids("<|im_end|>"))  # the chat's end, 256
+    assert_readable_as_any_model_folder(exported)
 
 
 def test_export_stops_generation_at_the_end_of_a_turn_that_is_not_eos() -> None:

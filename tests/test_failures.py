@@ -302,3 +302,43 @@ def test_heartbeats_name_the_ranks_that_vanished_not_those_that_left() -> None:
     again._thread.join()
     assert beats[0].dead_ranks_report().startswith("ranks 1, 2 stopped")
     beats[0].stop()
+
+
+class OutOfMemoryLM(TinyCausalLM):
+    """Its step asks the CPU allocator for 1 PiB: a real ``DefaultCPUAllocator: can't allocate memory``."""
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        torch.empty(1 << 50, dtype=torch.uint8)
+        return super().training_step(batch, batch_idx)
+
+
+def out_of_memory_worker(args: dict[str, Any]) -> None:
+    strategy = UlyssesStrategy(sp_size=2, attn_implementation="sdpa", tiled_loss=True)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(OutOfMemoryLM(), DataLoader(make_samples(4, 16), batch_size=2, collate_fn=collate))
+
+
+def test_out_of_memory_says_in_one_line_what_would_fit_the_sequence() -> None:
+    """Both ranks run out of memory in their step: one line for the run (rank 0's) names the options that are off
+    and the layout; each rank's traceback still ends in the allocator's own error."""
+    exits = launch_to_exit("tests.test_failures:out_of_memory_worker", 2, timeout=START_UP_S + 60)
+    lines = [line for e in exits for line in e.output.splitlines() if "lightning-ulysses: out of memory" in line]
+    assert len(lines) == 1, [e.output[-3000:] for e in exits]
+    assert lines[0].endswith(
+        "lightning-ulysses: out of memory (an allocation of 1048576.00 GiB failed) at sp_size=2 (each rank holds "
+        "1/2 of every sequence). To fit the sequence, turn on UlyssesStrategy(tiled_mlp=True, "
+        "activation_checkpointing=True, head_chunks='auto'), use more processes and a larger sp_size, or shorten it; "
+        "docs/memory.md gives the peak per token under each option (python -m benchmarks.memory_model estimates it "
+        "for a model's shape)."
+    ), lines[0]
+    for e in exits:
+        assert e.returncode not in (0, None) and "DefaultCPUAllocator: can't allocate memory" in e.output

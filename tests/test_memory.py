@@ -6,7 +6,9 @@ one process of plain transformers on whole sequences: every micro-batch loss (rt
 weights (``|update - reference update| / |reference update| < 1e-4``; a factor of 2 in any gradient
 gives an error near 1). Tile counts that do not divide the tokens, more tiles than tokens and a shard
 without a valid token are among the cases. The building blocks are checked on their own, in one
-process, against their untiled computation.
+process, against their untiled computation. Six families whose feed-forwards and norms are found by behaviour
+(mixture-of-experts blocks, feed-forwards under other names, gated norms, LayerNorms) train one step with every
+option on under ZeRO-3, each against one process of its plain model.
 """
 
 from __future__ import annotations
@@ -255,3 +257,84 @@ def test_benchmark_runs_in_quick_mode(tmp_path: Path) -> None:
     table = (tmp_path / "memory.md").read_text()
     assert "| plain | 1 |" in table and "| all | 2 |" in table and f"| {fit}, {miss} |" in table
     assert (tmp_path / "memory.png").stat().st_size > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# families with every memory option on, sp=2 under ZeRO-3, against one process of the plain model
+# ----------------------------------------------------------------------------------------------
+FAMILY_OPTIONS = dict(tiled_mlp=3, activation_checkpointing=True, offload_activations=True, fused_norms=True)
+# what each option must be found acting on in the family (an MoE block, a feed-forward under another name, a gated
+# norm, LayerNorms), read from the strategy's report
+FAMILIES: dict[str, list[str]] = {
+    "gpt_oss": ["model.layers.*.mlp (GptOssMLP) x2 tiled"],
+    "mixtral": ["model.layers.*.mlp (MixtralSparseMoeBlock) x2 tiled"],
+    "lfm2": ["model.layers.*.feed_forward (Lfm2MLP) x2 tiled"],
+    "granitemoehybrid": [
+        "model.layers.*.block_sparse_moe (GraniteMoeHybridMoE) x2",
+        "(GraniteMoeHybridRMSNormGated) x2",
+    ],
+    "falcon_h1": ["model.layers.*.feed_forward (FalconH1MLP) x2 tiled"],
+    "cohere": ["model.layers.*.input_layernorm (CohereLayerNorm) x2", "fused"],
+}
+
+
+def families_worker(args: dict[str, Any]) -> dict[str, tuple[float, float, str]]:
+    """Each family trained one step under UlyssesStrategy(sp_size=2, stage=3, every memory option), with tests.zoo's
+    data and plain one-process reference: the loss's and the update's relative errors, and the strategy's report."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from tests.tiny import collate, gathered_parameters
+    from tests.zoo import (
+        COLLECTIVE_TIMEOUT,
+        ROWS,
+        ZooEntry,
+        ZooModule,
+        _free_process_groups,
+        _quiet,
+        make_samples,
+        prepare,
+    )
+
+    _quiet()
+    outcomes = {}
+    for family in args["families"]:
+        prepared = prepare(ZooEntry(family, family))
+        assert prepared.recipe is not None and not prepared.not_built and not prepared.reference_failed, family
+        assert prepared.reference_loss is not None
+        model = prepared.recipe.build(prepared.attn_implementation, 0)
+        model.load_state_dict(prepared.initial)
+        module = ZooModule(model, 1.0)
+        strategy = UlyssesStrategy(
+            sp_size=2, stage=3, attn_implementation="sdpa", timeout=COLLECTIVE_TIMEOUT, **FAMILY_OPTIONS
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        try:
+            loader = DataLoader(make_samples(prepared.recipe.token_ids), batch_size=ROWS, collate_fn=collate)
+            trainer.fit(module, loader)
+            got = gathered_parameters(module.model, zero_stage_3=True)
+        finally:
+            _free_process_groups(strategy)
+        initial = {name: prepared.initial[name] for name in prepared.reference_params}
+        loss_error = abs(module.losses[-1] - prepared.reference_loss) / abs(prepared.reference_loss)
+        update_error = relative_update_error(initial, prepared.reference_params, got)
+        outcomes[family] = (loss_error, update_error, strategy.memory_report.table())
+    return outcomes
+
+
+def test_families_with_every_memory_option_train_exactly() -> None:
+    results = launch("tests.test_memory:families_worker", 2, {"families": list(FAMILIES)}, timeout=900)
+    for rank, outcomes in enumerate(results):
+        for family, (loss_error, update_error, table) in outcomes.items():
+            assert loss_error < 1e-5 and update_error < 1e-4, f"{family} rank {rank}: {loss_error=}, {update_error=}"
+            for effect in FAMILIES[family]:
+                assert effect in table, f"{family}: {effect!r} not in the report\n{table}"

@@ -1,6 +1,6 @@
 """``last.ckpt`` holds the final step of a fit whose last validation is not the best, and the last step after the last
 ``every_n_train_steps`` multiple (Lightning's ``ModelCheckpoint`` kept an older step in both); the CLI runs this
-class where a config names Lightning's."""
+class where a config names Lightning's, and UlyssesStrategy runs Lightning's own as this one in a Python script."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_ulysses import ModelCheckpoint
-from tests.launch import REPO_ROOT
+from lightning_ulysses import ModelCheckpoint, UlyssesStrategy
+from lightning_ulysses.runtime.directory import saved_global_step
+from tests.launch import REPO_ROOT, launch
+from tests.tiny import TinyCausalLM, collate, make_samples
 
 pytestmark = pytest.mark.cli
 
@@ -97,3 +99,40 @@ def test_the_cli_runs_lightnings_model_checkpoint_as_this_one(monkeypatch: pytes
         ],
     )
     assert type(cli.trainer.checkpoint_callback) is ModelCheckpoint and cli.trainer.checkpoint_callback.save_last
+
+
+class WorseningCausalLM(TinyCausalLM):
+    """``val_loss`` is the global step: the first validation is the best, every later one worse."""
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", float(self.global_step))
+
+
+def lightnings_checkpoint_under_ulysses_worker(args: dict[str, Any]) -> dict[str, Any]:
+    callback = L.pytorch.callbacks.ModelCheckpoint(dirpath=args["dirpath"], monitor="val_loss", save_last=True)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=UlyssesStrategy(sp_size=1, stage=2, attn_implementation="sdpa"),
+        max_steps=5,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+        callbacks=[callback],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = DataLoader(make_samples(12, 8), batch_size=1, collate_fn=collate)
+    trainer.fit(WorseningCausalLM(), loader, DataLoader(make_samples(1, 8), batch_size=1, collate_fn=collate))
+    return {"same_callback": trainer.checkpoint_callback is callback, "best": callback.best_model_path}
+
+
+def test_lightnings_model_checkpoint_under_the_strategy_keeps_last_at_the_final_step(tmp_path: Path) -> None:
+    """A Python script with Lightning's own ``ModelCheckpoint(save_last=True)`` under UlyssesStrategy: ``last.ckpt``
+    holds step 5 of 5 (Lightning's held step 4), the best checkpoint is still step 2's, and the callback is the
+    user's object."""
+    result = launch(
+        "tests.test_model_checkpoint:lightnings_checkpoint_under_ulysses_worker", 1, {"dirpath": str(tmp_path)}
+    )[0]
+    assert saved_global_step(tmp_path / "last.ckpt") == 5, sorted(p.name for p in tmp_path.iterdir())
+    assert saved_global_step(result["best"]) == 2 and result["same_callback"]

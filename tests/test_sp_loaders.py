@@ -2,9 +2,10 @@
 
 One launch of 4 CPU processes: a DataModule written for DDP (``DistributedSampler(dataset)`` over the world) trains
 at dp=2 x sp=2 and at sp=4 exactly as one process on the DP ranks' rows, its samplers replaced and the replacement
-logged; the check costs one all-gather of 5 numbers over the SP group per batch; loaders that give SP ranks
-different rows (an IterableDataset sharded by global rank, a DistributedSampler subclass over the world) are refused
-at their first batch on every rank; ``seed_everything(workers=True)`` seeds each worker as Lightning's
+logged; the check costs one all-gather of 2 numbers over the SP group per batch; loaders that give SP ranks
+different rows (an IterableDataset sharded by global rank, a DistributedSampler subclass over the world) or the same
+rows with other images (pixels augmented by rank, top-level or nested) are refused at their first batch on every
+rank, naming the keys; ``seed_everything(workers=True)`` seeds each worker as Lightning's
 ``pl_worker_init_function`` does with the DP rank for the global rank.
 """
 
@@ -29,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from lightning_ulysses import UlyssesStrategy, sp_loaders
 from lightning_ulysses.sp_loaders import (
     batch_fingerprint,
+    batch_leaves,
     fork_can_deadlock,
     warn_on_forked_workers,
     worker_start_method,
@@ -91,6 +93,27 @@ class RankSharded(IterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
         yield from make_samples(NUM, SEQ)[dist.get_rank() :: dist.get_world_size()]
+
+
+class RankAugmented(Dataset):
+    """The same rows on every rank, but pixels augmented with a generator seeded by the global rank: at the top level
+    (``pixel_values``) and nested (``vision.crops.1``)."""
+
+    def __len__(self) -> int:
+        return NUM
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        sample = make_samples(NUM, SEQ)[index]
+        noise = torch.Generator().manual_seed(1000 * dist.get_rank() + index)
+        crops = [torch.ones(2, 2), torch.rand(2, 2, generator=noise)]
+        return {**sample, "pixel_values": torch.rand(3, 4, 4, generator=noise), "vision": {"crops": crops}}
+
+
+def collate_nested(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stack the top-level tensors and each nested crop."""
+    batch = {key: torch.stack([s[key] for s in samples]) for key in ("input_ids", "pixel_values")}
+    crops = [torch.stack([s["vision"]["crops"][i] for s in samples]) for i in range(2)]
+    return {**batch, "vision": {"crops": crops}}
 
 
 class MyDistributedSampler(DistributedSampler):
@@ -207,6 +230,11 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     trainer = _trainer(WORLD_SIZE, strategy)
     result["val_subclass"] = _error(lambda: trainer.validate(module, subclassed, verbose=False))
     result["val_subclass_rows"] = module.val_rows
+    module = RecordingLM()
+    augmented = DataLoader(RankAugmented(), batch_size=BATCH, collate_fn=collate_nested)
+    strategy = UlyssesStrategy(sp_size=2, stage=2, attn_implementation="sdpa")
+    result["pixels_by_rank"] = _error(lambda: _trainer(WORLD_SIZE, strategy, max_steps=STEPS).fit(module, augmented))
+    result["pixels_by_rank_steps"] = len(module.losses)
 
     # seed_everything(workers=True): workers seeded by DP rank
     L.seed_everything(7, workers=True)
@@ -261,7 +289,7 @@ def test_the_check_costs_one_small_all_gather_over_the_sp_group_per_batch(result
         calls = result["collectives"]
         assert len(calls) == STEPS + 2  # the sanity check's 2 validation batches, then the training steps
         for batch_calls in calls:
-            assert batch_calls == [("all_gather", 5, result["sp2"]["sp_group"])]
+            assert batch_calls == [("all_gather", 2, result["sp2"]["sp_group"])]
 
 
 def test_sp_ranks_given_different_rows_are_refused_at_the_first_batch(results: list[dict[str, Any]]) -> None:
@@ -272,6 +300,17 @@ def test_sp_ranks_given_different_rows_are_refused_at_the_first_batch(results: l
             assert "input_ids" in message and "num_replicas=trainer.strategy.dp_size" in message
             assert "use_distributed_sampler=True" in message
         assert result["iterable_by_rank_steps"] == 0 and result["val_subclass_rows"] == []
+
+
+def test_sp_ranks_given_other_pixels_of_the_same_rows_are_refused_at_the_first_batch(
+    results: list[dict[str, Any]],
+) -> None:
+    for result in results:
+        message = result["pixels_by_rank"]
+        assert message.startswith("ValueError: The train_dataloader gave the ranks of an SP group"), message
+        assert "different batches: pixel_values, vision.crops.1 of SP rank(s) [1] differ" in message, message
+        assert "built differently in each process" in message and "prepare_data" in message
+        assert result["pixels_by_rank_steps"] == 0
 
 
 def test_workers_are_seeded_by_dp_rank_as_lightning_seeds_them(results: list[dict[str, Any]]) -> None:
@@ -290,6 +329,11 @@ def test_workers_are_seeded_by_dp_rank_as_lightning_seeds_them(results: list[dic
     assert not torch.equal(first[0], first[1]), "DP groups draw different rows"
 
 
+def _summary(batch: Any) -> tuple[int, ...]:
+    cpu = torch.device("cpu")
+    return tuple(batch_fingerprint(batch, cpu).summary(cpu).tolist())
+
+
 def test_fingerprints_tell_apart_rows_that_a_sum_would_not() -> None:
     row = torch.arange(1, 9)[None]
     variants = {
@@ -304,12 +348,64 @@ def test_fingerprints_tell_apart_rows_that_a_sum_would_not() -> None:
         "with the mask": {"input_ids": row, "attention_mask": torch.ones_like(row)},
         "with positions": {"input_ids": row, "position_ids": torch.arange(8)[None]},
         "other positions": {"input_ids": row, "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])},
+        "a list": [row],
     }
-    cpu = torch.device("cpu")
-    fingerprints = {name: tuple(batch_fingerprint(batch, cpu).tolist()) for name, batch in variants.items()}
+    fingerprints = {name: _summary(batch) for name, batch in variants.items()}
     assert len(set(fingerprints.values())) == len(variants), fingerprints
-    assert tuple(batch_fingerprint({"input_ids": row.clone()}, cpu).tolist()) == fingerprints["row"]
-    assert batch_fingerprint([row], cpu).tolist() == [0] * 5
+    assert _summary({"input_ids": row.clone()}) == fingerprints["row"]
+
+
+def test_fingerprints_cover_every_tensor_of_a_nested_batch_bit_for_bit() -> None:
+    pixels = torch.rand(2, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    nudged = pixels.clone()
+    nudged[1, 2, 3, 0] = torch.nextafter(nudged[1, 2, 3, 0], torch.tensor(2.0))  # one element, its last bit
+    ids = torch.arange(1, 9)[None]
+
+    def batch(pixel_values: Tensor = pixels, crops: tuple[Tensor, ...] = (pixels[1],), **extra: Any) -> dict:
+        return {"input_ids": ids, "pixel_values": pixel_values, "vision": {"crops": [*crops], "sizes": (4, 4)}, **extra}
+
+    variants = {
+        "batch": batch(),
+        "one pixel one ulp off": batch(nudged),
+        "pixels as float64": batch(pixels.double()),
+        "pixels as bfloat16": batch(pixels.bfloat16()),
+        "a nested crop one ulp off": batch(crops=(nudged[1],)),
+        "a nested crop more": batch(crops=(pixels[1], pixels[0])),
+        "a nested size": {**batch(), "vision": {"crops": [pixels[1]], "sizes": (4, 5)}},
+        "a text field": batch(text=["a b"]),
+        "another text field": batch(text=["a c"]),
+        "a boolean mask": batch(image_mask=pixels[:, 0] > 0.5),
+        "another boolean mask": batch(image_mask=pixels[:, 0] > 0.4),
+        "complex": batch(spectrum=torch.tensor([1 + 2j])),
+        "other complex": batch(spectrum=torch.tensor([1 - 2j])),
+    }
+    variants["zeros"] = batch(torch.where(pixels > 0.5, pixels, torch.zeros(())))
+    variants["negative zeros"] = batch(torch.where(pixels > 0.5, pixels, -torch.zeros(())))
+    fingerprints = {name: _summary(b) for name, b in variants.items()}
+    assert len(set(fingerprints.values())) == len(variants), fingerprints
+    # equal batches agree: other objects, other key order
+    reordered = {
+        "vision": {"sizes": (4, 4), "crops": [pixels[1].clone()]},
+        "pixel_values": pixels.clone(),
+        "input_ids": ids,
+    }
+    assert _summary(reordered) == fingerprints["batch"]
+    assert [path for path, _ in batch_leaves(batch())] == [
+        "input_ids",
+        "pixel_values",
+        "vision.crops.0",
+        "vision.sizes.0",
+        "vision.sizes.1",
+    ]
+
+
+def test_a_tensor_hashed_in_steps_has_the_fingerprint_of_one_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    pixels = torch.rand(3, 5, 7, generator=torch.Generator().manual_seed(0))
+    whole = sp_loaders.tensor_fingerprint(pixels)
+    monkeypatch.setattr(sp_loaders, "HASHED_AT_ONCE", 4)  # 27 steps, the last one shorter
+    assert sp_loaders.tensor_fingerprint(pixels) == whole
+    swapped = pixels.flatten()[[*range(96), 97, 96, *range(98, 105)]].view(3, 5, 7)  # two elements of a late step
+    assert sp_loaders.tensor_fingerprint(swapped) != whole
 
 
 @pytest.mark.parametrize(

@@ -121,6 +121,22 @@ def test_unsupported_attention_backends_are_refused_at_construction() -> None:
         UlyssesStrategy(sp_size=0)
 
 
+def test_an_sp_size_that_does_not_divide_the_processes_is_refused_by_the_trainers_constructor() -> None:
+    """In the user's process, before a launcher starts the others (it was refused after start-up, once per rank)."""
+    with pytest.raises(ValueError, match=r"world size \(3 processes.*not divisible by sp_size=2.*\[1, 3\]"):
+        L.Trainer(accelerator="cpu", devices=3, strategy=UlyssesStrategy(sp_size=2), logger=False)
+    with pytest.raises(ValueError, match=r"ring_size=.*does not divide sp_size=3|not divisible by sp_size=3"):
+        L.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=UlyssesStrategy(sp_size=3, ring_size="auto"))
+
+
+def test_sp_size_before_fit_is_the_configured_value() -> None:
+    assert UlyssesStrategy(sp_size=2).sp_size == 2
+    with pytest.raises(RuntimeError, match="sp_size='auto' is the number of processes per node, known once a Trainer"):
+        UlyssesStrategy().sp_size  # noqa: B018
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=UlyssesStrategy(), logger=False)
+    assert trainer.strategy.sp_size == 4
+
+
 def test_impossible_ring_layouts_are_refused_at_construction() -> None:
     with pytest.raises(
         ValueError, match=r"ring_size=3 does not divide sp_size=4.*Valid ring_size values .*\[1, 2, 4\]"

@@ -26,7 +26,13 @@ from lightning.pytorch.callbacks import Callback, ModelSummary, ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from lightning_ulysses import quiet
-from lightning_ulysses.cli.checks import ConfigError, check_checkpoint_file, check_config, run_folder_of
+from lightning_ulysses.cli.checks import (
+    ConfigError,
+    check_checkpoint_file,
+    check_config,
+    missing_package,
+    run_folder_of,
+)
 from lightning_ulysses.cli.commands import COMMANDS, command_parser, run_command
 from lightning_ulysses.cli.parser import (
     COMMAND_HELP,
@@ -105,6 +111,16 @@ class UlyssesCLI(LightningCLI):
         _keep_last_checkpoint_current(config.trainer)
         if self.subcommand in ("validate", "test", "predict"):
             _log_into_the_run(config, self.subcommand)
+
+    def instantiate_classes(self) -> None:
+        """Builds the model, the data and the Trainer (in this process, before any other starts); one that needs an
+        optional package that is not installed is refused with the ``pip install`` to run."""
+        try:
+            super().instantiate_classes()
+        except Exception as error:  # a missing package is found in the error's chain; any other re-raises
+            if (refusal := missing_package(error)) is None:
+                raise
+            raise refusal from None
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> L.Trainer:
         """The Trainer, with the progress bar of :func:`~lightning_ulysses.progress.progress_bar` and the model summary

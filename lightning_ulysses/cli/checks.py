@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,13 @@ from lightning_ulysses.strategy import UlyssesStrategy
 from lightning_ulysses.topology import SequenceParallelTopology
 
 LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")  # ckpt_path keywords that Lightning resolves itself
+
+DISTRIBUTION_NAMES = {"PIL": "Pillow", "cv2": "opencv-python", "yaml": "PyYAML", "sklearn": "scikit-learn"}
+"""``pip install`` names of the modules whose import name differs from it."""
+
+TORCH_BUILD_PACKAGES = ("torchvision", "torchaudio")
+"""Built for one torch release and build (CPU, a CUDA version): a plain ``pip install`` may replace the torch that is
+installed, so they are offered last among alternatives, with that warning."""
 
 
 class ConfigError(ValueError):
@@ -190,3 +199,43 @@ def _check_checkpoint(subcommand: str | None, path: Path, max_steps: Any) -> Non
                 f"ckpt_path={str(path)!r} was saved at global step {step} and trainer.max_steps={max_steps}: nothing "
                 f"is left to train. To train on, raise the limit, e.g. --trainer.max_steps {max(2 * step, step + 1)}."
             )
+
+
+def missing_package(error: BaseException) -> ConfigError | None:
+    """The refusal for building a class that failed on an optional package that is not installed (e.g. an image
+    processor without Pillow), naming the ``pip install`` to run; ``None`` for any other error.
+
+    Found in the error's chain (jsonargparse wraps the error of a class it builds): a ``ModuleNotFoundError`` of a
+    module, or transformers' list of the packages of which any one would do (``Missing optional dependencies: ...``).
+    The chain is read from its first error (the wrappers' messages quote it).
+    """
+    for cause in reversed(list(_chain(error))):
+        if isinstance(cause, ModuleNotFoundError) and cause.name:
+            module = cause.name.split(".")[0]
+            return _install(str(cause), [DISTRIBUTION_NAMES.get(module, module)])
+        if match := re.search(r"Missing optional dependencies: ([^.]+)\.", str(cause)):
+            what = str(cause).split(". ")[0]
+            return _install(what, [name.strip() for name in match.group(1).split(",")])
+    return None
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        yield cause
+        cause = cause.__cause__ or cause.__context__
+
+
+def _install(what: str, packages: list[str]) -> ConfigError:
+    """``packages``: alternatives, any one of which is enough; the first that needs no particular torch build is
+    offered."""
+    package = sorted(packages, key=lambda name: name.lower() in TORCH_BUILD_PACKAGES)[0]
+    missing = f"{package} is not installed" if len(packages) == 1 else f"none of {', '.join(packages)} is installed"
+    build = (
+        f" (the {package} build that matches your torch: a plain pip install may replace torch)"
+        if package.lower() in TORCH_BUILD_PACKAGES
+        else ""
+    )
+    return ConfigError(f"{what}: {missing}. Install it: pip install {package}{build}")

@@ -98,6 +98,7 @@ class DPO(CausalLM):
                 folder, attn_implementation="sdpa", dtype=torch.get_default_dtype()
             )
         self.reference.requires_grad_(False)
+        self.reference.eval()  # as from_pretrained returns it; the policy trains in train mode (CausalLM)
 
     def _prepared(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         if "shift_labels" not in batch:  # not under UlyssesStrategy: the reference runs the local attention too
@@ -114,6 +115,7 @@ class DPO(CausalLM):
             return local
         total = local.detach().clone()
         dist.all_reduce(total, group=group)  # not autograd: each rank's gradient comes from its own tokens
+        self._record_exact_reduction()
         scaled = local * gradient_scale
         return scaled + (total - scaled).detach()
 
@@ -128,7 +130,7 @@ class DPO(CausalLM):
         batch = self._prepared(batch)
         assert self.model is not None and self.reference is not None  # configure_model has run
         policy = self.sequence_log_probs(self.model, batch)
-        self.reference.eval()  # Lightning puts the whole module in train mode; the reference never trains
+        self.reference.eval()  # an on_validation_model_train hook may put the whole module in train mode
         with torch.no_grad():
             reference = self.sequence_log_probs(self.reference, batch)
         losses, rewards = dpo_loss(policy, reference, self.hparams.beta)  # type: ignore[attr-defined]  # as above

@@ -137,18 +137,19 @@ def sequence_parallel_disabled(model: nn.Module) -> Iterator[None]:
     """Run the patched attention of ``model`` locally (no SP group) inside the ``with`` block.
 
     The model must then be called with whole sequences (``[B, N]`` inputs and global ``position_ids``) on
-    one rank; documents and padding are still masked from the position ids. Not collective.
+    one rank; documents and padding are still masked from the position ids; a call with ``labels=`` returns the
+    model's own loss. Not collective.
     """
     states = [patch.state for patch in patches(model)]
-    saved = [(state.group, state.sp_size) for state in states]
+    saved = [(state.group, state.sp_size, state.labels_loss) for state in states]
     local = SequenceParallelGroups.of(None)  # its cache keeps the block's documents
     try:
         for state in states:
-            state.group, state.sp_size = local, 1
+            state.group, state.sp_size, state.labels_loss = local, 1, None  # labels=: the model's own loss
         yield
     finally:
-        for state, (group, sp_size) in zip(states, saved, strict=True):
-            state.group, state.sp_size = group, sp_size
+        for state, (group, sp_size, labels_loss) in zip(states, saved, strict=True):
+            state.group, state.sp_size, state.labels_loss = group, sp_size, labels_loss
 
 
 @contextmanager

@@ -9,6 +9,11 @@
 * it reads bidirectional spans from ``token_type_ids`` where the set-up check found the masks make image tokens
   attend to each other both ways (Gemma 3), and refuses ``token_type_ids`` that the masks read otherwise;
 * it switches the KV cache off (it would hold one shard of the sequence);
+* in training it draws its random numbers (dropout) from this SP rank's stream (:mod:`lightning_ulysses.hf.dropout`);
+* called with ``labels=`` (this rank's shard of unshifted labels) or ``shift_labels=``, it returns the loss of
+  ``PatchState.labels_loss`` (``UlyssesStrategy``'s SP-exact token mean, labels shifted over the whole sequence) in
+  place of transformers' loss function, which would shift the labels inside the shard; a model that computes its
+  loss otherwise, or adds to it (a router's auxiliary loss, from this shard only), is refused;
 * once per batch it builds what every layer reuses: the documents, the attention backend's plans for each layer
   pattern, the token mixers' document rows and the tiled MLP's token agreement.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import Tensor
@@ -24,8 +30,10 @@ from transformers import PreTrainedModel
 
 from lightning_ulysses.attention import documents_of, gather_sequence, plan_batch, plan_spans
 from lightning_ulysses.groups import SequenceParallelGroup
+from lightning_ulysses.hf.dropout import forward_draws
 from lightning_ulysses.hf.mixers import plan_document_rows
-from lightning_ulysses.hf.state import PatchState
+from lightning_ulysses.hf.state import LabelsLoss, PatchState
+from lightning_ulysses.sharding import IGNORE_INDEX
 
 
 def guarded_forward(model: PreTrainedModel, state: PatchState) -> Any:
@@ -50,13 +58,81 @@ def guarded_forward(model: PreTrainedModel, state: PatchState) -> Any:
             # would number this shard's tokens from 0)
         if not takes_position_ids:
             kwargs.pop("position_ids", None)
+        draws = forward_draws(state.rng, model, state.depth == 0, state.position_ids)
+        labels_loss = state.labels_loss if state.depth == 0 and _has_labels(kwargs) else None
         state.depth += 1
         try:
-            return forward(*args, **kwargs)
+            with draws:
+                if labels_loss is not None:
+                    return _forward_with_labels_loss(forward, args, kwargs, model, labels_loss)
+                return forward(*args, **kwargs)
         finally:
             state.depth -= 1
 
     return guarded
+
+
+def _has_labels(kwargs: dict[str, Any]) -> bool:
+    return kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
+
+
+def _forward_with_labels_loss(
+    forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any], model: PreTrainedModel, labels_loss: LabelsLoss
+) -> Any:
+    """``forward(*args, **kwargs)`` of a model given ``labels`` or ``shift_labels``, its loss function replaced by
+    ``labels_loss`` for the call; refused where the returned loss is not exactly what ``labels_loss`` returned."""
+    name = type(model).__name__
+    instead = (
+        "Call it without labels and reduce the loss with UlyssesLossMixin (forward_causal_lm_loss(model, batch), or "
+        "causal_lm_loss(logits, batch['shift_labels']))."
+    )
+    if "_loss_function" in model.__dict__:
+        raise ValueError(
+            f"{name} was given labels with a loss function of your own (model.loss_function), which under sequence "
+            f"parallelism would see one shard of the sequence. {instead}"
+        )
+    if kwargs.get("num_items_in_batch") is not None:
+        raise ValueError(
+            f"{name} was given num_items_in_batch: under sequence parallelism the loss of a call with labels is the "
+            "token mean over the SP group's whole sequences (UlyssesStrategy(loss_normalization='global') for one "
+            "token mean over the optimizer step); leave num_items_in_batch out."
+        )
+    given_shift_labels = kwargs.get("shift_labels")  # taken from here: a model may not pass them on to its loss
+    if kwargs.get("labels") is None:  # transformers computes a loss only when given labels (so does the HF Trainer)
+        kwargs["labels"] = given_shift_labels
+    returned: list[Tensor] = []
+    versions: list[int] = []  # of each returned loss: a model may add to it in place (Mixtral's router loss)
+
+    def loss_function(
+        logits: Tensor,
+        labels: Tensor,
+        vocab_size: int | None = None,
+        ignore_index: int = IGNORE_INDEX,
+        shift_labels: Tensor | None = None,
+        **_: Any,
+    ) -> Tensor:
+        shift_labels = given_shift_labels if shift_labels is None else shift_labels
+        returned.append(labels_loss(logits, labels, shift_labels, ignore_index))
+        versions.append(returned[-1]._version)
+        return returned[-1]
+
+    model.loss_function = loss_function
+    try:
+        output = forward(*args, **kwargs)
+    finally:
+        del model.__dict__["_loss_function"]
+    loss = output.get("loss") if isinstance(output, Mapping) else output[0]
+    if not returned:
+        raise ValueError(
+            f"{name} computes its loss from labels without transformers' loss_function, shifting the labels inside "
+            f"this rank's shard of the sequence. {instead}"
+        )
+    if len(returned) > 1 or loss is not returned[0] or loss._version != versions[0]:
+        raise ValueError(
+            f"{name} returns a loss other than that of its loss function (e.g. plus a router's auxiliary loss), "
+            f"which under sequence parallelism is computed from this rank's shard only. {instead}"
+        )
+    return output
 
 
 def _tokens(args: tuple, kwargs: dict[str, Any]) -> int | None:

@@ -23,12 +23,13 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from lightning_ulysses.attention.head_chunks import HeadChunks
-from lightning_ulysses.groups import SequenceParallelGroup, ring_size_of
+from lightning_ulysses.groups import SequenceParallelGroup, as_groups, ring_size_of
 from lightning_ulysses.heads import plan_heads
 from lightning_ulysses.hf.apply import Patch, patch_of
 from lightning_ulysses.hf.check import check_model
+from lightning_ulysses.hf.dropout import SequenceParallelRNG, layerdrop_refusal
 from lightning_ulysses.hf.plan import ModelPlan, Refusal
-from lightning_ulysses.hf.state import PatchState, SequenceMixers, UnsupportedModelError, outermost_models
+from lightning_ulysses.hf.state import LabelsLoss, PatchState, SequenceMixers, UnsupportedModelError, outermost_models
 
 
 def apply_ulysses_attention(
@@ -38,6 +39,7 @@ def apply_ulysses_attention(
     core: str,
     sequence_mixers: SequenceMixers = "refuse",
     head_chunks: HeadChunks | None = None,
+    labels_loss: LabelsLoss | None = None,
 ) -> None:
     """Make every transformers ``PreTrainedModel`` inside ``model`` run Ulysses attention over ``group`` (the
     strategy's :class:`~lightning_ulysses.groups.SequenceParallelGroups`, Ulysses x Ring included, or a plain process
@@ -52,14 +54,19 @@ def apply_ulysses_attention(
     other is refused, or with ``sequence_mixers="gather"`` run on the whole sequence on every rank
     (:mod:`lightning_ulysses.hf.mixers.gather`). ``head_chunks``: every layer's
     ``ulysses_attention(head_chunks=...)``, or, where the set-up check finds its projections narrow per head, the
-    attention module run per chunk (:mod:`lightning_ulysses.hf.projections`).
-    Idempotent.
+    attention module run per chunk (:mod:`lightning_ulysses.hf.projections`). In training the models draw their
+    random numbers (dropout) from this SP rank's stream, seeded here from ``torch.initial_seed()`` and the SP rank
+    (:mod:`lightning_ulysses.hf.dropout`). Idempotent.
     """
     if sequence_mixers not in ("refuse", "gather"):
         raise ValueError(f"sequence_mixers must be 'refuse' or 'gather', got {sequence_mixers!r}.")
+    rng = SequenceParallelRNG.of(as_groups(group))  # one stream for every model of the module, as one process has
     for hf_model in outermost_models(model):
         if patch_of(hf_model) is not None:
             continue
+        refusal = layerdrop_refusal(hf_model, next(hf_model.parameters()).device) if rng is not None else None
+        if refusal is not None:
+            raise UnsupportedModelError(refusal)
         _log_head_layout(hf_model, sp_size // ring_size_of(group))
         patch = Patch(
             hf_model,
@@ -69,6 +76,8 @@ def apply_ulysses_attention(
                 sp_size,
                 gather_mixers=sequence_mixers == "gather",
                 head_chunks=head_chunks,
+                rng=rng,
+                labels_loss=labels_loss,
             ),
         )
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from lightning_ulysses.hf.masks import MaskPattern
+from lightning_ulysses.logits import LogitMap
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,8 @@ class ModelPlan:
       (:mod:`~lightning_ulysses.hf.rotary`);
     * ``gathered``: modules run on the whole sequence on every rank (``sequence_mixers="gather"``); a sharded mixer
       inside one runs as it is;
-    * ``token_types``: what ``token_type_ids`` mean to the masks (bidirectional image spans, Gemma 3).
+    * ``token_types``: what ``token_type_ids`` mean to the masks (bidirectional image spans, Gemma 3);
+    * ``logits``: how the logits follow from the final hidden states, which the tiled loss applies per tile.
     """
 
     layers: tuple[tuple[str, LayerPlan], ...] = ()
@@ -88,6 +90,9 @@ class ModelPlan:
     """What the model's masks do with ``token_type_ids`` (:mod:`lightning_ulysses.hf.check.spans`): ``""`` nothing
     (or it takes none), ``"spans"`` runs of ``1`` attend to themselves bidirectionally, else why it cannot be given
     them."""
+    logits: LogitMap | str = "not checked"
+    """The :class:`~lightning_ulysses.logits.LogitMap` from the decoder's final hidden states to the logits
+    (:mod:`lightning_ulysses.hf.check.logits`), or why the logits cannot be computed in token tiles."""
 
     def with_gathered(self, gathered: Gathered) -> ModelPlan:
         """This plan with ``gathered`` in place of any earlier choice for the same mixer or inside its module."""

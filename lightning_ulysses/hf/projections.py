@@ -15,9 +15,11 @@ projections' outputs, the whole-sequence tensors and their gradients exist for o
 heads are the ones :func:`~lightning_ulysses.attention.head_chunks.chunk_heads` routes: every rank of the group
 computes the same chunks, and the all-to-all inside hands each rank the chunk's slots of the full layout.
 
-Which modules run so is decided by behaviour: the set-up check (:mod:`lightning_ulysses.hf.check.projections`)
-calls each candidate this way and keeps it only where the chunks sum to the module's own output; the rest keep
-attention-only chunks. Narrowing reads the weights inside the projections' own calls (``index_select`` on the
+Which modules run so is decided by behaviour: the set-up check (:mod:`lightning_ulysses.hf.check.projections`) calls
+each candidate this way and keeps it only where the chunks sum to the module's own output, write into its arguments what
+the module writes (key-value states shared with later layers are not), and the module draws no random numbers outside
+its attention kernel (a dropout after the output projection would drop each chunk's partial sum on its own); the rest
+keep attention-only chunks. Narrowing reads the weights inside the projections' own calls (``index_select`` on the
 parameter, so its gradient reaches the whole weight, and ZeRO-3's hooks have gathered it). Per-head parameters of the
 module's own (attention sinks, ``[heads]``) are narrowed to the chunk's query heads; the module reads them outside any
 call of its own in a chunk's recomputation, so under ZeRO-3, which partitions them, such a module is not chunked so.
@@ -39,7 +41,7 @@ from lightning_ulysses.attention.head_chunks import chunk_heads
 from lightning_ulysses.heads import HeadLayout, plan_heads
 from lightning_ulysses.hf.plan import ProjectionChunks
 from lightning_ulysses.hf.state import PatchState
-from lightning_ulysses.memory import recomputed_in_backward
+from lightning_ulysses.tiling import recomputed_in_backward
 
 PROJECTION_NAMES = {
     "query": ("q_proj", "query"),

@@ -12,12 +12,19 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from lightning_ulysses.attention.head_chunks import HeadChunks
 from lightning_ulysses.groups import SequenceParallelGroups, as_groups
+from lightning_ulysses.hf.dropout import SequenceParallelRNG
 
 SequenceMixers = Literal["refuse", "gather"]
 
 ProbeAttention = Callable[..., Tensor]
 """``(module, query, key, value, attention_mask, scaling, kwargs) -> [B, N, H, D_v]``: what every patched attention
 layer computes while the set-up check probes the model (:mod:`lightning_ulysses.hf.check`)."""
+
+
+LabelsLoss = Callable[[Tensor, Tensor | None, Tensor | None, int], Tensor]
+"""``(logits [B, N/sp, V], labels [B, N/sp] | None, shift_labels [B, N/sp] | None, ignore_index) -> loss``: what a
+patched model called with ``labels=`` or ``shift_labels=`` returns as its loss (``UlyssesStrategy`` sets it: the
+SP-exact token mean, :func:`lightning_ulysses.loss.labels_loss`)."""
 
 
 class UnsupportedModelError(ValueError):
@@ -65,6 +72,12 @@ class PatchState:
     head_chunks: HeadChunks | None = None
     """``UlyssesStrategy(head_chunks=...)``: every layer's ``ulysses_attention(head_chunks=...)``
     (:mod:`lightning_ulysses.attention.head_chunks`)."""
+    rng: SequenceParallelRNG | None = None
+    """This SP rank's RNG stream, which the model's forward draws from in training (dropout masks of its own,
+    :mod:`lightning_ulysses.hf.dropout`); ``None`` without sequence parallelism."""
+    labels_loss: LabelsLoss | None = None
+    """The loss of a call with ``labels=`` / ``shift_labels=`` (:mod:`lightning_ulysses.hf.forward`); ``None``: the
+    model's own (which would shift the labels inside each shard)."""
 
     def __post_init__(self) -> None:
         self.group = as_groups(self.group)

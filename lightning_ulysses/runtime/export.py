@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -55,7 +56,24 @@ def export_hf_model(
             "Pass prefix='<attribute of the model in your LightningModule>.'."
         )
     model.load_state_dict(weights, strict=True)
+    before = _modification_times(Path(output_dir))
     model.save_pretrained(output_dir)
+    _apply_umask(Path(output_dir), before)
+
+
+def _modification_times(folder: Path) -> dict[str, int]:
+    return {path.name: path.stat().st_mtime_ns for path in folder.iterdir()} if folder.is_dir() else {}
+
+
+def _apply_umask(folder: Path, before: dict[str, int]) -> None:
+    """Give the files that ``save_pretrained`` wrote the permissions of any new file (``0o666`` less the umask:
+    ``0o644`` under the usual ``022``): transformers writes the weights through a private temporary file (``0o600``),
+    which left them unreadable to the other users of a shared model folder."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.iterdir():
+        if path.is_file() and before.get(path.name) != path.stat().st_mtime_ns:
+            path.chmod(path.stat().st_mode | (0o666 & ~umask))
 
 
 def _universal_fp32_state_dict(checkpoint_dir: Path) -> dict[str, Tensor]:

@@ -9,7 +9,10 @@ queries, keys and values all still matter, but no information moves between toke
    :func:`~lightning_ulysses.hf.masks.recording_mask_interface`; each attention layer's call is read
    (:func:`~lightning_ulysses.hf.interface.read_layer_call`): the mask pattern it receives (windows and
    chunks applied only through the mask included) and its arguments (sinks; soft-capping, bidirectional
-   attention, model-computed biases are refused). Every module's inputs and outputs are kept.
+   attention, model-computed biases are refused). Every module's inputs and outputs are kept. From them and one
+   plain forward more: how the logits follow from the decoder's final hidden states (a constant factor, a tanh
+   soft-cap: :mod:`~lightning_ulysses.hf.check.logits`), which the tiled loss applies per tile; the strategy refuses
+   ``tiled_loss`` where they follow otherwise.
 2. **Token types.** Where the model takes ``token_type_ids``, the whole-sequence probe runs once more with runs of
    ``1`` in them: layers whose masks make each run bidirectional (Gemma 3's image tokens) are planned with
    bidirectional spans (:mod:`~lightning_ulysses.hf.check.spans`).
@@ -20,7 +23,8 @@ queries, keys and values all still matter, but no information moves between toke
    its output depends on the length (dynamic NTK, longrope), it is planned as whole-sequence rotary
    (:func:`~lightning_ulysses.hf.rotary.whole_sequence_rotary`), which must make it exact.
 5. **Projections in head chunks** (``head_chunks`` set, ``sp > 1``): each attention layer whose chunks, run with
-   its projections narrowed to their heads, sum to its own output is planned to run so
+   its projections narrowed to their heads, sum to its own output and write into its arguments what it writes, and
+   which draws no random numbers outside attention, is planned to run so
    (:mod:`~lightning_ulysses.hf.check.projections`).
 6. **As in training**: this rank's shard (the whole sequence at ``sp_size=1``), the real SP group, no masks
    built. With attention token-local, no module's per-token output may differ from the whole run: where
@@ -33,7 +37,7 @@ queries, keys and values all still matter, but no information moves between toke
    few tokens (Llama4's temperature tuning starts at index 8192).
 
 The check writes nothing on the model: it returns a :class:`~lightning_ulysses.hf.plan.ModelPlan` (the attention
-layers' plans, the head-sharded token mixers, whole-sequence rotary, gathered mixers) or a
+layers' plans, the head-sharded token mixers, whole-sequence rotary, gathered mixers, the logit map) or a
 :class:`~lightning_ulysses.hf.plan.Refusal`, and has each plan it tries on the way realised by the caller's
 applier (:meth:`~lightning_ulysses.hf.apply.Patch.realize`). The verdict is agreed over the SP group, so every rank
 refuses alike.
@@ -50,6 +54,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from lightning_ulysses.hf.check.findings import agreed
+from lightning_ulysses.hf.check.logits import find_logit_map
 from lightning_ulysses.hf.check.projections import plan_projection_chunks
 from lightning_ulysses.hf.check.rope import check_rotary
 from lightning_ulysses.hf.check.shard import Shard
@@ -86,7 +91,8 @@ def check_model(model: PreTrainedModel, state: PatchState, realize: Callable[[Mo
             # a forward that failed on one rank only must not leave the others waiting
             findings = agreed(findings, state)
             if not findings:
-                plan = replace(plan, layers=tuple(whole.layers.items()))
+                logits = find_logit_map(model, state, whole, input_ids, position_ids)
+                plan = replace(plan, layers=tuple(whole.layers.items()), logits=logits)
                 plan = check_token_types(model, state, input_ids, position_ids, plan)
                 realize(plan)
                 findings = check_position_numbering(model, input_ids, position_ids)

@@ -1,0 +1,219 @@
+"""A step of the set-up check: how a model makes its logits from its decoder's final hidden states (tiled loss).
+
+``UlyssesStrategy(tiled_loss=...)`` never builds the ``[tokens, V]`` logits: it runs the decoder
+(``model.get_decoder()``) and then ``lm_head`` (``model.get_output_embeddings()``) one token tile at a time
+(:mod:`lightning_ulysses.logits`). Families scale or cap the logits outside ``lm_head``: Granite, GraniteMoe,
+GraniteMoeShared and GraniteMoeHybrid divide them by ``logits_scaling``, Cohere, Falcon-H1 and HyperCLOVAX multiply
+them by a constant, MiniCPM3 divides the hidden states before ``lm_head``, Gemma 3n and xLSTM soft-cap them. What the
+model does is read by running it, not from its config's names:
+
+1. **What ``lm_head`` receives.** In the whole-sequence run (:mod:`~lightning_ulysses.hf.check.whole`) ``lm_head`` and
+   the decoder must each be called once, and ``lm_head``'s input must be a constant ``input_scale`` times the
+   decoder's output (least squares, then verified to the tolerance of the model's dtype).
+2. **What becomes of its output.** The plain model runs once more with ``lm_head``'s output replaced by values of
+   every magnitude from ``1e-2`` to ``1e4``, of both signs, in random places (so that a soft-cap shows even where
+   the probe's own logits are small). The logits must be ``scale * x`` or ``cap * tanh(scale * x / cap)`` of those
+   values ``x``, each logit to the tolerance of the model's dtype (relative to itself: a per-token offset, or a map
+   that mixes logits, shows on the smallest). ``scale`` is fitted by least squares (and taken as ``1``, or as one of
+   the config's positive float values or its inverse, where it is within rounding of it: bf16 logits give Granite's
+   ``1 / 3`` as ``0.33332``); a ``cap`` is one of those values or the largest logit seen (where the tanh
+   saturates). Either is then verified like the rest.
+
+The verdict (a :class:`~lightning_ulysses.logits.LogitMap`, or why the logits cannot be tiled) is the plan's
+``logits``, the same on every rank of the SP group: the tiled loss applies the map to each tile
+(:func:`tiled_logit_map`), and with ``tiled_loss`` on the strategy refuses a model without one at set-up
+(:func:`check_tiled_logits`). Everything is a Python float decided here: nothing in a training step syncs with the
+host for it. Under ZeRO-3 both forwards gather ``lm_head``'s weight as training does (the hooks see its output
+inside the call), tied embeddings included.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+from lightning_ulysses.hf.apply import patch_of, unpatched
+from lightning_ulysses.hf.check.shard import close, tolerance
+from lightning_ulysses.hf.check.tensors import first_tensor
+from lightning_ulysses.hf.check.whole import WholeRun
+from lightning_ulysses.hf.state import PatchState, UnsupportedModelError, model_configs, outermost_models
+from lightning_ulysses.logits import LogitMap
+
+SPREAD = (1e-2, 1e4)
+"""The magnitudes of the values that replace ``lm_head``'s output in step 2."""
+
+
+def find_logit_map(
+    model: PreTrainedModel, state: PatchState, whole: WholeRun, input_ids: Tensor, position_ids: Tensor
+) -> LogitMap | str:
+    """The map from ``model``'s decoder's final hidden states to its logits (see the module docstring), or why there
+    is none that applies per tile; agreed over the SP group (collective: call it on every rank)."""
+    return _agreed(_logit_map(model, whole, input_ids, position_ids), state)
+
+
+def fit_output_map(x: Tensor, y: Tensor, constants: Iterable[float] = ()) -> LogitMap | str:
+    """``y`` (the logits) as ``scale * x`` or ``cap * tanh(scale * x / cap)`` of ``x`` (``lm_head``'s output), every
+    element to :func:`~lightning_ulysses.hf.check.shard.tolerance` of ``y``'s dtype relative to itself, or what was
+    seen instead. ``constants`` (the config's): candidate caps besides the largest ``|y|``, and values (or inverses)
+    that a fitted factor is taken as where it is within rounding of one; ``x`` must have no zero."""
+    if x.shape != y.shape:
+        return f"its logits, shaped {tuple(y.shape)}, are not an element-wise map of lm_head's output {tuple(x.shape)}"
+    tol, constants = tolerance(y.dtype), list(constants)
+    x, y = x.double().flatten(), y.double().flatten()
+    if not torch.isfinite(y).all():
+        return "its logits are not finite where lm_head's output is"
+    scale = _factor(x, y, constants, tol)
+    if _matches(scale * x, y, tol):
+        return LogitMap(scale=scale)
+    largest = y.abs().max().item()
+    for cap in dict.fromkeys([*constants, largest]):  # in order, each once
+        inner = y.abs() <= cap / 2  # where atanh is well conditioned
+        if largest > cap * (1 + tol) or not inner.any():
+            continue
+        cap_scale = _factor(x[inner], cap * torch.atanh(y[inner] / cap), constants, tol)
+        if _matches(cap * torch.tanh(cap_scale * x / cap), y, tol):
+            return LogitMap(scale=cap_scale, cap=cap)
+    error = ((scale * x - y).abs() / (scale * x).abs()).max().item()
+    return (
+        f"maps lm_head's output to its logits other than element-wise by a constant factor or a tanh soft-cap: with "
+        f"that output replaced by values of magnitude {SPREAD[0]:g} to {SPREAD[1]:g}, the closest factor "
+        f"({scale:.4g}) is off by up to {error:.2g} of a logit, and no soft-cap (largest logit {largest:.4g}) fits"
+    )
+
+
+def spread_values(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Values of magnitudes log-uniform in :data:`SPREAD`, of both signs, in random (seeded) places."""
+    generator = torch.Generator().manual_seed(0)
+    low, high = (math.log10(bound) for bound in SPREAD)
+    magnitudes = 10 ** (low + (high - low) * torch.rand(shape, generator=generator, dtype=torch.float64))
+    signs = torch.randint(0, 2, shape, generator=generator) * 2 - 1
+    return (magnitudes * signs).to(device=device, dtype=dtype)
+
+
+def tiled_logit_map(model: PreTrainedModel) -> LogitMap:
+    """The :class:`~lightning_ulysses.logits.LogitMap` that the tiled loss applies to ``model``'s ``lm_head`` per tile,
+    as the set-up check found it (raises where there is none)."""
+    patch = patch_of(model)
+    if patch is None:
+        raise RuntimeError(
+            f"tiled_loss computes the logits of {type(model).__name__} as the set-up check found that the model makes "
+            "them, and UlyssesStrategy checks the outermost transformers models of the LightningModule at set-up: "
+            "pass such a model."
+        )
+    found = patch.plan.logits
+    if isinstance(found, str):
+        raise UnsupportedModelError(_refusal(model, found))
+    return found
+
+
+def check_tiled_logits(module: nn.Module) -> str | None:
+    """Refuse, at set-up, the ``tiled_loss`` of any patched transformers model inside ``module`` whose logits cannot be
+    computed in tiles. Returns what the tiles apply besides ``lm_head`` (e.g. ``"GraniteForCausalLM: 0.25 *
+    lm_head(h)"``, for the set-up report), or ``None`` where every model's logits are plain ``lm_head(h)``."""
+    maps = []
+    for model in outermost_models(module):
+        patch = patch_of(model)
+        if patch is None:
+            continue
+        found = patch.plan.logits
+        if isinstance(found, str):
+            raise UnsupportedModelError(_refusal(model, found))
+        if found != LogitMap():
+            maps.append(f"{type(model).__name__}: {found}")
+    return "; ".join(maps) or None
+
+
+def _refusal(model: PreTrainedModel, problem: str) -> str:
+    return (
+        f"{type(model).__name__} cannot compute its logits in token tiles: {problem}. tiled_loss computes them as a "
+        "constant factor or a tanh soft-cap of lm_head(decoder's final hidden states), which would not be this model's "
+        "logits. Set tiled_loss=False (the logits are then the model's own)."
+    )
+
+
+def _logit_map(model: PreTrainedModel, whole: WholeRun, input_ids: Tensor, position_ids: Tensor) -> LogitMap | str:
+    lm_head = model.get_output_embeddings()
+    if lm_head is None:
+        return "it has no output embeddings (get_output_embeddings() returns None)"
+    decoder = model.get_decoder()
+    if decoder is model:
+        return "its decoder (get_decoder()) is the model itself"
+    names = {module: name for name, module in model.named_modules()}
+    head_calls, decoder_calls = (whole.calls.get(names.get(m, "?"), []) for m in (lm_head, decoder))
+    if len(head_calls) != 1 or len(decoder_calls) != 1:
+        return (
+            f"its forward calls its output embeddings ({names.get(lm_head, '?')}) {len(head_calls)} times and its "
+            f"decoder ({names.get(decoder, '?')}) {len(decoder_calls)} times, not once each"
+        )
+    received, hidden = next(iter(head_calls[0].inputs.values())), decoder_calls[0].outputs[0]
+    constants = [
+        value
+        for config in model_configs(model)
+        for value in config.to_dict().values()
+        if isinstance(value, float) and math.isfinite(value) and value > 0
+    ]
+    input_scale = math.nan
+    if received.shape == hidden.shape:
+        input_scale = _factor(hidden.double(), received.double(), constants, tolerance(hidden.dtype))
+    if not close(received, (hidden.double() * input_scale).to(hidden.dtype)):
+        return "its output embeddings receive other than a constant times its decoder's final hidden states"
+    found = _output_map(model, lm_head, head_calls[0].outputs[0], input_ids, position_ids, constants)
+    return found if isinstance(found, str) else LogitMap(input_scale, found.scale, found.cap)
+
+
+def _output_map(
+    model: PreTrainedModel,
+    lm_head: nn.Module,
+    output: Tensor,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    constants: list[float],
+) -> LogitMap | str:
+    """Step 2 of the module docstring: the map from ``lm_head``'s output to the logits."""
+    values = spread_values(output.shape, output.dtype, output.device)
+    calls = []
+
+    def replace(module: nn.Module, args: tuple, result: Tensor) -> Tensor:
+        calls.append(result.shape)
+        return values if result.shape == values.shape else result
+
+    handle = lm_head.register_forward_hook(replace)
+    try:
+        with unpatched(model):
+            logits = first_tensor(model(input_ids=input_ids, position_ids=position_ids, use_cache=False))
+    except Exception as error:  # noqa: BLE001 - the reason to refuse tiled_loss, with its text
+        return f"its forward fails with lm_head's output replaced ({error})"
+    finally:
+        handle.remove()
+    if calls != [values.shape] or logits is None:
+        return f"its plain forward calls its output embeddings {len(calls)} times, not once on the whole sequence"
+    return fit_output_map(values, logits, constants)
+
+
+def _factor(x: Tensor, y: Tensor, constants: list[float], tol: float) -> float:
+    """The least-squares ``c`` of ``y = c * x`` (float64 tensors), or the nearest of ``1``, ``constants`` and their
+    inverses where that is within ``tol / 10`` of it (rounding in the model's dtype: Granite's ``1 / 3`` for the
+    ``0.33332`` fitted to bf16 logits)."""
+    scale = ((x * y).sum() / (x * x).sum().clamp(min=1e-300)).item()
+    nearest = min([1.0, *constants, *(1 / c for c in constants)], key=lambda c: abs(c - scale))
+    return nearest if abs(nearest - scale) <= tol / 10 * abs(scale) else scale
+
+
+def _matches(expected: Tensor, got: Tensor, tol: float) -> bool:
+    """Every element of ``got`` within ``tol`` of the same element of ``expected``, relative to that element."""
+    return bool(((got - expected).abs() <= tol * expected.abs()).all() and expected.abs().min() > 0)
+
+
+def _agreed(found: LogitMap | str, state: PatchState) -> LogitMap | str:
+    """The first problem any SP rank found, else SP rank 0's map (ranks differ at most by rounding)."""
+    group = state.group.sp
+    if group is None or state.sp_size == 1:
+        return found
+    gathered: list[LogitMap | str | None] = [None] * state.sp_size
+    dist.all_gather_object(gathered, found, group=group)
+    return next((f for f in gathered if isinstance(f, str)), gathered[0] or found)

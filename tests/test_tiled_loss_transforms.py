@@ -1,0 +1,401 @@
+"""The tiled loss computes the logits each model makes, scaled or soft-capped outside ``lm_head``, or refuses it.
+
+``UlyssesStrategy(tiled_loss=...)`` runs ``lm_head`` per token tile on the decoder's final hidden states; families
+that scale their logits (Granite's ``logits / logits_scaling``, Cohere's, Falcon-H1's and HyperCLOVAX's multipliers),
+scale the hidden states before ``lm_head`` (MiniCPM3) or soft-cap the logits (Gemma 3n) get that map applied per tile,
+as the set-up check finds it by running the model (:mod:`lightning_ulysses.hf.check.logits`); a model whose logits
+follow otherwise is refused at set-up.
+
+* One process: the classifier on constructed maps (identity, factors, soft-caps with and without a factor, in fp32
+  and bf16, and six maps it must refuse); the tiles through a map equal the mapped logits (loss and gradient) without
+  a host sync; the map the check finds for tiny models of each family (fp32 and bf16), whose tiled logits equal the
+  model's own; a toy model with a per-token bias on its logits refused by ``check_tiled_logits``.
+* Two processes (one launch): tiny Granite (``logits_scaling=4``), MiniCPM3 (ZeRO-3, tied embeddings), Falcon-H1
+  (``lm_head_multiplier=0.3``) and Gemma 3n (final soft-cap 0.3) train one step with ``tiled_loss`` under
+  ``UlyssesStrategy(sp_size=2)`` and equal one process of the plain model (loss rtol 1e-5, update 1e-4); their
+  evaluation metrics before the step (a sanity validation) are the same from the tiled logits as from the model's own
+  and equal the plain model's loss; a tiny Gemma 3 vision-language model trains two steps with ``tiled_loss``
+  under ZeRO-3 as ``tests/test_vision.py`` checks it without; the toy model is refused at set-up with
+  ``tiled_loss``, before any validation or training step, and trains without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from lightning_ulysses import (
+    Perplexity,
+    TokenAccuracy,
+    TokenCrossEntropy,
+    UlyssesLossMixin,
+    UlyssesStrategy,
+    UnsupportedModelError,
+    apply_ulysses_attention,
+    remove_ulysses_attention,
+    token_log_probs,
+)
+from lightning_ulysses.hf import unpatched
+from lightning_ulysses.hf.check.logits import check_tiled_logits, fit_output_map, spread_values, tiled_logit_map
+from lightning_ulysses.logits import LogitMap, TiledLogits, token_losses
+from tests.cases import CaseTable
+from tests.test_host_syncs import HostSyncs
+from tests.tiny import collate, relative_update_error
+from tests.zoo import LR, ROWS, build_model, make_samples, reference_step
+from tests.zoo_configs import TinyRecipe, tiny_recipe
+
+LOSS_RTOL, UPDATE_TOLERANCE = 1e-5, 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# the classifier, one process
+# ----------------------------------------------------------------------------------------------
+def _x(dtype: torch.dtype = torch.float32) -> Tensor:
+    return spread_values(torch.Size([2, 9, 50]), dtype, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("logits_of", "caps", "expected"),
+    [
+        (lambda x: x, [], LogitMap()),
+        (lambda x: x / 4, [4.0], LogitMap(scale=0.25)),
+        (lambda x: x * 0.0625, [], LogitMap(scale=0.0625)),
+        (lambda x: torch.tanh(x / 30.0) * 30.0, [0.02, 30.0, 1e6], LogitMap(cap=30.0)),  # the config's cap
+        (lambda x: torch.tanh(x / 30.0) * 30.0, [], LogitMap(cap=30.0)),  # the largest logit, where tanh saturates
+        (lambda x: torch.tanh(x * 0.5 / 7.0) * 7.0, [7.0], LogitMap(scale=0.5, cap=7.0)),
+    ],
+    ids=["identity", "divided", "multiplied", "softcap_config", "softcap_saturated", "factor_then_softcap"],
+)
+def test_fit_output_map_finds_each_elementwise_map(logits_of, caps, expected: LogitMap, dtype: torch.dtype) -> None:
+    x = _x(dtype)
+    found = fit_output_map(x, logits_of(x), caps)
+    assert isinstance(found, LogitMap), found
+    rel = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    assert (found.cap is None) == (expected.cap is None)
+    assert found.cap is None or found.cap == pytest.approx(expected.cap, rel=rel)
+    assert found.scale == pytest.approx(expected.scale, rel=rel) and found.input_scale == 1
+    ratio = found.head(lambda h: h)(x.float()) / logits_of(x).float()
+    assert (ratio - 1).abs().max() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize(
+    ("logits_of", "seen"),
+    [
+        (lambda x: x + 0.05 * torch.arange(x.shape[1])[:, None], "closest factor (1)"),  # a per-token offset
+        (lambda x: x + x.roll(1, dims=-1) * 1e-3, "no soft-cap"),  # mixes the logits of a token
+        (lambda x: x**3, "no soft-cap"),
+        (lambda x: torch.tanh(x / 30.0) * 30.0 + 1.0, "largest logit 31"),  # a soft-cap and more
+        (lambda x: x[..., :-1], "shaped (2, 9, 49)"),
+        (lambda x: torch.where(x > 0, x, -torch.inf), "not finite"),
+    ],
+    ids=["per_token_offset", "mixes_logits", "cubed", "softcap_plus_offset", "narrower", "masked"],
+)
+def test_fit_output_map_refuses_other_maps(logits_of, seen: str) -> None:
+    x = _x()
+    found = fit_output_map(x, logits_of(x), [30.0])
+    assert isinstance(found, str) and seen in found, found
+
+
+def test_tiles_through_a_map_equal_the_mapped_logits_and_never_sync_with_the_host() -> None:
+    torch.manual_seed(0)
+    lm_head = nn.Linear(16, 50, bias=False)
+    hidden_states = torch.randn(2, 9, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 9))
+    logit_map = LogitMap(input_scale=0.5, scale=0.25, cap=0.7)  # the cap below the logits: it changes the loss
+    expected = F.cross_entropy(
+        (torch.tanh(0.25 * lm_head(0.5 * hidden_states) / 0.7) * 0.7).flatten(0, 1), labels.flatten(), reduction="sum"
+    )
+    expected_grad = torch.autograd.grad(expected, hidden_states)[0]
+    syncs = HostSyncs()
+    with syncs, syncs.methods_counted():
+        loss = token_losses(TiledLogits(hidden_states, logit_map.head(lm_head), 4), labels).sum()
+        grad = torch.autograd.grad(loss, hidden_states)[0]
+    assert not syncs.counts, syncs.counts
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-7)
+    plain = F.cross_entropy(lm_head(hidden_states).flatten(0, 1), labels.flatten(), reduction="sum")
+    assert not torch.isclose(plain, expected, rtol=1e-2)
+
+
+# ----------------------------------------------------------------------------------------------
+# what the set-up check finds for each family, one process
+# ----------------------------------------------------------------------------------------------
+FAMILIES: dict[str, tuple[str, dict[str, Any], LogitMap]] = {
+    "llama": ("llama", {}, LogitMap()),
+    "granite_logits_scaling4": ("granite", dict(logits_scaling=4.0), LogitMap(scale=0.25)),
+    "granitemoe_logits_scaling3": ("granitemoe", dict(logits_scaling=3.0), LogitMap(scale=1 / 3)),
+    "granitemoeshared_logits_scaling2": ("granitemoeshared", dict(logits_scaling=2.0), LogitMap(scale=0.5)),
+    "granitemoehybrid_logits_scaling8": ("granitemoehybrid", dict(logits_scaling=8.0), LogitMap(scale=0.125)),
+    "minicpm3": ("minicpm3", {}, LogitMap(input_scale=2.0)),  # hidden / logits_scaling (0.5) before lm_head
+    "falcon_h1_lm_head_multiplier": ("falcon_h1", dict(lm_head_multiplier=0.3), LogitMap(scale=0.3)),
+    "hyperclovax_logits_scaling": ("hyperclovax", dict(logits_scaling=0.7), LogitMap(scale=0.7)),
+    "cohere_logit_scale": ("cohere", {}, LogitMap(scale=0.0625)),
+    "gemma3n_softcap": ("gemma3n_text", {}, LogitMap(cap=30.0)),  # the default cap, far above the tiny logits
+    # a cap below the tiny model's logits (at 30 they are nearly the same with and without it)
+    "gemma3n_small_softcap": ("gemma3n_text", dict(final_logit_softcapping=0.3), LogitMap(cap=0.3)),
+    # a vision-language model (its language model is the decoder) whose text config names a soft-cap that its
+    # forward does not apply: refused by that name before, tiled as it computes now
+    "gemma3_vlm_unused_softcap": ("gemma3", dict(final_logit_softcapping=0.3), LogitMap()),
+}
+
+
+def _recipe(model_type: str, config: dict[str, Any]) -> TinyRecipe:
+    recipe = tiny_recipe(model_type)
+    text_config = recipe.config.get_text_config()
+    for key, value in config.items():
+        setattr(text_config, key, value)
+    return recipe
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_check_finds_each_family_map_and_tiles_equal_its_logits(name: str, dtype: torch.dtype) -> None:
+    model_type, config, expected = FAMILIES[name]
+    recipe = _recipe(model_type, config)
+    model = build_model(recipe)[0].to(dtype)  # bf16: the constants fitted to its rounded logits are the config's
+    apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+    try:
+        found = tiled_logit_map(model)
+        assert found.input_scale == pytest.approx(expected.input_scale, rel=1e-6)
+        assert found.scale == pytest.approx(expected.scale, rel=1e-6)
+        assert found.cap == expected.cap
+        ids = torch.tensor(recipe.token_ids)[torch.arange(2 * 13).view(2, 13) % len(recipe.token_ids)]
+        positions = torch.arange(13).expand(2, -1)
+        with torch.no_grad(), unpatched(model):
+            expected_logits = model(input_ids=ids, position_ids=positions).logits
+            hidden_states = model.get_decoder()(input_ids=ids, position_ids=positions).last_hidden_state
+            tiled = found.head(model.get_output_embeddings())(hidden_states)
+            plain = model.get_output_embeddings()(hidden_states)
+        rtol, atol = (1e-5, 1e-6) if dtype == torch.float32 else (1.6e-2, 1e-2)  # bf16: an ulp, as kernels round
+        torch.testing.assert_close(tiled, expected_logits, rtol=rtol, atol=atol)
+        if found != LogitMap() and name != "gemma3n_softcap":  # the map matters: lm_head alone would be wrong
+            assert not torch.allclose(plain, expected_logits, rtol=1e-3, atol=0)
+    finally:
+        remove_ulysses_attention(model)
+
+
+class TokenBiasedLlama(LlamaForCausalLM):
+    """A toy causal LM that adds a bias vector chosen by each token's id to its logits: not a map of ``lm_head``'s
+    output alone, so no tile of ``lm_head`` can give its logits."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config)
+        self.token_bias = nn.Embedding(config.vocab_size, config.vocab_size)
+
+    def forward(self, input_ids: Tensor | None = None, **kwargs: Any) -> Any:
+        output = super().forward(input_ids=input_ids, **kwargs)
+        output.logits = output.logits + self.token_bias(input_ids)
+        return output
+
+
+def token_biased_llama() -> TokenBiasedLlama:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
+    return TokenBiasedLlama(config)
+
+
+def test_check_tiled_logits_refuses_a_per_token_bias() -> None:
+    model = token_biased_llama()
+    apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")  # without tiled_loss the model is accepted
+    try:
+        with pytest.raises(UnsupportedModelError, match=r"(?i)TokenBiasedLlama .*set tiled_loss=False"):
+            check_tiled_logits(nn.ModuleDict({"model": model}))
+        with pytest.raises(UnsupportedModelError, match="other than element-wise"):
+            tiled_logit_map(model)
+    finally:
+        remove_ulysses_attention(model)
+
+
+# ----------------------------------------------------------------------------------------------
+# training and evaluation with tiled_loss under UlyssesStrategy(sp_size=2), one launch
+# ----------------------------------------------------------------------------------------------
+CASES: dict[str, dict[str, Any]] = {
+    "granite_logits_scaling4": dict(model_type="granite", config=dict(logits_scaling=4.0), stage=2),
+    # tied embeddings under ZeRO-3
+    "minicpm3_hidden_scaled_zero3": dict(model_type="minicpm3", stage=3),
+    "falcon_h1_lm_head_multiplier": dict(model_type="falcon_h1", config=dict(lm_head_multiplier=0.3), stage=2),
+    # a cap below the tiny model's logits, so that a loss without it would differ
+    "gemma3n_softcap": dict(model_type="gemma3n_text", config=dict(final_logit_softcapping=0.3), stage=2),
+    # a vision-language model: the tiled loss of its language model's hidden states, images merged on each shard
+    "gemma3_vision_language_zero3": dict(family="gemma3", sp=2, stage=3),
+    "token_bias_refused": dict(model_type="token_biased_llama", stage=2),
+    "token_bias_untiled": dict(model_type="token_biased_llama", stage=2, tiled_loss=False),
+}
+
+
+def _model(case: dict[str, Any]) -> nn.Module:
+    if case["model_type"] == "token_biased_llama":
+        return token_biased_llama()
+    return build_model(_recipe(case["model_type"], case.get("config", {})))[0]
+
+
+def _samples(case: dict[str, Any]) -> list[dict[str, Tensor]]:
+    """The zoo's data: 2 rows of 32 token ids, labels -100 across the shard border."""
+    if case["model_type"] == "token_biased_llama":
+        return make_samples(list(range(64)))
+    return make_samples(_recipe(case["model_type"], case.get("config", {})).token_ids)
+
+
+class TiledLossModule(UlyssesLossMixin, L.LightningModule):
+    """Trains with :meth:`forward_causal_lm_loss` (tiled under the strategy's ``tiled_loss``); its validation updates
+    each metric from :meth:`causal_lm_logits` and from the model's own logits, and keeps the sanity check's values."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.steps_started = 0
+        self.losses: list[float] = []
+        kinds = ("tiled", "own")
+        self.metrics = nn.ModuleDict(
+            {f"{k}_{m.__name__}": m() for k in kinds for m in (TokenCrossEntropy, Perplexity, TokenAccuracy)}
+        )
+        self.evaluation: dict[str, float] = {}
+        self.log_prob_error = 0.0
+        self.logits_kinds: set[str] = set()
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        self.steps_started += 1
+        loss = self.forward_causal_lm_loss(self.model, batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self.steps_started += 1
+        labels = batch["shift_labels"]
+        logits = {
+            "tiled": self.causal_lm_logits(self.model, batch),
+            "own": self.model(**self.model_inputs(self.model, batch)).logits,
+        }
+        self.logits_kinds.add(type(logits["tiled"]).__name__)
+        for name, metric in self.metrics.items():
+            metric.update(logits[name.split("_")[0]], labels)
+        tiled, own = (token_log_probs(logits[k], labels) for k in ("tiled", "own"))
+        self.log_prob_error = max(self.log_prob_error, ((tiled - own).abs().max() / own.abs().max()).item())
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:  # on the initial weights, as the reference's loss
+            self.evaluation = {name: metric.compute().item() for name, metric in self.metrics.items()}
+        for metric in self.metrics.values():
+            metric.reset()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]:
+    import deepspeed
+
+    if "family" in case:
+        return fit_vision_case(case, world_size)
+    module = TiledLossModule(_model(case))
+    strategy = UlyssesStrategy(
+        sp_size=world_size, stage=case["stage"], attn_implementation="sdpa", tiled_loss=case.get("tiled_loss", 3)
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=1,
+        num_sanity_val_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = DataLoader(_samples(case), batch_size=ROWS, collate_fn=collate)
+    try:
+        trainer.fit(module, loader, loader)
+    except UnsupportedModelError as error:
+        return {"refused": str(error), "steps_started": module.steps_started}
+    with deepspeed.zero.GatheredParameters(list(module.model.parameters()), enabled=case["stage"] == 3):
+        params = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    return {
+        "losses": module.losses,
+        "params": params,
+        "evaluation": module.evaluation,
+        "log_prob_error": module.log_prob_error,
+        "logits_kinds": module.logits_kinds,
+    }
+
+
+def fit_vision_case(case: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """``tests.test_vision``'s training of a tiny vision-language model, with ``tiled_loss``."""
+    from tests.test_vision import CONFIGS, STEPS, SGDVisionLanguageModel, case_batches, tiny_model
+    from tests.tiny import gathered_parameters
+
+    class Recorded(SGDVisionLanguageModel):
+        def causal_lm_logits(self, model: Any, batch: Any) -> Any:
+            logits = super().causal_lm_logits(model, batch)
+            self.logits_kinds.add(type(logits).__name__)
+            return logits
+
+    module = Recorded(model=CONFIGS[case["family"]])
+    module.model, module.losses, module.logits_kinds = tiny_model(case["family"]), [], set()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=STEPS,
+        logger=False,
+        num_sanity_val_steps=0,
+        strategy=UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa", tiled_loss=3),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, DataLoader(case_batches(case), batch_size=1, collate_fn=lambda items: items[0]))
+    params = gathered_parameters(module.model, case["stage"] == 3)
+    return {"losses": module.losses, "params": params, "logits_kinds": module.logits_kinds}
+
+
+TABLE = CaseTable("tiled_loss_results", "tests.test_tiled_loss_transforms:fit_case", 2, CASES)
+tiled_loss_results = TABLE.fixture()
+
+
+@pytest.mark.distributed
+@TABLE.each_case
+def test_tiled_loss_equals_one_process(tiled_loss_results: list[dict[str, Any]], name: str) -> None:
+    case = CASES[name]
+    if name == "token_bias_refused":
+        for result in tiled_loss_results:
+            got = result[name]
+            assert got.get("steps_started") == 0, "refused at set-up, before any validation or training step"
+            assert "TokenBiasedLlama" in got["refused"] and "set tiled_loss=false" in got["refused"].lower(), got
+        return
+    if "family" in case:
+        from tests.test_vision import check_against_reference
+
+        assert all(result[name]["logits_kinds"] == {"TiledLogits"} for result in tiled_loss_results)
+        check_against_reference(name, case, tiled_loss_results)
+        return
+    model = _model(case)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    expected_loss, expected = reference_step(model, collate(_samples(case)))
+    for rank, result in enumerate(tiled_loss_results):
+        got = result[name]
+        assert "refused" not in got, got.get("refused")
+        assert got["logits_kinds"] == {"TiledLogits" if case.get("tiled_loss", 3) else "Tensor"}
+        torch.testing.assert_close(torch.tensor(got["losses"]), expected_loss[None], rtol=LOSS_RTOL, atol=0)
+        error = relative_update_error(initial, expected, got["params"])
+        assert error < UPDATE_TOLERANCE, f"{name} rank {rank}: relative weight-update error {error:.2e}"
+        evaluation = got["evaluation"]
+        for metric in ("TokenCrossEntropy", "Perplexity", "TokenAccuracy"):
+            assert evaluation[f"tiled_{metric}"] == pytest.approx(evaluation[f"own_{metric}"], rel=1e-5), metric
+        # the sanity validation runs on the initial weights: its loss is the plain model's
+        assert evaluation["tiled_TokenCrossEntropy"] == pytest.approx(expected_loss.item(), rel=LOSS_RTOL)
+        assert got["log_prob_error"] < 1e-5
