@@ -109,7 +109,11 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions, fitting: bool
 
 def _find(model: PreTrainedModel, options: MemoryOptions) -> _Found:
     if options.activation_checkpointing and not model.supports_gradient_checkpointing:
-        raise ValueError(f"{type(model).__name__} does not support activation checkpointing.")
+        raise ValueError(
+            f"{type(model).__name__} does not support activation checkpointing (transformers' "
+            "supports_gradient_checkpointing is False): set activation_checkpointing=False (and "
+            "offload_activations=False)."
+        )
     candidates = candidate_modules(model) if options.tiled_mlp else {}
     norms = find_norms(model) if options.fused_norms else []
     feed_forwards: list[FeedForward] = []
