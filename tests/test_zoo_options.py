@@ -5,11 +5,10 @@ offload, and with none ("pretrained"), against one process of the plain model lo
 mode; or is refused at set-up by a message that names the option. Every option together runs for every family in
 ``tests/test_zoo.py``.
 
-The regular suite runs each option for :data:`~tests.zoo.REPRESENTATIVE_ENTRIES` (one family per kind of module an
-option acts on) in one 2-process launch; the tests marked ``slow`` run each option for every family (``pytest -m slow
-tests/test_zoo_options.py``), as ``python -m tests.zoo --markdown docs/model-support.md`` does for the page. The
-controls show the harness can fail: a wrong SP loss fails under each option; a model loaded from the folder is in the
-state the folder holds (a changed weight is seen); the effect count sees layers recomputed, and none in eval mode.
+Every family runs each option in one 2-process launch, as ``python -m tests.zoo --markdown docs/model-support.md``
+does for the page. The controls show the harness can fail: a wrong SP loss fails under each option; a model loaded
+from the folder is in the state the folder holds (a changed weight is seen); the effect count sees layers recomputed,
+and none in eval mode.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from tests.zoo import (
     NOT_BUILT,
     PASS,
     REFUSED,
-    REPRESENTATIVE_ENTRIES,
     SINGLE_OPTION_SETTINGS,
     Outcome,
     ZooEntry,
@@ -60,15 +58,11 @@ def _crossing(request: pytest.FixtureRequest, entries: list[ZooEntry]) -> dict[s
 
 @pytest.fixture(scope="module")
 def crossing(request: pytest.FixtureRequest) -> dict[str, Outcome]:
-    """Each single option for the representative families and the control entries (one launch)."""
-    entries = [entry for entry in zoo_entries() if entry.name in REPRESENTATIVE_ENTRIES] + CONTROL_ENTRIES
-    return _crossing(request, entries)
-
-
-@pytest.fixture(scope="module")
-def crossing_everywhere(request: pytest.FixtureRequest) -> dict[str, Outcome]:
-    """Each single option for every family (one launch)."""
-    return _crossing(request, zoo_entries())
+    """Each single option for every family and the control entries (one launch)."""
+    results = run_zoo(zoo_entries(), settings=SINGLE_OPTION_SETTINGS)
+    with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+        print("\n" + format_table(results))  # shown also when pytest captures output
+    return results
 
 
 def _assert_option_run(results: dict[str, Outcome], name: str, setting: str) -> None:
@@ -79,29 +73,14 @@ def _assert_option_run(results: dict[str, Outcome], name: str, setting: str) -> 
     assert not problem, f"{name} [{outcome.features}] {problem}"
 
 
-def test_representative_entries_are_zoo_entries() -> None:
-    assert set(REPRESENTATIVE_ENTRIES) <= set(ENTRIES)
-
-
 @pytest.mark.distributed
 @pytest.mark.zoo
 @pytest.mark.parametrize("setting", SINGLE_OPTION_SETTINGS)
-@pytest.mark.parametrize("name", list(REPRESENTATIVE_ENTRIES))
+@pytest.mark.parametrize("name", ENTRIES)
 def test_family_trains_from_pretrained_with_the_option_or_refuses_it(
     crossing: dict[str, Outcome], name: str, setting: str
 ) -> None:
     _assert_option_run(crossing, name, setting)
-
-
-@pytest.mark.distributed
-@pytest.mark.zoo
-@pytest.mark.slow
-@pytest.mark.parametrize("setting", SINGLE_OPTION_SETTINGS)
-@pytest.mark.parametrize("name", ENTRIES)
-def test_every_family_trains_from_pretrained_with_the_option_or_refuses_it(
-    crossing_everywhere: dict[str, Outcome], name: str, setting: str
-) -> None:
-    _assert_option_run(crossing_everywhere, name, setting)
 
 
 @pytest.mark.distributed

@@ -169,32 +169,6 @@ OPTION_SETTINGS: dict[str, dict[str, Any]] = {
     "all options": EVERY_OPTION,
 }
 SINGLE_OPTION_SETTINGS = [name for name in OPTION_SETTINGS if name != "all options"]
-# The families that the regular suite runs with each single option (every family runs with all options together):
-# one per kind of module an option acts on.
-REPRESENTATIVE_ENTRIES = {
-    "llama": "dense, Llama-like",
-    "qwen3": "dense, sliding windows, QK norms",
-    "mixtral": "MoE",
-    "qwen2_moe": "MoE with a shared expert",
-    "gpt_oss": "MoE block named mlp that returns router scores; attention sinks",
-    "deepseek_v3": "MLA, MoE",
-    "minicpm3": "MLA; hidden states scaled before lm_head",
-    "granite[logits scaled]": "logits divided outside lm_head",
-    "granitemoehybrid[logits scaled]": "gated RMSNorm, Mamba2 mixer, MoE, logits divided outside lm_head",
-    "falcon_h1[logits scaled]": "gated RMSNorm, parallel Mamba2 and attention, logits multiplied outside lm_head",
-    "bamba": "gated RMSNorm, Mamba2 mixer",
-    "zamba2": "gated RMSNorm, shared attention block",
-    "qwen3_next": "gated RMSNorm, linear attention, MoE",
-    "mamba2": "state-space only, gated RMSNorm",
-    "lfm2": "short convolutions, feed-forward not named mlp",
-    "jamba": "Mamba mixer, MoE",
-    "cohere": "LayerNorm, logit_scale",
-    "starcoder2": "LayerNorm, biases, dropout after o_proj",
-    "gpt2": "LayerNorm, Conv1D projections",
-    "gemma3n_text": "KV sharing, final logit soft-cap, AltUp",
-    "gemma4_text[KV sharing]": "KV sharing, MoE, deep stack",
-    "gpt_neo": "GATHER: attention outside the attention interface",
-}
 
 
 def zoo_entries() -> list[ZooEntry]:
@@ -392,11 +366,13 @@ class ZooModule(UlyssesLossMixin, L.LightningModule):
         self.calls: Counter[tuple[str, str]] = Counter()  # (layer, submodule) -> forward calls so far
         self.forward_calls: Counter[tuple[str, str]] = Counter()  # ... when the latest step's loss was computed
         # transformers checkpoints a layer's forward, not its __call__: the layer's own hooks do not run again, those
-        # of its submodules do
+        # of its submodules do. Only submodules with parameters: a recompute stops once the backward has every tensor
+        # it saved, before a trailing parameter-free module (a residual dropout) whose output nothing saved
         watched = {
             (f"layer {i}", name): child
             for i, layer in enumerate(decoder_layers(model))
             for name, child in layer.named_children()
+            if any(True for _ in child.parameters())
         }
         if isinstance(lm_head := model.get_output_embeddings(), torch.nn.Module):
             watched["lm_head", ""] = lm_head
@@ -831,9 +807,8 @@ def _options_explained(settings: list[str]) -> list[str]:
         "(exact as above, and the option shows its effect: activation checkpointing runs decoder layers again in the "
         "backward, the tiled loss runs `lm_head` again per tile) or **REFUSED** at set-up by a message that names the "
         "option to drop; anything else is a bug. A family refused (or not built) in the default set-up has no option "
-        "runs (-). The test suite runs *all options* for every family and each single option for a representative "
-        f"set of families ({', '.join(f'`{name}`' for name in REPRESENTATIVE_ENTRIES)}: one per kind of module an "
-        "option acts on); every single option for every family runs in the tests marked `slow` and for this page.",
+        "runs (-). The test suite runs every setting for every family (`tests/test_zoo.py`: all options together, "
+        "`tests/test_zoo_options.py`: each single option).",
         "",
     ]
 
