@@ -197,6 +197,17 @@ def test_the_check_keeps_attention_only_chunks_where_the_module_draws_outside_at
 
 
 SEQ = 24  # test_attention_training's
+
+
+def every_parameter_partitioned() -> dict[str, Any]:
+    """A ZeRO-3 config under which no parameter stays gathered once fetched (the tiny models' all fall below ZeRO-3's
+    default persistence threshold); a new dict per case, as Lightning completes it in place."""
+    return {
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,
+    }
+
+
 TRAINING = CaseTable(
     "projection_training_results",
     "tests.test_attention_training:fit_case",
@@ -208,8 +219,22 @@ TRAINING = CaseTable(
         "sp2_gemma3n_kv_sharing_head_chunks_auto": dict(
             sp=2, stage=2, model=GEMMA3N, strategy=dict(head_chunks="auto"), projected=True
         ),
+        # Gemma 3n's decoder layer reads AltUp's correct_output_scale outside AltUp's call (and, in training,
+        # correction_coefs.weight outside that linear layer's): the set-up check's calls of the model must find them
+        # as DeepSpeed's engine does in a step
+        "sp2_gemma3n_kv_sharing_zero3_head_chunks2": dict(
+            sp=2,
+            stage=3,
+            model=GEMMA3N,
+            strategy=dict(head_chunks=2, config=every_parameter_partitioned()),
+            projected=True,
+        ),
         "sp2_gemma4_kv_sharing_head_chunks2": dict(
-            sp=2, stage=3, model=GEMMA4, strategy=dict(head_chunks=2), projected=True
+            sp=2,
+            stage=3,
+            model=GEMMA4,
+            strategy=dict(head_chunks=2, config=every_parameter_partitioned()),
+            projected=True,
         ),
     },
     also={"residual_dropout": "tests.test_projections:residual_dropout_draws"},
@@ -223,8 +248,8 @@ def test_kv_sharing_models_with_head_chunks_equal_one_process(
     projection_training_results: list[dict[str, Any]], name: str
 ) -> None:
     """Gemma 3n and Gemma 4 with KV-sharing layers, with head chunks, train as one process of the plain model does
-    (loss and update); only the layers that neither store nor reuse key-value states run their projections in the
-    chunks."""
+    (loss and update), under ZeRO 1, 2 and 3 (every parameter partitioned); only the layers that neither store nor
+    reuse key-value states run their projections in the chunks."""
     _check(projection_training_results, name, TRAINING.cases[name])
     for rank in projection_training_results:
         assert rank[name]["projected"] == NEITHER_STORES_NOR_REUSES

@@ -3,7 +3,9 @@
 Detection is by what the model does, not by its name. A few short ``no_grad`` forwards in eval mode
 (two rows of ``N = sp * PROBE_TOKENS_PER_RANK`` tokens), with every attention layer replaced by
 *token-local attention* (each token attends only to itself: ``out = v * sigmoid(scale * q.k)``, so
-queries, keys and values all still matter, but no information moves between tokens through attention):
+queries, keys and values all still matter, but no information moves between tokens through attention). Under ZeRO-3
+each call of the model finds the parameters that modules read outside their own module's call as DeepSpeed's engine
+does in a step (:mod:`~lightning_ulysses.hf.check.zero3`):
 
 1. **Whole sequence, one rank.** transformers builds its masks through
    :func:`~lightning_ulysses.hf.masks.recording_mask_interface`; each attention layer's call is read
@@ -61,6 +63,7 @@ from lightning_ulysses.hf.check.shard import Shard
 from lightning_ulysses.hf.check.spans import check_token_types
 from lightning_ulysses.hf.check.training import run_as_in_training
 from lightning_ulysses.hf.check.whole import check_position_numbering, whole_sequence_run
+from lightning_ulysses.hf.check.zero3 import engine_like_calls
 from lightning_ulysses.hf.mixers import is_token_mixer
 from lightning_ulysses.hf.plan import ModelPlan, Refusal
 from lightning_ulysses.hf.state import PatchState, model_configs
@@ -86,7 +89,7 @@ def check_model(model: PreTrainedModel, state: PatchState, realize: Callable[[Mo
     modes = {module: module.training for module in model.modules()}
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), engine_like_calls(model):
             findings, whole = whole_sequence_run(model, state, input_ids, position_ids)
             # a forward that failed on one rank only must not leave the others waiting
             findings = agreed(findings, state)
