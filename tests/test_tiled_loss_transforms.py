@@ -234,6 +234,8 @@ CASES: dict[str, dict[str, Any]] = {
     "gemma3n_softcap": dict(model_type="gemma3n_text", config=dict(final_logit_softcapping=0.3), stage=2),
     # a vision-language model: the tiled loss of its language model's hidden states, images merged on each shard
     "gemma3_vision_language_zero3": dict(family="gemma3", sp=2, stage=3),
+    # a family exact only with sequence_mixers="gather" (its local attention's mask runs on the whole sequence)
+    "gpt_neo_gathered": dict(model_type="gpt_neo", stage=2, sequence_mixers="gather"),
     "token_bias_refused": dict(model_type="token_biased_llama", stage=2),
     "token_bias_untiled": dict(model_type="token_biased_llama", stage=2, tiled_loss=False),
 }
@@ -305,7 +307,11 @@ def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]
         return fit_vision_case(case, world_size)
     module = TiledLossModule(_model(case))
     strategy = UlyssesStrategy(
-        sp_size=world_size, stage=case["stage"], attn_implementation="sdpa", tiled_loss=case.get("tiled_loss", 3)
+        sp_size=world_size,
+        stage=case["stage"],
+        attn_implementation="sdpa",
+        tiled_loss=case.get("tiled_loss", 3),
+        sequence_mixers=case.get("sequence_mixers", "refuse"),
     )
     trainer = L.Trainer(
         accelerator="cpu",

@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_ulysses.attention.collectives import gather_from_ranks, to_sequence_order, to_shard_order
 from lightning_ulysses.groups import SequenceParallelGroups
-from lightning_ulysses.hf.plan import TokenDims
+from lightning_ulysses.hf.plan import TokenDims, argument_keys, positional_parameters
 from lightning_ulysses.hf.state import PatchState
 
 
@@ -58,12 +58,14 @@ def gather_whole_sequence(
     """Run ``module`` on the whole sequence of the SP group (see the module docstring): the two hooks that do it,
     registered on it."""
     shard_length: list[int | None] = [None]  # this rank's tokens in the call, set by the pre-hook for the forward hook
+    parameters = positional_parameters(module)
 
     def gather_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not state.enabled or state.group.sp is None:
             return None
         shard_length[0] = None
-        args = tuple(_gather_tree(a, f"arg{i}", dims.inputs, state.group, shard_length) for i, a in enumerate(args))
+        keys = argument_keys(parameters, args, {})
+        args = tuple(_gather_tree(a, key, dims.inputs, state.group, shard_length) for key, a in keys)
         kwargs = {k: _gather_tree(v, k, dims.inputs, state.group, shard_length) for k, v in kwargs.items()}
         return args, kwargs
 
