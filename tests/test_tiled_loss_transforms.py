@@ -9,13 +9,16 @@ follow otherwise is refused at set-up.
 * One process: the classifier on constructed maps (identity, factors, soft-caps with and without a factor, in fp32
   and bf16, and six maps it must refuse); the tiles through a map equal the mapped logits (loss and gradient) without
   a host sync; the map the check finds for tiny models of each family (fp32 and bf16), whose tiled logits equal the
-  model's own; a toy model with a per-token bias on its logits refused by ``check_tiled_logits``.
+  model's own; a toy model with a per-token bias on its logits refused by ``check_tiled_logits``, and one that gives
+  its decoder other inputs than the token ids (the decoder called by itself, as the tiled loss calls it, differs).
 * Two processes (one launch): tiny Granite (``logits_scaling=4``), MiniCPM3 (ZeRO-3, tied embeddings), Falcon-H1
   (``lm_head_multiplier=0.3``) and Gemma 3n (final soft-cap 0.3) train one step with ``tiled_loss`` under
   ``UlyssesStrategy(sp_size=2)`` and equal one process of the plain model (loss rtol 1e-5, update 1e-4); their
   evaluation metrics before the step (a sanity validation) are the same from the tiled logits as from the model's own
   and equal the plain model's loss; a tiny Gemma 3 vision-language model trains two steps with ``tiled_loss``
-  under ZeRO-3 as ``tests/test_vision.py`` checks it without; the toy model is refused at set-up with
+  under ZeRO-3 as ``tests/test_vision.py`` checks it without; GPT-Neo, whose decoder ``sequence_mixers="gather"``
+  runs on the whole sequence (gathered as the model calls it, ``input_ids`` by position; the tiled loss calls it by
+  keyword), trains as one process; the toy model is refused at set-up with
   ``tiled_loss``, before any validation or training step, and trains without it.
 """
 
@@ -218,6 +221,27 @@ def test_check_tiled_logits_refuses_a_per_token_bias() -> None:
             check_tiled_logits(nn.ModuleDict({"model": model}))
         with pytest.raises(UnsupportedModelError, match="other than element-wise"):
             tiled_logit_map(model)
+    finally:
+        remove_ulysses_attention(model)
+
+
+class EmbeddingScaledLlama(LlamaForCausalLM):
+    """A toy causal LM that gives its decoder its token embeddings doubled: the decoder called by itself on the token
+    ids (as the tiled loss calls it) computes other hidden states than inside the model."""
+
+    def forward(self, input_ids: Tensor | None = None, **kwargs: Any) -> Any:
+        return super().forward(inputs_embeds=2 * self.model.embed_tokens(input_ids), **kwargs)
+
+
+def test_check_tiled_logits_refuses_a_decoder_that_differs_when_called_by_itself() -> None:
+    torch.manual_seed(0)
+    model = EmbeddingScaledLlama(token_biased_llama().config)
+    apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")  # without tiled_loss the model is accepted
+    try:
+        with pytest.raises(
+            UnsupportedModelError, match=r"(?i)its decoder \(model\), called by itself .*set tiled_loss=False"
+        ):
+            check_tiled_logits(nn.ModuleDict({"model": model}))
     finally:
         remove_ulysses_attention(model)
 
