@@ -8,6 +8,12 @@ the gathered sequence is put in sequence order and each rank keeps its zigzag sh
 
     x [B, N/sp, C] --all-gather--> [B, N, C] --module--> [B, N, C'] --keep this rank's rows--> [B, N/sp, C']
 
+The inputs are found by parameter name (:func:`~lightning_ulysses.hf.plan.argument_keys`), however the caller passes
+them: the set-up check sees a model call its decoder with ``input_ids`` by position, the tiled loss calls the decoder
+by itself with them by name. A gathered model called by itself has its inputs gathered before its patched forward
+reads the batch (:mod:`lightning_ulysses.hf.forward`), which then reads the whole sequence's: nothing inside a
+gathered module runs sharded.
+
 The backward is the matching reduce-scatter (an all-reduce of the whole gradient, then this rank's
 rows: gloo has no reduce-scatter): every rank's output rows send their gradient to the inputs of every
 shard, and each parameter's gradient is this rank's share, summed over the SP group by DeepSpeed's
