@@ -9,13 +9,16 @@ follow otherwise is refused at set-up.
 * One process: the classifier on constructed maps (identity, factors, soft-caps with and without a factor, in fp32
   and bf16, and six maps it must refuse); the tiles through a map equal the mapped logits (loss and gradient) without
   a host sync; the map the check finds for tiny models of each family (fp32 and bf16), whose tiled logits equal the
-  model's own; a toy model with a per-token bias on its logits refused by ``check_tiled_logits``.
+  model's own; a toy model with a per-token bias on its logits refused by ``check_tiled_logits``, and one that gives
+  its decoder other inputs than the token ids (the decoder called by itself, as the tiled loss calls it, differs).
 * Two processes (one launch): tiny Granite (``logits_scaling=4``), MiniCPM3 (ZeRO-3, tied embeddings), Falcon-H1
   (``lm_head_multiplier=0.3``) and Gemma 3n (final soft-cap 0.3) train one step with ``tiled_loss`` under
   ``UlyssesStrategy(sp_size=2)`` and equal one process of the plain model (loss rtol 1e-5, update 1e-4); their
   evaluation metrics before the step (a sanity validation) are the same from the tiled logits as from the model's own
   and equal the plain model's loss; a tiny Gemma 3 vision-language model trains two steps with ``tiled_loss``
-  under ZeRO-3 as ``tests/test_vision.py`` checks it without; the toy model is refused at set-up with
+  under ZeRO-3 as ``tests/test_vision.py`` checks it without; GPT-Neo, whose decoder ``sequence_mixers="gather"``
+  runs on the whole sequence (gathered as the model calls it, ``input_ids`` by position; the tiled loss calls it by
+  keyword), trains as one process; the toy model is refused at set-up with
   ``tiled_loss``, before any validation or training step, and trains without it.
 """
 
@@ -222,6 +225,27 @@ def test_check_tiled_logits_refuses_a_per_token_bias() -> None:
         remove_ulysses_attention(model)
 
 
+class EmbeddingScaledLlama(LlamaForCausalLM):
+    """A toy causal LM that gives its decoder its token embeddings doubled: the decoder called by itself on the token
+    ids (as the tiled loss calls it) computes other hidden states than inside the model."""
+
+    def forward(self, input_ids: Tensor | None = None, **kwargs: Any) -> Any:
+        return super().forward(inputs_embeds=2 * self.model.embed_tokens(input_ids), **kwargs)
+
+
+def test_check_tiled_logits_refuses_a_decoder_that_differs_when_called_by_itself() -> None:
+    torch.manual_seed(0)
+    model = EmbeddingScaledLlama(token_biased_llama().config)
+    apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")  # without tiled_loss the model is accepted
+    try:
+        with pytest.raises(
+            UnsupportedModelError, match=r"(?i)its decoder \(model\), called by itself .*set tiled_loss=False"
+        ):
+            check_tiled_logits(nn.ModuleDict({"model": model}))
+    finally:
+        remove_ulysses_attention(model)
+
+
 # ----------------------------------------------------------------------------------------------
 # training and evaluation with tiled_loss under UlyssesStrategy(sp_size=2), one launch
 # ----------------------------------------------------------------------------------------------
@@ -234,6 +258,8 @@ CASES: dict[str, dict[str, Any]] = {
     "gemma3n_softcap": dict(model_type="gemma3n_text", config=dict(final_logit_softcapping=0.3), stage=2),
     # a vision-language model: the tiled loss of its language model's hidden states, images merged on each shard
     "gemma3_vision_language_zero3": dict(family="gemma3", sp=2, stage=3),
+    # a family exact only with sequence_mixers="gather" (its local attention's mask runs on the whole sequence)
+    "gpt_neo_gathered": dict(model_type="gpt_neo", stage=2, sequence_mixers="gather"),
     "token_bias_refused": dict(model_type="token_biased_llama", stage=2),
     "token_bias_untiled": dict(model_type="token_biased_llama", stage=2, tiled_loss=False),
 }
@@ -305,7 +331,11 @@ def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]
         return fit_vision_case(case, world_size)
     module = TiledLossModule(_model(case))
     strategy = UlyssesStrategy(
-        sp_size=world_size, stage=case["stage"], attn_implementation="sdpa", tiled_loss=case.get("tiled_loss", 3)
+        sp_size=world_size,
+        stage=case["stage"],
+        attn_implementation="sdpa",
+        tiled_loss=case.get("tiled_loss", 3),
+        sequence_mixers=case.get("sequence_mixers", "refuse"),
     )
     trainer = L.Trainer(
         accelerator="cpu",

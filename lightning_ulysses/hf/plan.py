@@ -7,7 +7,11 @@ Modules are named by their path in the model (``model.layers.0.self_attn``).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field, replace
+from typing import Any
+
+from torch import nn
 
 from lightning_ulysses.hf.masks import MaskPattern
 from lightning_ulysses.logits import LogitMap
@@ -49,12 +53,31 @@ class LayerPlan:
 
 @dataclass(frozen=True)
 class TokenDims:
-    """Where the sequence runs in a module's per-token inputs (by argument key, as ``arg0``, ``hidden_states``,
-    ``position_embeddings.1``) and outputs (by position among the output tensors; an output may be longer than
-    the sequence by a constant, as a padded convolution's ``N + k - 1``)."""
+    """Where the sequence runs in a module's per-token inputs (by argument key, :func:`argument_keys`:
+    ``hidden_states``, ``position_embeddings.1``) and outputs (by position among the output tensors; an output may be
+    longer than the sequence by a constant, as a padded convolution's ``N + k - 1``)."""
 
     inputs: dict[str, int]
     outputs: dict[int, int]
+
+
+def positional_parameters(module: nn.Module) -> tuple[str, ...]:
+    """The names of the parameters of ``module.forward`` that take arguments by position, in order."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # a forward without a signature Python can read
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in parameters if p.kind in kinds)
+
+
+def argument_keys(parameters: tuple[str, ...], args: tuple, kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``(key, value)`` of every argument of a call whose positional parameters are ``parameters``
+    (:func:`positional_parameters`): an argument passed by position is keyed by its parameter's name, as when passed
+    by name (the set-up check sees the model call its decoder with ``input_ids`` by position; the tiled loss calls
+    the decoder with them by name); ``arg{i}`` past the named parameters."""
+    by_position = [(parameters[i] if i < len(parameters) else f"arg{i}", a) for i, a in enumerate(args)]
+    return by_position + list(kwargs.items())
 
 
 @dataclass(frozen=True)

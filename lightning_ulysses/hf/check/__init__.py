@@ -37,6 +37,9 @@ does in a step (:mod:`~lightning_ulysses.hf.check.zero3`):
    and the first that differs is named; the model's output must agree too. ``torch.arange`` over the
    shard's length is trapped as well: an index-dependent computation may change nothing at the probe's
    few tokens (Llama4's temperature tuning starts at index 8192).
+7. **The decoder by itself** (the tiled loss's call, on the final plan): on this rank's shard it must return
+   its shard of the whole run's final hidden states, else the plan's logits say why and ``tiled_loss`` is refused
+   (:mod:`~lightning_ulysses.hf.check.logits`; a module gathered around the decoder does not run in that call).
 
 The check writes nothing on the model: it returns a :class:`~lightning_ulysses.hf.plan.ModelPlan` (the attention
 layers' plans, the head-sharded token mixers, whole-sequence rotary, gathered mixers, the logit map) or a
@@ -56,7 +59,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from lightning_ulysses.hf.check.findings import agreed
-from lightning_ulysses.hf.check.logits import find_logit_map
+from lightning_ulysses.hf.check.logits import check_decoder_call, find_logit_map
 from lightning_ulysses.hf.check.projections import plan_projection_chunks
 from lightning_ulysses.hf.check.rope import check_rotary
 from lightning_ulysses.hf.check.shard import Shard
@@ -67,6 +70,7 @@ from lightning_ulysses.hf.check.zero3 import engine_like_calls
 from lightning_ulysses.hf.mixers import is_token_mixer
 from lightning_ulysses.hf.plan import ModelPlan, Refusal
 from lightning_ulysses.hf.state import PatchState, model_configs
+from lightning_ulysses.logits import LogitMap
 
 PROBE_TOKENS_PER_RANK = 11
 """Tokens per rank in the probe: an odd count, so that the sequence dimension is told from model dimensions."""
@@ -106,6 +110,10 @@ def check_model(model: PreTrainedModel, state: PatchState, realize: Callable[[Mo
                 realize(plan)
             if not findings:
                 findings, plan = run_as_in_training(model, state, input_ids, position_ids, whole, shard, plan, realize)
+            if not findings and isinstance(plan.logits, LogitMap):
+                gathered = tuple(g.module for g in plan.gathered)
+                logits = check_decoder_call(model, state, whole, shard, input_ids, position_ids, plan.logits, gathered)
+                plan = replace(plan, logits=logits)
     finally:
         for module, training in modes.items():
             module.training = training

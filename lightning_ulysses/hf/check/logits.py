@@ -18,6 +18,11 @@ model does is read by running it, not from its config's names:
    the config's positive float values or its inverse, where it is within rounding of it: bf16 logits give Granite's
    ``1 / 3`` as ``0.33332``); a ``cap`` is one of those values or the largest logit seen (where the tanh
    saturates). Either is then verified like the rest.
+3. **The decoder called by itself** (after step 6 of the check, on the final plan): on this rank's shard, as the
+   tiled loss calls it (``model.get_decoder()(input_ids=..., position_ids=...)``), it must return this rank's shard of
+   the final hidden states of the whole run, as ``last_hidden_state``. A module that runs on the whole sequence
+   around the decoder (``sequence_mixers="gather"`` of the model or a module holding the decoder) is not run by the
+   decoder's own call; a model may give its decoder other inputs than the token ids.
 
 The verdict (a :class:`~lightning_ulysses.logits.LogitMap`, or why the logits cannot be tiled) is the plan's
 ``logits``, the same on every rank of the SP group: the tiled loss applies the map to each tile
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,9 +44,9 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from lightning_ulysses.hf.apply import patch_of, unpatched
-from lightning_ulysses.hf.check.shard import close, tolerance
+from lightning_ulysses.hf.check.shard import Shard, close, tolerance
 from lightning_ulysses.hf.check.tensors import first_tensor
-from lightning_ulysses.hf.check.whole import WholeRun
+from lightning_ulysses.hf.check.whole import WholeRun, probe_attention, token_local_attention
 from lightning_ulysses.hf.state import PatchState, UnsupportedModelError, model_configs, outermost_models
 from lightning_ulysses.logits import LogitMap
 
@@ -54,6 +60,22 @@ def find_logit_map(
     """The map from ``model``'s decoder's final hidden states to its logits (see the module docstring), or why there
     is none that applies per tile; agreed over the SP group (collective: call it on every rank)."""
     return _agreed(_logit_map(model, whole, input_ids, position_ids), state)
+
+
+def check_decoder_call(
+    model: PreTrainedModel,
+    state: PatchState,
+    whole: WholeRun,
+    shard: Shard,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    found: LogitMap,
+    gathered: tuple[str, ...],
+) -> LogitMap | str:
+    """Step 3 of the module docstring on the model's final plan (``gathered``: the modules it runs on the whole
+    sequence): ``found``, or why the tiled loss's call of the decoder would not give the decoder's final hidden
+    states; agreed over the SP group (collective: call it on every rank)."""
+    return _agreed(_decoder_call(model, state, whole, shard, input_ids, position_ids, found, gathered), state)
 
 
 def fit_output_map(x: Tensor, y: Tensor, constants: Iterable[float] = ()) -> LogitMap | str:
@@ -164,6 +186,50 @@ def _logit_map(model: PreTrainedModel, whole: WholeRun, input_ids: Tensor, posit
         return "its output embeddings receive other than a constant times its decoder's final hidden states"
     found = _output_map(model, lm_head, head_calls[0].outputs[0], input_ids, position_ids, constants)
     return found if isinstance(found, str) else LogitMap(input_scale, found.scale, found.cap)
+
+
+def _decoder_call(
+    model: PreTrainedModel,
+    state: PatchState,
+    whole: WholeRun,
+    shard: Shard,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    found: LogitMap,
+    gathered: tuple[str, ...],
+) -> LogitMap | str:
+    decoder = model.get_decoder()
+    name = next(n for n, m in model.named_modules() if m is decoder)
+    expected = whole.calls[name][0].outputs[0]  # step 1 found the decoder called once, its hidden states first
+
+    def attention(
+        module: nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Any,
+        scaling: float | None,
+        kwargs: dict[str, Any],
+    ) -> Tensor:
+        return token_local_attention(query, key, value, scaling)
+
+    try:
+        with probe_attention(state, attention):
+            output = decoder(input_ids=shard.of(input_ids), position_ids=shard.of(position_ids))
+    except Exception as error:  # noqa: BLE001 - the reason to refuse tiled_loss, with its text
+        return (
+            f"its decoder ({name}) fails when called by itself on this rank's shard as the tiled loss calls it "
+            f"({error})"
+        )
+    hidden = getattr(output, "last_hidden_state", None)
+    if isinstance(hidden, Tensor) and shard.agree(expected, hidden):
+        return found
+    around = [g or "the model" for g in gathered if g == "" or name.startswith(g + ".")]
+    why = f" (it runs inside {around[0]}, which sequence_mixers='gather' runs on the whole sequence)" if around else ""
+    return (
+        f"its decoder ({name}), called by itself on this rank's shard as the tiled loss calls it, does not return "
+        f"the final hidden states it computes inside the model as last_hidden_state{why}"
+    )
 
 
 def _output_map(

@@ -9,6 +9,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_ulysses.hf.plan import argument_keys, positional_parameters
+
 
 @dataclass
 class Call:
@@ -33,10 +35,11 @@ def tensors_of(value: Any) -> list[Tensor]:
     return []
 
 
-def named_inputs(args: tuple, kwargs: dict[str, Any]) -> dict[str, Tensor]:
-    """The tensors among a call's arguments, keyed by position or name (``arg0``, ``position_embeddings.1``, ...)."""
+def named_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Tensor]:
+    """The tensors among the arguments of a call of ``module``, keyed by parameter name (``hidden_states``,
+    ``position_embeddings.1``, ...: :func:`~lightning_ulysses.hf.plan.argument_keys`)."""
     named: dict[str, Tensor] = {}
-    for key, value in [(f"arg{i}", a) for i, a in enumerate(args)] + list(kwargs.items()):
+    for key, value in argument_keys(positional_parameters(module), args, kwargs):
         tensors = tensors_of(value)
         if isinstance(value, Tensor):
             named[key] = value

@@ -102,7 +102,7 @@ def training_run(
         encloses = bool(culprits) and culprits[0].mixer is not None and culprits[0].mixer.startswith(name + ".")
         if (culprits and not encloses) or index >= len(calls):
             return
-        local_inputs, local_outputs = named_inputs(args, kwargs), tensors_of(output)
+        local_inputs, local_outputs = named_inputs(module, args, kwargs), tensors_of(output)
         agree = shard.inputs_agree(calls[index].inputs, local_inputs)
         if agree and not shard.all_agree(calls[index].outputs, local_outputs):
             dims = shard.token_dims(calls[index], local_inputs, local_outputs) if state.sp_size > 1 else None

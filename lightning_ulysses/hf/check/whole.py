@@ -80,7 +80,7 @@ def whole_sequence_run(
         return token_local_attention(query, key, value, scaling)
 
     def record(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        inputs = {key: t.clone() for key, t in named_inputs(args, kwargs).items()}
+        inputs = {key: t.clone() for key, t in named_inputs(module, args, kwargs).items()}
         outputs = [t.clone() for t in tensors_of(output)]
         run.calls.setdefault(names[module], []).append(Call(inputs, outputs, args, kwargs))
 

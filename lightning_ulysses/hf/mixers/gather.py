@@ -8,6 +8,12 @@ the gathered sequence is put in sequence order and each rank keeps its zigzag sh
 
     x [B, N/sp, C] --all-gather--> [B, N, C] --module--> [B, N, C'] --keep this rank's rows--> [B, N/sp, C']
 
+The inputs are found by parameter name (:func:`~lightning_ulysses.hf.plan.argument_keys`), however the caller passes
+them: the set-up check sees a model call its decoder with ``input_ids`` by position, the tiled loss calls the decoder
+by itself with them by name. A gathered model called by itself has its inputs gathered before its patched forward
+reads the batch (:mod:`lightning_ulysses.hf.forward`), which then reads the whole sequence's: nothing inside a
+gathered module runs sharded.
+
 The backward is the matching reduce-scatter (an all-reduce of the whole gradient, then this rank's
 rows: gloo has no reduce-scatter): every rank's output rows send their gradient to the inputs of every
 shard, and each parameter's gradient is this rank's share, summed over the SP group by DeepSpeed's
@@ -30,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_ulysses.attention.collectives import gather_from_ranks, to_sequence_order, to_shard_order
 from lightning_ulysses.groups import SequenceParallelGroups
-from lightning_ulysses.hf.plan import TokenDims
+from lightning_ulysses.hf.plan import TokenDims, argument_keys, positional_parameters
 from lightning_ulysses.hf.state import PatchState
 
 
@@ -58,12 +64,14 @@ def gather_whole_sequence(
     """Run ``module`` on the whole sequence of the SP group (see the module docstring): the two hooks that do it,
     registered on it."""
     shard_length: list[int | None] = [None]  # this rank's tokens in the call, set by the pre-hook for the forward hook
+    parameters = positional_parameters(module)
 
     def gather_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not state.enabled or state.group.sp is None:
             return None
         shard_length[0] = None
-        args = tuple(_gather_tree(a, f"arg{i}", dims.inputs, state.group, shard_length) for i, a in enumerate(args))
+        keys = argument_keys(parameters, args, {})
+        args = tuple(_gather_tree(a, key, dims.inputs, state.group, shard_length) for key, a in keys)
         kwargs = {k: _gather_tree(v, k, dims.inputs, state.group, shard_length) for k, v in kwargs.items()}
         return args, kwargs
 
