@@ -13,6 +13,7 @@ option on under ZeRO-3, each against one process of its plain model.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -299,7 +300,8 @@ def families_worker(args: dict[str, Any]) -> dict[str, tuple[float, float, str]]
     _quiet()
     outcomes = {}
     for family in args["families"]:
-        prepared = prepare(ZooEntry(family, family))
+        with tempfile.TemporaryDirectory() as folder:  # the reference's save_pretrained folder (the zoo's harness)
+            prepared = prepare(ZooEntry(family, family), Path(folder))
         assert prepared.recipe is not None and not prepared.not_built and not prepared.reference_failed, family
         assert prepared.reference_loss is not None
         model = prepared.recipe.build(prepared.attn_implementation, 0)
