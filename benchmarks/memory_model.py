@@ -3,30 +3,9 @@
     python -m benchmarks.memory_model                  # the Llama-3.1-8B table of docs/memory.md (bf16)
     python -m benchmarks.memory_model --benchmark      # predictions for benchmarks.memory's model (fp32)
 
-Memory is what autograd keeps alive per token of a rank at the step's peak, by component (sizes in elements
-per token, times the activation dtype's bytes). One decoder layer keeps:
-
-* norms and residual stream: each of the 2 RMSNorms keeps its normalised input and its output, and each of the
-  2 residual sums is a new ``[tokens, hidden]`` tensor: ``6 * hidden``;
-* attention: ``q`` (rotated), ``k``, ``v``, the kernel's output and its contiguous copy into ``o_proj``
-  (``3 * hidden + 2 * kv_dim``) plus the kernel's fp32 log-sum-exp per head. Fused kernels (flash, SDPA's
-  fused ones, compiled flex) keep nothing that grows with ``N`` per token; SDPA's math kernel would add
-  ``[heads / sp, N]`` fp32 scores and probabilities per token;
-* MLP: gate, ``silu(gate)``, up and their product, ``4 * intermediate``.
-
-The logits and the loss: ``[tokens, vocab]`` logits, then in the backward the saved log-softmax, the gradient
-of the loss and the gradient of the logits exist at once, three fp32 ``vocab``-vectors per token
-(``12 * vocab`` bytes). With the options, per token:
-
-* ``activation_checkpointing``: each layer keeps only its input (``hidden``); one layer at a time is
-  recomputed in the backward, so its activations plus gradients are alive for that layer only;
-* ``tiled_mlp``: the MLP's ``4 * intermediate`` go to a fixed per-tile buffer;
-* ``tiled_loss``: the logits term goes to a fixed per-tile buffer (``tile = hidden`` tokens: the size of the
-  ``lm_head`` weight, in fp32, three times);
-* ``offload_activations``: the checkpointed inputs wait in host memory.
-
-Fixed buffers (weights, per-tile buffers, gradients of weights) are left out: this is the slope of peak memory
-in the number of tokens, which is what decides the longest sequence.
+Memory: the bytes per token of a rank at the step's peak, by component and under each option, are
+:mod:`lightning_ulysses.memory.estimate`'s model (its docstring lists what is counted and what is left out: weights,
+their gradients and optimizer states, per-tile buffers), which the strategy's out-of-memory line also uses.
 
 Compute: training costs ``6 * P`` FLOPs per token for the ``P`` weights of the matrix products plus
 ``6 * layers * hidden * N`` for causal attention over ``N`` keys (see :mod:`lightning_ulysses.flops`).
@@ -38,69 +17,15 @@ inside checkpointed layers, whose recomputation is itself not saved).
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+
+from lightning_ulysses.memory.estimate import DecoderShape, components, peak_bytes_per_token
 
 KiB = 1024
-
-
-@dataclass(frozen=True)
-class DecoderShape:
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    @property
-    def layer_params(self) -> int:
-        attention = 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_dim
-        return attention + 3 * self.hidden * self.intermediate
-
 
 # https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json
 LLAMA_31_8B = DecoderShape(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, head_dim=128, vocab=128256)
 # benchmarks.memory.MODEL
 BENCHMARK = DecoderShape(hidden=128, intermediate=512, layers=2, heads=8, kv_heads=4, head_dim=16, vocab=16000)
-
-
-def components(shape: DecoderShape, element_bytes: int) -> dict[str, float]:
-    """Bytes per token of a rank for each component (layer terms are per layer)."""
-    h, b = shape.hidden, element_bytes
-    return {
-        "checkpointed inputs (all layers)": shape.layers * h * b,
-        "norms + residual stream (per layer)": 6 * h * b,
-        "attention (per layer)": (3 * h + 2 * shape.kv_dim) * b + 4 * shape.heads,
-        "MLP intermediates (per layer)": 4 * shape.intermediate * b,
-        "logits + loss": 12 * shape.vocab,
-    }
-
-
-def peak_bytes_per_token(
-    shape: DecoderShape,
-    element_bytes: int,
-    *,
-    tiled_mlp: bool = False,
-    tiled_loss: bool = False,
-    checkpointing: bool = False,
-    offload: bool = False,
-) -> float:
-    """Slope of the step's peak memory in the tokens of a rank (bytes per token), under the options."""
-    c = components(shape, element_bytes)
-    mlp = 0 if tiled_mlp else c["MLP intermediates (per layer)"]
-    layer = c["norms + residual stream (per layer)"] + c["attention (per layer)"] + mlp
-    logits = 0 if tiled_loss else c["logits + loss"]
-    final = 3 * shape.hidden * element_bytes  # the final norm's input, normalised input and output
-    if not checkpointing:
-        return shape.layers * layer + final + logits
-    inputs = 0 if offload else c["checkpointed inputs (all layers)"]
-    # the logits' backward and the layers' backward come one after the other: the larger one sets the peak
-    return inputs + final + max(logits, layer)
 
 
 def flops_per_token(

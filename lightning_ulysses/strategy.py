@@ -90,7 +90,7 @@ from lightning_ulysses.model_checkpoint import keep_last_checkpoint_current
 from lightning_ulysses.runtime.eval_data import DUPLICATES_KEY, drop_rows, pad_over_dp_ranks
 from lightning_ulysses.runtime.failures import Heartbeat, NonFiniteLoss, NonFiniteLossGuard
 from lightning_ulysses.runtime.load import load_checkpoint
-from lightning_ulysses.runtime.out_of_memory import is_out_of_memory, out_of_memory_advice
+from lightning_ulysses.runtime.out_of_memory import StepShape, is_out_of_memory, out_of_memory_advice
 from lightning_ulysses.runtime.preemption import PreemptionSignals
 from lightning_ulysses.runtime.resume import ResumableLoader, is_resumable
 from lightning_ulysses.runtime.save import save_checkpoint
@@ -235,6 +235,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         self._applied_steps = 0  # Lightning's global step once it has counted the last step DeepSpeed applied
         self._repeated_rows: Tensor | None = None  # evaluation / prediction: [B] bool, the current batch's repeats
         self._padding: Tensor | None = None  # [B, N/sp] bool, the current batch's padding tokens on this rank
+        self._train_batch_shape: tuple[int, int] | None = None  # [B, N] of the last training batch, before padding
         self.check_loss_reduction = check_loss_reduction
         self._exact_loss_reductions = 0  # in the running training step (see check_loss_reduction)
         self.memory_report = MemoryReport()
@@ -530,6 +531,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
             assert sp_group is not None  # set up, with more than one rank
             check_sp_group_agreement(batch, sp_group, device or self.root_device, loader_name)
         prepared = prepare_batch(batch, self.sp_size, self.ring_size)
+        if self.lightning_module is not None and self.lightning_module.trainer.training:  # for the out-of-memory line
+            batch_size, seq_len = batch["input_ids"].shape
+            self._train_batch_shape = (batch_size, seq_len)
         prepared[PADDING_KEY] = padding_tokens(batch, prepared)
         batch = shard_batch(prepared, self.sp_rank, self.sp_size, self.ring_size)
         self._padding = batch.pop(PADDING_KEY)
@@ -670,7 +674,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """A collective that failed because a peer died names no rank: name the ranks whose heartbeat stopped and
         the checkpoint to resume from, in the log and as the last line of the traceback (a note on the exception).
-        Out of memory: rank 0 logs one line with the options that would fit the sequence
+        Out of memory: rank 0 logs one line with the options that would fit the sequence and, in a training step of a
+        transformers model, the estimated activation memory per rank with and without them
         (:mod:`lightning_ulysses.runtime.out_of_memory`); the exception is raised as it was."""
         if is_out_of_memory(exception) and self._topology is not None and self.global_rank == 0:
             advice = out_of_memory_advice(
@@ -680,6 +685,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
                 self.sp_size,
                 self.world_size,
                 self.root_device.type == "cuda",
+                self._failed_step_shape(),
             )
             log.error(advice)
         if isinstance(exception, RuntimeError) and self._heartbeat is not None:
@@ -691,6 +697,13 @@ class UlyssesStrategy(DeepSpeedStrategy):
                 if hasattr(exception, "add_note"):  # Python 3.11+
                     exception.add_note(message)
 
+    def _failed_step_shape(self) -> StepShape | None:
+        """The training step that failed, for the out-of-memory line's estimate (``None`` outside a training step)."""
+        module = self.lightning_module
+        if module is None or not module.trainer.training:
+            return None
+        return StepShape.read(module, self._train_batch_shape, self.ring_size)
+
     @override
     def teardown(self) -> None:
         if self.lightning_module is not None:
@@ -699,6 +712,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
+        self._train_batch_shape = None
         super().teardown()
 
     @classmethod

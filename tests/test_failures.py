@@ -24,12 +24,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader
+from transformers import LlamaConfig, PretrainedConfig
 
 from lightning_ulysses import SequenceParallelMonitor, UlyssesStrategy, prepare_batch
 from lightning_ulysses.callbacks import format_summary
+from lightning_ulysses.memory import MemoryOptions
+from lightning_ulysses.memory.estimate import DecoderShape, peak_bytes_per_token
 from lightning_ulysses.runtime.failures import Heartbeat, NonFiniteLossGuard
+from lightning_ulysses.runtime.out_of_memory import StepShape, out_of_memory_advice
 from tests.launch import RankExit, launch, launch_to_exit
 from tests.tiny import (
+    VOCAB,
     TinyCausalLM,
     collate,
     gathered_parameters,
@@ -327,15 +332,71 @@ def out_of_memory_worker(args: dict[str, Any]) -> None:
     trainer.fit(OutOfMemoryLM(), DataLoader(make_samples(4, 16), batch_size=2, collate_fn=collate))
 
 
+def _mib(size: float) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
+def _kib(size: float) -> str:
+    return f"{size / 2**10:.1f} KiB"
+
+
+def test_out_of_memory_line_estimates_the_activations_now_with_the_options_and_at_a_larger_sp_size() -> None:
+    """Without processes: the shape of a tiny Llama and of a [2, 20001] batch, read as the strategy reads them; the
+    line's estimates are the analytic model's bytes per token times the padded tokens per rank (20002 at sp_size=2,
+    10002 at 4), with the suggested options in the order they are named."""
+    step = StepShape.read(TinyCausalLM(), (2, 20001))
+    assert step is not None
+    tiny = DecoderShape(hidden=32, intermediate=48, layers=2, heads=4, kv_heads=2, head_dim=8, vocab=VOCAB)
+    assert (step.decoder, step.element_bytes) == (tiny, 4)
+    assert (step.tokens_per_rank(2), step.tokens_per_rank(4)) == (20002, 10002)
+    now = peak_bytes_per_token(tiny, 4, tiled_loss=True) * 20002
+    on = dict(tiled_mlp=True, tiled_loss=True, checkpointing=True, offload=True)
+    with_options, at_4 = peak_bytes_per_token(tiny, 4, **on) * 20002, peak_bytes_per_token(tiny, 4, **on) * 10002
+    # the options more than halve it here, and twice the ranks halve it again (up to the padding)
+    assert now > 2 * with_options > 0 and with_options == pytest.approx(2 * at_4, rel=1e-3)
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity ...")
+    line = out_of_memory_advice(error, MemoryOptions(tiled_loss=True), None, 2, 8, on_cuda=True, step=step)
+    assert line == (
+        "lightning-ulysses: out of memory (an allocation of 2.00 GiB failed) at sp_size=2 (each rank holds 1/2 of "
+        "every sequence); estimated activations per rank at 20,002 tokens (weights, gradients and optimizer states "
+        f"not counted): {_mib(now)} now, {_mib(with_options)} with tiled_mlp, activation_checkpointing, "
+        f"offload_activations, {_mib(at_4)} at sp_size=4. To fit the sequence, turn on UlyssesStrategy(tiled_mlp=True, "
+        "activation_checkpointing=True, offload_activations=True, head_chunks='auto'), use a larger sp_size (one of "
+        "[4, 8]), or shorten it; docs/memory.md gives the peak per token under each option (python -m "
+        "benchmarks.memory_model estimates it for a model's shape)."
+    )
+    # the Llama-3.1-8B config gives the benchmark's shape; without a transformers model the line has no estimate
+    from benchmarks.memory_model import LLAMA_31_8B
+
+    llama_8b = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    )
+    assert DecoderShape.from_config(llama_8b) == LLAMA_31_8B
+    assert DecoderShape.from_config(PretrainedConfig()) is None
+    assert StepShape.read(torch.nn.Linear(2, 2), (2, 20001)) is None
+    assert "estimated" not in out_of_memory_advice(error, MemoryOptions(), None, 2, 8, on_cuda=True, step=None)
+
+
 def test_out_of_memory_says_in_one_line_what_would_fit_the_sequence() -> None:
-    """Both ranks run out of memory in their step: one line for the run (rank 0's) names the options that are off
-    and the layout; each rank's traceback still ends in the allocator's own error."""
+    """Both ranks run out of memory in their step: one line for the run (rank 0's) names the options that are off,
+    the layout and the estimated activations of the failing [2, 16] batch (16 tokens per rank; on CPU offload is
+    not suggested); each rank's traceback still ends in the allocator's own error."""
     exits = launch_to_exit("tests.test_failures:out_of_memory_worker", 2, timeout=START_UP_S + 60)
     lines = [line for e in exits for line in e.output.splitlines() if "lightning-ulysses: out of memory" in line]
     assert len(lines) == 1, [e.output[-3000:] for e in exits]
+    tiny = DecoderShape(hidden=32, intermediate=48, layers=2, heads=4, kv_heads=2, head_dim=8, vocab=VOCAB)
+    now = peak_bytes_per_token(tiny, 4, tiled_loss=True) * 16
+    with_options = peak_bytes_per_token(tiny, 4, tiled_mlp=True, tiled_loss=True, checkpointing=True) * 16
     assert lines[0].endswith(
         "lightning-ulysses: out of memory (an allocation of 1048576.00 GiB failed) at sp_size=2 (each rank holds "
-        "1/2 of every sequence). To fit the sequence, turn on UlyssesStrategy(tiled_mlp=True, "
+        "1/2 of every sequence); estimated activations per rank at 16 tokens (weights, gradients and optimizer states "
+        f"not counted): {_kib(now)} now, {_kib(with_options)} with tiled_mlp, activation_checkpointing. To fit the "
+        "sequence, turn on UlyssesStrategy(tiled_mlp=True, "
         "activation_checkpointing=True, head_chunks='auto'), use more processes and a larger sp_size, or shorten it; "
         "docs/memory.md gives the peak per token under each option (python -m benchmarks.memory_model estimates it "
         "for a model's shape)."
