@@ -18,7 +18,8 @@ of the loss and the gradient of the logits exist at once, three fp32 ``vocab``-v
 * ``activation_checkpointing``: each layer keeps only its input (``hidden``); one layer at a time is
   recomputed in the backward, so its activations plus gradients are alive for that layer only;
 * ``tiled_mlp``: the MLP's ``4 * intermediate`` go to a fixed per-tile buffer;
-* ``tiled_loss``: the logits term goes to a fixed per-tile buffer;
+* ``tiled_loss``: the logits term goes to a fixed per-tile buffer (``tile = hidden`` tokens: the size of the
+  ``lm_head`` weight, in fp32, three times);
 * ``offload_activations``: the checkpointed inputs wait in host memory.
 
 Left out, so that this is the slope of peak memory in the tokens of a rank (what decides the longest sequence) and
