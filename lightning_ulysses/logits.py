@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_ulysses.sharding import IGNORE_INDEX
-from lightning_ulysses.tiling import recomputed_in_backward
+from lightning_ulysses.tiling import recomputed_in_backward, split_tiles
 
 TokenFunction = Callable[[Tensor, Tensor], Tensor]
 """``(logits [tokens, V], labels [tokens]) -> [tokens]``: one value per token."""
@@ -102,8 +102,9 @@ def per_token(logits: Logits, labels: Tensor, fn: TokenFunction) -> Tensor:
         return fn(logits.flatten(0, -2), labels.flatten()).view(labels.shape)
     run = recomputed_in_backward(lambda hidden, target: fn(logits.lm_head(hidden), target))
     tiles = zip(
-        logits.hidden_states.reshape(-1, logits.hidden_states.shape[-1]).tensor_split(logits.num_tiles),
-        labels.reshape(-1).tensor_split(logits.num_tiles),
+        split_tiles(logits.hidden_states.reshape(-1, logits.hidden_states.shape[-1]), logits.num_tiles, dim=0),
+        split_tiles(labels.reshape(-1), logits.num_tiles, dim=0),
+        strict=True,
     )
     return torch.cat([run(hidden, target) for hidden, target in tiles]).view(labels.shape)
 

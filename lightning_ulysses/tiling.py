@@ -64,10 +64,22 @@ def tiled_map(fn: Callable[[Tensor], Any], x: Tensor, num_tiles: int) -> Any:
         What ``fn(x)`` returns, each tensor the tiles' outputs put together along the sequence. Only one tile's
         intermediates are alive at a time, in the forward and in the backward.
     """
-    tiles = x.tensor_split(num_tiles, dim=-2)
+    tiles = split_tiles(x, num_tiles, dim=-2)
     # made contiguous inside the checkpoint region (modules view their input): what the region keeps is the view
     run = recomputed_in_backward(functools.partial(_on_contiguous, fn))
     return join_tiles([run(tile) for tile in tiles], x.shape[:-2], [tile.shape[-2] for tile in tiles])
+
+
+def split_tiles(x: Tensor, num_tiles: int, dim: int) -> tuple[Tensor, ...]:
+    """``x`` in exactly ``num_tiles`` views along ``dim``, sized as ``Tensor.tensor_split`` sizes them (the first
+    ``len % num_tiles`` one longer; empty ones where ``num_tiles`` exceeds the length).
+
+    One ``split_with_sizes``, so the backward puts the tiles' gradients together in one node (one ``cat``);
+    ``tensor_split`` makes a slice node per tile, each of which writes its tile into a zero tensor of ``x``'s whole
+    shape, and autograd runs them only after every tile's backward (they are older nodes): all tiles' gradients
+    held at once, then ``num_tiles`` whole-shape buffers filled and added, quadratic in the length."""
+    base, longer = divmod(x.shape[dim], num_tiles)
+    return x.split([base + 1] * longer + [base] * (num_tiles - longer), dim=dim)
 
 
 def join_tiles(outputs: Sequence[Any], leading: torch.Size, lengths: Sequence[int]) -> Any:

@@ -29,6 +29,7 @@ from lightning_ulysses import (
     token_log_probs,
 )
 from lightning_ulysses.logits import Logits
+from lightning_ulysses.tiling import split_tiles, tiled_map
 
 
 class LargestTensor(TorchDispatchMode):
@@ -100,3 +101,40 @@ def test_tiled_logits_never_build_the_tokens_by_vocab_logits(grad: bool) -> None
 
     assert largest(lambda: lm_head(hidden_states)) >= tokens * vocab  # the detector sees the whole logits
     assert largest(lambda: TiledLogits(hidden_states, lm_head, num_tiles)) <= tile_logits
+
+
+class WholeSized(TorchDispatchMode):
+    """Counts the new tensors of ``numel`` elements (not views of an operation's inputs) that operations make while
+    active."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+        self.count += sum(
+            isinstance(t, Tensor) and t.numel() == self.numel and t.untyped_storage().data_ptr() not in inputs
+            for t in tree_leaves(out)
+        )
+        return out
+
+
+@pytest.mark.parametrize("num_tiles", [7, 60])  # 50 tokens: 7 tiles do not divide them, 60 leave 10 empty
+def test_tiles_gradients_are_joined_once(num_tiles: int) -> None:
+    x = torch.randn(2, 50, 8, requires_grad=True)
+    expected = [t.shape for t in x.tensor_split(num_tiles, dim=-2)]
+    assert [t.shape for t in split_tiles(x, num_tiles, dim=-2)] == expected
+    hidden_states, lm_head, labels = _inputs(tokens=50, hidden=8, vocab=32)
+    hidden_states.requires_grad_(True)
+    for inputs, make_loss in [
+        (x, lambda: tiled_map(torch.tanh, x, num_tiles).sum()),
+        (hidden_states, lambda: token_cross_entropy(TiledLogits(hidden_states, lm_head, num_tiles), labels)[0]),
+    ]:
+        loss = make_loss()
+        # the backward makes the inputs' gradient once (one cat of the tiles' gradients), not one whole-shaped
+        # buffer per tile (tensor_split's slice nodes, run after every tile's backward, quadratic in the length)
+        with WholeSized(inputs.numel()) as mode:
+            loss.backward()
+        assert mode.count == 1
