@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,7 +45,7 @@ from transformers import PreTrainedModel
 from lightning_ulysses.hf.apply import patch_of, unpatched
 from lightning_ulysses.hf.check.shard import Shard, close, tolerance
 from lightning_ulysses.hf.check.tensors import first_tensor
-from lightning_ulysses.hf.check.whole import WholeRun, probe_attention, token_local_attention
+from lightning_ulysses.hf.check.whole import WholeRun, probe_attention, token_local_probe
 from lightning_ulysses.hf.state import PatchState, UnsupportedModelError, model_configs, outermost_models
 from lightning_ulysses.logits import LogitMap
 
@@ -202,19 +201,8 @@ def _decoder_call(
     name = next(n for n, m in model.named_modules() if m is decoder)
     expected = whole.calls[name][0].outputs[0]  # step 1 found the decoder called once, its hidden states first
 
-    def attention(
-        module: nn.Module,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        attention_mask: Any,
-        scaling: float | None,
-        kwargs: dict[str, Any],
-    ) -> Tensor:
-        return token_local_attention(query, key, value, scaling)
-
     try:
-        with probe_attention(state, attention):
+        with probe_attention(state, token_local_probe):
             output = decoder(input_ids=shard.of(input_ids), position_ids=shard.of(position_ids))
     except Exception as error:  # noqa: BLE001 - the reason to refuse tiled_loss, with its text
         return (

@@ -39,7 +39,7 @@ from lightning_ulysses.heads import HeadLayout, plan_heads
 from lightning_ulysses.hf.check.findings import any_rank
 from lightning_ulysses.hf.check.shard import close
 from lightning_ulysses.hf.check.tensors import first_tensor
-from lightning_ulysses.hf.check.whole import WholeRun, probe_attention, token_local_attention
+from lightning_ulysses.hf.check.whole import WholeRun, probe_attention, token_local_probe
 from lightning_ulysses.hf.plan import ModelPlan, ProjectionChunks
 from lightning_ulysses.hf.projections import chunked_call, find_projections
 from lightning_ulysses.hf.state import PatchState
@@ -83,7 +83,7 @@ def projection_chunks_of(
 
     call = calls[0]
     try:
-        with probe_attention(state, _token_local):
+        with probe_attention(state, token_local_probe):
             agree = chunks_agree(module, spec, layout, call.args, call.kwargs)
             draws = draws_at_random(module, call.args, call.kwargs)  # called whatever ``agree`` is: see the docstring
     except Exception:  # noqa: BLE001 - a module that cannot be narrowed keeps attention-only chunks
@@ -131,12 +131,6 @@ def draws_at_random(module: nn.Module, args: tuple, kwargs: dict) -> bool:
             m.training = training
     first = outputs[0]
     return first is None or any(out is None or not torch.equal(first, out) for out in outputs[1:])
-
-
-def _token_local(
-    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Any, scale: Any, kwargs: Any
-) -> Tensor:
-    return token_local_attention(query, key, value, scale)
 
 
 def _copied(module: nn.Module, call: tuple[tuple, dict]) -> tuple[tuple, dict]:

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from lightning_ulysses.hf.check.findings import agreed, module_label
 from lightning_ulysses.hf.check.shard import Shard
 from lightning_ulysses.hf.check.tensors import first_tensor, hooks, named_inputs, tensors_of
-from lightning_ulysses.hf.check.whole import WholeRun, probe_attention, token_local_attention
+from lightning_ulysses.hf.check.whole import WholeRun, probe_attention, token_local_probe
 from lightning_ulysses.hf.plan import Finding, Gathered, ModelPlan
 from lightning_ulysses.hf.state import PatchState
 
@@ -112,21 +112,10 @@ def training_run(
                 mixer = name if state.sp_size > 1 else None
                 culprits.append(Finding(module_label(names, module), differs, mixer, dims))
 
-    def attention(
-        module: nn.Module,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        attention_mask: Any,
-        scaling: float | None,
-        kwargs: dict[str, Any],
-    ) -> Tensor:
-        return token_local_attention(query, key, value, scaling)
-
     no_trap: AbstractContextManager[list[Finding]] = nullcontext([])
     trap = local_index_trap(model, shard.length) if state.sp_size > 1 else no_trap
     try:
-        with probe_attention(state, attention), hooks(model, compare), trap as local_indices:
+        with probe_attention(state, token_local_probe), hooks(model, compare), trap as local_indices:
             output = model(input_ids=shard.of(input_ids), position_ids=shard.of(position_ids))
     except Exception as error:  # noqa: BLE001 - the reason to refuse, with its text
         return [

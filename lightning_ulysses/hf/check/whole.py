@@ -110,6 +110,13 @@ def token_local_attention(query: Tensor, key: Tensor, value: Tensor, scale: floa
     return (value * weight).transpose(1, 2).contiguous()
 
 
+def token_local_probe(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Any, scale: float | None, kwargs: Any
+) -> Tensor:
+    """:func:`token_local_attention` as a probe core for :func:`probe_attention` (the attention interface's call)."""
+    return token_local_attention(query, key, value, scale)
+
+
 def check_position_numbering(model: PreTrainedModel, input_ids: Tensor, position_ids: Tensor) -> list[Finding]:
     """Refuse a model whose own positions are not ``0, 1, 2, ...`` (RoBERTa counts from ``padding_idx + 1``): the global
     position ids that sequence parallelism must pass would change what it computes."""
