@@ -25,7 +25,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from lightning_ulysses.finetune.dpo_data import CHOSEN, REJECTED
-from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses.hf import apply_ulysses_attention
 from lightning_ulysses.model import CausalLM, _local_folder, _transformers_zero3
 from lightning_ulysses.prediction import token_log_probs
 
@@ -172,8 +172,3 @@ class DPO(CausalLM):
 
     def on_test_epoch_end(self) -> None:
         """The metrics are logged by the steps."""
-
-    def teardown(self, stage: str) -> None:
-        super().teardown(stage)
-        if self.reference is not None:
-            remove_ulysses_attention(self.reference)
