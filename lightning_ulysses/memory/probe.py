@@ -39,15 +39,11 @@ def probing(model: PreTrainedModel) -> Iterator[None]:
     autograd; every module's mode is restored afterwards."""
     # imported here: lightning_ulysses.hf imports this package (recomputed_in_backward) as it loads
     from lightning_ulysses.hf.apply import unpatched
+    from lightning_ulysses.hf.check.tensors import modes_restored
 
-    modes = {module: module.training for module in model.modules()}
-    model.eval()
-    try:
-        with torch.no_grad(), unpatched(model):
-            yield
-    finally:
-        for module, training in modes.items():
-            module.training = training
+    with modes_restored(model), torch.no_grad(), unpatched(model):
+        model.eval()
+        yield
 
 
 def probe_calls(model: PreTrainedModel, watched: Iterable[nn.Module]) -> dict[nn.Module, list[Call]]:

@@ -64,6 +64,7 @@ from lightning_ulysses.hf.check.projections import plan_projection_chunks
 from lightning_ulysses.hf.check.rope import check_rotary
 from lightning_ulysses.hf.check.shard import Shard
 from lightning_ulysses.hf.check.spans import check_token_types
+from lightning_ulysses.hf.check.tensors import modes_restored
 from lightning_ulysses.hf.check.training import run_as_in_training
 from lightning_ulysses.hf.check.whole import check_position_numbering, whole_sequence_run
 from lightning_ulysses.hf.check.zero3 import engine_like_calls
@@ -90,33 +91,28 @@ def check_model(model: PreTrainedModel, state: PatchState, realize: Callable[[Mo
     shard = Shard(rank, state.sp_size, input_ids.shape[1], ring_size)
     plan = ModelPlan(sharded=tuple(name for name, module in model.named_modules() if is_token_mixer(module)))
     realize(plan)
-    modes = {module: module.training for module in model.modules()}
-    model.eval()
-    try:
-        with torch.no_grad(), engine_like_calls(model):
-            findings, whole = whole_sequence_run(model, state, input_ids, position_ids)
-            # a forward that failed on one rank only must not leave the others waiting
-            findings = agreed(findings, state)
-            if not findings:
-                logits = find_logit_map(model, state, whole, input_ids, position_ids)
-                plan = replace(plan, layers=tuple(whole.layers.items()), logits=logits)
-                plan = check_token_types(model, state, input_ids, position_ids, plan)
-                realize(plan)
-                findings = check_position_numbering(model, input_ids, position_ids)
-            if state.sp_size > 1 and not findings:
-                findings, plan = check_rotary(model, state, whole, shard, plan, realize)
-            if not findings:
-                plan = plan_projection_chunks(model, state, whole, plan)
-                realize(plan)
-            if not findings:
-                findings, plan = run_as_in_training(model, state, input_ids, position_ids, whole, shard, plan, realize)
-            if not findings and isinstance(plan.logits, LogitMap):
-                gathered = tuple(g.module for g in plan.gathered)
-                logits = check_decoder_call(model, state, whole, shard, input_ids, position_ids, plan.logits, gathered)
-                plan = replace(plan, logits=logits)
-    finally:
-        for module, training in modes.items():
-            module.training = training
+    with modes_restored(model), torch.no_grad(), engine_like_calls(model):
+        model.eval()
+        findings, whole = whole_sequence_run(model, state, input_ids, position_ids)
+        # a forward that failed on one rank only must not leave the others waiting
+        findings = agreed(findings, state)
+        if not findings:
+            logits = find_logit_map(model, state, whole, input_ids, position_ids)
+            plan = replace(plan, layers=tuple(whole.layers.items()), logits=logits)
+            plan = check_token_types(model, state, input_ids, position_ids, plan)
+            realize(plan)
+            findings = check_position_numbering(model, input_ids, position_ids)
+        if state.sp_size > 1 and not findings:
+            findings, plan = check_rotary(model, state, whole, shard, plan, realize)
+        if not findings:
+            plan = plan_projection_chunks(model, state, whole, plan)
+            realize(plan)
+        if not findings:
+            findings, plan = run_as_in_training(model, state, input_ids, position_ids, whole, shard, plan, realize)
+        if not findings and isinstance(plan.logits, LogitMap):
+            gathered = tuple(g.module for g in plan.gathered)
+            logits = check_decoder_call(model, state, whole, shard, input_ids, position_ids, plan.logits, gathered)
+            plan = replace(plan, logits=logits)
     if findings:
         return Refusal(type(model).__name__, tuple(findings), suggest_gather=not state.gather_mixers)
     return plan

@@ -38,7 +38,7 @@ from lightning_ulysses.attention.head_chunks import auto_chunks
 from lightning_ulysses.heads import HeadLayout, plan_heads
 from lightning_ulysses.hf.check.findings import any_rank
 from lightning_ulysses.hf.check.shard import close
-from lightning_ulysses.hf.check.tensors import first_tensor
+from lightning_ulysses.hf.check.tensors import first_tensor, modes_restored
 from lightning_ulysses.hf.check.whole import WholeRun, probe_attention, token_local_probe
 from lightning_ulysses.hf.plan import ModelPlan, ProjectionChunks
 from lightning_ulysses.hf.projections import chunked_call, find_projections
@@ -119,16 +119,11 @@ def draws_at_random(module: nn.Module, args: tuple, kwargs: dict) -> bool:
     applies no dropout, and takes none: the ``dropout`` transformers passes to the attention interface stops there).
     The module's modes and the generators' states (the CPU's and that of the inputs' device) are restored."""
     device = next((t.device for t in _reachable_tensors((args, kwargs))), torch.device("cpu"))
-    modes = {m: m.training for m in module.modules()}
     devices = [] if device.type == "cpu" else [device]
-    try:
-        with torch.random.fork_rng(devices=devices, device_type=device.type):
-            module.train()
-            copies = [_copied(module, (args, kwargs)) for _ in range(DRAWS)]
-            outputs = [first_tensor(module.forward(*call_args, **call_kwargs)) for call_args, call_kwargs in copies]
-    finally:
-        for m, training in modes.items():
-            m.training = training
+    with modes_restored(module), torch.random.fork_rng(devices=devices, device_type=device.type):
+        module.train()
+        copies = [_copied(module, (args, kwargs)) for _ in range(DRAWS)]
+        outputs = [first_tensor(module.forward(*call_args, **call_kwargs)) for call_args, call_kwargs in copies]
     first = outputs[0]
     return first is None or any(out is None or not torch.equal(first, out) for out in outputs[1:])
 

@@ -1,4 +1,4 @@
-"""The tensors of module calls: recorded, named, mapped; forward hooks on every module."""
+"""The tensors of module calls: recorded, named, mapped; forward hooks on every module; modes kept across a probe."""
 
 from __future__ import annotations
 
@@ -61,3 +61,15 @@ def hooks(model: nn.Module, hook: Any) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def modes_restored(module: nn.Module) -> Iterator[None]:
+    """Inside the block a probe may put ``module`` in eval or train mode; after it every submodule has its own mode
+    back (``module.train(mode)`` would set one mode on all, a frozen part's included)."""
+    modes = {m: m.training for m in module.modules()}
+    try:
+        yield
+    finally:
+        for m, training in modes.items():
+            m.training = training
