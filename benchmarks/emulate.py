@@ -25,9 +25,10 @@ Modelled, not measured (stated in the report):
 * communication time: the off-device bytes of a layer over ``--link-gbps`` per direction (NVLink 4 on H100/H200:
   450 GB/s each way), the step as compute plus that (no overlap) and as the larger of the two (full overlap);
 * ZeRO-3 over ``--world`` ranks, analytically: ``--state-bytes-per-param`` of every parameter sharded over the world
-  (16: bf16 weight and gradient, fp32 master weight and Adam's two moments; 4 with the optimizer on the CPU) plus the
-  unsharded working set (the largest gathered module's bf16 weights and their gradient before the reduce-scatter, one
-  prefetched layer, one reduce bucket of Lightning's default 2e8 elements).
+  (16: bf16 weight and gradient, fp32 master weight and Adam's two moments; 4 with the optimizer on the CPU; DeepSpeed's
+  fp32 gradient copy for the optimizer would add 4) plus the unsharded working set: the gathered bf16 weights of the
+  largest module and of one prefetched layer, and one reduce bucket of Lightning's default 2e8 elements. A module's
+  whole gradient before its reduce-scatter is not added: the emulated step makes it too (its peak counts it).
 
 Not measured at all: contention and overlap of real collectives, NCCL's own buffers and streams, allocator
 fragmentation across a long run (the CUDA peak *reserved* is reported next to the allocated one), the optimizer step,
@@ -255,12 +256,11 @@ def run_rank0(
         layer_inputs.clear()
         peers.all_to_alls.clear()
         peak.reset()
-        reserved_before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
         start = time.perf_counter()
         loss.forward_causal_lm_loss(model, batch).backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-            reserved.append(torch.cuda.max_memory_reserved(device) - reserved_before)
+            reserved.append(torch.cuda.max_memory_reserved(device) - peak.baseline)
         if step:
             times.append(time.perf_counter() - start)
         peaks.append(peak.peak())
@@ -301,10 +301,11 @@ REDUCE_BUCKET_ELEMENTS = 200_000_000  # Lightning's DeepSpeedStrategy default (r
 
 def zero3_bytes(counts: dict[str, int], world: int, state_bytes_per_param: float) -> tuple[float, float]:
     """``(sharded state, unsharded working set)`` per rank under ZeRO-3 over ``world`` ranks, analytically: every
-    parameter's ``state_bytes_per_param`` over ``world``; the largest gathered module's bf16 weights and its bf16
-    gradient before the reduce-scatter, one prefetched decoder layer, one bf16 reduce bucket."""
+    parameter's ``state_bytes_per_param`` over ``world``; the gathered bf16 weights of the largest module and of one
+    prefetched decoder layer, one bf16 reduce bucket (the emulated step holds every weight already, and makes each
+    module's whole gradient as ZeRO-3 does before reducing it: neither is in its peak above the resident weights)."""
     state = counts["total"] * state_bytes_per_param / world
-    working = 2 * (2 * counts["largest"] + counts["layer"]) + 2 * REDUCE_BUCKET_ELEMENTS
+    working = 2 * (counts["largest"] + counts["layer"]) + 2 * REDUCE_BUCKET_ELEMENTS
     return state, working
 
 
@@ -321,6 +322,7 @@ class Estimate:
     activation_peak: float  # bytes, full depth
     zero3_state: float
     zero3_working: float
+    reserve: float = 0.0  # bytes the CUDA allocator held beyond the allocated peak in the deeper measured run
 
     @property
     def memory(self) -> float:
@@ -347,6 +349,7 @@ def estimate(
         memory_slope,
         high.peak_bytes + missing * memory_slope,
         *zero3,
+        max(0, high.peak_reserved_bytes - high.peak_bytes),
     )
 
 
@@ -374,6 +377,7 @@ def extrapolate(short: tuple[int, Estimate], long: tuple[int, Estimate], seq_len
         linear(e1.activation_peak, e2.activation_peak),
         e2.zero3_state,
         e2.zero3_working,
+        e2.reserve,
     )
 
 
@@ -463,8 +467,9 @@ def render(
         "",
         "| option | N | tokens/rank | per layer: compute (ms) | per layer: activation peak (GiB) | per layer: sent "
         "fwd / bwd (MiB) | per layer: link (ms) | step: compute (s) | step: link (s) | step: serial / overlapped (s) "
-        f"| memory (GiB): activations + ZeRO-3 state + working | fits {gpu_memory / GiB:.0f} GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| memory (GiB): activations + ZeRO-3 state + working | fits {gpu_memory / GiB:.0f} GiB | allocator reserve "
+        "beyond the peak (GiB, measured) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         e: Estimate = row["estimate"]
@@ -476,7 +481,8 @@ def render(
             f"| {e.activation_peak_per_layer / GiB:.3f} | {e.off_device_per_layer[0] / 2**20:.1f} / "
             f"{e.off_device_per_layer[1] / 2**20:.1f} | {link * 1e3:.1f} | {e.compute:.2f} | {e.comm:.2f} | "
             f"{e.compute + e.comm:.2f} / {max(e.compute, e.comm):.2f} | {e.activation_peak / GiB:.1f} + "
-            f"{e.zero3_state / GiB:.1f} + {e.zero3_working / GiB:.1f} = {e.memory / GiB:.1f} | {fits} |"
+            f"{e.zero3_state / GiB:.1f} + {e.zero3_working / GiB:.1f} = {e.memory / GiB:.1f} | {fits} "
+            f"| {e.reserve / GiB:.1f} |"
         )
     lines += ["", f"Beside it: {ALST_8_H100}.", ""]
     return "\n".join(lines)

@@ -102,12 +102,12 @@ def test_emulated_all_gather_returns_the_batch_so_attention_sees_its_documents()
 
 def test_zero3_accounting_of_llama_8b() -> None:
     """16 B per parameter over 8 ranks: Llama-3.1-8B's 8.03 B parameters are 16 GB a rank; the working set is the
-    LM head's weights and gradient (525 M parameters each, bf16), one layer prefetched and one reduce bucket."""
+    gathered LM head (525 M parameters, bf16), one layer prefetched and one reduce bucket."""
     counts = parameter_counts(llama_config("8b", 1024))
     assert counts["total"] == pytest.approx(8.03e9, rel=0.01) and counts["largest"] == 128256 * 4096
     state, working = zero3_bytes(counts, world=8, state_bytes_per_param=16)
     assert state == counts["total"] * 2
-    assert working == 2 * (2 * 128256 * 4096 + counts["layer"]) + 2 * 200_000_000
+    assert working == 2 * (128256 * 4096 + counts["layer"]) + 2 * 200_000_000
 
 
 def test_extrapolation_is_linear_in_memory_and_quadratic_in_compute() -> None:
