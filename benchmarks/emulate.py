@@ -234,7 +234,7 @@ def run_rank0(
     head_chunks = kwargs.pop("head_chunks", None)
     memory = MemoryOptions(**kwargs)
     with device:
-        model = LlamaForCausalLM._from_config(config, dtype=dtype)
+        model = LlamaForCausalLM(config).to(dtype)
     groups = SequenceParallelGroups.of(peers)
     apply_ulysses_attention(model, groups, sp, core, head_chunks=head_chunks)
     apply_memory_options(model, memory)
