@@ -7,7 +7,7 @@ over :class:`EmulatedPeers`: a process group of ``sp`` ranks of which only rank 
 locally with tensors of the real shapes, so rank 0 holds ``N / sp`` tokens of every head before each attention and
 all ``N`` tokens of ``H / sp`` heads inside it, exactly as in the real run::
 
-    python -m benchmarks.emulate --model 8b --sp 8 --seq-lens 1048576 --layers 1 2 --options all
+    python -m benchmarks.emulate --model 8b --sp 8 --seq-lens 262144 524288 --extrapolate-to 3700000 --options alst all
 
 What the peers would have sent is not there: an all-to-all hands rank 0 its own blocks back (the same shapes and
 bytes; the whole sequence it attends over is its own shard repeated ``sp`` times), an all-gather returns the shards of
@@ -32,8 +32,8 @@ Modelled, not measured (stated in the report):
 
 Not measured at all: contention and overlap of real collectives, NCCL's own buffers and streams, allocator
 fragmentation across a long run (the CUDA peak *reserved* is reported next to the allocated one), the optimizer step,
-DeepSpeed's parameter gathering latency, and any rank but 0 (Ulysses balances shards, so the ranks differ only in the
-causal attention work, which SDPA/flash kernels do per head on the whole sequence: the same on every rank).
+DeepSpeed's parameter gathering latency, and any rank but 0 (every rank holds ``N / sp`` tokens outside attention and
+all ``N`` tokens of ``H / sp`` heads inside it: the same work). See ``docs/benchmarks/emulate.md``.
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
+from torch.nn.attention import sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks.gpu_long_context import MODEL_SIZES, llama_config
+from benchmarks.gpu_long_context import MODEL_SIZES, SDPA_BACKENDS, llama_config
 from benchmarks.measure import PeakMemory, publish
 from lightning_ulysses import (
     MemoryOptions,
@@ -395,6 +396,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--options", choices=list(OPTIONS), nargs="+", default=["all"])
     parser.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step (0: memory only)")
     parser.add_argument("--attn-implementation", default="auto")
+    parser.add_argument("--sdpa-backend", choices=list(SDPA_BACKENDS), default="any", help="flash: no fallback")
     parser.add_argument("--link-gbps", type=float, default=450.0, help="per direction; NVLink 4 (H100/H200): 450")
     parser.add_argument("--state-bytes-per-param", type=float, default=16.0)
     parser.add_argument("--gpu-memory-gib", type=float, default=0.0, help="0: the device's own")
@@ -419,26 +421,46 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     core = resolve_attn_implementation(args.attn_implementation, device.type, dtype)
     full = llama_config(args.model, max(args.seq_lens))
     zero3 = zero3_bytes(parameter_counts(full), args.world or args.sp, args.state_bytes_per_param)
+    gpu_memory = args.gpu_memory_gib * GiB or (torch.cuda.get_device_properties(device).total_memory if on_gpu else 0)
+    device_name = torch.cuda.get_device_name(device) if on_gpu else "CPU"
     rows: list[dict[str, Any]] = []
-    with emulated_world(args.sp) as peers:
+
+    def report() -> str:
+        return render(args, rows, device_name, gpu_memory, dtype, core)
+
+    with emulated_world(args.sp) as peers, sdpa_kernel(SDPA_BACKENDS[args.sdpa_backend]):
         for option in args.options:
             measured: list[tuple[int, Estimate]] = []
             for seq_len in sorted(set(args.seq_lens)):
-                low, high = (
-                    run_rank0(
-                        peers, model_config(args.model, d, seq_len), seq_len, option, device, dtype, args.steps, core
+                try:
+                    low, high = (
+                        run_rank0(
+                            peers,
+                            model_config(args.model, d, seq_len),
+                            seq_len,
+                            option,
+                            device,
+                            dtype,
+                            args.steps,
+                            core,
+                        )
+                        for d in args.layers
                     )
-                    for d in args.layers
-                )
+                except torch.cuda.OutOfMemoryError:
+                    rows.append({"option": option, "seq_len": seq_len, "estimate": None, "measured": True})
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    continue
                 measured.append((seq_len, estimate(low, high, full.num_hidden_layers, args.link_gbps, zero3)))
                 rows.append({"option": option, "seq_len": seq_len, "estimate": measured[-1][1], "measured": True})
                 print(f"{option} N={seq_len}: {measured[-1][1]}", flush=True)
-            for seq_len in args.extrapolate_to:
+                if args.output:  # as results appear: a run stopped at its time limit keeps what it measured
+                    args.output.parent.mkdir(parents=True, exist_ok=True)
+                    args.output.write_text(report())
+            for seq_len in args.extrapolate_to if len(measured) >= 2 else []:
                 result = extrapolate(measured[-2], measured[-1], seq_len)
                 rows.append({"option": option, "seq_len": seq_len, "estimate": result, "measured": False})
-    gpu_memory = args.gpu_memory_gib * GiB or (torch.cuda.get_device_properties(device).total_memory if on_gpu else 0)
-    device_name = torch.cuda.get_device_name(device) if on_gpu else "CPU"
-    publish(render(args, rows, device_name, gpu_memory, dtype, core), args.output)
+    publish(report(), args.output)
     return rows
 
 
@@ -472,7 +494,10 @@ def render(
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        e: Estimate = row["estimate"]
+        e: Estimate | None = row["estimate"]
+        if e is None:
+            lines.append(f"| {row['option']} | {row['seq_len']:,} | {row['seq_len'] // args.sp:,} | out of memory |")
+            continue
         link = sum(e.off_device_per_layer) / (args.link_gbps * 1e9)
         fits = "" if not gpu_memory else "yes" if e.memory <= gpu_memory else "no"
         length = f"{'' if row['measured'] else '~'}{row['seq_len']:,}"
