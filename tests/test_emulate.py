@@ -49,12 +49,12 @@ def run(peers: EmulatedPeers, layers: int, option: str) -> StepMeasurement:
     return run_rank0(peers, config(layers), SEQ_LEN, option, torch.device("cpu"), torch.float32, steps=1)
 
 
-def off_device_bytes_per_pass(layers: int) -> int:
+def off_device_bytes_per_pass(layers: int, element_bytes: int = 4) -> int:
     """Plain Ulysses, one pass: q, k, v of this rank's ``n`` tokens out (``H + 2 H_kv`` heads), the attention output
-    back (``H`` heads), fp32, of which the ``sp - 1`` blocks for the other ranks leave the device."""
+    back (``H`` heads), of which the ``sp - 1`` blocks for the other ranks leave the device."""
     n = SEQ_LEN // SP
     heads = 2 * SHAPE["num_attention_heads"] + 2 * SHAPE["num_key_value_heads"]
-    return layers * n * heads * HEAD_DIM * 4 * (SP - 1) // SP
+    return layers * n * heads * HEAD_DIM * element_bytes * (SP - 1) // SP
 
 
 def test_emulated_rank_has_the_real_shapes_and_moves_the_formula_bytes() -> None:
@@ -80,6 +80,17 @@ def test_emulated_rank_has_the_real_shapes_and_moves_the_formula_bytes() -> None
     slope = plain[1].step_time - plain[0].step_time
     assert result.compute == pytest.approx(plain[0].step_time + (layers - 1) * slope)
     assert result.memory == pytest.approx(plain[0].peak_bytes + (layers - 1) * result.activation_peak_per_layer + 3)
+
+
+@pytest.mark.cuda
+def test_emulated_rank_on_cuda_with_alst_options() -> None:
+    """bf16 on the GPU with ALST's options (offload on its side stream, the tiled loss and MLP): the CUDA backward
+    (autograd's device thread) is told from the forward, the recomputation's all-to-alls counted with it."""
+    with emulated_world(SP) as peers:
+        measured = run_rank0(peers, config(2), SEQ_LEN, "alst", torch.device("cuda"), torch.bfloat16, steps=1)
+    assert measured.layer_inputs == [(1, SEQ_LEN // SP, SHAPE["hidden_size"])] * 2
+    assert measured.off_device_bytes == (off_device_bytes_per_pass(2, 2), 2 * off_device_bytes_per_pass(2, 2))
+    assert measured.step_time > 0 and measured.peak_bytes > 0
 
 
 def test_emulated_all_gather_returns_the_batch_so_attention_sees_its_documents() -> None:
