@@ -39,6 +39,7 @@ all ``N`` tokens of ``H / sp`` heads inside it: the same work). See ``docs/bench
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import time
@@ -58,7 +59,7 @@ from torch.nn.attention import sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.gpu_long_context import MODEL_SIZES, SDPA_BACKENDS, llama_config
-from benchmarks.measure import PeakMemory, publish
+from benchmarks.measure import PeakMemory, SavedForBackward, publish
 from lightning_ulysses import (
     MemoryOptions,
     SequenceParallelGroups,
@@ -199,6 +200,7 @@ class StepMeasurement:
     step_time: float  # s
     peak_bytes: int  # allocated above the weights and gradients
     peak_reserved_bytes: int  # CUDA allocator's reserve above the same baseline (0 on CPU)
+    saved_bytes: int  # what autograd saved for the backward in the forward (benchmarks.measure.SavedForBackward)
     all_to_alls: list[AllToAll] = field(repr=False)
     layer_inputs: list[tuple[int, ...]] = field(repr=False)  # shapes the decoder layers received
 
@@ -217,6 +219,25 @@ def model_config(model: str, layers: int, seq_len: int) -> LlamaConfig:
     return config
 
 
+def patched_rank(
+    group: dist.ProcessGroup, config: LlamaConfig, option: str, device: torch.device, dtype: torch.dtype, core: str
+) -> tuple[LlamaForCausalLM, UlyssesLossMixin]:
+    """``config`` built on ``device`` and patched over ``group`` as UlyssesStrategy patches it for ``option`` (the
+    set-up check included), and the loss path with the context the strategy publishes (:meth:`forward_causal_lm_loss`
+    of what it returns runs the step's forward)."""
+    sp = dist.get_world_size(group)
+    kwargs = dict(OPTIONS[option])
+    head_chunks = kwargs.pop("head_chunks", None)
+    memory = MemoryOptions(**kwargs)
+    with device:
+        model = LlamaForCausalLM(config).to(dtype)
+    groups = SequenceParallelGroups.of(group)
+    apply_ulysses_attention(model, groups, sp, core, head_chunks=head_chunks)
+    apply_memory_options(model, memory)
+    loss = _RankLoss(LossContext(groups, "sp_group", float(sp), None, memory.tiled_loss, None, None, 1, lambda: None))
+    return model, loss
+
+
 def run_rank0(
     peers: EmulatedPeers,
     config: LlamaConfig,
@@ -227,19 +248,10 @@ def run_rank0(
     steps: int,
     core: str = "sdpa",
 ) -> StepMeasurement:
-    """Build ``config`` on ``device``, patch it as UlyssesStrategy does for ``option`` over ``peers`` with the core
-    attention kernel ``core``, and run ``1 + steps`` forward + backward steps of rank 0's shard of one random
+    """:func:`patched_rank` over ``peers``, then ``1 + steps`` forward + backward steps of rank 0's shard of one random
     ``seq_len`` sequence (the first not timed)."""
     sp = peers.world
-    kwargs = dict(OPTIONS[option])
-    head_chunks = kwargs.pop("head_chunks", None)
-    memory = MemoryOptions(**kwargs)
-    with device:
-        model = LlamaForCausalLM(config).to(dtype)
-    groups = SequenceParallelGroups.of(peers)
-    apply_ulysses_attention(model, groups, sp, core, head_chunks=head_chunks)
-    apply_memory_options(model, memory)
-    loss = _RankLoss(LossContext(groups, "sp_group", float(sp), None, memory.tiled_loss, None, None, 1, lambda: None))
+    model, loss = patched_rank(peers, config, option, device, dtype, core)
     for parameter in model.parameters():  # resident, as ZeRO's gradient partitions are: not part of the peak
         parameter.grad = torch.zeros_like(parameter)
 
@@ -253,12 +265,15 @@ def run_rank0(
     ]
     peak = PeakMemory(device)
     times, peaks, reserved = [], [], []
+    saved = SavedForBackward()
     for step in range(1 + steps):
         layer_inputs.clear()
         peers.all_to_alls.clear()
         peak.reset()
         start = time.perf_counter()
-        loss.forward_causal_lm_loss(model, batch).backward()
+        with saved if step == 0 else contextlib.nullcontext():  # the warm-up step: its hooks are not timed
+            value = loss.forward_causal_lm_loss(model, batch)
+        value.backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             reserved.append(torch.cuda.max_memory_reserved(device) - peak.baseline)
@@ -272,10 +287,11 @@ def run_rank0(
         statistics.median(times) if times else float("nan"),
         max(peaks),
         max(reserved, default=0),
+        saved.bytes,
         list(peers.all_to_alls),
         list(layer_inputs),
     )
-    del model, loss
+    del model, loss, value
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

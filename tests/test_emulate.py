@@ -8,6 +8,8 @@ arithmetic of the estimate.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,12 +24,15 @@ from benchmarks.emulate import (
     extrapolate,
     main,
     parameter_counts,
+    patched_rank,
     run_rank0,
     zero3_bytes,
 )
 from benchmarks.gpu_long_context import llama_config
+from benchmarks.measure import SavedForBackward
 from lightning_ulysses import SequenceParallelGroups, prepare_batch, shard_batch
 from lightning_ulysses.attention import documents_of
+from tests.launch import launch
 
 SP, SEQ_LEN = 4, 96
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=4, vocab_size=128)
@@ -91,6 +96,35 @@ def test_emulated_rank_on_cuda_with_alst_options() -> None:
     assert measured.layer_inputs == [(1, SEQ_LEN // SP, SHAPE["hidden_size"])] * 2
     assert measured.off_device_bytes == (off_device_bytes_per_pass(2, 2), 2 * off_device_bytes_per_pass(2, 2))
     assert measured.step_time > 0 and measured.peak_bytes > 0
+
+
+REAL_SP = 2
+REAL_OPTIONS = ("plain", "checkpointing")
+
+
+def real_rank_worker(args: dict[str, Any]) -> dict[str, int]:
+    """One rank of a real sp=2 gloo run of the emulation's model and path: what its forward saved for the backward."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    whole = prepare_batch({"input_ids": torch.randint(0, SHAPE["vocab_size"], (1, SEQ_LEN))}, REAL_SP)
+    saved_bytes = {}
+    for option in REAL_OPTIONS:
+        model, loss = patched_rank(dist.group.WORLD, config(2), option, torch.device("cpu"), torch.float32, "sdpa")
+        with SavedForBackward() as saved:
+            value = loss.forward_causal_lm_loss(model, shard_batch(whole, rank, REAL_SP))
+        value.backward()
+        saved_bytes[option] = saved.bytes
+    dist.destroy_process_group()
+    return saved_bytes
+
+
+def test_emulated_rank_saves_what_a_real_rank_saves() -> None:
+    """The activations rank 0 keeps for the backward, byte for byte, in the emulation and in a real sp=2 run."""
+    real = launch("tests.test_emulate:real_rank_worker", REAL_SP, {})
+    with emulated_world(REAL_SP) as peers:
+        emulated = {option: run(peers, 2, option).saved_bytes for option in REAL_OPTIONS}
+    assert real[0] == real[1] == emulated
+    assert emulated["checkpointing"] < emulated["plain"]
 
 
 def test_emulated_all_gather_returns_the_batch_so_attention_sees_its_documents() -> None:
