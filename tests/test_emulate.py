@@ -2,8 +2,8 @@
 
 The emulated peers hand rank 0 its own all-to-all blocks back, so its loss and gradients are not the real run's:
 exactness is meaningless here and is tested where the strategy runs real ranks. What is tested is what the emulation
-is for: the shapes rank 0 computes on, the bytes it would send, the documents its attention sees, and the per-layer
-arithmetic of the estimate.
+is for: the shapes rank 0 computes on, the bytes it would send, the documents its attention sees, the activations it
+keeps (against a real sp=2 run: the one multi-process test), and the arithmetic of the estimate.
 """
 
 from __future__ import annotations
