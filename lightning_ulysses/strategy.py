@@ -302,8 +302,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
 
     @property
     def sp_group(self) -> dist.ProcessGroup | None:
-        """The process group of the ranks sharing this rank's sequences (plain Ulysses over it: under Ulysses x Ring
-        pass :attr:`groups`, which carries the ring)."""
+        """The process group of the ranks sharing this rank's sequences (the attention takes :attr:`groups` or
+        :attr:`device_mesh`, which carry the ring)."""
         self.topology  # noqa: B018 - raises before set-up
         return None if self._groups is None else self._groups.sp
 
