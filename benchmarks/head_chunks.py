@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from benchmarks.measure import PeakMemory, ProbeSchedule
 from benchmarks.memory import CONFIGS, MODEL, WARM_UP_LEN, _train_step
@@ -89,10 +90,11 @@ def layer_worker(args: dict[str, Any]) -> dict[str, Any]:
     )
     grad = torch.randn(1, seq // sp, heads, HEAD_DIM, generator=g)
     positions = torch.arange(rank * seq // sp, (rank + 1) * seq // sp)[None]
+    world = init_device_mesh("cpu", (sp,))
 
     def step(head_chunks: Any) -> None:
         _phase[0] = "forward"
-        out = ulysses_attention(q, k, v, group=dist.group.WORLD, position_ids=positions, head_chunks=head_chunks)
+        out = ulysses_attention(q, k, v, group=world, position_ids=positions, head_chunks=head_chunks)
         _phase[0] = "backward"
         out.backward(grad)
         q.grad = k.grad = v.grad = None
@@ -127,10 +129,10 @@ def model_worker(args: dict[str, Any]) -> dict[str, Any]:
     dist.init_process_group("gloo")
     sp, rank = dist.get_world_size(), dist.get_rank()
     options = CONFIGS["all"]
-    models = {}
+    models, world = {}, init_device_mesh("cpu", (sp,))
     for chunks in args["chunkings"]:
         models[chunks] = tiny_llama(**MODEL).train()
-        apply_ulysses_attention(models[chunks], dist.group.WORLD, sp, "sdpa", head_chunks=chunks)
+        apply_ulysses_attention(models[chunks], world, "sdpa", head_chunks=chunks)
         apply_memory_options(models[chunks], options)
 
     def shard(seq_len: int) -> dict[str, torch.Tensor]:

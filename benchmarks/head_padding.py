@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_ulysses import ulysses_attention
 from lightning_ulysses.heads import plan_heads
@@ -45,6 +46,7 @@ MODELS: dict[tuple[int, int], tuple[int, int]] = {
 def worker(args: dict[str, Any]) -> dict[str, Any]:
     dist.init_process_group("gloo")
     sp, seq, dim = dist.get_world_size(), args["seq"], args["dim"]
+    world = init_device_mesh("cpu", (sp,))
     sent = [0]
     all_to_all_single = dist.all_to_all_single
 
@@ -63,7 +65,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
             k, v = (torch.randn(1, seq // sp, kv_heads, dim, requires_grad=True) for _ in range(2))
             dist.barrier()
             sent[0], start, cpu_start = 0, time.perf_counter(), time.process_time()
-            ulysses_attention(q, k, v, group=dist.group.WORLD).sum().backward()
+            ulysses_attention(q, k, v, group=world).sum().backward()
             elapsed = torch.tensor(time.perf_counter() - start)
             cpu = torch.tensor(time.process_time() - cpu_start)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)

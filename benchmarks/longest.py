@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from benchmarks.measure import LiveTensors, PeakMemory, ProbeSchedule, publish
 from benchmarks.memory import CONFIGS, MODEL, WARM_UP_LEN, _train_step
@@ -81,7 +82,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     else:
         head_chunks, fused_norms = SIDES[side]
         options = dataclasses.replace(CONFIGS["all"], fused_norms=fused_norms)
-        apply_ulysses_attention(model, dist.group.WORLD, sp, "sdpa", head_chunks=head_chunks)
+        apply_ulysses_attention(model, init_device_mesh("cpu", (sp,)), "sdpa", head_chunks=head_chunks)
         apply_memory_options(model, options)
 
         def step(batch: dict[str, torch.Tensor]) -> None:

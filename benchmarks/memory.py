@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from benchmarks.measure import PeakMemory, ProbeSchedule
 from lightning_ulysses import (
@@ -76,7 +77,7 @@ def worker(args: dict[str, Any]) -> dict[tuple[str, int], int]:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     sp_size, sp_rank = dist.get_world_size(), dist.get_rank()
     model = tiny_llama(**MODEL).to(device).train()
-    apply_ulysses_attention(model, dist.group.WORLD if sp_size > 1 else None, sp_size, "sdpa")
+    apply_ulysses_attention(model, init_device_mesh(device.type, (sp_size,)) if sp_size > 1 else None, "sdpa")
     peaks = {}
     for name in args["configs"]:
         options = CONFIGS[name]

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from benchmarks.measure import publish
 
@@ -173,6 +174,7 @@ def saved_bytes(run: Any, module: nn.Module) -> tuple[Any, int]:
 
 def worker(args: dict[str, Any]) -> list[dict[str, Any]]:
     from lightning_ulysses.attention import collectives
+    from lightning_ulysses.groups import SequenceParallelGroups
     from lightning_ulysses.hf.apply import shard_token_mixers
     from lightning_ulysses.hf.ledger import Ledger
     from lightning_ulysses.hf.mixers import shift
@@ -213,7 +215,7 @@ def worker(args: dict[str, Any]) -> list[dict[str, Any]]:
 
         positions = torch.arange(tokens)[None]
         _, whole_saved = saved_bytes(lambda: call(whole, positions), module)  # noqa: B023 - one process, whole sequence
-        state = PatchState(dist.group.WORLD, "sdpa", sp)
+        state = PatchState(SequenceParallelGroups.of(init_device_mesh("cpu", (sp,))), "sdpa", sp)
         state.position_ids = positions[:, rank * tokens // sp : (rank + 1) * tokens // sp]
         holder = nn.ModuleDict({"mixer": module})
         if not shard_token_mixers(holder, state, Ledger()):

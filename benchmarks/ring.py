@@ -115,7 +115,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     seq, dim, heads, kv_heads = args["seq"], args["dim"], args["heads"], args["kv_heads"]
     groups = {}
     for ring in args["rings"]:  # every rank joins every group creation, in the same order
-        groups[ring] = SequenceParallelGroups.create(SequenceParallelTopology(world, world, rank, ring))
+        groups[ring] = SequenceParallelGroups.create(SequenceParallelTopology(world, world, rank, ring), "cpu")
     counter = ByteCounter(args["node_size"])
     memory = PeakMemory(torch.device("cpu"))
     results: dict[int, dict[str, Any]] = {ring: {"times": [], "peaks": []} for ring in args["rings"]}

@@ -48,7 +48,7 @@ from transformers import PreTrainedModel
 
 from lightning_ulysses.attention import gather_sequence
 from lightning_ulysses.flops import TransformerFlops, dense_peak_flops
-from lightning_ulysses.groups import CollectiveObserver, SequenceParallelGroup
+from lightning_ulysses.groups import CollectiveObserver, SequenceParallelGroupLike
 from lightning_ulysses.hf import outermost_models, unpatched
 from lightning_ulysses.loss import token_cross_entropy
 from lightning_ulysses.sharding import IGNORE_INDEX
@@ -509,7 +509,7 @@ class SequenceParallelParityCheck(Callback):
             strategy = cast(UlyssesStrategy, trainer.strategy)  # setup has required it
             self._pending = (trainer.global_step, self.reference_loss(batch, strategy.groups))
 
-    def reference_loss(self, batch: Mapping[str, Tensor], sp_group: SequenceParallelGroup) -> Tensor:
+    def reference_loss(self, batch: Mapping[str, Tensor], sp_group: SequenceParallelGroupLike) -> Tensor:
         """The token-mean loss of the SP group's whole sequences without SP (a scalar; collective over ``sp_group``, the
         strategy's groups: the zigzag of a ring undone)."""
         assert self._model is not None  # set by on_train_start

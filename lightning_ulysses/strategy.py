@@ -2,9 +2,9 @@
 
 What it adds to :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`:
 
-* the ``[dp, sp]`` process grid (:mod:`lightning_ulysses.topology`) with an SP and a DP group per rank (and a Ulysses
-  and a ring group under Ulysses x Ring), in one object built at set-up (:attr:`UlyssesStrategy.groups`,
-  :mod:`lightning_ulysses.groups`);
+* the ``[dp, ring, ulysses]`` process grid (:mod:`lightning_ulysses.topology`) as one torch ``DeviceMesh`` with those
+  named axes and ``sp`` (ring x ulysses), built once at set-up (:attr:`UlyssesStrategy.device_mesh`,
+  :func:`lightning_ulysses.groups.build_mesh`), and this rank's view of it (:attr:`UlyssesStrategy.groups`);
 * data: the distributed sampler runs over ``dp_rank / dp_size``, so the ``sp_size`` ranks of an SP
   group see the same samples and one epoch has the step count of DDP on ``dp_size`` ranks; a loader's own
   ``DistributedSampler`` over the world is moved onto the DP ranks, workers are seeded by DP rank, and every
@@ -64,6 +64,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -96,7 +97,7 @@ from lightning_ulysses.runtime.resume import ResumableLoader, is_resumable
 from lightning_ulysses.runtime.save import save_checkpoint
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
 from lightning_ulysses.sp_loaders import check_sp_group_agreement, sampler_over_dp_ranks, warn_on_forked_workers
-from lightning_ulysses.topology import SequenceParallelTopology, auto_ring_size, divisors
+from lightning_ulysses.topology import SequenceParallelTopology, auto_ring_size, check_ring_size, divisors
 from lightning_ulysses.train_mode import train_loaded_models
 
 log = logging.getLogger(__name__)
@@ -292,9 +293,17 @@ class UlyssesStrategy(DeepSpeedStrategy):
         return self._groups
 
     @property
+    def device_mesh(self) -> DeviceMesh:
+        """The process grid: a ``DeviceMesh`` with the axes ``dp``, ``ring`` and ``ulysses`` and ``sp`` (``ring`` x
+        ``ulysses`` flattened; see :func:`~lightning_ulysses.groups.build_mesh`), built once at set-up."""
+        mesh = self.groups.mesh
+        assert mesh is not None  # set-up builds the grid's mesh
+        return mesh
+
+    @property
     def sp_group(self) -> dist.ProcessGroup | None:
-        """The process group of the ranks sharing this rank's sequences (plain Ulysses over it: under Ulysses x Ring
-        pass :attr:`groups`, which carries the ring)."""
+        """The process group of the ranks sharing this rank's sequences (the attention takes :attr:`groups` or
+        :attr:`device_mesh`, which carry the ring)."""
         self.topology  # noqa: B018 - raises before set-up
         return None if self._groups is None else self._groups.sp
 
@@ -413,7 +422,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         _bound_deepspeed_world_group(self.world_size, self._timeout)
         # subgroups do not inherit the default group's timeout: without it a stalled rank holds its peers for torch's
         # default
-        self._groups = SequenceParallelGroups.create(self._topology, self._timeout)
+        self._groups = SequenceParallelGroups.create(self._topology, self.root_device.type, self._timeout)
         self._heartbeat = Heartbeat(dist.distributed_c10d._get_default_store(), self.global_rank, self.world_size)
         self._heartbeat.start()
 
@@ -439,7 +448,6 @@ class UlyssesStrategy(DeepSpeedStrategy):
         apply_ulysses_attention(
             self.lightning_module,
             self.groups,
-            self.sp_size,
             self.attn_implementation,
             self.sequence_mixers,
             self.head_chunks,
@@ -737,16 +745,8 @@ UlyssesStrategy.register_strategies(StrategyRegistry)
 def _check_ring_options(ring_size: Any, sp_size: Any, attn_implementation: str) -> None:
     """Refuse what Ulysses x Ring cannot run, at construction (``"auto"``: once resolved, at set-up); the attention
     layers refuse the rest (``check_ring_supported`` in :mod:`lightning_ulysses.attention.ulysses`)."""
-    if ring_size == "auto":
-        return
-    if isinstance(ring_size, bool) or not isinstance(ring_size, int) or ring_size < 1:
-        raise ValueError(f"ring_size must be a positive integer or 'auto', got {ring_size!r}.")
-    if isinstance(ring_size, int) and isinstance(sp_size, int) and sp_size % ring_size:
-        raise ValueError(
-            f"ring_size={ring_size} does not divide sp_size={sp_size}: every SP group is split into ring_size Ulysses "
-            f"groups of sp_size / ring_size ranks. Valid ring_size values for sp_size={sp_size}: {divisors(sp_size)}."
-        )
-    if ring_size == 1:
+    check_ring_size(ring_size, sp_size if isinstance(sp_size, int) else None, auto=True)
+    if ring_size in ("auto", 1):
         return
     if attn_implementation not in ("auto", "sdpa"):
         raise ValueError(

@@ -35,6 +35,21 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def check_ring_size(ring_size: object, sp_size: int | None, *, auto: bool = False) -> None:
+    """The one check of a ring degree: a positive integer (or ``"auto"`` where ``auto``) that divides ``sp_size``
+    (``None``: not known yet); raises ``ValueError`` naming the valid values."""
+    if auto and ring_size == "auto":
+        return
+    if isinstance(ring_size, bool) or not isinstance(ring_size, int) or ring_size < 1:
+        accepted = "a positive integer or 'auto'" if auto else "a positive integer"
+        raise ValueError(f"ring_size must be {accepted}, got {ring_size!r}.")
+    if sp_size is not None and sp_size % ring_size:
+        raise ValueError(
+            f"ring_size={ring_size} does not divide sp_size={sp_size}: every SP group is split into ring_size Ulysses "
+            f"groups of sp_size / ring_size ranks. Valid ring_size values for sp_size={sp_size}: {divisors(sp_size)}."
+        )
+
+
 @dataclass(frozen=True)
 class SequenceParallelTopology:
     """Where one rank sits on the ``[dp, ring, ulysses]`` grid (``sp = ring x ulysses``).
@@ -57,14 +72,7 @@ class SequenceParallelTopology:
                 f"sp_size={self.sp_size}. Valid sp_size values for this world size: {divisors(self.world_size)}; "
                 f"or change devices/num_nodes so that the world size is a multiple of {self.sp_size}."
             )
-        if isinstance(self.ring_size, bool) or not isinstance(self.ring_size, int) or self.ring_size < 1:
-            raise ValueError(f"ring_size must be a positive integer, got {self.ring_size!r}.")
-        if self.sp_size % self.ring_size:
-            raise ValueError(
-                f"ring_size={self.ring_size} does not divide sp_size={self.sp_size}: every SP group is split into "
-                f"ring_size Ulysses groups of sp_size / ring_size ranks. Valid ring_size values for sp_size="
-                f"{self.sp_size}: {divisors(self.sp_size)}."
-            )
+        check_ring_size(self.ring_size, self.sp_size)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside the world of {self.world_size} processes.")
 

@@ -36,6 +36,7 @@ from lightning_ulysses.attention.core import pad_head_dims
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.heads import check_heads, plan_heads
 from lightning_ulysses.strategy import compute_dtype
+from lightning_ulysses.topology import SequenceParallelTopology
 from tests.launch import launch
 
 pytestmark = pytest.mark.distributed
@@ -158,9 +159,8 @@ def attention_worker(args: dict[str, Any]) -> dict[tuple[str, int], float]:
     """Every case over the whole world (sp=4) and over pairs of ranks (sp=2)."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    groups = {world: dist.group.WORLD}
-    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank joins every new_group call
-    groups[2] = pairs[rank // 2]
+    # the SP groups of the whole world (sp=4) and of pairs of ranks (sp=2), as UlyssesStrategy builds them
+    groups = {sp: SequenceParallelGroups.create(SequenceParallelTopology(world, sp, rank), "cpu") for sp in SP_SIZES}
     errors = {}
     for (name, case), sp in itertools.product(CASES.items(), SP_SIZES):
         q, k, v, grad, pos = _tensors(case)
@@ -184,7 +184,7 @@ def attention_worker(args: dict[str, Any]) -> dict[tuple[str, int], float]:
         out.backward(grad[:, local])
         compared = [(out, expected[:, local])] + [(s.grad, f.grad[:, local]) for s, f in zip(shards, full)]
         if sinks is not None:  # each rank holds the gradient of the heads it attended: whole once summed
-            dist.all_reduce(rank_sinks.grad, group=groups[sp])
+            dist.all_reduce(rank_sinks.grad, group=groups[sp].sp)
             compared.append((rank_sinks.grad, full[3].grad))
         errors[name, sp] = max(((a - b).norm() / b.norm()).item() for a, b in compared)
 
@@ -605,7 +605,7 @@ def test_sliding_window_models_run_their_window(family: str) -> None:
     reference_model = make()
     torch.manual_seed(0)
     model = make()
-    apply_ulysses_attention(model, None, 1, "sdpa")
+    apply_ulysses_attention(model, None, "sdpa")
     ids = torch.randint(1, 61, (2, 20), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(20).expand(2, 20)
     expected = reference_model(input_ids=ids).logits
@@ -637,7 +637,10 @@ def test_documents_are_found_once_per_position_ids_tensor() -> None:
     chunked = documents_of(positions, local, chunk=4)  # layers alternating chunked and global attention
     assert documents_of(positions, local) is again and documents_of(positions, local, chunk=4) is chunked
     assert chunked.cu_seqlens.tolist() == [0, 4, 6, 8, 12, 16, 20, 24]  # row 0 reads 0..5, 0, 7..11
-    assert documents_of(positions, None) is not documents_of(positions, None)  # no groups, no cache: found again
+    # other groups, another cache: found again
+    assert documents_of(positions, SequenceParallelGroups.of(None)) is not documents_of(
+        positions, SequenceParallelGroups.of(None)
+    )
 
 
 def test_chunked_documents() -> None:

@@ -18,9 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ulysses.attention import ulysses_attention
 from lightning_ulysses.attention.head_chunks import HeadChunk, auto_chunks, check_head_chunks, plan_chunks
-from lightning_ulysses.groups import SequenceParallelGroup, SequenceParallelGroups, process_group
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.heads import plan_heads
 from lightning_ulysses.sharding import shard_index
+from lightning_ulysses.topology import SequenceParallelTopology
 from tests.launch import launch
 from tests.test_attention import CASES as ATTENTION_CASES
 from tests.test_attention import _tensors, reference, sink_logits
@@ -55,7 +56,7 @@ def _chunks(chunking: Any, heads_per_rank: int) -> Any:
 
 
 def _run(
-    case: dict[str, Any], group: SequenceParallelGroup, index: torch.Tensor, head_chunks: Any
+    case: dict[str, Any], group: SequenceParallelGroups, index: torch.Tensor, head_chunks: Any
 ) -> list[torch.Tensor]:
     """Output and gradients (q, k, v, and the sinks summed over the group) of this rank's shard ``index``."""
     q, k, v, grad, pos = _tensors(case)
@@ -75,7 +76,7 @@ def _run(
     out.backward(grad[:, index])
     results = [out.detach(), *(s.grad for s in shards)]
     if rank_sinks is not None:
-        dist.all_reduce(rank_sinks.grad, group=process_group(group))
+        dist.all_reduce(rank_sinks.grad, group=group.sp)
         results.append(rank_sinks.grad)
     return results
 
@@ -111,10 +112,10 @@ class _Largest(TorchDispatchMode):
         return out
 
 
-def _layer_probes(group: dist.ProcessGroup, head_chunks: Any) -> dict[str, Any]:
+def _layer_probes(groups: SequenceParallelGroups, head_chunks: Any) -> dict[str, Any]:
     """All-to-alls (forward, backward), host syncs and the largest whole-sequence tensor of one layer: 8 heads,
     4 K/V heads, 64 tokens, packed documents and a window."""
-    sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    sp, rank = groups.topology.sp_size, groups.topology.sp_rank
     case = dict(batch=1, seq=64, heads=8, kv_heads=4)
     q, k, v, grad, _ = _tensors(case)
     index = shard_index(64, rank, sp)
@@ -129,7 +130,6 @@ def _layer_probes(group: dist.ProcessGroup, head_chunks: Any) -> dict[str, Any]:
         return original(*args, **kwargs)
 
     syncs, largest = HostSyncs(), _Largest(64)
-    groups = SequenceParallelGroups.of(group)  # their cache keeps the documents (a plain process group keeps none)
     ulysses_attention(*shards, group=groups, position_ids=pos, window=9, head_chunks=head_chunks)  # plans
     dist.all_to_all_single = counted
     try:
@@ -146,8 +146,8 @@ def _layer_probes(group: dist.ProcessGroup, head_chunks: Any) -> dict[str, Any]:
 def worker(args: dict[str, Any]) -> dict[Any, Any]:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank joins every new_group call
-    groups = {4: dist.group.WORLD, 2: pairs[rank // 2]}
+    # the SP groups of the whole world (sp=4) and of pairs of ranks (sp=2), as UlyssesStrategy builds them
+    groups = {sp: SequenceParallelGroups.create(SequenceParallelTopology(world, sp, rank), "cpu") for sp in (4, 2)}
     results: dict[Any, Any] = {}
     for (name, case), sp in itertools.product(CASES.items(), (4, 2)):
         index = shard_index(case["seq"], rank % sp, sp)

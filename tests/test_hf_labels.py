@@ -223,7 +223,7 @@ class RecordingLoss:
 
 def _patched(model: torch.nn.Module) -> RecordingLoss:
     loss = RecordingLoss()
-    apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa", labels_loss=loss)
+    apply_ulysses_attention(model, group=None, core="sdpa", labels_loss=loss)
     return loss
 
 

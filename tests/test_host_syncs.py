@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ulysses import MemoryOptions, apply_memory_options, apply_ulysses_attention
-from lightning_ulysses.groups import SequenceParallelGroup, SequenceParallelGroups
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.sharding import shard_index
 from lightning_ulysses.topology import SequenceParallelTopology
 from tests.launch import launch
@@ -96,11 +96,8 @@ def _syncing_call(func: Any, args: tuple, kwargs: dict) -> bool:
 def sync_worker(args: dict[str, Any]) -> dict[str, Any]:
     dist.init_process_group("gloo")
     rank, sp, ring_size = dist.get_rank(), dist.get_world_size(), args["ring_size"]
-    group: SequenceParallelGroup = dist.group.WORLD
-    if ring_size > 1:  # ring 2 x Ulysses 1: Ulysses groups of one rank, the ring over the world
-        ulysses_groups = [dist.new_group([r]) for r in range(sp)]
-        topology = SequenceParallelTopology(sp, sp, rank, ring_size)
-        group = SequenceParallelGroups(topology, dist.group.WORLD, None, ulysses_groups[rank], dist.group.WORLD)
+    # ring 2 x Ulysses 1 (ring_size=2): Ulysses groups of one rank, the ring over the world
+    group = SequenceParallelGroups.create(SequenceParallelTopology(sp, sp, rank, ring_size), "cpu")
     counts: Counter[tuple[str, str]] = Counter()
     counts.update(_count_syncs(tiny_llama(num_hidden_layers=4), group, args["backend"], ring_size, tiled_mlp=True))
     # a hybrid: gated DeltaNet layers (convolution and delta rule run head-sharded, packed rows in length classes of
@@ -140,14 +137,14 @@ def sync_worker(args: dict[str, Any]) -> dict[str, Any]:
 
 def _count_syncs(
     model: torch.nn.Module,
-    group: SequenceParallelGroup,
+    group: SequenceParallelGroups,
     backend: str,
     ring_size: int,
     tiled_mlp: bool,
     spans: bool = False,
 ) -> Counter[tuple[str, str]]:
     rank, sp = dist.get_rank(), dist.get_world_size()
-    apply_ulysses_attention(model, group, sp, backend)
+    apply_ulysses_attention(model, group, backend)
     apply_memory_options(model, MemoryOptions(tiled_mlp=tiled_mlp, activation_checkpointing=True))
     model.train()  # checkpointing recomputes in training mode only
 

@@ -117,7 +117,7 @@ def module_attributes(model: PreTrainedModel, identities: bool = True) -> dict[s
 # one process: what the attention layers ask for
 # ------------------------------------------------------------------------------------------------
 def _patched_logits(model: PreTrainedModel, ids: Tensor, positions: Tensor) -> Tensor:
-    apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+    apply_ulysses_attention(model, group=None, core="sdpa")
     return model(input_ids=ids, position_ids=positions).logits
 
 
@@ -168,7 +168,7 @@ def test_a_window_switched_off_is_no_window() -> None:
 def test_a_bias_added_through_the_mask_is_refused_and_the_model_left_plain() -> None:
     model = tiny_model("doge")  # Doge adds a model-computed dynamic bias to the mask
     with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.self_attn \(DogeAttention\): adds a bias"):
-        apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+        apply_ulysses_attention(model, group=None, core="sdpa")
     assert model.config._attn_implementation == "sdpa"
     assert not any("_ulysses_state" in m.__dict__ for m in model.modules())
 
@@ -187,10 +187,10 @@ def test_a_bias_added_through_the_mask_is_refused_and_the_model_left_plain() -> 
 def test_attention_arguments_that_change_the_result_are_refused(model_type, overrides, refusal) -> None:
     model = tiny_model(model_type, **overrides)
     if refusal is None:
-        apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+        apply_ulysses_attention(model, group=None, core="sdpa")
         return
     with pytest.raises(UnsupportedModelError, match=refusal):
-        apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+        apply_ulysses_attention(model, group=None, core="sdpa")
 
 
 GPT_OSS = dict(
@@ -235,7 +235,7 @@ def test_a_bidirectional_attention_layer_is_refused() -> None:
     with pytest.raises(
         UnsupportedModelError, match=r"layers\.1\.self_attn \(LlamaAttention\): attends bidirectionally"
     ):
-        apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+        apply_ulysses_attention(model, group=None, core="sdpa")
 
 
 def test_head_counts_that_vary_per_layer_are_checked_not_crashed_on() -> None:
@@ -245,7 +245,7 @@ def test_head_counts_that_vary_per_layer_are_checked_not_crashed_on() -> None:
     heads = {layer.self_attn.num_heads for layer in model.model.layers}
     assert len(heads) == 2, heads
     with pytest.raises(UnsupportedModelError, match=r"Dots3NoteTextAttention\): passes indices"):
-        apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+        apply_ulysses_attention(model, group=None, core="sdpa")
 
 
 def test_a_padding_mask_given_to_the_model_is_folded_or_refused() -> None:
@@ -254,7 +254,7 @@ def test_a_padding_mask_given_to_the_model_is_folded_or_refused() -> None:
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, 9:] = 0
     batch = prepare_batch({"input_ids": ids, "attention_mask": mask}, sp_size=1)
-    apply_ulysses_attention(model, group=None, sp_size=1, core="sdpa")
+    apply_ulysses_attention(model, group=None, core="sdpa")
     with_mask = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=mask).logits
     without = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     torch.testing.assert_close(with_mask, without, rtol=0, atol=0)
@@ -424,9 +424,9 @@ PER_DOCUMENT = {"attention_sinks", "chunked_attention", "local_index_scale", "sh
 def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
     dist.init_process_group("gloo")
     rank, results = dist.get_rank(), {}
-    ulysses_groups = [dist.new_group([r]) for r in range(2)]
-    world, topology = dist.group.WORLD, SequenceParallelTopology(2, 2, rank, ring_size=2)
-    ring = SequenceParallelGroups(topology, world, None, ulysses_groups[rank], world)  # ring 2 x Ulysses 1: the world
+    # ring 2 x Ulysses 1: the ring over the world, and plain Ulysses over the world
+    ring = SequenceParallelGroups.create(SequenceParallelTopology(2, 2, rank, ring_size=2), "cpu")
+    plain = SequenceParallelGroups.create(SequenceParallelTopology(2, 2, rank), "cpu")
     for name, factory in SP_CASES.items():
         model = factory()
         ids, positions = packed_ids_and_positions()
@@ -441,10 +441,10 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
         model.zero_grad()
         before = module_attributes(model, identities=False)
         ring_size = 2 if name in RING else 1
-        group = ring if name in RING else dist.group.WORLD
+        group = ring if name in RING else plain
         try:
             mixers = "gather" if name in GATHERED else "refuse"
-            apply_ulysses_attention(model, group, sp_size=2, core="sdpa", sequence_mixers=mixers)
+            apply_ulysses_attention(model, group, core="sdpa", sequence_mixers=mixers)
         except UnsupportedModelError as error:
             results[name] = {"refused": str(error), "undone": module_attributes(model, identities=False) == before}
             continue

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_ulysses import apply_ulysses_attention, prepare_batch, shard_batch
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.heads import plan_heads
 from lightning_ulysses.hf.apply import Patch
 from lightning_ulysses.hf.check import probe_ids
@@ -28,6 +29,7 @@ from lightning_ulysses.hf.check.whole import whole_sequence_run
 from lightning_ulysses.hf.plan import ProjectionChunks
 from lightning_ulysses.hf.projections import chunked_call, find_projections
 from lightning_ulysses.hf.state import PatchState
+from lightning_ulysses.topology import SequenceParallelTopology
 from tests.cases import CaseTable
 from tests.test_attention_training import _check
 from tests.tiny import make_samples, projected_layers, tiny_llama
@@ -92,7 +94,7 @@ def test_a_chunked_layer_keeps_only_its_inputs() -> None:
 
 
 def _whole_run(model: nn.Module) -> Any:
-    state = PatchState(None, "sdpa", 1, head_chunks=2)
+    state = PatchState(SequenceParallelGroups.of(None), "sdpa", 1, head_chunks=2)
     Patch(model, state)
     ids = probe_ids(model, 22, torch.device("cpu"))
     model.eval()
@@ -262,7 +264,8 @@ def residual_dropout_draws(world_size: int) -> dict[str, Any]:
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     model = tiny_llama(**STARCODER2)
-    apply_ulysses_attention(model, dist.group.WORLD, world_size, "sdpa", head_chunks=2)
+    world = SequenceParallelGroups.create(SequenceParallelTopology(world_size, world_size, dist.get_rank()), "cpu")
+    apply_ulysses_attention(model, world, "sdpa", head_chunks=2)
     batch = prepare_batch({"input_ids": torch.stack([s["input_ids"] for s in make_samples(4, SEQ)])}, world_size)
     batch = shard_batch(batch, dist.get_rank(), world_size)
     outputs: list[Tensor] = []

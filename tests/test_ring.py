@@ -73,7 +73,7 @@ def _tensors(case: dict[str, Any]) -> tuple[torch.Tensor, ...]:
 def _groups(ring_size: int, ulysses_size: int) -> SequenceParallelGroups:
     """This rank's groups of the layout, as UlyssesStrategy builds them."""
     topology = SequenceParallelTopology(dist.get_world_size(), ring_size * ulysses_size, dist.get_rank(), ring_size)
-    return SequenceParallelGroups.create(topology)
+    return SequenceParallelGroups.create(topology, "cpu")
 
 
 def ring_worker(args: dict[str, Any]) -> dict[Any, Any]:
@@ -124,7 +124,7 @@ def _dropout_refusal(groups: SequenceParallelGroups) -> str:
     from tests.tiny import tiny_llama
 
     try:
-        apply_ulysses_attention(tiny_llama(attention_dropout=0.1), groups, dist.get_world_size(groups.sp), "sdpa")
+        apply_ulysses_attention(tiny_llama(attention_dropout=0.1), groups, "sdpa")
     except UnsupportedModelError as error:
         return str(error)
     return "not refused"
@@ -178,7 +178,7 @@ def _window_models(groups: SequenceParallelGroups) -> dict[str, float]:
         reference_model = make()
         torch.manual_seed(0)
         model = make()
-        apply_ulysses_attention(model, groups, sp, "sdpa")
+        apply_ulysses_attention(model, groups, "sdpa")
         expected = reference_model(input_ids=ids).logits
         got = model(input_ids=ids[:, index], position_ids=torch.arange(seq)[index].expand(2, -1)).logits
         expected.square().sum().backward()

@@ -1,6 +1,6 @@
 """The collectives of Ulysses attention: the differentiable all-to-alls (reported to an SP group's observer), the
 sequence gather (in the zigzag order of a ring when the group is a
-:class:`~lightning_ulysses.groups.SequenceParallelGroups` with one) and the ring's point-to-point exchange."""
+:class:`~lightning_ulysses.groups.SequenceParallelGroups` has one) and the ring's point-to-point exchange."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_ulysses.groups import CollectiveObserver, SequenceParallelGroup, process_group, ring_size_of
+from lightning_ulysses.groups import CollectiveObserver, SequenceParallelGroupLike, SequenceParallelGroups
 from lightning_ulysses.sharding import zigzag_order
 
 
@@ -127,31 +127,32 @@ def gather_from_ranks(x: Tensor, group: ProcessGroup | None) -> list[Tensor]:
     return gathered
 
 
-def gather_sequence(local: Tensor, group: SequenceParallelGroup) -> Tensor:
+def gather_sequence(local: Tensor, group: SequenceParallelGroupLike) -> Tensor:
     """``[B, N/P, ...]`` shards of ``group`` -> ``[B, N, ...]`` in sequence order on every rank of it
-    (the inverse of :func:`~lightning_ulysses.shard_batch` for one tensor, zigzag order included when ``group`` is a
-    :class:`~lightning_ulysses.groups.SequenceParallelGroups` with a ring; not differentiable)."""
-    sp_group = process_group(group)
-    if sp_group is None or dist.get_world_size(sp_group) == 1:
+    (the inverse of :func:`~lightning_ulysses.shard_batch` for one tensor, zigzag order included when ``group`` has a
+    ring; not differentiable). ``group``: the strategy's :class:`~lightning_ulysses.groups.SequenceParallelGroups` or
+    what :meth:`~lightning_ulysses.groups.SequenceParallelGroups.of` takes."""
+    groups = SequenceParallelGroups.of(group)
+    if groups.sp is None or groups.topology.sp_size == 1:
         return local
-    return to_sequence_order(torch.cat(gather_from_ranks(local, sp_group), dim=1), group)
+    return to_sequence_order(torch.cat(gather_from_ranks(local, groups.sp), dim=1), groups)
 
 
-def to_sequence_order(x: Tensor, group: SequenceParallelGroup, dim: int = 1) -> Tensor:
+def to_sequence_order(x: Tensor, group: SequenceParallelGroups, dim: int = 1) -> Tensor:
     """The whole sequence ``x`` with its ``N`` tokens along ``dim`` as the shards of ``group`` concatenated in rank
     order (what an all-gather or :func:`sequence_to_heads` over its SP group yields) -> in sequence order: the zigzag
     order undone under Ulysses x Ring, ``x`` itself otherwise. Differentiable."""
-    ring_size = ring_size_of(group)
+    ring_size = group.ring_size
     if ring_size == 1:
         return x
     order = zigzag_order(x.shape[dim], ring_size, x.device)
     return torch.empty_like(x).index_copy(dim, order, x)
 
 
-def to_shard_order(x: Tensor, group: SequenceParallelGroup, dim: int = 1) -> Tensor:
+def to_shard_order(x: Tensor, group: SequenceParallelGroups, dim: int = 1) -> Tensor:
     """The inverse of :func:`to_sequence_order`: a whole sequence in sequence order -> the shards of ``group``
     concatenated in rank order (as :func:`heads_to_sequence` over its SP group cuts it). Differentiable."""
-    ring_size = ring_size_of(group)
+    ring_size = group.ring_size
     if ring_size == 1:
         return x
     return x.index_select(dim, zigzag_order(x.shape[dim], ring_size, x.device))

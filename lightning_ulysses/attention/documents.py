@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_ulysses.attention.collectives import gather_sequence
-from lightning_ulysses.groups import SequenceParallelGroup, cache_of
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.sharding import document_starts
 
 PlanT = TypeVar("PlanT")
@@ -83,18 +83,17 @@ class _GatheredPositions:
     documents: dict[int | None, Documents] = field(default_factory=dict)
 
 
-def documents_of(position_ids: Tensor, group: SequenceParallelGroup, chunk: int | None = None) -> Documents:
+def documents_of(position_ids: Tensor, group: SequenceParallelGroups, chunk: int | None = None) -> Documents:
     """The documents (cut into chunks of ``chunk`` positions, see :meth:`Documents.from_position_ids`) of the whole
     rows whose ``[B, N/P]`` shard of global position ids is ``position_ids``.
 
     Every attention layer of a forward (and its recomputation under activation checkpointing) receives
-    the same ``position_ids`` tensor, so when ``group`` is a :class:`~lightning_ulysses.groups.SequenceParallelGroups`
-    (the strategy's, or a patched model's own) the all-gather runs once per batch and the host sync of finding the
-    document starts once per batch and chunk size, not once per layer (layers may alternate chunked and global
-    attention): the gathered ids and their documents (with the plans built from them) are kept in its ``cache`` for
-    the same tensor object at the same version (an in-place edit recomputes); every rank of the group sees the same
-    sequence of tensors and so takes the same branch, collectives included. A plain process group (or ``None``) keeps
-    nothing: everything is found again on every call.
+    the same ``position_ids`` tensor, so with the same ``group`` (the strategy's, or a patched model's own) the
+    all-gather runs once per batch and the host sync of finding the document starts once per batch and chunk size,
+    not once per layer (layers may alternate chunked and global attention): the gathered ids and their documents
+    (with the plans built from them) are kept in its ``cache`` for the same tensor object at the same version (an
+    in-place edit recomputes); every rank of the group sees the same sequence of tensors and so takes the same
+    branch, collectives included.
     """
     gathered = _gathered(position_ids, group)
     if chunk not in gathered.documents:
@@ -102,17 +101,16 @@ def documents_of(position_ids: Tensor, group: SequenceParallelGroup, chunk: int 
     return gathered.documents[chunk]
 
 
-def whole_position_ids(position_ids: Tensor, group: SequenceParallelGroup) -> Tensor:
+def whole_position_ids(position_ids: Tensor, group: SequenceParallelGroups) -> Tensor:
     """The whole ``[B, N]`` rows, in sequence order, of the ``[B, N/P]`` shard ``position_ids`` of global position ids:
     all-gathered once per tensor and kept with its documents (see :func:`documents_of`; no host sync)."""
     return _gathered(position_ids, group).position_ids
 
 
-def _gathered(position_ids: Tensor, group: SequenceParallelGroup) -> _GatheredPositions:
-    """The whole rows of ``position_ids``, from ``group``'s cache when it has one."""
+def _gathered(position_ids: Tensor, group: SequenceParallelGroups) -> _GatheredPositions:
+    """The whole rows of ``position_ids``, from ``group``'s cache."""
 
     def gather() -> _GatheredPositions:
         return _GatheredPositions(gather_sequence(position_ids, group))
 
-    cache = cache_of(group)
-    return gather() if cache is None else cache.get(position_ids, gather)
+    return group.cache.get(position_ids, gather)

@@ -25,7 +25,7 @@ from torch import Tensor
 from lightning_ulysses.attention.collectives import gather_sequence
 from lightning_ulysses.attention.documents import Documents
 from lightning_ulysses.attention.sdpa import needs_repeated_kv
-from lightning_ulysses.groups import SequenceParallelGroup
+from lightning_ulysses.groups import SequenceParallelGroups
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def find_spans(flags: Tensor, documents: Documents) -> tuple[Span, ...]:
     return tuple(Span(row, start, end, first) for row, start, end, first in found)
 
 
-def spans_of(flags: Tensor, documents: Documents, group: SequenceParallelGroup) -> Spans:
+def spans_of(flags: Tensor, documents: Documents, group: SequenceParallelGroups) -> Spans:
     """The :class:`Spans` of the ``[B, N/P]`` shard ``flags`` in the whole rows of ``documents``, found once per flags
     tensor and kept with the documents (the first call gathers the flags over ``group``: collective)."""
 

@@ -17,18 +17,12 @@ from lightning_ulysses.attention.head_chunks import HeadChunks, chunked_ulysses
 from lightning_ulysses.attention.ring import ring_attention, ring_plan
 from lightning_ulysses.attention.sinks import sink_attention
 from lightning_ulysses.attention.spans import Spans, spanned, spans_of
-from lightning_ulysses.groups import (
-    SequenceParallelGroup,
-    SequenceParallelGroups,
-    observer_of,
-    process_group,
-    ring_groups,
-)
+from lightning_ulysses.groups import SequenceParallelGroupLike, SequenceParallelGroups
 from lightning_ulysses.heads import HeadLayout, plan_heads, select_heads
 
 
 def plan_batch(
-    position_ids: Tensor, group: SequenceParallelGroup, attn_fn: str, patterns: Iterable[tuple[int | None, int | None]]
+    position_ids: Tensor, group: SequenceParallelGroups, attn_fn: str, patterns: Iterable[tuple[int | None, int | None]]
 ) -> None:
     """Find the documents of a batch and build backend ``attn_fn``'s plans for every ``(chunk, window)`` pattern
     its layers use, before the first layer (collective over ``group``: the position ids are gathered).
@@ -37,15 +31,14 @@ def plan_batch(
     :func:`~lightning_ulysses.attention.documents.documents_of`); afterwards no layer, forward, backward or
     recomputation, synchronises with the host. Under Ulysses x Ring the plans are the ring's chunk pairs.
     """
-    ring = ring_groups(group)
     for chunk, window in patterns:
         window = no_window_if_off(window)
         documents = documents_of(position_ids, group, chunk)
-        if ring is None:
+        if group.ring is None:
             prepare_plans(attn_fn, documents, window)
         else:
             batch, seq_len = documents.starts.shape
-            ring_plan(documents, batch, seq_len, ring.ring_size, dist.get_rank(ring.ring), window)
+            ring_plan(documents, batch, seq_len, group.ring_size, dist.get_rank(group.ring), window)
 
 
 def ulysses_attention(
@@ -53,7 +46,7 @@ def ulysses_attention(
     key: Tensor,
     value: Tensor,
     *,
-    group: SequenceParallelGroup,
+    group: SequenceParallelGroupLike,
     attn_fn: str | CoreAttention = "sdpa",
     position_ids: Tensor | None = None,
     scale: float | None = None,
@@ -70,10 +63,11 @@ def ulysses_attention(
         query: ``[B, N/P, H, D]``, this rank's tokens, all heads.
         key: ``[B, N/P, H_kv, D]``, ``H`` a multiple of ``H_kv``.
         value: ``[B, N/P, H_kv, D_v]``: any value head size (MLA: DeepSeek V3's is 128, its ``D`` 192).
-        group: the SP groups (``strategy.groups``, a :class:`~lightning_ulysses.groups.SequenceParallelGroups`), or a
-            plain process group (plain Ulysses over it); ``None`` runs locally. With a ring (``UlyssesStrategy(ring_size
-            > 1)``), Ulysses runs inside its Ulysses group and ring attention across its ring
-            (:mod:`lightning_ulysses.attention.ring`); the shards are then the zigzag ones of
+        group: the SP groups (``strategy.groups``, a :class:`~lightning_ulysses.groups.SequenceParallelGroups`), a
+            ``DeviceMesh`` (``strategy.device_mesh``; a 1-D mesh: plain Ulysses over its ranks), or ``None``: locally
+            (a ``ProcessGroup`` is deprecated, see :meth:`~lightning_ulysses.groups.SequenceParallelGroups.of`). With
+            a ring (``UlyssesStrategy(ring_size > 1)``), Ulysses runs inside its Ulysses group and ring attention
+            across its ring (:mod:`lightning_ulysses.attention.ring`); the shards are then the zigzag ones of
             :func:`~lightning_ulysses.sharding.shard_index`. The groups object also keeps the batch's documents (one
             all-gather per batch, not per layer) and reports the all-to-alls to its observer.
         attn_fn: a core backend name (``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``,
@@ -103,6 +97,7 @@ def ulysses_attention(
         group, as replicated weights are, it is whole.
     """
     core = CORE_ATTENTION[attn_fn] if isinstance(attn_fn, str) else attn_fn
+    groups = SequenceParallelGroups.of(group)
     if chunk is not None and position_ids is None:
         raise ValueError("Chunked attention needs the position_ids that number the chunks.")
     if sinks is not None and (sinks.shape != (query.shape[2],) or dropout_p):
@@ -111,18 +106,16 @@ def ulysses_attention(
             f"dropout; got shape {tuple(sinks.shape)} and dropout_p={dropout_p}."
         )
     window = no_window_if_off(window)
-    documents = None if position_ids is None else documents_of(position_ids, group, chunk)
-    ring = ring_groups(group)
+    documents = None if position_ids is None else documents_of(position_ids, groups, chunk)
     if bidirectional is not None:
         if documents is None:
             raise ValueError("Bidirectional spans need the position_ids that delimit the documents they live in.")
-        spans = spans_of(bidirectional, documents, group)
-        check_spans_supported(spans, chunk, sinks, dropout_p, ring is not None)
-    if ring is not None:
+        spans = spans_of(bidirectional, documents, groups)
+        check_spans_supported(spans, chunk, sinks, dropout_p, groups.ring is not None)
+    if groups.ring is not None:
         check_ring_supported(attn_fn, dropout_p)
-        return _ulysses_x_ring(query, key, value, ring, documents, scale, window, sinks, head_chunks)
-    observer, group = observer_of(group), process_group(group)
-    sp_size = 1 if group is None else dist.get_world_size(group)
+        return _ulysses_x_ring(query, key, value, groups, documents, scale, window, sinks, head_chunks)
+    observer, sp_group, sp_size = groups.observer, groups.sp, groups.topology.sp_size
     layout = plan_heads(query.shape[2], key.shape[2], sp_size)
 
     def attend(q: Tensor, k: Tensor, v: Tensor, head_sinks: Tensor | None) -> Tensor:
@@ -136,15 +129,15 @@ def ulysses_attention(
 
     if sp_size == 1:
         return attend(query, key, value, sinks)
-    assert group is not None  # sp_size > 1: a process group of that many ranks
+    assert sp_group is not None  # sp_size > 1: a process group of that many ranks
     if head_chunks is not None:
-        return chunked_ulysses(query, key, value, sinks, layout, group, attend, head_chunks, random=dropout_p > 0)
-    sinks = _sinks_of_rank(sinks, layout, group)
+        return chunked_ulysses(query, key, value, sinks, layout, sp_group, attend, head_chunks, random=dropout_p > 0)
+    sinks = _sinks_of_rank(sinks, layout, sp_group)
     query, key, value = sequence_to_heads(  # [B, N, h, D], [B, N, kv, D], [B, N, kv, D_v]: one all-to-all
-        *(select_heads(t, slots) for t, slots in _slots(query, key, value, layout)), group=group, observer=observer
+        *(select_heads(t, slots) for t, slots in _slots(query, key, value, layout)), group=sp_group, observer=observer
     )
     out = attend(query, key, value, sinks)  # [B, N, h, D_v]
-    return select_heads(heads_to_sequence(out, group, observer), layout.output_slots)  # [B, N/P, H, D_v]
+    return select_heads(heads_to_sequence(out, sp_group, observer), layout.output_slots)  # [B, N/P, H, D_v]
 
 
 def check_ring_supported(attn_fn: str | CoreAttention, dropout_p: float) -> None:
@@ -163,11 +156,11 @@ def check_ring_supported(attn_fn: str | CoreAttention, dropout_p: float) -> None
         )
 
 
-def plan_spans(flags: Tensor, position_ids: Tensor, group: SequenceParallelGroup) -> None:
+def plan_spans(flags: Tensor, position_ids: Tensor, group: SequenceParallelGroups) -> None:
     """Find the batch's bidirectional spans (:mod:`~lightning_ulysses.attention.spans`) from the ``[B, N/P]`` shard
     ``flags`` before the first layer (collective over ``group``; one host sync), and refuse them under a ring."""
     spans = spans_of(flags, documents_of(position_ids, group), group)
-    check_spans_supported(spans, None, None, 0.0, ring_groups(group) is not None)
+    check_spans_supported(spans, None, None, 0.0, group.ring is not None)
 
 
 def check_spans_supported(spans: Spans, chunk: int | None, sinks: Tensor | None, dropout_p: float, ring: bool) -> None:
@@ -220,7 +213,7 @@ def _ulysses_x_ring(
     ring attention across ``groups.ring``, and back: ``[B, N/P, H, D]`` queries and keys, ``[B, N/P, H, D_v]`` values
     -> ``[B, N/P, H, D_v]``."""
     ulysses, ring, observer = groups.ulysses, groups.ring, groups.observer
-    assert ring is not None  # ring_groups hands over groups with a ring only
+    assert ring is not None  # called with a ring only
     layout = plan_heads(query.shape[2], key.shape[2], dist.get_world_size(ulysses))
     if head_chunks is not None:
 
@@ -238,7 +231,7 @@ def _ulysses_x_ring(
                 sinks=head_sinks,
             )
 
-        # ulysses: SequenceParallelGroups.create makes Ulysses groups with a ring (were it None, dist's default group)
+        # ulysses: a mesh with a ring has a ulysses axis (were it None, dist's default group)
         return chunked_ulysses(query, key, value, sinks, layout, ulysses, attend, head_chunks)  # type: ignore[arg-type]
     sinks = _sinks_of_rank(sinks, layout, ulysses)  # type: ignore[arg-type]  # as above
     query, key, value = sequence_to_heads(  # [B, N/R, h, D] ...: one all-to-all

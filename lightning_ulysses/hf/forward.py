@@ -29,7 +29,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from lightning_ulysses.attention import documents_of, gather_sequence, plan_batch, plan_spans
-from lightning_ulysses.groups import SequenceParallelGroup
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf.dropout import forward_draws
 from lightning_ulysses.hf.mixers import plan_document_rows
 from lightning_ulysses.hf.state import LabelsLoss, PatchState
@@ -206,7 +206,7 @@ def _layer_patterns(model: PreTrainedModel) -> set[tuple[int | None, int | None]
     }
 
 
-def check_foldable_attention_mask(mask: Tensor, position_ids: Tensor, group: SequenceParallelGroup) -> None:
+def check_foldable_attention_mask(mask: Tensor, position_ids: Tensor, group: SequenceParallelGroups) -> None:
     """Accept a 2-D padding mask ``[B, N/sp]`` only when it is constant over every document of the position ids.
 
     Such a mask marks padding that is already a document of its own (as :func:`~lightning_ulysses.prepare_batch`

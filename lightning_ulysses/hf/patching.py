@@ -18,12 +18,14 @@ mask (``"ulysses"`` has no mask interface during training), so nothing of size `
 
 from __future__ import annotations
 
+import warnings
+
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 from transformers import PreTrainedModel
 
 from lightning_ulysses.attention.head_chunks import HeadChunks
-from lightning_ulysses.groups import SequenceParallelGroup, as_groups, ring_size_of
+from lightning_ulysses.groups import SequenceParallelGroupLike, SequenceParallelGroups
 from lightning_ulysses.heads import plan_heads
 from lightning_ulysses.hf.apply import Patch, patch_of
 from lightning_ulysses.hf.check import check_model
@@ -34,16 +36,18 @@ from lightning_ulysses.hf.state import LabelsLoss, PatchState, SequenceMixers, U
 
 def apply_ulysses_attention(
     model: nn.Module,
-    group: SequenceParallelGroup,
-    sp_size: int,
+    group: SequenceParallelGroupLike,
     core: str,
     sequence_mixers: SequenceMixers = "refuse",
     head_chunks: HeadChunks | None = None,
     labels_loss: LabelsLoss | None = None,
+    *,
+    sp_size: int | None = None,
 ) -> None:
     """Make every transformers ``PreTrainedModel`` inside ``model`` run Ulysses attention over ``group`` (the
-    strategy's :class:`~lightning_ulysses.groups.SequenceParallelGroups`, Ulysses x Ring included, or a plain process
-    group: plain Ulysses over it; ``None``: locally), or refuse it.
+    strategy's :class:`~lightning_ulysses.groups.SequenceParallelGroups` or ``DeviceMesh``, Ulysses x Ring included;
+    a 1-D ``DeviceMesh``: plain Ulysses over its ranks; ``None``: locally), or refuse it. The SP degree is the
+    group's (``sp_size``: deprecated, checked against it).
 
     Any head count runs (see :mod:`lightning_ulysses.heads`; a layout with inert heads is logged with its
     overhead). The model must be callable (under ZeRO-3: after DeepSpeed's engine exists): a short forward
@@ -58,20 +62,35 @@ def apply_ulysses_attention(
     random numbers (dropout) from this SP rank's stream, seeded here from ``torch.initial_seed()`` and the SP rank
     (:mod:`lightning_ulysses.hf.dropout`). Idempotent.
     """
+    if not isinstance(core, str):
+        raise TypeError(
+            f"apply_ulysses_attention(model, group, core, ...) takes no sp_size (the group carries it), got core="
+            f"{core!r}: drop the sp_size argument."
+        )
     if sequence_mixers not in ("refuse", "gather"):
         raise ValueError(f"sequence_mixers must be 'refuse' or 'gather', got {sequence_mixers!r}.")
-    rng = SequenceParallelRNG.of(as_groups(group))  # one stream for every model of the module, as one process has
+    groups = SequenceParallelGroups.of(group)
+    if sp_size is not None:
+        warnings.warn(
+            "apply_ulysses_attention(sp_size=...) is deprecated: the group carries its size.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if sp_size != groups.topology.sp_size:
+            raise ValueError(f"sp_size={sp_size} is not the group's size, {groups.topology.sp_size}.")
+    sp_size = groups.topology.sp_size
+    rng = SequenceParallelRNG.of(groups)  # one stream for every model of the module, as one process has
     for hf_model in outermost_models(model):
         if patch_of(hf_model) is not None:
             continue
         refusal = layerdrop_refusal(hf_model, next(hf_model.parameters()).device) if rng is not None else None
         if refusal is not None:
             raise UnsupportedModelError(refusal)
-        _log_head_layout(hf_model, sp_size // ring_size_of(group))
+        _log_head_layout(hf_model, groups.topology.ulysses_size)
         patch = Patch(
             hf_model,
             PatchState(
-                group,  # type: ignore[arg-type]  # a process group or None: PatchState.__post_init__ makes it groups
+                groups,
                 core,
                 sp_size,
                 gather_mixers=sequence_mixers == "gather",

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from lightning_ulysses.attention.head_chunks import HeadChunks
-from lightning_ulysses.groups import SequenceParallelGroups, as_groups
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf.dropout import SequenceParallelRNG
 
 SequenceMixers = Literal["refuse", "gather"]
@@ -39,9 +39,9 @@ class PatchState:
     """Shared by every module that one :func:`~lightning_ulysses.apply_ulysses_attention` call patched."""
 
     group: SequenceParallelGroups
-    """The SP groups the patched layers run over; a plain process group (or ``None``: no sequence parallelism) given
-    here becomes plain Ulysses' groups of it (:meth:`~lightning_ulysses.groups.SequenceParallelGroups.of`), so that
-    the model keeps each batch's documents in their cache whatever it was given."""
+    """The SP groups the patched layers run over (their own view for a model patched without the strategy's:
+    :meth:`~lightning_ulysses.groups.SequenceParallelGroups.of`), so that the model keeps each batch's documents in
+    their cache whatever it was given."""
     core: str
     sp_size: int
     position_ids: Tensor | None = None
@@ -78,9 +78,6 @@ class PatchState:
     labels_loss: LabelsLoss | None = None
     """The loss of a call with ``labels=`` / ``shift_labels=`` (:mod:`lightning_ulysses.hf.forward`); ``None``: the
     model's own (which would shift the labels inside each shard)."""
-
-    def __post_init__(self) -> None:
-        self.group = as_groups(self.group)
 
 
 def outermost_models(module: nn.Module) -> list[PreTrainedModel]:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_ulysses.attention import Documents
-from lightning_ulysses.groups import SequenceParallelGroup
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf.mixers.core import ShardedCore
 from lightning_ulysses.hf.mixers.shift import shift_sequence
 
@@ -78,7 +78,7 @@ def _per_head(parameter: Tensor | None, heads: int) -> Tensor | None:
 
 # ``module: Any``: the layer's parts are read by name, which nn.Module's stubs type as ``Tensor | Module``
 def sharded_cca_forward(
-    module: Any, group: Callable[[], SequenceParallelGroup], documents: Callable[[], Documents | None]
+    module: Any, group: Callable[[], SequenceParallelGroups], documents: Callable[[], Documents | None]
 ) -> Callable[..., Any]:
     """The projection's forward on this rank's ``[B, N/P, C]`` tokens: ``(query [B, N/P, Hq, D], key and value
     [B, N/P, Hkv, D])`` as the layer returns them, its convolutions head-sharded over the whole sequence (see the

@@ -43,7 +43,7 @@ from torch import Tensor
 from lightning_ulysses.attention import Documents, documents_of, heads_to_sequence, sequence_to_heads
 from lightning_ulysses.attention.collectives import gather_from_ranks, to_sequence_order, to_shard_order
 from lightning_ulysses.attention.sdpa import PackedPlan, packed_plan, run_packed
-from lightning_ulysses.groups import SequenceParallelGroup, observer_of, process_group
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.heads import HeadLayout, plan_heads, select_heads
 
 Kernel = Callable[..., tuple[Tensor, Any]]
@@ -56,7 +56,7 @@ def document_rows(documents: Documents | None) -> PackedPlan | None:
     return None if documents is None or documents.one_per_row else packed_plan(documents)
 
 
-def plan_document_rows(position_ids: Tensor, group: SequenceParallelGroup) -> None:
+def plan_document_rows(position_ids: Tensor, group: SequenceParallelGroups) -> None:
     """Find the documents of a batch and their :func:`document_rows` before the first layer (collective over
     ``group``; the one host sync of finding the documents), so that no mixer layer syncs."""
     document_rows(documents_of(position_ids, group))
@@ -66,14 +66,13 @@ class ShardedCore:
     """The all-to-alls and the document rows around one kernel call (see the module docstring).
 
     ``num_heads`` heads read ``num_groups`` groups (``num_groups == num_heads`` when nothing is shared); ``group``:
-    the SP groups (their all-to-alls reported to their observer, their shards in zigzag order under a ring) or a
-    plain SP process group.
+    the SP groups (their all-to-alls reported to their observer, their shards in zigzag order under a ring).
     """
 
     def __init__(
-        self, group: SequenceParallelGroup, num_heads: int, num_groups: int, documents: Documents | None
+        self, group: SequenceParallelGroups, num_heads: int, num_groups: int, documents: Documents | None
     ) -> None:
-        self.group, self.process_group, self.observer = group, process_group(group), observer_of(group)
+        self.group, self.process_group, self.observer = group, group.sp, group.observer
         self.rank, sp_size = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         self.layout: HeadLayout = plan_heads(num_heads, num_groups, sp_size)
         self.rows = document_rows(documents)

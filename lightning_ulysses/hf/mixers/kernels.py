@@ -20,7 +20,7 @@ from typing import Any
 from torch import Tensor
 
 from lightning_ulysses.attention import Documents
-from lightning_ulysses.groups import SequenceParallelGroup
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf.mixers.core import ShardedCore
 
 # Stream layouts, each to and from the core's [batch, seq, heads, dim].
@@ -132,7 +132,7 @@ def _no_fused_layer(*args: Any, **kwargs: Any) -> None:
 def sharded_kernel(
     name: str,
     kernel: Callable[..., Any],
-    group: Callable[[], SequenceParallelGroup],
+    group: Callable[[], SequenceParallelGroups],
     documents: Callable[[], Documents | None],
 ) -> Callable[..., Any]:
     """``kernel`` (the function transformers calls as ``name``) taking this rank's shard of the sequence; ``group``

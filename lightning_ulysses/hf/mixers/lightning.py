@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_ulysses.attention import Documents
-from lightning_ulysses.groups import SequenceParallelGroup
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf.mixers.core import ShardedCore
 
 _PARTS = (
@@ -78,7 +78,7 @@ def lightning_attention(
 
 # ``module: Any``: the layer's parts are read by name, which nn.Module's stubs type as ``Tensor | Module``
 def sharded_lightning_forward(
-    module: Any, group: Callable[[], SequenceParallelGroup], documents: Callable[[], Documents | None]
+    module: Any, group: Callable[[], SequenceParallelGroups], documents: Callable[[], Documents | None]
 ) -> Callable[..., Any]:
     """The layer's forward on this rank's ``[B, N/P, C]`` tokens, lightning attention head-sharded over the whole
     sequence; returns ``(output, state)`` as the layer does, the final state of every head gathered and detached

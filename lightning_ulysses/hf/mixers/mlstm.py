@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_ulysses.attention import Documents
-from lightning_ulysses.groups import SequenceParallelGroup
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf.mixers.core import ShardedCore
 
 MLSTM_KERNELS = frozenset(
@@ -76,7 +76,7 @@ def is_mlstm_backend(module: nn.Module) -> bool:
 
 
 def sharded_mlstm_forward(
-    module: nn.Module, group: Callable[[], SequenceParallelGroup], documents: Callable[[], Documents | None]
+    module: nn.Module, group: Callable[[], SequenceParallelGroups], documents: Callable[[], Documents | None]
 ) -> Callable[..., Any]:
     """The backend's forward on this rank's ``[B, H, N/P, ...]`` streams, computed on the whole sequence for this
     rank's heads (see the module docstring); returns what the backend returns, ``h [B, H, N/P, D_v]`` or

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from lightning_ulysses.attention import Documents
 from lightning_ulysses.attention.documents import whole_position_ids
-from lightning_ulysses.groups import SequenceParallelGroup
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf.mixers.core import ShardedCore
 
 _BLOCK_PARTS = ("linear_x", "linear_y", "linear_out", "act_fn", "conv_1d", "rg_lru")
@@ -107,7 +107,7 @@ def rg_lru(lru: Any, x: Tensor, reset: Tensor, heads: Callable[[Tensor], Tensor]
 
 # ``module: Any``: the layer's parts are read by name, which nn.Module's stubs type as ``Tensor | Module``
 def sharded_recurrent_forward(
-    module: Any, group: Callable[[], SequenceParallelGroup], documents: Callable[[], Documents | None]
+    module: Any, group: Callable[[], SequenceParallelGroups], documents: Callable[[], Documents | None]
 ) -> Callable[..., Any]:
     """The block's forward on this rank's ``[B, N/P, C]`` tokens, its convolution and RG-LRU head-sharded over the
     whole sequence (see the module docstring); returns ``(output, None)`` as the block does. Training only: a

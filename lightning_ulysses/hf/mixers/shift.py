@@ -34,7 +34,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_ulysses.attention import Documents
 from lightning_ulysses.attention.collectives import all_to_all, gather_from_ranks
-from lightning_ulysses.groups import SequenceParallelGroup, process_group, ring_size_of
+from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.sharding import zigzag_order
 
 Piece = tuple[int, int, int]
@@ -88,14 +88,14 @@ class _GatherTails(torch.autograd.Function):
 
 
 def shift_sequence(
-    x: Tensor, shift: int, group: SequenceParallelGroup, documents: Documents | None, fill: float | Tensor = 0.0
+    x: Tensor, shift: int, group: SequenceParallelGroups, documents: Documents | None, fill: float | Tensor = 0.0
 ) -> Tensor:
     """``x [B, N/P, ...]``, this rank's shard of ``group`` -> the shard of the whole sequence shifted ``shift`` tokens
     later: ``y[t] = x[t - shift]`` in whole-sequence order, ``fill`` (a scalar, or a tensor broadcasting against
     ``x``'s per-token shape) where ``t - shift`` lies before the row's start or, with packed ``documents``, before
     the start of ``t``'s document. Collective over ``group``; differentiable (``fill`` included)."""
-    ring_size, group = ring_size_of(group), process_group(group)
-    rank, sp_size = dist.get_rank(group), dist.get_world_size(group)
+    ring_size, sp_group = group.ring_size, group.sp
+    rank, sp_size = dist.get_rank(sp_group), dist.get_world_size(sp_group)
     local = x.shape[1]
     seq_len = local * sp_size
     shards = shard_pieces(seq_len, sp_size, ring_size)
@@ -109,7 +109,7 @@ def shift_sequence(
     slots = max(len(pieces) for pieces in shards)
     tails = [x[:, start + length - shift : start + length] for start, _, length in shards[rank]]
     tails += [tails[0]] * (slots - len(tails))  # equal shapes on every rank; the copies are never read
-    halo = _GatherTails.apply(torch.cat(tails, dim=1), group)  # [P, B, slots * shift, ...]
+    halo = _GatherTails.apply(torch.cat(tails, dim=1), sp_group)  # [P, B, slots * shift, ...]
     ends = {
         column + length: (owner, slot)
         for owner, pieces in enumerate(shards)
@@ -162,7 +162,7 @@ def sequence_shift_of(module: nn.Module) -> int | None:
 
 def sharded_shift_forward(
     module: nn.Module,
-    group: Callable[[], SequenceParallelGroup],
+    group: Callable[[], SequenceParallelGroups],
     documents: Callable[[], Documents | None],
     local_tokens: Callable[[], int | None],
 ) -> Callable[[Tensor], Tensor]:
