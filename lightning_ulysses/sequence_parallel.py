@@ -50,7 +50,6 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.data import _auto_add_worker_init_fn
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_info, rank_zero_warn
@@ -63,6 +62,7 @@ from lightning_ulysses.attention import gather_sequence, resolve_attn_implementa
 from lightning_ulysses.attention.collectives import gather_from_ranks
 from lightning_ulysses.attention.head_chunks import HeadChunks, check_head_chunks
 from lightning_ulysses.attention.ring_blocks import check_block_kernels
+from lightning_ulysses.engines import lightning as lightning_engine
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.hf.apply import patches
@@ -384,7 +384,7 @@ class SequenceParallelMixin(ParallelStrategy):
         # subgroups do not inherit the default group's timeout: without it a stalled rank holds its peers for torch's
         # default
         self._groups = SequenceParallelGroups.create(self.topology, timeout)
-        self._heartbeat = Heartbeat(dist.distributed_c10d._get_default_store(), self.global_rank, self.world_size)
+        self._heartbeat = Heartbeat(lightning_engine.default_store(), self.global_rank, self.world_size)
         self._heartbeat.start()
 
     @property
@@ -428,8 +428,8 @@ class SequenceParallelMixin(ParallelStrategy):
             self.memory_report.rows.append(tiled_loss_row(self.memory.tiled_loss, logit_maps))
         if self.memory_report.rows:
             rank_zero_info(self.memory_report.table())
-        if not isinstance(trainer._signal_connector, PreemptionSignals):  # registers its handlers after set-up
-            trainer._signal_connector = PreemptionSignals(trainer)
+        if not isinstance(lightning_engine.signal_connector(trainer), PreemptionSignals):
+            lightning_engine.replace_signal_connector(trainer, PreemptionSignals(trainer))
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -437,8 +437,7 @@ class SequenceParallelMixin(ParallelStrategy):
         trainer = self.lightning_module.trainer
         batches_before = trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1  # this batch is counted
         if batches_before % trainer.accumulate_grad_batches == 0:  # an optimizer step begins: a safe point
-            # _apply_sequence_parallel installs PreemptionSignals, which Trainer types as Lightning's _SignalConnector
-            trainer._signal_connector.at_step_boundary(trainer)  # type: ignore[attr-defined]
+            lightning_engine.signal_connector(trainer).at_step_boundary(trainer)
         super().on_train_batch_start(batch, batch_idx)
 
     @override
@@ -450,7 +449,7 @@ class SequenceParallelMixin(ParallelStrategy):
         warn_on_forked_workers(dataloader, loader_name)
         # seed_everything(workers=True): seeded by DP rank, on the loader itself (Lightning seeds what this returns, by
         # global rank, and would give the SP ranks of a group different augmentations; see lightning_ulysses.sp_loaders)
-        _auto_add_worker_init_fn(dataloader, self.dp_rank)
+        lightning_engine.add_worker_init_fn(dataloader, self.dp_rank)
         if not trainer.training:
             return pad_over_dp_ranks(dataloader)
         if is_resumable(dataloader):
@@ -542,9 +541,8 @@ class SequenceParallelMixin(ParallelStrategy):
         batch size (the batch's length unless ``self.log`` is given ``batch_size``): count a batch's real rows only,
         so that its repeats weigh 0 (a batch of repeats, whose labels are all masked, weighs nothing)."""
         assert self.lightning_module is not None  # attached by the Trainer before its hooks run
-        results = self.lightning_module.trainer._results
-        if self._repeated_rows is not None and results is not None:
-            results.batch_size = int((~self._repeated_rows).sum())
+        if self._repeated_rows is not None:
+            lightning_engine.set_logged_batch_size(self.lightning_module.trainer, int((~self._repeated_rows).sum()))
 
     @property
     def optimizer_step_in_flight(self) -> bool:

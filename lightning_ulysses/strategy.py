@@ -26,9 +26,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
@@ -37,6 +35,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_ulysses.engines import deepspeed as deepspeed_engine
+from lightning_ulysses.engines import lightning as lightning_engine
 from lightning_ulysses.hf.mixers import register_mixer_weights_for_zero3
 from lightning_ulysses.runtime.load import load_checkpoint
 from lightning_ulysses.runtime.save import save_checkpoint
@@ -74,14 +74,14 @@ class UlyssesStrategy(SequenceParallelMixin, DeepSpeedStrategy):
     def setup_distributed(self) -> None:
         assert self.parallel_devices is not None
         if self.root_device.type == "cuda":
-            _validate_device_index_selection(self.parallel_devices)
+            deepspeed_engine.validate_device_index_selection(self.parallel_devices)
         reset_seed()
         self.set_world_ranks()
         self._create_topology()
         if self.root_device.type == "cpu":
-            _skip_deepspeed_shared_memory_kernel()
+            deepspeed_engine.skip_shared_memory_kernel()
         self._init_deepspeed_distributed()
-        _bound_deepspeed_world_group(self.world_size, self._timeout)
+        deepspeed_engine.bound_world_group(self.world_size, self._timeout)
         self._create_groups(self._timeout)
 
     @override
@@ -119,7 +119,9 @@ class UlyssesStrategy(SequenceParallelMixin, DeepSpeedStrategy):
         trainer = self.lightning_module.trainer
         # before the forward: ZeRO reduces (and ZeRO-3 partitions) the gradients in the backward of a step's last batch
         # (self.model: the DeepSpeed engine, which deepspeed's missing types leave typed as a Module)
-        cast(Any, self.model).set_gradient_accumulation_boundary(not trainer.fit_loop._should_accumulate())
+        cast(Any, self.model).set_gradient_accumulation_boundary(
+            not lightning_engine.should_accumulate(trainer.fit_loop)
+        )
 
     @override
     def _step_applied(self) -> bool:
@@ -185,22 +187,3 @@ class UlyssesStrategy(SequenceParallelMixin, DeepSpeedStrategy):
 
 
 UlyssesStrategy.register_strategies(StrategyRegistry)
-
-
-def _bound_deepspeed_world_group(world_size: int, timeout: Any) -> None:
-    """DeepSpeed clones the world group for its own collectives (``groups._clone_world_group``) without a timeout, so
-    a rank that fails before the engine exists would hold its peers for torch's default 30 minutes. Create that clone
-    first, with the strategy's timeout (DeepSpeed keeps it until the world group is destroyed)."""
-    from deepspeed.utils import groups
-
-    if groups._WORLD_GROUP is None:
-        groups._WORLD_GROUP = dist.new_group(ranks=list(range(world_size)), timeout=timeout)
-
-
-def _skip_deepspeed_shared_memory_kernel() -> None:
-    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce kernel (over a minute) at start-up.
-    Gloo never uses it, so mark it unavailable (DeepSpeed keeps this table for exactly such edits)."""
-    import deepspeed.ops
-    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
-
-    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False

@@ -30,12 +30,12 @@ SEQ, BATCH, STEPS, LR = 24, 2, 2, 0.5
 
 class CountingCausalLM(TinyCausalLM):
     """The loss through ``forward_causal_lm_loss`` (tiled when the strategy's ``tiled_loss`` is on), counting the
-    calls of the first decoder layer and of ``lm_head`` in training (recomputations included)."""
+    calls of the first decoder layer (its MLP) and of ``lm_head`` in training (recomputations included)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.calls = {"layer": 0, "lm_head": 0}
-        self.model.model.layers[0].register_forward_hook(lambda *_: self._count("layer"))
+        self.model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: self._count("layer"))
         self.model.lm_head.register_forward_hook(lambda *_: self._count("lm_head"))
 
     def _count(self, name: str) -> None:

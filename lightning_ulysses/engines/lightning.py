@@ -6,10 +6,14 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.data import _auto_add_worker_init_fn
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loops import _FitLoop
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
@@ -40,10 +44,39 @@ def optimizers_to_device(optimizers: Iterable[Optimizer], device: torch.device) 
     _optimizers_to_device(optimizers, device)
 
 
-PRIVATE_NAMES: dict[str, Any] = {
-    "ModelParallelStrategy._setup_distributed": ModelParallelStrategy._setup_distributed,
-    "LightningModule._device_mesh": "_device_mesh",
-    "_materialize_distributed_module": _materialize_distributed_module,
-    "_optimizers_to_device": _optimizers_to_device,
-}
-"""What this module reaches into, for the test that a new release still has it."""
+def signal_connector(trainer: Trainer) -> Any:
+    """The Trainer's signal handler (``Trainer._signal_connector``): after set-up the strategies'
+    :class:`~lightning_ulysses.runtime.preemption.PreemptionSignals`, told at each step boundary that it may save."""
+    return trainer._signal_connector
+
+
+def replace_signal_connector(trainer: Trainer, connector: _SignalConnector) -> None:
+    """Install ``connector`` as the Trainer's signal handler: Lightning saves on SIGTERM / SLURM's requeue signal
+    wherever the signal lands, and has no option for a handler that waits for a point that all ranks agree on."""
+    trainer._signal_connector = connector
+
+
+def should_accumulate(fit_loop: _FitLoop) -> bool:
+    """Whether the running micro-batch does not end an optimizer step (``_TrainingEpochLoop._should_accumulate``, the
+    loop's own rule, the epoch's last batch included), which DeepSpeed's engine must know before the forward."""
+    return fit_loop.epoch_loop._should_accumulate()
+
+
+def set_logged_batch_size(trainer: Trainer, batch_size: int) -> None:
+    """The weight of the running evaluation batch in the epoch means of ``self.log`` (``trainer._results.batch_size``,
+    which Lightning takes from the batch's length): the rows the sampler repeated weigh 0."""
+    results = trainer._results
+    if results is not None:
+        results.batch_size = batch_size
+
+
+def add_worker_init_fn(dataloader: object, rank: int) -> None:
+    """Lightning's ``seed_everything(workers=True)`` worker seeding, by ``rank`` (the DP rank: the SP ranks of a group
+    must draw the same augmentations); Lightning's own call seeds by global rank."""
+    _auto_add_worker_init_fn(dataloader, rank)
+
+
+def default_store() -> dist.Store:
+    """The default process group's key-value store (torch's ``distributed_c10d._get_default_store``), where the
+    heartbeat of each rank is kept: every launcher's rendezvous already made it."""
+    return dist.distributed_c10d._get_default_store()
