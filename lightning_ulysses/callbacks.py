@@ -37,7 +37,6 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from rich import box
@@ -47,6 +46,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from lightning_ulysses.attention import gather_sequence
+from lightning_ulysses.engines.lightning import plugin_to_compute_dtype
 from lightning_ulysses.flops import TransformerFlops, dense_peak_flops
 from lightning_ulysses.groups import CollectiveObserver, SequenceParallelGroup
 from lightning_ulysses.hf import outermost_models, unpatched
@@ -272,7 +272,7 @@ class SequenceParallelMonitor(Callback):
         self._strategy = _require_ulysses(trainer, self)
         device = trainer.strategy.root_device
         if device.type == "cuda":
-            self._available_flops = available_flops(device, _plugin_to_compute_dtype(trainer.precision_plugin))
+            self._available_flops = available_flops(device, plugin_to_compute_dtype(trainer.precision_plugin))
         self._timer = AllToAllTimer(device, self._strategy.groups.observer) if self.time_all_to_all else None
 
     @property

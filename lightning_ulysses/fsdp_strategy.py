@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -120,7 +119,7 @@ class UlyssesFSDPStrategy(SequenceParallelMixin, ModelParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: lightning_engine.StrategyRegistryType) -> None:
         """``strategy="ulysses_fsdp"``: SP over each node's devices, FSDP2 over all ranks."""
         strategy_registry.register(cls.strategy_name, cls, description="Ulysses sequence parallelism on FSDP2")
 

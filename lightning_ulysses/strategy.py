@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
@@ -172,7 +171,7 @@ class UlyssesStrategy(SequenceParallelMixin, DeepSpeedStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: lightning_engine.StrategyRegistryType) -> None:
         """``strategy="ulysses"`` (ZeRO stage 2) and ``"ulysses_stage_{1,2,3}"``, SP over each node's devices."""
         strategy_registry.register(
             cls.strategy_name, cls, description="Ulysses sequence parallelism on DeepSpeed ZeRO stage 2"

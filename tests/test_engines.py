@@ -17,6 +17,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.data import BatchSampler
 
 from lightning_ulysses.engines import lightning as lightning_engine
 
@@ -49,6 +50,22 @@ def test_lightning_private_attributes_are_where_the_adapter_reads_and_writes_the
     assert module.device_mesh is mesh
 
 
+def test_lightning_private_classes_and_the_checkpoint_connector() -> None:
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    assert lightning_engine.__all__ == sorted(lightning_engine.__all__)
+    for name in lightning_engine.__all__:
+        assert getattr(lightning_engine, name) is not None, name
+    assert parameters(lightning_engine.format_summary_table)[:2] == ["total_parameters", "trainable_parameters"]
+    assert parameters(lightning_engine.plugin_to_compute_dtype) == ["plugin"]
+    assert hasattr(lightning_engine.IndexBatchSamplerWrapper(BatchSampler([0, 1], 1, False)), "_batch_sampler")
+    assert "_sampler" in vars(lightning_engine.DatasetSamplerWrapper([0, 1]))
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer._checkpoint_connector, _CheckpointConnector)
+    assert hasattr(trainer._checkpoint_connector, "_hpc_resume_path")
+    assert lightning_engine.hpc_checkpoint_path(trainer).endswith("hpc_ckpt_1.ckpt")
+
+
 def test_torch_private_names() -> None:
     assert "mesh_dim_name" in parameters(DeviceMesh._flatten)
     assert callable(torch.distributed.distributed_c10d._get_default_store)
@@ -61,3 +78,10 @@ def test_deepspeed_private_names() -> None:
 
     assert hasattr(groups, "_WORLD_GROUP") and hasattr(groups, "_clone_world_group")
     assert isinstance(deepspeed.ops.__compatible_ops__, dict) and isinstance(ShareMemCommBuilder.NAME, str)
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    assert parameters(DeepSpeedEngine._copy_recovery_script) == ["self", "save_path"]
+    config = DeepSpeedConfig({"train_batch_size": 1, "bf16": {"enabled": True}})
+    assert isinstance(config.bfloat16_config.check_grad_overflow, bool)
+    assert hasattr(config, "load_universal_checkpoint")

@@ -4,7 +4,8 @@ Every case trains the tiny Llama of ``tests/tiny.py`` with SGD on CPU processes 
 :func:`~tests.tiny.reference_training` (one process, whole sequences), the loss of every micro-batch and the final
 weights gathered from their shards: ``|update - update_ref| / |update_ref| < 1e-4`` (a factor of 2 anywhere gives an
 error near 1). One launch per table: sp=2 (plain; activation checkpointing + tiled loss, counting the recomputed
-layers and the loss tiles; a checkpoint saved after step 1 and resumed to step 2) and dp=2 x sp=2.
+layers and the loss tiles; a checkpoint saved after step 1 and resumed to step 2; tied embeddings, one FSDP unit
+with ``lm_head``, with 2 micro-batches a step) and dp=2 x sp=2.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def _trainer(strategy: UlyssesFSDPStrategy, devices: int, **kwargs: Any) -> L.Tr
 
 
 def fit_case(name: str, case: dict[str, Any], world_size: int, folder: str) -> dict[str, Any]:
-    module = CountingCausalLM(lr=LR)
+    module = CountingCausalLM(lr=LR, **case.get("model", {}))
     loader = DataLoader(make_samples(num=16, seq_len=SEQ), batch_size=BATCH, collate_fn=collate)
     strategy = UlyssesFSDPStrategy(sp_size=case["sp"], attn_implementation="sdpa", **case.get("strategy", {}))
     resume_from = None
@@ -91,7 +92,7 @@ def fit_case(name: str, case: dict[str, Any], world_size: int, folder: str) -> d
         first = UlyssesFSDPStrategy(sp_size=case["sp"], attn_implementation="sdpa")
         saved_by = CountingCausalLM(lr=LR)
         _trainer(first, world_size, max_steps=STEPS, callbacks=[SaveAfterStep(1, resume_from)]).fit(saved_by, loader)
-    trainer = _trainer(strategy, world_size, max_steps=STEPS)
+    trainer = _trainer(strategy, world_size, max_steps=STEPS, accumulate_grad_batches=case.get("accumulate", 1))
     trainer.fit(module, loader, ckpt_path=resume_from)
     mesh = strategy.device_mesh
     return {
@@ -115,6 +116,7 @@ TWO_RANKS = CaseTable(
         "sp2": dict(sp=2),
         "sp2_checkpointing_tiled_loss": dict(sp=2, strategy=dict(activation_checkpointing=True, tiled_loss=3)),
         "sp2_resumed_after_step_1": dict(sp=2, resume=True),
+        "sp2_tied_embeddings_accumulate2": dict(sp=2, model=dict(tie_word_embeddings=True), accumulate=2),
     },
 )
 FOUR_RANKS = CaseTable("fsdp_four_rank_results", "tests.test_fsdp:fit_case", 4, {"dp2_sp2": dict(sp=2)})
@@ -132,9 +134,15 @@ def _check(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> No
     world_size, sp = len(results), case["sp"]
     dp = world_size // sp
     expected_losses, expected = reference_training(
-        make_samples(num=16, seq_len=SEQ), steps=STEPS, batch_size=BATCH, dp_size=dp, lr=LR
+        make_samples(num=16, seq_len=SEQ),
+        steps=STEPS,
+        batch_size=BATCH,
+        dp_size=dp,
+        accumulate=case.get("accumulate", 1),
+        lr=LR,
+        **case.get("model", {}),
     )
-    initial = {n: p.detach() for n, p in tiny_llama().named_parameters()}
+    initial = {n: p.detach() for n, p in tiny_llama(**case.get("model", {})).named_parameters()}
     for rank, result in enumerate(results):
         got = result[name]
         assert got["steps"] == STEPS

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -35,3 +37,28 @@ def skip_shared_memory_kernel() -> None:
     from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
     deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+
+
+@contextmanager
+def recovery_script_copy_through(engine: Any, copy: Callable[[Callable[[str], None], str], None]) -> Iterator[None]:
+    """Route the engine's copy of ``zero_to_fp32.py`` into each checkpoint (rank 0, DeepSpeed's private
+    ``_copy_recovery_script(save_path)``, the one write outside its checkpoint engine) through
+    ``copy(original, save_path)``, so that an atomic save records and checks that file as every other."""
+    original = engine._copy_recovery_script
+    engine._copy_recovery_script = lambda save_path: copy(original, save_path)
+    try:
+        yield
+    finally:
+        del engine._copy_recovery_script  # the instance attribute: DeepSpeed's method shows again
+
+
+def set_load_universal_checkpoint(engine: Any, universal: bool) -> None:
+    """DeepSpeed reads its ``checkpoint.load_universal`` setting (``_config.load_universal_checkpoint``) only when it
+    loads, and has no argument for it: set it on the engine that exists by then, per checkpoint."""
+    engine._config.load_universal_checkpoint = universal
+
+
+def checks_bf16_gradient_overflow(engine: Any) -> bool:
+    """Whether the engine's bf16 optimizer skips steps with non-finite gradients (the config's
+    ``bf16.check_grad_overflow``, which DeepSpeed exposes only in its parsed ``_config``)."""
+    return bool(engine._config.bfloat16_config.check_grad_overflow)
