@@ -136,7 +136,8 @@ class SequenceParallelMixin(ParallelStrategy):
         nonfinite_loss: what a NaN or inf training loss on any rank does (checked on every rank with one
             all-reduce of ``world_size`` flags per micro-batch): ``"raise"`` the same error on all ranks, naming
             the step and the ranks; ``"skip"`` warn likewise and skip the optimizer step (no weight or optimizer
-            state update; ZeRO stage 1-3, see :mod:`lightning_ulysses.runtime.failures`); ``"off"``: no check.
+            state update; DeepSpeed ZeRO stage 1-3 only, see :mod:`lightning_ulysses.runtime.failures`); ``"off"``:
+            no check.
         tiled_mlp: run each decoder layer's feed-forward in tiles of the sequence, recomputed in the backward:
             ``True`` (tiles of ``hidden_size`` tokens) or a number of tiles. The feed-forwards are found by what they
             do (the children of a decoder layer that map its hidden states alone to hidden states: dense MLPs and
@@ -223,7 +224,7 @@ class SequenceParallelMixin(ParallelStrategy):
         self._topology: SequenceParallelTopology | None = None
         self._groups: SequenceParallelGroups | None = None
         self._heartbeat: Heartbeat | None = None
-        self._applied_steps = 0  # Lightning's global step once it has counted the last step DeepSpeed applied
+        self._applied_steps = 0  # Lightning's global step once it has counted the last step the engine applied
         self._repeated_rows: Tensor | None = None  # evaluation / prediction: [B] bool, the current batch's repeats
         self._padding: Tensor | None = None  # [B, N/sp] bool, the current batch's padding tokens on this rank
         self._train_batch_shape: tuple[int, int] | None = None  # [B, N] of the last training batch, before padding
