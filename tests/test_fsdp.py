@@ -178,3 +178,26 @@ def test_fsdp_resume_loads_the_distributed_checkpoint(fsdp_two_rank_results: lis
 @FOUR_RANKS.each_case
 def test_fsdp_four_ranks_equal_single_process(fsdp_four_rank_results: list[dict[str, Any]], name: str) -> None:
     _check(fsdp_four_rank_results, name, FOUR_RANKS.cases[name])
+
+
+def test_sharding_units_and_the_refusal_of_parameters_outside_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each decoder layer, the embeddings (one unit), then the decoder as the root; a trainable head beside the model,
+    whose gradients FSDP2 would not reduce, is refused before anything is sharded, naming it."""
+    from lightning_ulysses import fsdp_strategy
+
+    sharded: list[Any] = []
+    monkeypatch.setattr(fsdp_strategy, "fully_shard", lambda module, **kwargs: sharded.append(module))
+    llama = tiny_llama()
+    module = torch.nn.ModuleDict({"model": llama, "head": torch.nn.Linear(4, 1)})
+    with pytest.raises(ValueError, match=r"outside them.*: head\.weight, head\.bias\. Freeze them"):
+        fsdp_strategy.shard_transformers_models(module, mesh=None)  # type: ignore[arg-type]
+    assert sharded == []
+    module["head"].requires_grad_(False)  # frozen: the same on every rank, nothing to reduce
+    fsdp_strategy.shard_transformers_models(module, mesh=None)  # type: ignore[arg-type]
+    layers = list(llama.model.layers)
+    assert sharded == [*layers, [llama.model.embed_tokens, llama.lm_head], llama.model]
+
+
+def test_nonfinite_loss_skip_is_refused() -> None:
+    with pytest.raises(ValueError, match="nonfinite_loss='skip' relies on DeepSpeed"):
+        UlyssesFSDPStrategy(nonfinite_loss="skip")
