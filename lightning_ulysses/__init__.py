@@ -10,6 +10,7 @@ from lightning_ulysses.callbacks import SequenceParallelMonitor, SequenceParalle
 from lightning_ulysses.data import LongTextDataModule, byte_tokenizer
 from lightning_ulysses.finetune import DPO, PreferenceDataModule, SFTDataModule
 from lightning_ulysses.flops import TransformerFlops, dense_peak_flops
+from lightning_ulysses.fsdp_strategy import UlyssesFSDPStrategy
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.heads import HeadLayout, plan_heads
 from lightning_ulysses.hf import (
@@ -43,6 +44,7 @@ from lightning_ulysses.runtime import (
     export_hf_model,
     is_universal_checkpoint,
 )
+from lightning_ulysses.sequence_parallel import SequenceParallelMixin
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
 from lightning_ulysses.strategy import UlyssesStrategy
 from lightning_ulysses.topology import SequenceParallelTopology
@@ -73,7 +75,9 @@ __all__ = [
     "TokenCrossEntropy",
     "TransformerFlops",
     "UlyssesLossMixin",
+    "UlyssesFSDPStrategy",
     "UlyssesStrategy",
+    "SequenceParallelMixin",
     "VisionLanguageModel",
     "UnsupportedModelError",
     "WarmupCosine",

@@ -37,7 +37,6 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from rich import box
@@ -47,12 +46,13 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from lightning_ulysses.attention import gather_sequence
+from lightning_ulysses.engines.lightning import plugin_to_compute_dtype
 from lightning_ulysses.flops import TransformerFlops, dense_peak_flops
 from lightning_ulysses.groups import CollectiveObserver, SequenceParallelGroupLike
 from lightning_ulysses.hf import outermost_models, unpatched
 from lightning_ulysses.loss import token_cross_entropy
+from lightning_ulysses.sequence_parallel import SequenceParallelMixin
 from lightning_ulysses.sharding import IGNORE_INDEX
-from lightning_ulysses.strategy import UlyssesStrategy
 
 GIB = 2**30
 
@@ -61,11 +61,12 @@ GIB = 2**30
 # ------------------------------------------------------------------------------------------------
 
 
-def _require_ulysses(trainer: L.Trainer, callback: Callback) -> UlyssesStrategy:
-    if not isinstance(trainer.strategy, UlyssesStrategy):
+def _require_ulysses(trainer: L.Trainer, callback: Callback) -> SequenceParallelMixin:
+    if not isinstance(trainer.strategy, SequenceParallelMixin):
         raise ValueError(
             f"{type(callback).__name__} reports on sequence-parallel training and needs "
-            f"Trainer(strategy=UlyssesStrategy(...)) (or strategy='ulysses'); got {type(trainer.strategy).__name__}."
+            f"Trainer(strategy=UlyssesStrategy(...)) (or strategy='ulysses', or UlyssesFSDPStrategy); got "
+            f"{type(trainer.strategy).__name__}."
         )
     return trainer.strategy
 
@@ -256,7 +257,7 @@ class SequenceParallelMonitor(Callback):
         self.prefix = prefix
         self.time_all_to_all = time_all_to_all
         self.summary: dict[str, float] = {}
-        self._strategy: UlyssesStrategy | None = None
+        self._strategy: SequenceParallelMixin | None = None
         self._flops: TransformerFlops | None = None
         self._available_flops: float | None = None
         self._timer: AllToAllTimer | None = None
@@ -271,7 +272,7 @@ class SequenceParallelMonitor(Callback):
         self._strategy = _require_ulysses(trainer, self)
         device = trainer.strategy.root_device
         if device.type == "cuda":
-            self._available_flops = available_flops(device, _plugin_to_compute_dtype(trainer.precision_plugin))
+            self._available_flops = available_flops(device, plugin_to_compute_dtype(trainer.precision_plugin))
         self._timer = AllToAllTimer(device, self._strategy.groups.observer) if self.time_all_to_all else None
 
     @property
@@ -394,7 +395,7 @@ class SequenceParallelMonitor(Callback):
             self._timer.remove()
 
 
-def format_summary(metrics: dict[str, float], strategy: UlyssesStrategy, steps: int, first_step: int = 0) -> str:
+def format_summary(metrics: dict[str, float], strategy: SequenceParallelMixin, steps: int, first_step: int = 0) -> str:
     """A run's :func:`summarize` metrics as a two-column table (rendered by ``rich``, as plain text): the optimizer
     steps of this fit, from ``first_step`` (where it resumed) to the global step ``steps``, which its metrics count."""
     table = Table(
@@ -506,7 +507,7 @@ class SequenceParallelParityCheck(Callback):
     ) -> None:
         if self._due(trainer, batch_idx):  # before the step, so that the weights are those of the SP loss
             self._checked = True
-            strategy = cast(UlyssesStrategy, trainer.strategy)  # setup has required it
+            strategy = cast(SequenceParallelMixin, trainer.strategy)  # setup has required it
             self._pending = (trainer.global_step, self.reference_loss(batch, strategy.groups))
 
     def reference_loss(self, batch: Mapping[str, Tensor], sp_group: SequenceParallelGroupLike) -> Tensor:
@@ -536,7 +537,7 @@ class SequenceParallelParityCheck(Callback):
             )
         if pl_module.automatic_optimization:
             loss = loss * trainer.accumulate_grad_batches  # Lightning hands callbacks the loss / accumulate
-        strategy = cast(UlyssesStrategy, trainer.strategy)  # setup has required it
+        strategy = cast(SequenceParallelMixin, trainer.strategy)  # setup has required it
         assert self.rtol is not None  # set by setup("fit")
         pair = torch.stack([loss.detach().float().reshape(()), reference.float()]).to(strategy.root_device)
         losses = strategy.all_gather(pair).view(-1, 2).cpu()  # [world, 2]: every rank decides on the same numbers

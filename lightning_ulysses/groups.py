@@ -38,6 +38,7 @@ from torch._C._distributed_c10d import Backend
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_ulysses.engines.fsdp2 import flatten_mesh
 from lightning_ulysses.topology import SequenceParallelTopology
 
 MESH_AXES = ("dp", "ring", "ulysses")
@@ -104,7 +105,7 @@ def build_mesh(topology: SequenceParallelTopology, device_type: str, timeout: ti
         mesh_dim_names=MESH_AXES,
         backend_override=None if options is None else dict.fromkeys(MESH_AXES, options),
     )
-    mesh["ring", "ulysses"]._flatten("sp", backend_override=options)
+    flatten_mesh(mesh["ring", "ulysses"], "sp", backend_override=options)
     return mesh
 
 

@@ -48,12 +48,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DistributedSampler
 
 from lightning_ulysses.attention.collectives import gather_from_ranks
+from lightning_ulysses.engines.lightning import IndexBatchSamplerWrapper
 from lightning_ulysses.topology import SequenceParallelTopology
 
 
@@ -69,7 +69,7 @@ def index_batch_sampler(loader: Any) -> Any:
     """The batch sampler that draws ``loader``'s indices (the one inside Lightning's index-recording wrapper when
     predicting); None for loaders without one."""
     batch_sampler = getattr(loader, "batch_sampler", None)
-    return batch_sampler._batch_sampler if isinstance(batch_sampler, _IndexBatchSamplerWrapper) else batch_sampler
+    return batch_sampler._batch_sampler if isinstance(batch_sampler, IndexBatchSamplerWrapper) else batch_sampler
 
 
 def sampler_over_dp_ranks(loader: Any, topology: SequenceParallelTopology, loader_name: str) -> None:

@@ -851,3 +851,34 @@ def test_strategy_names_are_registered_by_importing_the_package() -> None:
         result.stdout + result.stderr
     )
     assert "after import: UlyssesStrategy" in result.stdout, result.stdout + result.stderr
+
+
+def test_the_engine_is_chosen_with_trainer_strategy(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--trainer.strategy UlyssesFSDPStrategy`` (or its name, ``strategy="ulysses_fsdp"``) runs FSDP2 instead of
+    DeepSpeed: the config carries the FSDP2 engine's arguments, its layout is checked like DeepSpeed's, and the
+    Trainer the CLI builds holds it."""
+    from lightning_ulysses import UlyssesFSDPStrategy
+    from lightning_ulysses.cli import UlyssesCLI
+
+    fsdp = ["--trainer.strategy", "UlyssesFSDPStrategy", "--trainer.strategy.sp_size", "2"]
+    strategy = yaml.safe_load(print_config(capsys, monkeypatch, *fsdp))["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_ulysses.UlyssesFSDPStrategy"
+    assert strategy["init_args"]["sp_size"] == 2 and "reshard_after_forward" in strategy["init_args"]
+    assert "stage" not in strategy["init_args"]  # DeepSpeed's
+    line = refusal(capsys, monkeypatch, "fit", "--trainer.devices", "2", *fsdp[:2], "--trainer.strategy.sp_size", "3")
+    assert "trainer.strategy.init_args.sp_size=3" in line, line
+    monkeypatch.setattr(sys, "argv", ["lightning-ulysses"])
+    cli = UlyssesCLI(
+        L.LightningModule,
+        L.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        run=False,
+        auto_configure_optimizers=False,
+        args=["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.logger", "false", *fsdp],
+    )
+    assert type(cli.trainer.strategy) is UlyssesFSDPStrategy and cli.trainer.strategy.sp_size == 2
+    by_name = L.Trainer(strategy="ulysses_fsdp", accelerator="cpu", devices=2, logger=False)
+    assert type(by_name.strategy) is UlyssesFSDPStrategy and by_name.strategy.sp_size == 2

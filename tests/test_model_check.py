@@ -568,3 +568,17 @@ def test_known_token_mixers_run_sharded(sp_results: list[dict[str, Any]], name: 
 def test_remove_undoes_every_plan_across_ranks(sp_results: list[dict[str, Any]]) -> None:
     """Whole-sequence rotary, gathered and head-sharded mixers, refusals: the model's attributes as they were."""
     assert [name for rank_results in sp_results for name, got in rank_results.items() if not got["undone"]] == []
+
+
+def test_the_local_index_trap_sees_arange_without_replacing_it() -> None:
+    """The set-up check's trap sees a module's ``torch.arange`` over the shard's length through a mode of this thread:
+    ``torch.arange`` itself stays torch's (it was swapped process-wide before)."""
+    from lightning_ulysses.hf.check.training import local_index_trap
+    from tests.tiny import tiny_llama
+
+    model, arange = tiny_llama(), torch.arange
+    with local_index_trap(model, 8) as found:
+        assert torch.arange is arange
+        model(input_ids=torch.ones(1, 8, dtype=torch.long))  # no position_ids: Llama numbers the tokens itself
+    assert [f.where for f in found] == ["model (LlamaModel)"], found
+    assert "torch.arange at modeling_llama.py:" in found[0].problem

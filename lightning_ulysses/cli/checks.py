@@ -21,7 +21,7 @@ import lightning as L
 from lightning_ulysses.attention import resolve_attn_implementation
 from lightning_ulysses.runtime.directory import POINTER, UNIVERSAL_LATEST, is_universal_checkpoint, saved_global_step
 from lightning_ulysses.runtime.integrity import check_integrity, checkpoint_file_problem
-from lightning_ulysses.strategy import UlyssesStrategy
+from lightning_ulysses.sequence_parallel import SequenceParallelMixin
 from lightning_ulysses.topology import SequenceParallelTopology
 
 LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")  # ckpt_path keywords that Lightning resolves itself
@@ -135,9 +135,9 @@ def _is_a_launched_rank() -> bool:
 
 
 def _ulysses_init_args(strategy: Any) -> Any:
-    """The ``init_args`` of a ``UlyssesStrategy`` given as ``class_path``/``init_args``, else ``None``."""
+    """The ``init_args`` of a Ulysses strategy (either engine) given as ``class_path``/``init_args``, else ``None``."""
     cls = _class_of(getattr(strategy, "class_path", None))
-    return strategy.init_args if cls is not None and issubclass(cls, UlyssesStrategy) else None
+    return strategy.init_args if cls is not None and issubclass(cls, SequenceParallelMixin) else None
 
 
 def _world_size(devices: Any, num_nodes: Any) -> int | None:

@@ -45,6 +45,7 @@ KEYS = """The keys most runs set (every key: the groups below, or --print_config
   -c, --config FILE                       a YAML config: configs/quickstart.yaml, or a run's config.yaml
   --print_config                          print the complete config (every key and value) and exit
   --trainer.devices N                     processes per machine (--trainer.num_nodes: machines)
+  --trainer.strategy UlyssesFSDPStrategy  the FSDP2 engine instead of DeepSpeed (UlyssesStrategy, default)
   --trainer.strategy.init_args.sp_size N  processes that share one sequence; divides devices x num_nodes
   --trainer.strategy.init_args.stage N    DeepSpeed ZeRO stage: 1, 2 or 3
   --data.seq_len N                        tokens per sequence before it is split (seq_len / sp_size each)

@@ -14,9 +14,10 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
-from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import Metric
+
+from lightning_ulysses.engines.lightning import format_summary_table
 
 
 class ModelSummaryWithoutFlops(ModelSummary):
@@ -40,7 +41,7 @@ class ModelSummaryWithoutFlops(ModelSummary):
         **summarize_kwargs: Any,
     ) -> None:
         columns = summary_data if total_flops else [column for column in summary_data if column[0] != "FLOPs"]
-        table = _format_summary_table(
+        table = format_summary_table(
             total_parameters, trainable_parameters, model_size, total_training_modes, total_flops, *columns
         )
         if not total_flops:

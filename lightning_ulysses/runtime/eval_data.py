@@ -22,12 +22,13 @@ from collections.abc import Iterator, Mapping, Sized
 from typing import Any, cast
 
 import torch
-from lightning.fabric.utilities.distributed import DistributedSamplerWrapper, _DatasetSamplerWrapper
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper, _IndexBatchSamplerWrapper
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.utils.data import DistributedSampler
 
+from lightning_ulysses.engines.lightning import DatasetSamplerWrapper, IndexBatchSamplerWrapper
 from lightning_ulysses.sp_loaders import index_batch_sampler
 
 DUPLICATES_KEY = "_ulysses_duplicate_rows"
@@ -43,7 +44,7 @@ def pad_over_dp_ranks(loader: Any) -> Any:
     inner = index_batch_sampler(loader)
     sampler = getattr(inner, "sampler", None)
     if isinstance(sampler, UnrepeatedDistributedSamplerWrapper):
-        original = cast(_DatasetSamplerWrapper, sampler.dataset)._sampler  # the sampler Lightning wrapped
+        original = cast(DatasetSamplerWrapper, sampler.dataset)._sampler  # the sampler Lightning wrapped
         replicas, rank = sampler.num_replicas, sampler.rank
         sampler = DistributedSamplerWrapper(original, num_replicas=replicas, rank=rank, shuffle=False)
         inner.sampler = sampler  # read at every iteration, and by len()
@@ -81,7 +82,7 @@ class MarkDuplicates:
             duplicate = torch.arange(seen, seen + rows) >= self.unique
             seen += rows
             if duplicate.any():
-                if isinstance(batch_sampler, _IndexBatchSamplerWrapper):
+                if isinstance(batch_sampler, IndexBatchSamplerWrapper):
                     del batch_sampler.seen_batch_indices[index][rows - int(duplicate.sum()) :]
                 batch = {**batch, DUPLICATES_KEY: duplicate}
             yield batch

@@ -34,6 +34,8 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
+from lightning_ulysses.engines import deepspeed as deepspeed_engine
+
 NonFiniteLoss = Literal["raise", "skip", "off"]
 MAX_CONSECUTIVE_SKIPS = 10
 """Under ``"skip"``, this many skipped steps in a row end the run: it has diverged; skipping is for rare bad batches."""
@@ -84,7 +86,7 @@ class NonFiniteLossGuard:
                 "nonfinite_loss='skip' relies on DeepSpeed discarding steps with a non-finite gradient norm, which its "
                 "ZeRO stage 0 does not do in fp32. Use stage=1, 2 or 3, or nonfinite_loss='raise'."
             )
-        if engine.bfloat16_enabled() and stage in (1, 2) and not engine._config.bfloat16_config.check_grad_overflow:
+        if engine.bfloat16_enabled() and stage in (1, 2) and not deepspeed_engine.checks_bf16_gradient_overflow(engine):
             raise ValueError(
                 "nonfinite_loss='skip' needs DeepSpeed to check bf16 gradients for overflow: remove "
                 "bf16.check_grad_overflow=false from the DeepSpeed config, or set nonfinite_loss='raise'."

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_ulysses.engines import deepspeed as deepspeed_engine
 from lightning_ulysses.runtime.directory import (
     UNTRAINED_STATE_FILE,
     is_universal_checkpoint,
@@ -70,8 +71,7 @@ def load_checkpoint(
             "trainer.fit. Evaluate from the checkpoint as saved (on its own process count and ZeRO stage) or "
             "from its weights (export_hf_model)."
         )
-    # DeepSpeed reads its "checkpoint.load_universal" setting only when loading, and the engine exists by now
-    engine._config.load_universal_checkpoint = universal
+    deepspeed_engine.set_load_universal_checkpoint(engine, universal)
     # as DeepSpeedStrategy loads, without its check for a tag folder named "checkpoint" (ours are checkpoint-<id>)
     _, checkpoint = engine.load_checkpoint(
         checkpoint_dir,

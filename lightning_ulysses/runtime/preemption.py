@@ -38,11 +38,11 @@ from types import FrameType
 from typing import Any
 
 import torch
-from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_info
 
+from lightning_ulysses.engines.lightning import SignalConnector, hpc_checkpoint_path
 from lightning_ulysses.runtime.failures import flagged_ranks
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ _REQUEUE, _STOP, _INTERRUPT = 0, 1, 2  # the columns of the flag table: SLURM's 
 INTERRUPTED_CHECKPOINT = "interrupted.ckpt"
 
 
-class PreemptionSignals(_SignalConnector):
+class PreemptionSignals(SignalConnector):
     """The Trainer's signal connector, with handlers that only record the signal (see the module docstring).
 
     Lightning registers the handlers as it does its own: SIGTERM always, ``SIGUSR1`` (the environment's
@@ -134,8 +134,7 @@ class PreemptionSignals(_SignalConnector):
 def preemption_checkpoint_path(trainer: Any) -> str:
     """Where preemption saves: the newest ``hpc_ckpt_N.ckpt`` of ``default_root_dir`` (replaced atomically), else
     ``hpc_ckpt_1.ckpt``; Lightning resumes the newest one when the SLURM job starts again."""
-    connector = trainer._checkpoint_connector
-    return connector._hpc_resume_path or connector.hpc_save_path(trainer.default_root_dir)
+    return hpc_checkpoint_path(trainer)
 
 
 def requeue_slurm_job() -> None:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_ulysses.engines import deepspeed as deepspeed_engine
 from lightning_ulysses.runtime.directory import POINTER
 from lightning_ulysses.runtime.resume import rewind_to_step_boundary
 
@@ -176,14 +177,13 @@ class _Writes:
     def recorded(self, engine: Any) -> Iterator[None]:
         """Route ``engine``'s checkpoint writes through this record: its checkpoint engine's ``save`` (every shard)
         and its copy of the ``zero_to_fp32.py`` script (rank 0), an instance attribute over DeepSpeed's method."""
-        checkpoint_engine, copy_script = engine.checkpoint_engine, engine._copy_recovery_script
+        checkpoint_engine = engine.checkpoint_engine
         engine.checkpoint_engine = _RecordingCheckpointEngine(checkpoint_engine, self)
-        engine._copy_recovery_script = lambda save_path: self.run(copy_script, save_path, save_path)
         try:
-            yield
+            with deepspeed_engine.recovery_script_copy_through(engine, lambda copy, path: self.run(copy, path, path)):
+                yield
         finally:
             engine.checkpoint_engine = checkpoint_engine
-            del engine._copy_recovery_script
 
     def run(self, write: Any, path: str, *args: Any) -> None:
         try:

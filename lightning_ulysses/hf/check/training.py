@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from transformers import PreTrainedModel
 
 from lightning_ulysses.hf.check.findings import agreed, module_label
@@ -135,21 +136,19 @@ def local_index_trap(model: nn.Module, length: int) -> Iterator[list[Finding]]:
     """Within the block, report every ``torch.arange`` over ``0 .. length - 1`` (the shard's token indices) that a
     module of ``model`` makes: under SP they are the local indices of one shard, whatever they feed. Such a
     computation may change nothing below some index (Llama4 scales queries by ``log(floor(index / 8192))``), so
-    the short probe cannot see it in the outputs."""
+    the short probe cannot see it in the outputs. The calls are seen through a torch function mode of this thread,
+    entered for the block only: ``torch.arange`` itself is left alone."""
     names = {module: name for name, module in model.named_modules()}
     running: list[nn.Module] = []
     found: list[Finding] = []
-    original = torch.arange
 
-    def arange(*args: Any, **kwargs: Any) -> Tensor:
-        result = original(*args, **kwargs)
+    def seen(result: Tensor, caller: Any) -> None:
         if (
             running
             and result.dim() == 1
             and result.numel() == length
-            and bool((result == original(length, device=result.device, dtype=result.dtype)).all())
+            and bool((result == torch.arange(length, device=result.device, dtype=result.dtype)).all())
         ):
-            caller = sys._getframe(1)
             where = f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno}"
             finding = Finding(
                 module_label(names, running[-1]),
@@ -159,7 +158,6 @@ def local_index_trap(model: nn.Module, length: int) -> Iterator[list[Finding]]:
             )
             if finding not in found:
                 found.append(finding)
-        return result
 
     def enter(module: nn.Module, args: tuple) -> None:
         running.append(module)
@@ -172,10 +170,23 @@ def local_index_trap(model: nn.Module, length: int) -> Iterator[list[Finding]]:
         for module in model.modules()
         for handle in (module.register_forward_pre_hook(enter), module.register_forward_hook(leave))
     ]
-    torch.arange = arange
     try:
-        yield found
+        with _AfterArange(seen):
+            yield found
     finally:
-        torch.arange = original
         for handle in handles:
             handle.remove()
+
+
+class _AfterArange(TorchFunctionMode):
+    """Calls ``seen(result, caller_frame)`` after each ``torch.arange`` made inside it (in this thread)."""
+
+    def __init__(self, seen: Callable[[Tensor, Any], None]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        result = func(*args, **(kwargs or {}))  # the mode is off while it handles a call: no recursion
+        if func is torch.arange:
+            self.seen(result, sys._getframe(1))  # the frame that called torch.arange
+        return result

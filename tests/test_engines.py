@@ -1,0 +1,87 @@
+"""The private names of Lightning, DeepSpeed and torch that the engine adapters (:mod:`lightning_ulysses.engines`) use
+still exist with the signature they are called with: a release that moves one fails here, by name."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
+from lightning.fabric.utilities.data import _auto_add_worker_init_fn
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.data import BatchSampler
+
+from lightning_ulysses.engines import lightning as lightning_engine
+
+
+def parameters(function: Any) -> list[str]:
+    return list(inspect.signature(function).parameters)
+
+
+def test_lightning_private_functions_take_what_the_adapter_passes() -> None:
+    assert parameters(ModelParallelStrategy._setup_distributed) == ["self"]
+    assert parameters(_materialize_distributed_module)[:2] == ["module", "device"]
+    assert parameters(_optimizers_to_device)[:2] == ["optimizers", "device"]
+    assert parameters(_auto_add_worker_init_fn)[:2] == ["dataloader", "rank"]
+    assert parameters(_TrainingEpochLoop._should_accumulate) == ["self"]
+    assert parameters(_validate_device_index_selection) == ["parallel_devices"]
+
+
+def test_lightning_private_attributes_are_where_the_adapter_reads_and_writes_them() -> None:
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
+    assert isinstance(lightning_engine.signal_connector(trainer), _SignalConnector)
+    results = trainer.fit_loop.epoch_loop._results
+    assert isinstance(results, _ResultCollection) and trainer._results is None  # set once a loop runs
+    trainer.state.stage = "train"
+    assert trainer._results is results
+    lightning_engine.set_logged_batch_size(trainer, 3)
+    assert results.batch_size == 3
+    module = L.LightningModule()
+    mesh = object()
+    lightning_engine.set_module_device_mesh(module, mesh)  # type: ignore[arg-type]
+    assert module.device_mesh is mesh
+
+
+def test_lightning_private_classes_and_the_checkpoint_connector() -> None:
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    assert lightning_engine.__all__ == sorted(lightning_engine.__all__)
+    for name in lightning_engine.__all__:
+        assert getattr(lightning_engine, name) is not None, name
+    assert parameters(lightning_engine.format_summary_table)[:2] == ["total_parameters", "trainable_parameters"]
+    assert parameters(lightning_engine.plugin_to_compute_dtype) == ["plugin"]
+    assert hasattr(lightning_engine.IndexBatchSamplerWrapper(BatchSampler([0, 1], 1, False)), "_batch_sampler")
+    assert "_sampler" in vars(lightning_engine.DatasetSamplerWrapper([0, 1]))
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer._checkpoint_connector, _CheckpointConnector)
+    assert hasattr(trainer._checkpoint_connector, "_hpc_resume_path")
+    assert lightning_engine.hpc_checkpoint_path(trainer).endswith("hpc_ckpt_1.ckpt")
+
+
+def test_torch_private_names() -> None:
+    assert "mesh_dim_name" in parameters(DeviceMesh._flatten)
+    assert callable(torch.distributed.distributed_c10d._get_default_store)
+
+
+def test_deepspeed_private_names() -> None:
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+    from deepspeed.utils import groups
+
+    assert hasattr(groups, "_WORLD_GROUP") and hasattr(groups, "_clone_world_group")
+    assert isinstance(deepspeed.ops.__compatible_ops__, dict) and isinstance(ShareMemCommBuilder.NAME, str)
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    assert parameters(DeepSpeedEngine._copy_recovery_script) == ["self", "save_path"]
+    config = DeepSpeedConfig({"train_batch_size": 1, "bf16": {"enabled": True}})
+    assert isinstance(config.bfloat16_config.check_grad_overflow, bool)
+    assert hasattr(config, "load_universal_checkpoint")
