@@ -108,6 +108,18 @@ def whole_position_ids(position_ids: Tensor, group: SequenceParallelGroup) -> Te
     return _gathered(position_ids, group).position_ids
 
 
+def use_whole_rows(
+    position_ids: Tensor, whole: Tensor, documents: dict[int | None, Documents], group: SequenceParallelGroup
+) -> None:
+    """Let :func:`documents_of` and :func:`whole_position_ids` of the ``[B, N/P]`` shard ``position_ids`` read
+    ``whole``, its ``[B, N]`` rows as they were before they were cut (a
+    :class:`~lightning_ulysses.batch.ShardedBatch`'s), with ``documents`` (by chunk size, filled and shared) instead
+    of all-gathering the shards: kept in ``group``'s cache for that tensor (a plain process group keeps nothing)."""
+    cache = cache_of(group)
+    if cache is not None:
+        cache.get(position_ids, lambda: _GatheredPositions(whole, documents))
+
+
 def _gathered(position_ids: Tensor, group: SequenceParallelGroup) -> _GatheredPositions:
     """The whole rows of ``position_ids``, from ``group``'s cache when it has one."""
 

@@ -15,7 +15,10 @@
   place of transformers' loss function, which would shift the labels inside the shard; a model that computes its
   loss otherwise, or adds to it (a router's auxiliary loss, from this shard only), is refused;
 * once per batch it builds what every layer reuses: the documents, the attention backend's plans for each layer
-  pattern, the token mixers' document rows and the tiled MLP's token agreement.
+  pattern, the token mixers' document rows and the tiled MLP's token agreement. Under ``UlyssesStrategy`` the
+  documents are those of the whole position ids of the strategy's :class:`~lightning_ulysses.batch.ShardedBatch`
+  (found before the batch was cut, ``PatchState.batches``); a model called on other position ids, or without the
+  strategy, all-gathers its shard's once per forward.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
 from lightning_ulysses.attention import documents_of, gather_sequence, plan_batch, plan_spans
+from lightning_ulysses.attention.documents import use_whole_rows
+from lightning_ulysses.batch import ShardedBatch
 from lightning_ulysses.groups import SequenceParallelGroup
 from lightning_ulysses.hf.dropout import forward_draws
 from lightning_ulysses.hf.mixers import plan_document_rows
@@ -153,6 +159,9 @@ def _read_batch_layout(kwargs: dict[str, Any], state: PatchState, model: PreTrai
             "every rank but the first."
         )
     position_ids = text_position_ids(position_ids)
+    batch = state.batches() if state.batches is not None else None
+    if batch is not None and _is_shard_of(position_ids, batch):
+        use_whole_rows(position_ids, batch.position_ids, batch.documents_by_chunk, state.group)
     mask = kwargs.pop("attention_mask", None)
     if mask is not None:
         check_foldable_attention_mask(mask, position_ids, state.group)
@@ -166,6 +175,15 @@ def _read_batch_layout(kwargs: dict[str, Any], state: PatchState, model: PreTrai
     if state.agree_tokens is not None:
         tokens = position_ids.shape[-2:].numel()  # [B, N/sp], or [sections, B, N/sp] (multimodal RoPE)
         state.batch_tokens = (tokens, state.agree_tokens(tokens, position_ids.device))
+
+
+def _is_shard_of(position_ids: Tensor, batch: ShardedBatch) -> bool:
+    """Whether ``position_ids [B, N/sp]`` are ``batch``'s shard: the tensor the strategy delivered, or equal to it (a
+    multimodal model's text positions, sliced from the ``[4, B, N/sp]`` that its step built; one host sync)."""
+    shard = batch.inputs.get("position_ids")
+    if position_ids is shard:
+        return True
+    return isinstance(shard, Tensor) and shard.shape == position_ids.shape and torch.equal(shard, position_ids)
 
 
 def _spans_of_batch(token_types: Tensor | None, state: PatchState, model: PreTrainedModel) -> Tensor | None:

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from lightning_ulysses.attention.head_chunks import HeadChunks
+from lightning_ulysses.batch import BatchSource
 from lightning_ulysses.groups import SequenceParallelGroups, as_groups
 from lightning_ulysses.hf.dropout import SequenceParallelRNG
 
@@ -78,6 +79,10 @@ class PatchState:
     labels_loss: LabelsLoss | None = None
     """The loss of a call with ``labels=`` / ``shift_labels=`` (:mod:`lightning_ulysses.hf.forward`); ``None``: the
     model's own (which would shift the labels inside each shard)."""
+    batches: BatchSource | None = None
+    """Where the running :class:`~lightning_ulysses.batch.ShardedBatch` is (``UlyssesStrategy.sharded_batch``): a
+    forward on its shard of position ids reads the documents of its whole rows (:mod:`lightning_ulysses.hf.forward`);
+    ``None``: the forward all-gathers the shard's."""
 
     def __post_init__(self) -> None:
         self.group = as_groups(self.group)
