@@ -5,6 +5,9 @@ when it is first in its row or its position id is 0 (see :mod:`lightning_ulysses
 one host sync (the offsets are copied to the host once); every plan a backend derives from them (SDPA's
 length classes, flex's ``BlockMask``) is built once per batch and kept on the :class:`Documents`, so the
 attention layers, and their recomputation under activation checkpointing, run without host syncs.
+
+The whole rows come from the strategy's :class:`~lightning_ulysses.batch.ShardedBatch`, as they were before the batch
+was cut (:func:`use_whole_rows`, which the patched forward calls); a shard without them is all-gathered once.
 """
 
 from __future__ import annotations
