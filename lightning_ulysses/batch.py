@@ -10,9 +10,10 @@ batch than this rank's shards reads it from there, as data::
                                   └─► the loss (LossContext.batch): padding, repeated rows, the step's token count
 
 The documents are found from the whole position ids, before they were cut (one host sync per batch and chunk size,
-none inside a layer). The repeated rows of evaluation (:mod:`lightning_ulysses.runtime.eval_data`) and the step's
-token count of ``loss_normalization="global"`` (:class:`~lightning_ulysses.loss.StepTokenCounts`) come from the
-strategy's loader wrappers with the batch.
+none inside a layer). The repeated rows of evaluation (:class:`~lightning_ulysses.runtime.eval_data.RepeatedRows`)
+and the step's token count of ``loss_normalization="global"`` (:class:`~lightning_ulysses.loss.StepTokenCounts`) come
+from the strategy's loader wrappers, noted beside the batch, never as keys in it: the batch reaches the
+LightningModule's hooks as the loader made it.
 """
 
 from __future__ import annotations

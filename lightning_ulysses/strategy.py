@@ -88,7 +88,7 @@ from lightning_ulysses.memory import (
     tiled_loss_row,
 )
 from lightning_ulysses.model_checkpoint import keep_last_checkpoint_current
-from lightning_ulysses.runtime.eval_data import DUPLICATES_KEY, drop_rows, pad_over_dp_ranks
+from lightning_ulysses.runtime.eval_data import RepeatedRows, drop_rows, pad_over_dp_ranks
 from lightning_ulysses.runtime.failures import Heartbeat, NonFiniteLoss, NonFiniteLossGuard
 from lightning_ulysses.runtime.load import load_checkpoint
 from lightning_ulysses.runtime.out_of_memory import StepShape, is_out_of_memory, out_of_memory_advice
@@ -231,6 +231,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         self._applied_steps = 0  # Lightning's global step once it has counted the last step DeepSpeed applied
         self._batch: ShardedBatch | None = None  # the running batch (batch_to_device), see sharded_batch
         self._step_tokens: StepTokenCounts | None = None  # the training loader's wrapper under "global"
+        self._repeated_rows = RepeatedRows()  # noted by the evaluation loaders' wrappers, taken per batch
         self._train_batch_shape: tuple[int, int] | None = None  # [B, N] of the last training batch, before padding
         self.check_loss_reduction = check_loss_reduction
         self._exact_loss_reductions = 0  # in the running training step (see check_loss_reduction)
@@ -504,7 +505,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         # global rank, and would give the SP ranks of a group different augmentations; see lightning_ulysses.sp_loaders)
         _auto_add_worker_init_fn(dataloader, self.dp_rank)
         if not trainer.training:
-            return pad_over_dp_ranks(dataloader)
+            return pad_over_dp_ranks(dataloader, self._repeated_rows)
         if is_resumable(dataloader):
             dataloader = ResumableLoader(
                 dataloader, trainer.fit_loop, self.dp_size, lambda: self.optimizer_step_in_flight
@@ -525,10 +526,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
         :class:`~lightning_ulysses.batch.ShardedBatch`, is :attr:`sharded_batch` until the next one."""
         assert self.lightning_module is not None  # attached by the Trainer before its hooks run
         trainer = self.lightning_module.trainer
-        repeated_rows = None
-        if isinstance(batch, Mapping) and DUPLICATES_KEY in batch:
-            batch = dict(batch)
-            repeated_rows = batch.pop(DUPLICATES_KEY)
+        input_ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+        repeated_rows = self._repeated_rows.take(input_ids) if isinstance(input_ids, Tensor) else None
         step_valid_tokens = self._step_tokens.take() if self._step_tokens is not None and trainer.training else None
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if self.sp_size > 1:

@@ -11,6 +11,7 @@ from lightning_ulysses.attention import Documents
 from lightning_ulysses.batch import ShardedBatch, shard_loader_batch
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.loss import StepTokenCounts
+from lightning_ulysses.runtime.eval_data import MarkDuplicates, RepeatedRows
 from lightning_ulysses.sharding import IGNORE_INDEX
 from tests.tiny import tiny_llama
 
@@ -83,3 +84,14 @@ def test_step_token_counts_queue_each_batch_s_step_count_in_order() -> None:
     assert seen == [2 + 4, 2 + 4, 1 + 3, 1 + 3, 5]
     with pytest.raises(RuntimeError, match="did not yield"):
         loader.take()
+
+
+def test_evaluation_repeats_are_noted_beside_the_batch_not_in_it() -> None:
+    repeated = RepeatedRows()
+    batches = [{"input_ids": torch.ones(2, 3, dtype=torch.long)} for _ in range(4)]
+    out = list(MarkDuplicates(batches, unique=5, repeated_rows=repeated))
+    assert [batch.keys() for batch in out] == [{"input_ids"}] * 4  # as the loader made them
+    assert repeated.take(out[0]["input_ids"]) is None  # rows 0, 1: no repeats
+    taken = repeated.take(out[3]["input_ids"])  # the batch of rows 4, 5 was never transferred: forgotten
+    assert taken is not None and taken.tolist() == [True, True]
+    assert repeated.take(out[2]["input_ids"]) is None and repeated.take(out[3]["input_ids"]) is None
