@@ -299,13 +299,14 @@ def _global_token_mean(loss_sum: Tensor, count: Tensor, context: LossContext) ->
             "by wrapping the training loader of Trainer.fit; this loss was computed outside that loop."
         )
     topology = context.groups.topology
-    # evaluation (no gradient): the value, the micro-batch's token mean, needs no step count
     group_step_tokens = (step_valid_tokens or 0) if topology.sp_rank == 0 else 0  # one contribution per SP group
     # fp64: a step's token count can pass fp32's exact integers (2**24)
     totals = torch.tensor([0.0, 0.0, group_step_tokens], dtype=torch.float64, device=loss_sum.device)
     totals[0], totals[1] = loss_sum.detach(), count
     dist.all_reduce(totals)  # over every rank: this micro-batch's sums and the step's tokens of all DP groups
     micro_batch_mean = (totals[0] / totals[1].clamp(min=1)).float()
+    if step_valid_tokens is None:  # evaluation (no gradient): the value alone, which needs no step count
+        return micro_batch_mean
     scaled = loss_sum * (topology.world_size * context.accumulate_grad_batches / totals[2].clamp(min=1)).float()
     return scaled + (micro_batch_mean - scaled).detach()
 
