@@ -448,7 +448,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
             self.sequence_mixers,
             self.head_chunks,
             self._labels_loss,
-            lambda: self._batch,
+            batches=lambda: self._batch,
         )
         # refuses a model whose logits do not tile, before any other option's work
         logit_maps = check_tiled_logits(self.lightning_module) if self.memory.tiled_loss else None

@@ -9,7 +9,6 @@ import lightning_ulysses.attention.documents as documents_module
 from lightning_ulysses import apply_ulysses_attention, prepare_batch, shard_batch
 from lightning_ulysses.attention import Documents
 from lightning_ulysses.batch import ShardedBatch, shard_loader_batch
-from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.loss import StepTokenCounts
 from lightning_ulysses.runtime.eval_data import MarkDuplicates, RepeatedRows
 from lightning_ulysses.sharding import IGNORE_INDEX
@@ -58,8 +57,7 @@ def test_a_forward_on_the_strategy_s_batch_reads_its_documents_without_a_gather(
     batch = {"input_ids": torch.arange(16).view(2, 8) % 50 + 1, "position_ids": positions}
     sharded: list[ShardedBatch] = [shard_loader_batch(batch, 0, 1)]
     model = tiny_llama()
-    groups = SequenceParallelGroups.of(None)
-    apply_ulysses_attention(model, groups, 1, "sdpa", batches=lambda: sharded[0])
+    apply_ulysses_attention(model, None, sp_size=1, core="sdpa", batches=lambda: sharded[0])  # groups of one rank
     inputs = sharded[0].inputs
     calls = _gathers(monkeypatch)
     with_batch = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits
