@@ -338,7 +338,9 @@ class SequenceParallelMonitor(Callback):
         positions, tokens, valid = shard_token_counts(batch)
         flops = 0.0
         if self._flops is not None:
-            whole = gather_sequence(batch["position_ids"], strategy.groups)
+            sharded = strategy.sharded_batch  # this batch, with its whole rows of positions: no all-gather
+            assert sharded is not None  # transferred before this hook
+            whole = sharded.position_ids
             flops = self._flops.batch_flops(whole) / strategy.sp_size  # heads are split: 1/sp of the group's work
         samples = batch["input_ids"].shape[0] if strategy.sp_rank == 0 else 0  # each SP group counts its samples once
         peak, reserved = peak_memory(strategy.root_device)

@@ -33,6 +33,7 @@ the whole sequence, as transformers shifts a whole row. Every exact reduction te
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
@@ -44,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_ulysses.attention import gather_sequence
+from lightning_ulysses.batch import ShardedBatch
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.hf.check.logits import tiled_logit_map
@@ -55,9 +57,6 @@ if TYPE_CHECKING:
     from lightning.pytorch import Trainer
     from transformers import PreTrainedModel
 
-STEP_TOKENS_KEY = "_ulysses_step_valid_tokens"
-"""Batch entry (added by :class:`StepTokenCounts`, removed by the strategy) with the SP group's step token count."""
-
 
 @dataclass(frozen=True)
 class LossContext:
@@ -66,25 +65,31 @@ class LossContext:
 
     ``groups``: the SP groups (the reduction runs over ``groups.sp``); ``normalization``: ``"sp_group"`` or
     ``"global"`` (see the module docstring); ``gradient_scale``: the factor on ``local_sum / group_tokens`` that makes
-    gradients exact (``sp_size`` under DeepSpeed's average over all ranks); ``step_valid_tokens``: under ``"global"``,
-    this SP group's valid tokens in the current optimizer step (``None`` outside the training loop);
-    ``tiled_loss``: the strategy's ``tiled_loss`` setting; ``repeated_rows``: ``[B]`` bool on an evaluation or
-    prediction batch, the rows repeated to even out the DP ranks (``None``: none); ``padding``: ``[B, N/sp]`` bool,
-    this rank's padding tokens (the batch's ``attention_mask`` zeros and the columns
-    :func:`~lightning_ulysses.prepare_batch` appended; ``None``: none), which :func:`labels_loss` never counts;
-    ``accumulate_grad_batches``: the trainer's; ``record_exact_reduction``: called by every SP-exact reduction (the
-    strategy refuses a training step whose loss went through none).
+    gradients exact (``sp_size`` under DeepSpeed's average over all ranks); ``tiled_loss``: the strategy's
+    ``tiled_loss`` setting; ``batch``: the running :class:`~lightning_ulysses.batch.ShardedBatch` (``None`` before
+    the first), whose padding :func:`labels_loss` never counts, whose repeated rows of evaluation count nowhere and
+    whose step token count ``"global"`` divides by; ``accumulate_grad_batches``: the trainer's;
+    ``record_exact_reduction``: called by every SP-exact reduction (the strategy refuses a training step whose loss
+    went through none).
     """
 
     groups: SequenceParallelGroups
     normalization: Literal["sp_group", "global"]
     gradient_scale: float
-    step_valid_tokens: int | None
     tiled_loss: TileSetting
-    repeated_rows: Tensor | None
-    padding: Tensor | None
+    batch: ShardedBatch | None
     accumulate_grad_batches: int
     record_exact_reduction: Callable[[], None]
+
+    @property
+    def repeated_rows(self) -> Tensor | None:
+        """``[B]`` bool: the running batch's rows repeated to even out the DP ranks (``None``: none)."""
+        return None if self.batch is None else self.batch.repeated_rows
+
+    @property
+    def padding(self) -> Tensor | None:
+        """``[B, N/sp]`` bool: this rank's padding tokens of the running batch (``None``: no batch)."""
+        return None if self.batch is None else self.batch.padding
 
 
 def token_cross_entropy(
@@ -158,16 +163,6 @@ def next_token_labels(labels: Tensor, context: LossContext, ignore_index: int = 
     if context.repeated_rows is not None:
         local = local.masked_fill(context.repeated_rows.to(local.device)[:, None], ignore_index)
     return local
-
-
-def padding_tokens(batch: Mapping[str, Tensor], prepared: Mapping[str, Tensor]) -> Tensor:
-    """``[B, N']`` bool: the padding tokens of ``prepared``, :func:`~lightning_ulysses.prepare_batch` of ``batch``:
-    the columns it appended and the zeros of the batch's ``attention_mask``."""
-    padding = torch.zeros_like(prepared["input_ids"], dtype=torch.bool)
-    padding[:, batch["input_ids"].shape[1] :] = True
-    if "attention_mask" in prepared:
-        padding |= prepared["attention_mask"] == 0
-    return padding
 
 
 class UlyssesLossMixin:
@@ -297,27 +292,32 @@ class UlyssesLossMixin:
 
 def _global_token_mean(loss_sum: Tensor, count: Tensor, context: LossContext) -> Tensor:
     """``loss_normalization="global"``: the gradient of ``sum(all token losses of the step) / T_step``."""
-    if context.step_valid_tokens is None:
+    step_valid_tokens = None if context.batch is None else context.batch.step_valid_tokens
+    if step_valid_tokens is None and loss_sum.requires_grad:
         raise RuntimeError(
             "loss_normalization='global' needs each training batch's step token count, which UlyssesStrategy adds "
             "by wrapping the training loader of Trainer.fit; this loss was computed outside that loop."
         )
     topology = context.groups.topology
-    group_step_tokens = context.step_valid_tokens if topology.sp_rank == 0 else 0  # one contribution per SP group
+    group_step_tokens = (step_valid_tokens or 0) if topology.sp_rank == 0 else 0  # one contribution per SP group
     # fp64: a step's token count can pass fp32's exact integers (2**24)
     totals = torch.tensor([0.0, 0.0, group_step_tokens], dtype=torch.float64, device=loss_sum.device)
     totals[0], totals[1] = loss_sum.detach(), count
     dist.all_reduce(totals)  # over every rank: this micro-batch's sums and the step's tokens of all DP groups
     micro_batch_mean = (totals[0] / totals[1].clamp(min=1)).float()
+    if step_valid_tokens is None:  # evaluation (no gradient): the value alone, which needs no step count
+        return micro_batch_mean
     scaled = loss_sum * (topology.world_size * context.accumulate_grad_batches / totals[2].clamp(min=1)).float()
     return scaled + (micro_batch_mean - scaled).detach()
 
 
 class StepTokenCounts:
     """Wraps a training loader: reads each optimizer step's ``accumulate`` batches ahead, counts their valid
-    next-token labels (as :func:`~lightning_ulysses.prepare_batch` sets them) and adds the step's count to
-    every batch of the step as ``STEP_TOKENS_KEY``. Everything else is the wrapped loader's (sampler,
-    length), so Lightning still sets the sampler's epoch.
+    next-token labels (as :func:`~lightning_ulysses.prepare_batch` sets them) and yields the batches as they are,
+    queueing the step's count once per batch, in order: the strategy :meth:`take` s the count of each batch it
+    transfers (Lightning transfers the batches in the order the loader yields them) into its
+    :class:`~lightning_ulysses.batch.ShardedBatch`. Everything else is the wrapped loader's (sampler, length), so
+    Lightning still sets the sampler's epoch.
 
     Steps are grouped from where the epoch's iteration starts (its first batch, or the step boundary a
     checkpoint resumes at), as Lightning groups micro-batches, and never reach past the batches that the epoch
@@ -328,6 +328,7 @@ class StepTokenCounts:
         self.loader = loader
         self.accumulate = accumulate
         self.remaining_batches = remaining_batches
+        self._counts: deque[int] = deque()  # of the batches yielded and not yet taken
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.loader, name)
@@ -335,10 +336,18 @@ class StepTokenCounts:
     def __len__(self) -> int:
         return len(self.loader)
 
+    def take(self) -> int:
+        """The step token count of the oldest batch yielded and not yet taken."""
+        if not self._counts:
+            raise RuntimeError("A training batch was transferred that StepTokenCounts did not yield.")
+        return self._counts.popleft()
+
     def __iter__(self) -> Iterator[Any]:
+        self._counts.clear()  # what an interrupted iteration (a fit stopped inside an epoch) left
         remaining = self.remaining_batches()
         batches = islice(self.loader, None if remaining == float("inf") else int(remaining))
         while step := list(islice(batches, self.accumulate)):
             tokens = sum(int((prepare_batch(batch, 1)["shift_labels"] != IGNORE_INDEX).sum()) for batch in step)
             for batch in step:
-                yield {**batch, STEP_TOKENS_KEY: torch.tensor(tokens)}
+                self._counts.append(tokens)
+                yield batch

@@ -63,12 +63,13 @@ from lightning_ulysses.attention import gather_sequence, resolve_attn_implementa
 from lightning_ulysses.attention.collectives import gather_from_ranks
 from lightning_ulysses.attention.head_chunks import HeadChunks, check_head_chunks
 from lightning_ulysses.attention.ring_blocks import check_block_kernels
+from lightning_ulysses.batch import ShardedBatch, shard_loader_batch
 from lightning_ulysses.engines import lightning as lightning_engine
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.hf.apply import patches
 from lightning_ulysses.hf.check.logits import check_tiled_logits
-from lightning_ulysses.loss import STEP_TOKENS_KEY, LossContext, StepTokenCounts, labels_loss, padding_tokens
+from lightning_ulysses.loss import LossContext, StepTokenCounts, labels_loss
 from lightning_ulysses.memory import (
     MemoryOptions,
     MemoryReport,
@@ -79,20 +80,16 @@ from lightning_ulysses.memory import (
     tiled_loss_row,
 )
 from lightning_ulysses.model_checkpoint import keep_last_checkpoint_current
-from lightning_ulysses.runtime.eval_data import DUPLICATES_KEY, drop_rows, pad_over_dp_ranks
+from lightning_ulysses.runtime.eval_data import RepeatedRows, drop_rows, pad_over_dp_ranks
 from lightning_ulysses.runtime.failures import Heartbeat, NonFiniteLoss, NonFiniteLossGuard
 from lightning_ulysses.runtime.out_of_memory import StepShape, is_out_of_memory, out_of_memory_advice
 from lightning_ulysses.runtime.preemption import PreemptionSignals
 from lightning_ulysses.runtime.resume import ResumableLoader, is_resumable
-from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
 from lightning_ulysses.sp_loaders import check_sp_group_agreement, sampler_over_dp_ranks, warn_on_forked_workers
 from lightning_ulysses.topology import SequenceParallelTopology, auto_ring_size, check_ring_size, divisors
 from lightning_ulysses.train_mode import train_loaded_models
 
 log = logging.getLogger(__name__)
-
-PADDING_KEY = "_ulysses_padding"
-"""Prepared-batch entry (added and removed by ``batch_to_device``) that carries the padding tokens through sharding."""
 
 
 class SequenceParallelMixin(ParallelStrategy):
@@ -220,14 +217,14 @@ class SequenceParallelMixin(ParallelStrategy):
         if loss_normalization not in ("sp_group", "global"):
             raise ValueError(f"loss_normalization must be 'sp_group' or 'global', got {loss_normalization!r}.")
         self.loss_normalization = loss_normalization
-        self.step_valid_tokens: int | None = None  # "global": this SP group's valid tokens in the current step
         self.nonfinite_loss = NonFiniteLossGuard(nonfinite_loss)
         self._topology: SequenceParallelTopology | None = None
         self._groups: SequenceParallelGroups | None = None
         self._heartbeat: Heartbeat | None = None
         self._applied_steps = 0  # Lightning's global step once it has counted the last step the engine applied
-        self._repeated_rows: Tensor | None = None  # evaluation / prediction: [B] bool, the current batch's repeats
-        self._padding: Tensor | None = None  # [B, N/sp] bool, the current batch's padding tokens on this rank
+        self._batch: ShardedBatch | None = None  # the running batch (batch_to_device), see sharded_batch
+        self._step_tokens: StepTokenCounts | None = None  # the training loader's wrapper under "global"
+        self._repeated_rows = RepeatedRows()  # noted by the evaluation loaders' wrappers, taken per batch
         self._train_batch_shape: tuple[int, int] | None = None  # [B, N] of the last training batch, before padding
         self.check_loss_reduction = check_loss_reduction
         self._exact_loss_reductions = 0  # in the running training step (see check_loss_reduction)
@@ -313,13 +310,20 @@ class SequenceParallelMixin(ParallelStrategy):
             self.groups,
             self.loss_normalization,
             self.loss_gradient_scale,
-            self.step_valid_tokens,
             self.memory.tiled_loss,
-            self._repeated_rows,
-            self._padding,
+            self._batch,
             self.lightning_module.trainer.accumulate_grad_batches,
             self._record_exact_reduction,
         )
+
+    @property
+    def sharded_batch(self) -> ShardedBatch | None:
+        """The batch this rank is running, as :meth:`batch_to_device` cut it (:class:`~lightning_ulysses.batch.
+        ShardedBatch`: the step's input shards, the whole position ids and their documents, the padding, the repeated
+        rows of evaluation, the step's token count), from its transfer until the next batch's; ``None`` before the
+        first. The patched models read their documents from it (no all-gather of the position ids), the loss its
+        padding, repeated rows and token count (:attr:`loss_context`)."""
+        return self._batch
 
     def _record_exact_reduction(self) -> None:
         self._exact_loss_reductions += 1
@@ -424,6 +428,7 @@ class SequenceParallelMixin(ParallelStrategy):
             self.sequence_mixers,
             self.head_chunks,
             self._labels_loss,
+            batches=lambda: self._batch,
         )
         # refuses a model whose logits do not tile, before any other option's work
         logit_maps = check_tiled_logits(self.lightning_module) if self.memory.tiled_loss else None
@@ -460,14 +465,14 @@ class SequenceParallelMixin(ParallelStrategy):
         # global rank, and would give the SP ranks of a group different augmentations; see lightning_ulysses.sp_loaders)
         lightning_engine.add_worker_init_fn(dataloader, self.dp_rank)
         if not trainer.training:
-            return pad_over_dp_ranks(dataloader)
+            return pad_over_dp_ranks(dataloader, self._repeated_rows)
         if is_resumable(dataloader):
             dataloader = ResumableLoader(
                 dataloader, trainer.fit_loop, self.dp_size, lambda: self.optimizer_step_in_flight
             )
         if self.loss_normalization == "global":
             fit_loop = trainer.fit_loop
-            dataloader = StepTokenCounts(
+            dataloader = self._step_tokens = StepTokenCounts(
                 dataloader,
                 trainer.accumulate_grad_batches,
                 lambda: fit_loop.max_batches - fit_loop.epoch_loop.batch_progress.current.ready,
@@ -476,30 +481,25 @@ class SequenceParallelMixin(ParallelStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        self._repeated_rows = None
-        if isinstance(batch, Mapping) and (STEP_TOKENS_KEY in batch or DUPLICATES_KEY in batch):
-            batch = dict(batch)
-            if STEP_TOKENS_KEY in batch:
-                self.step_valid_tokens = int(batch.pop(STEP_TOKENS_KEY))
-            if DUPLICATES_KEY in batch:
-                self._repeated_rows = batch.pop(DUPLICATES_KEY)
+        """The loader's ``batch`` on the device, checked to be the same on every rank of the SP group, and cut to this
+        rank's shards: the dict that the LightningModule's step receives. The whole batch, as one
+        :class:`~lightning_ulysses.batch.ShardedBatch`, is :attr:`sharded_batch` until the next one."""
+        assert self.lightning_module is not None  # attached by the Trainer before its hooks run
+        trainer = self.lightning_module.trainer
+        input_ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+        repeated_rows = self._repeated_rows.take(input_ids) if isinstance(input_ids, Tensor) else None
+        step_valid_tokens = self._step_tokens.take() if self._step_tokens is not None and trainer.training else None
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if self.sp_size > 1:
-            assert self.lightning_module is not None  # attached by the Trainer before its hooks run
-            loader_name = _loader_name(self.lightning_module.trainer, dataloader_idx)
             sp_group = self.sp_group
             assert sp_group is not None  # set up, with more than one rank
-            check_sp_group_agreement(batch, sp_group, device or self.root_device, loader_name)
-        prepared = prepare_batch(batch, self.sp_size, self.ring_size)
-        if self.lightning_module is not None and self.lightning_module.trainer.training:  # for the out-of-memory line
-            batch_size, seq_len = batch["input_ids"].shape
-            self._train_batch_shape = (batch_size, seq_len)
-        prepared[PADDING_KEY] = padding_tokens(batch, prepared)
-        batch = shard_batch(prepared, self.sp_rank, self.sp_size, self.ring_size)
-        self._padding = batch.pop(PADDING_KEY)
-        if self._repeated_rows is not None:  # repeated to even out the DP ranks: no token of theirs counts
-            batch["shift_labels"][self._repeated_rows.to(batch["shift_labels"].device)] = IGNORE_INDEX
-        return batch
+            check_sp_group_agreement(batch, sp_group, device or self.root_device, _loader_name(trainer, dataloader_idx))
+        self._batch = shard_loader_batch(
+            batch, self.sp_rank, self.sp_size, self.ring_size, repeated_rows, step_valid_tokens
+        )
+        if trainer.training:  # for the out-of-memory line
+            self._train_batch_shape = self._batch.loaded_shape
+        return self._batch.inputs
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -533,7 +533,7 @@ class SequenceParallelMixin(ParallelStrategy):
     def repeated_rows(self) -> Tensor | None:
         """``[B]`` bool on the current evaluation or prediction batch: True for the rows that the distributed sampler
         repeated to even out the DP ranks (their ``shift_labels`` are all ``-100``); ``None`` when it has none."""
-        return self._repeated_rows
+        return None if self._batch is None else self._batch.repeated_rows
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -550,8 +550,8 @@ class SequenceParallelMixin(ParallelStrategy):
         batch size (the batch's length unless ``self.log`` is given ``batch_size``): count a batch's real rows only,
         so that its repeats weigh 0 (a batch of repeats, whose labels are all masked, weighs nothing)."""
         assert self.lightning_module is not None  # attached by the Trainer before its hooks run
-        if self._repeated_rows is not None:
-            lightning_engine.set_logged_batch_size(self.lightning_module.trainer, int((~self._repeated_rows).sum()))
+        if self.repeated_rows is not None:
+            lightning_engine.set_logged_batch_size(self.lightning_module.trainer, int((~self.repeated_rows).sum()))
 
     @property
     def optimizer_step_in_flight(self) -> bool:
@@ -563,9 +563,9 @@ class SequenceParallelMixin(ParallelStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         output = super().predict_step(*args, **kwargs)
-        if self._repeated_rows is None:
+        if self.repeated_rows is None:
             return output
-        keep = ~self._repeated_rows
+        keep = ~self.repeated_rows
         drop_rows(args[0] if args else kwargs["batch"], keep)  # the batch that on_predict_batch_end and writers see
         return drop_rows(output, keep)
 
@@ -635,6 +635,7 @@ class SequenceParallelMixin(ParallelStrategy):
             self._heartbeat.stop()
             self._heartbeat = None
         self._train_batch_shape = None
+        self._batch = self._step_tokens = None
         super().teardown()
 
 

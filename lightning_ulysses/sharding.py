@@ -201,11 +201,17 @@ def shard_batch(batch: Mapping[str, Any], sp_rank: int, sp_size: int, ring_size:
             "call prepare_batch first."
         )
     per_token = set(_classify(batch, batch["input_ids"].shape[0], seq_len))
+    return {
+        key: shard_sequence(value, sp_rank, sp_size, ring_size) if key in per_token else value
+        for key, value in batch.items()
+    }
+
+
+def shard_sequence(tensor: Tensor, sp_rank: int, sp_size: int, ring_size: int = 1) -> Tensor:
+    """``[B, N, ...] -> [B, N / sp_size, ...]``: SP rank ``sp_rank``'s columns of one whole-sequence tensor, as
+    :func:`shard_batch` cuts them."""
+    seq_len = tensor.shape[1]
     local = seq_len // sp_size
     if ring_size == 1:
-        return {
-            key: value[:, sp_rank * local : (sp_rank + 1) * local] if key in per_token else value
-            for key, value in batch.items()
-        }
-    index = shard_index(seq_len, sp_rank, sp_size, ring_size).to(batch["input_ids"].device)
-    return {key: value.index_select(1, index) if key in per_token else value for key, value in batch.items()}
+        return tensor[:, sp_rank * local : (sp_rank + 1) * local]
+    return tensor.index_select(1, shard_index(seq_len, sp_rank, sp_size, ring_size).to(tensor.device))

@@ -4,7 +4,7 @@ Tile counts must agree across ranks: under ZeRO-3 every call of a tiled module g
 (a collective). An ``int`` is used as is, with empty tiles where a rank has fewer tokens
 (``Tensor.tensor_split`` always makes exactly that many); ``True`` picks ``ceil(tokens / hidden_size)``
 (a tile's transient tensors are then about the size of one weight matrix), maximised over all ranks: in a patched
-model the token count is agreed once per batch by its forward (``PatchState.batch_tokens``), so a tiled MLP call
+model the token count is agreed once per batch by its forward (``PatchState.forward.tokens``), so a tiled MLP call
 and its recomputation run no collective and no host sync.
 """
 

@@ -27,6 +27,7 @@ from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
 
+import lightning_ulysses.attention.documents as documents_module
 from lightning_ulysses import UlyssesStrategy, sp_loaders
 from lightning_ulysses.sp_loaders import (
     batch_fingerprint,
@@ -180,6 +181,24 @@ class CollectiveCounter:
             setattr(dist, name, original)
 
 
+class PositionGathers:
+    """Counts the all-gathers of position ids that finding the documents runs once a batch has been transferred
+    (the set-up check's probes, before any batch, gather theirs)."""
+
+    def __init__(self, strategy: UlyssesStrategy) -> None:
+        self.count = 0
+        self.original = documents_module.gather_sequence
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count += strategy.sharded_batch is not None
+            return self.original(*args, **kwargs)
+
+        documents_module.gather_sequence = counted
+
+    def restore(self) -> None:
+        documents_module.gather_sequence = self.original
+
+
 class InfoMessages(logging.Handler):
     """Collects the messages of Lightning's loggers (where ``rank_zero_info`` writes)."""
 
@@ -200,11 +219,14 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
         module = RecordingLM()
         strategy = UlyssesStrategy(sp_size=sp, stage=2, attn_implementation="sdpa")
         counter = CollectiveCounter(strategy) if sp == 2 else None
+        gathers = PositionGathers(strategy) if sp == 2 else None
         messages.messages.clear()
         _trainer(WORLD_SIZE, strategy, max_steps=STEPS).fit(module, datamodule=DDPStyleData())
-        if counter is not None:
+        if counter is not None and gathers is not None:
             counter.restore()
+            gathers.restore()
             result["collectives"] = counter.calls
+            result["position_gathers"] = gathers.count
         result[f"sp{sp}"] = {
             "losses": module.losses,
             "params": {n: p.detach().clone() for n, p in module.model.named_parameters()},
@@ -290,6 +312,15 @@ def test_the_check_costs_one_small_all_gather_over_the_sp_group_per_batch(result
         assert len(calls) == STEPS + 2  # the sanity check's 2 validation batches, then the training steps
         for batch_calls in calls:
             assert batch_calls == [("all_gather", 2, result["sp2"]["sp_group"])]
+
+
+def test_the_steps_read_the_documents_of_the_whole_batch_without_gathering_positions(
+    results: list[dict[str, Any]],
+) -> None:
+    """The patched model's forward, in training and validation steps, finds its documents from the strategy's
+    ShardedBatch (the whole position ids before they were cut), not by all-gathering its shard of them."""
+    assert all(len(result["collectives"]) >= STEPS for result in results)  # the steps ran
+    assert [result["position_gathers"] for result in results] == [0] * WORLD_SIZE
 
 
 def test_sp_ranks_given_different_rows_are_refused_at_the_first_batch(results: list[dict[str, Any]]) -> None:

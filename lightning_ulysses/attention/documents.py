@@ -5,6 +5,9 @@ when it is first in its row or its position id is 0 (see :mod:`lightning_ulysses
 one host sync (the offsets are copied to the host once); every plan a backend derives from them (SDPA's
 length classes, flex's ``BlockMask``) is built once per batch and kept on the :class:`Documents`, so the
 attention layers, and their recomputation under activation checkpointing, run without host syncs.
+
+The whole rows come from the strategy's :class:`~lightning_ulysses.batch.ShardedBatch`, as they were before the batch
+was cut (:func:`use_whole_rows`, which the patched forward calls); a shard without them is all-gathered once.
 """
 
 from __future__ import annotations
@@ -105,6 +108,16 @@ def whole_position_ids(position_ids: Tensor, group: SequenceParallelGroups) -> T
     """The whole ``[B, N]`` rows, in sequence order, of the ``[B, N/P]`` shard ``position_ids`` of global position ids:
     all-gathered once per tensor and kept with its documents (see :func:`documents_of`; no host sync)."""
     return _gathered(position_ids, group).position_ids
+
+
+def use_whole_rows(
+    position_ids: Tensor, whole: Tensor, documents: dict[int | None, Documents], group: SequenceParallelGroups
+) -> None:
+    """Let :func:`documents_of` and :func:`whole_position_ids` of the ``[B, N/P]`` shard ``position_ids`` read
+    ``whole``, its ``[B, N]`` rows as they were before they were cut (a
+    :class:`~lightning_ulysses.batch.ShardedBatch`'s), with ``documents`` (by chunk size, filled and shared) instead
+    of all-gathering the shards: kept in ``group``'s cache for that tensor."""
+    group.cache.get(position_ids, lambda: _GatheredPositions(whole, documents))
 
 
 def _gathered(position_ids: Tensor, group: SequenceParallelGroups) -> _GatheredPositions:

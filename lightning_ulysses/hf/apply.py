@@ -141,15 +141,16 @@ def sequence_parallel_disabled(model: nn.Module) -> Iterator[None]:
     model's own loss. Not collective.
     """
     states = [patch.state for patch in patches(model)]
-    saved = [(state.group, state.sp_size, state.labels_loss) for state in states]
+    saved = [(state.group, state.sp_size, state.labels_loss, state.batches) for state in states]
     local = SequenceParallelGroups.of(None)  # its cache keeps the block's documents
     try:
         for state in states:
-            state.group, state.sp_size, state.labels_loss = local, 1, None  # labels=: the model's own loss
+            # labels=: the model's own loss; the documents: those of the whole sequences it is called with
+            state.group, state.sp_size, state.labels_loss, state.batches = local, 1, None, None
         yield
     finally:
-        for state, (group, sp_size, labels_loss) in zip(states, saved, strict=True):
-            state.group, state.sp_size, state.labels_loss = group, sp_size, labels_loss
+        for state, (group, sp_size, labels_loss, batches) in zip(states, saved, strict=True):
+            state.group, state.sp_size, state.labels_loss, state.batches = group, sp_size, labels_loss, batches
 
 
 @contextmanager

@@ -15,7 +15,10 @@
   place of transformers' loss function, which would shift the labels inside the shard; a model that computes its
   loss otherwise, or adds to it (a router's auxiliary loss, from this shard only), is refused;
 * once per batch it builds what every layer reuses: the documents, the attention backend's plans for each layer
-  pattern, the token mixers' document rows and the tiled MLP's token agreement.
+  pattern, the token mixers' document rows and the tiled MLP's token agreement. Under ``UlyssesStrategy`` the
+  documents are those of the whole position ids of the strategy's :class:`~lightning_ulysses.batch.ShardedBatch`
+  (found before the batch was cut, ``PatchState.batches``); a model called on other position ids, or without the
+  strategy, all-gathers its shard's once per forward.
 """
 
 from __future__ import annotations
@@ -23,16 +26,20 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
 from lightning_ulysses.attention import documents_of, gather_sequence, plan_batch, plan_spans
+from lightning_ulysses.attention.documents import use_whole_rows
+from lightning_ulysses.batch import ShardedBatch
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf.dropout import forward_draws
 from lightning_ulysses.hf.mixers import plan_document_rows
-from lightning_ulysses.hf.state import LabelsLoss, PatchState
+from lightning_ulysses.hf.state import ForwardBatch, LabelsLoss, PatchState
 from lightning_ulysses.sharding import IGNORE_INDEX
 
 
@@ -44,7 +51,8 @@ def guarded_forward(model: PreTrainedModel, state: PatchState) -> Any:
     @functools.wraps(forward)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         if not state.enabled:
-            state.batch_tokens = None  # agreed for another batch
+            if state.forward is not None:
+                state.forward = replace(state.forward, tokens=None)  # agreed for another batch
             return forward(*args, **kwargs)
         kwargs["use_cache"] = False
         if state.depth == 0:
@@ -52,13 +60,15 @@ def guarded_forward(model: PreTrainedModel, state: PatchState) -> Any:
         elif (
             takes_position_ids
             and kwargs.get("position_ids") is None
-            and _tokens(args, kwargs) == _tokens((), {"input_ids": state.position_ids})
+            and state.forward is not None
+            and _tokens(args, kwargs) == _tokens((), {"input_ids": state.forward.position_ids})
         ):
-            kwargs["position_ids"] = state.position_ids  # an outer model that does not pass them on (transformers
-            # would number this shard's tokens from 0)
+            kwargs["position_ids"] = state.forward.position_ids  # an outer model that does not pass them on
+            # (transformers would number this shard's tokens from 0)
         if not takes_position_ids:
             kwargs.pop("position_ids", None)
-        draws = forward_draws(state.rng, model, state.depth == 0, state.position_ids)
+        positions = None if state.forward is None else state.forward.position_ids
+        draws = forward_draws(state.rng, model, state.depth == 0, positions)
         labels_loss = state.labels_loss if state.depth == 0 and _has_labels(kwargs) else None
         state.depth += 1
         try:
@@ -142,8 +152,8 @@ def _tokens(args: tuple, kwargs: dict[str, Any]) -> int | None:
 
 
 def _read_batch_layout(kwargs: dict[str, Any], state: PatchState, model: PreTrainedModel) -> None:
-    """Keep the batch's position ids for the attention layers and build, once per batch, what every layer reuses:
-    the documents and the attention backend's plans for each layer pattern, and the MLP tile agreement."""
+    """Build, once per batch, what every layer reuses: the documents and the attention backend's plans for each layer
+    pattern, the MLP tile agreement, and the :class:`ForwardBatch` the layers read (``state.forward``)."""
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
         raise ValueError(
@@ -153,19 +163,32 @@ def _read_batch_layout(kwargs: dict[str, Any], state: PatchState, model: PreTrai
             "every rank but the first."
         )
     position_ids = text_position_ids(position_ids)
+    batch = state.batches() if state.batches is not None else None
+    if batch is not None and _is_shard_of(position_ids, batch):
+        use_whole_rows(position_ids, batch.position_ids, batch.documents_by_chunk, state.group)
     mask = kwargs.pop("attention_mask", None)
     if mask is not None:
         check_foldable_attention_mask(mask, position_ids, state.group)
-    state.position_ids = position_ids
-    state.spans = _spans_of_batch(kwargs.get("token_type_ids"), state, model)
+    spans = _spans_of_batch(kwargs.get("token_type_ids"), state, model)
     plan_batch(position_ids, state.group, state.core, _layer_patterns(model))
-    if state.spans is not None:
-        plan_spans(state.spans, position_ids, state.group)
+    if spans is not None:
+        plan_spans(spans, position_ids, state.group)
     if state.sharded_mixers:
         plan_document_rows(position_ids, state.group)
+    agreed = None
     if state.agree_tokens is not None:
         tokens = position_ids.shape[-2:].numel()  # [B, N/sp], or [sections, B, N/sp] (multimodal RoPE)
-        state.batch_tokens = (tokens, state.agree_tokens(tokens, position_ids.device))
+        agreed = (tokens, state.agree_tokens(tokens, position_ids.device))
+    state.forward = ForwardBatch(position_ids, spans, agreed)
+
+
+def _is_shard_of(position_ids: Tensor, batch: ShardedBatch) -> bool:
+    """Whether ``position_ids [B, N/sp]`` are ``batch``'s shard: the tensor the strategy delivered, or equal to it (a
+    multimodal model's text positions, sliced from the ``[4, B, N/sp]`` that its step built; one host sync)."""
+    shard = batch.inputs.get("position_ids")
+    if position_ids is shard:
+        return True
+    return isinstance(shard, Tensor) and shard.shape == position_ids.shape and torch.equal(shard, position_ids)
 
 
 def _spans_of_batch(token_types: Tensor | None, state: PatchState, model: PreTrainedModel) -> Tensor | None:

@@ -126,14 +126,14 @@ def _hf_ulysses_attention(
         value.transpose(1, 2),
         group=state.group,
         attn_fn=state.core,
-        position_ids=state.position_ids,
+        position_ids=None if state.forward is None else state.forward.position_ids,
         scale=scaling,
         dropout_p=dropout,
         window=plan.pattern.window,
         chunk=plan.pattern.chunk,
         sinks=kwargs["s_aux"] if plan.sinks else None,
         head_chunks=None if plan.projection_chunks else state.head_chunks,  # the module runs in chunks around it
-        bidirectional=state.spans if plan.pattern.spans else None,
+        bidirectional=state.forward.spans if plan.pattern.spans and state.forward is not None else None,
     )
     return out.contiguous(), None  # as transformers' kernels return it: models .view() it
 

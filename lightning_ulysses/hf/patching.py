@@ -25,6 +25,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from lightning_ulysses.attention.head_chunks import HeadChunks
+from lightning_ulysses.batch import BatchSource
 from lightning_ulysses.groups import SequenceParallelGroupLike, SequenceParallelGroups
 from lightning_ulysses.heads import plan_heads
 from lightning_ulysses.hf.apply import Patch, patch_of
@@ -41,6 +42,7 @@ def apply_ulysses_attention(
     sequence_mixers: SequenceMixers = "refuse",
     head_chunks: HeadChunks | None = None,
     labels_loss: LabelsLoss | None = None,
+    batches: BatchSource | None = None,
     *,
     sp_size: int | None = None,
 ) -> None:
@@ -60,7 +62,10 @@ def apply_ulysses_attention(
     ``ulysses_attention(head_chunks=...)``, or, where the set-up check finds its projections narrow per head, the
     attention module run per chunk (:mod:`lightning_ulysses.hf.projections`). In training the models draw their
     random numbers (dropout) from this SP rank's stream, seeded here from ``torch.initial_seed()`` and the SP rank
-    (:mod:`lightning_ulysses.hf.dropout`). Idempotent.
+    (:mod:`lightning_ulysses.hf.dropout`). ``labels_loss``: the loss of a call with ``labels=`` (``None``: the
+    model's own); ``batches``: the strategy's running :class:`~lightning_ulysses.batch.ShardedBatch`, whose documents
+    a forward on its position ids reads instead of all-gathering them (``None``: every forward gathers its shard's).
+    Idempotent.
     """
     if not isinstance(core, str):
         raise TypeError(
@@ -97,6 +102,7 @@ def apply_ulysses_attention(
                 head_chunks=head_chunks,
                 rng=rng,
                 labels_loss=labels_loss,
+                batches=batches,
             ),
         )
         try:

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from lightning_ulysses.attention.head_chunks import HeadChunks
+from lightning_ulysses.batch import BatchSource
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf.dropout import SequenceParallelRNG
 
@@ -34,9 +35,28 @@ class UnsupportedModelError(ValueError):
     """
 
 
+@dataclass(frozen=True)
+class ForwardBatch:
+    """What the outermost patched forward read from its call, for every layer of that forward and of its recomputation
+    in the backward (the next outermost forward replaces it).
+
+    ``position_ids``: ``[B, N/sp]`` the global text positions of the shard (the documents are found from them, or from
+    the strategy's :class:`~lightning_ulysses.batch.ShardedBatch` they belong to); ``spans``: ``[B, N/sp]`` bool, the
+    shard's tokens of bidirectional spans (``PatchState.token_types == "spans"`` and the model was given
+    ``token_type_ids``), else ``None``; ``tokens``: ``(this rank's tokens, the most tokens of any rank)``, agreed once
+    per batch when ``PatchState.agree_tokens`` is set, else ``None``.
+    """
+
+    position_ids: Tensor
+    spans: Tensor | None = None
+    tokens: tuple[int, int] | None = None
+
+
 @dataclass
 class PatchState:
-    """Shared by every module that one :func:`~lightning_ulysses.apply_ulysses_attention` call patched."""
+    """Shared by every module that one :func:`~lightning_ulysses.apply_ulysses_attention` call patched: the patch's
+    configuration, the switches of its forward (``enabled``, ``depth``, ``probe``) and, as one object, what the latest
+    outermost forward read from its batch (``forward``)."""
 
     group: SequenceParallelGroups
     """The SP groups the patched layers run over (their own view for a model patched without the strategy's:
@@ -44,8 +64,6 @@ class PatchState:
     their cache whatever it was given."""
     core: str
     sp_size: int
-    position_ids: Tensor | None = None
-    """``[B, N/sp]`` global position ids of the shard of the latest forward (kept for recomputation in backward)."""
     enabled: bool = True
     """``False`` inside :func:`~lightning_ulysses.hf.apply.unpatched`: the model runs as plain transformers."""
     depth: int = 0
@@ -60,15 +78,10 @@ class PatchState:
     """Set by ``tiled_mlp=True`` (:mod:`lightning_ulysses.memory`): ``(tokens, device) -> the most tokens of any rank``,
     agreed once per batch, so that every MLP call of the batch finds its tile count without a collective or a host
     sync."""
-    batch_tokens: tuple[int, int] | None = None
-    """``(this rank's tokens, the most tokens of any rank)`` of the current batch, when ``agree_tokens``."""
     probe: ProbeAttention | None = None
     """Set only while the set-up check runs: every patched attention layer computes this instead."""
     token_types: str = ""
     """The plan's verdict on ``token_type_ids`` (:attr:`~lightning_ulysses.hf.plan.ModelPlan.token_types`)."""
-    spans: Tensor | None = None
-    """``[B, N/sp]`` bool, the shard's tokens of bidirectional spans in the latest forward (``token_types ==
-    "spans"`` and the model was given ``token_type_ids``), else ``None``."""
     head_chunks: HeadChunks | None = None
     """``UlyssesStrategy(head_chunks=...)``: every layer's ``ulysses_attention(head_chunks=...)``
     (:mod:`lightning_ulysses.attention.head_chunks`)."""
@@ -78,6 +91,13 @@ class PatchState:
     labels_loss: LabelsLoss | None = None
     """The loss of a call with ``labels=`` / ``shift_labels=`` (:mod:`lightning_ulysses.hf.forward`); ``None``: the
     model's own (which would shift the labels inside each shard)."""
+    batches: BatchSource | None = None
+    """Where the running :class:`~lightning_ulysses.batch.ShardedBatch` is (``UlyssesStrategy.sharded_batch``): a
+    forward on its shard of position ids reads the documents of its whole rows (:mod:`lightning_ulysses.hf.forward`);
+    ``None``: the forward all-gathers the shard's."""
+    forward: ForwardBatch | None = None
+    """What the latest outermost forward read from its call (kept for the recomputation in the backward); ``None``
+    before the first."""
 
 
 def outermost_models(module: nn.Module) -> list[PreTrainedModel]:

@@ -126,7 +126,7 @@ def tile_feed_forwards(
     """Run each feed-forward without a problem in tiles (``setting``), recorded in ``ledger``."""
     if setting is True and state is not None:  # the patched forward agrees the token count once per batch
         ledger.set("tiled_mlp", state, "agree_tokens", agree_max_tokens)
-        ledger.record("tiled_mlp", lambda: setattr(state, "batch_tokens", None))
+        ledger.record("tiled_mlp", lambda: _forget_agreed_tokens(state))
     for ff in feed_forwards:
         if ff.problem is None:
             forward = functools.partial(_tiled_forward, ff.module.forward, setting, state)
@@ -137,7 +137,7 @@ def _tiled_forward(
     forward: Callable[..., Any], setting: TileSetting, state: PatchState | None, *args: Any, **kwargs: Any
 ) -> Any:
     """``forward`` on its one tensor argument ``[..., seq, hidden]`` in tiles; called otherwise, as it is.
-    ``state``: the :class:`~lightning_ulysses.hf.state.PatchState` of a patched model, whose ``batch_tokens``
+    ``state``: the :class:`~lightning_ulysses.hf.state.PatchState` of a patched model, whose ``forward.tokens``
     (agreed once per batch) spare this call, and its recomputation, the collective and the host sync."""
     inputs = [*args, *kwargs.values()]
     x = inputs[0] if len(inputs) == 1 else None
@@ -145,10 +145,15 @@ def _tiled_forward(
         return forward(*args, **kwargs)
     fn = functools.partial(_by_keyword, forward, next(iter(kwargs))) if kwargs else forward
     tokens = x.shape[:-1].numel()
-    batch = None if state is None else state.batch_tokens
+    batch = None if state is None or state.forward is None else state.forward.tokens
     max_tokens = batch[1] if batch is not None and batch[0] == tokens else None
     num_tiles = resolve_num_tiles(setting, tokens, tile_tokens=x.shape[-1], device=x.device, max_tokens=max_tokens)
     return tiled_map(fn, x, num_tiles)
+
+
+def _forget_agreed_tokens(state: PatchState) -> None:
+    if state.forward is not None:
+        state.forward = replace(state.forward, tokens=None)
 
 
 def _by_keyword(forward: Callable[..., Any], key: str, x: Tensor) -> Any:

@@ -108,12 +108,12 @@ def _group(state: PatchState) -> Callable[[], SequenceParallelGroups]:
 
 def _documents(state: PatchState) -> Callable[[], Documents | None]:
     """The documents of the whole rows of the current batch, at call time."""
-    return lambda: None if state.position_ids is None else documents_of(state.position_ids, state.group)
+    return lambda: None if state.forward is None else documents_of(state.forward.position_ids, state.group)
 
 
 def _local_tokens(state: PatchState) -> int | None:
     """This rank's tokens per row in the current batch."""
-    return None if state.position_ids is None else state.position_ids.shape[-1]
+    return None if state.forward is None else state.forward.position_ids.shape[-1]
 
 
 def _sharded_forward(module: nn.Module, kernels: dict[str, Any], state: PatchState) -> Any:

@@ -14,7 +14,8 @@ together between one pair of all-to-alls of :class:`~lightning_ulysses.hf.mixers
 
 ``lru_width`` elements per token in and as many out (again in backward): what the convolution alone would cost,
 the RG-LRU adding nothing. The reset flags come from the whole rows' position ids, which every layer shares
-(gathered once per batch with the documents, :func:`~lightning_ulysses.attention.documents.whole_position_ids`).
+(once per batch with the documents, :func:`~lightning_ulysses.attention.documents.whole_position_ids`: the strategy's
+whole rows, or gathered without it).
 Packed rows run one row per document, so the convolution's window and the recurrence start afresh at every
 document. :func:`rg_lru` is the layer's own
 computation (the same operations in the same order, transformers' ``_rnn_scan`` and its bounded-gradient square
