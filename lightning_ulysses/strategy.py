@@ -444,6 +444,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
             self.sequence_mixers,
             self.head_chunks,
             self._labels_loss,
+            tiled_loss=bool(self.memory.tiled_loss),
         )
         # refuses a model whose logits do not tile, before any other option's work
         logit_maps = check_tiled_logits(self.lightning_module) if self.memory.tiled_loss else None

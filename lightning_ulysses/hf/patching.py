@@ -40,6 +40,7 @@ def apply_ulysses_attention(
     sequence_mixers: SequenceMixers = "refuse",
     head_chunks: HeadChunks | None = None,
     labels_loss: LabelsLoss | None = None,
+    tiled_loss: bool = True,
 ) -> None:
     """Make every transformers ``PreTrainedModel`` inside ``model`` run Ulysses attention over ``group`` (the
     strategy's :class:`~lightning_ulysses.groups.SequenceParallelGroups`, Ulysses x Ring included, or a plain process
@@ -56,7 +57,10 @@ def apply_ulysses_attention(
     ``ulysses_attention(head_chunks=...)``, or, where the set-up check finds its projections narrow per head, the
     attention module run per chunk (:mod:`lightning_ulysses.hf.projections`). In training the models draw their
     random numbers (dropout) from this SP rank's stream, seeded here from ``torch.initial_seed()`` and the SP rank
-    (:mod:`lightning_ulysses.hf.dropout`). Idempotent.
+    (:mod:`lightning_ulysses.hf.dropout`). ``tiled_loss``: the check also reads how each model makes its logits from
+    its decoder's final hidden states, which the tiled loss applies (:mod:`lightning_ulysses.hf.check.logits`;
+    :func:`~lightning_ulysses.tiled_logit_map` needs it); the strategy skips that without its ``tiled_loss``.
+    Idempotent.
     """
     if sequence_mixers not in ("refuse", "gather"):
         raise ValueError(f"sequence_mixers must be 'refuse' or 'gather', got {sequence_mixers!r}.")
@@ -81,7 +85,7 @@ def apply_ulysses_attention(
             ),
         )
         try:
-            outcome = check_model(hf_model, patch.state, patch.realize)
+            outcome = check_model(hf_model, patch.state, patch.realize, tiled_loss=tiled_loss)
         except BaseException:
             patch.undo()
             raise
