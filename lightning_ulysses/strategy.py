@@ -67,6 +67,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_ulysses import quiet
 from lightning_ulysses.attention import gather_sequence, resolve_attn_implementation
 from lightning_ulysses.attention.collectives import gather_from_ranks
 from lightning_ulysses.attention.head_chunks import HeadChunks, check_head_chunks
@@ -232,6 +233,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         self._topology: SequenceParallelTopology | None = None
         self._groups: SequenceParallelGroups | None = None
         self._heartbeat: Heartbeat | None = None
+        self._quiet: quiet.Installed | None = None  # the run's filters of harmless third-party messages
         self._applied_steps = 0  # Lightning's global step once it has counted the last step DeepSpeed applied
         self._repeated_rows: Tensor | None = None  # evaluation / prediction: [B] bool, the current batch's repeats
         self._padding: Tensor | None = None  # [B, N/sp] bool, the current batch's padding tokens on this rank
@@ -363,6 +365,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
                 f"UlyssesStrategy runs on CUDA GPUs or CPUs, not {type(self.accelerator).__name__}. "
                 "Set Trainer(accelerator='cuda') or Trainer(accelerator='cpu')."
             )
+        if self._quiet is None:  # first: setting up the processes imports DeepSpeed, which logs as it is imported
+            self._quiet = quiet.install(quiet.RUN)
         DDPStrategy.setup_environment(self)
 
     @override
@@ -715,6 +719,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
             self._heartbeat = None
         self._train_batch_shape = None
         super().teardown()
+        if self._quiet is not None:
+            self._quiet.remove()
+            self._quiet = None
 
     @classmethod
     @override

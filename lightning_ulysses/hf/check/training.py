@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from transformers import PreTrainedModel
 
 from lightning_ulysses.hf.check.findings import agreed, module_label
@@ -135,31 +136,11 @@ def local_index_trap(model: nn.Module, length: int) -> Iterator[list[Finding]]:
     """Within the block, report every ``torch.arange`` over ``0 .. length - 1`` (the shard's token indices) that a
     module of ``model`` makes: under SP they are the local indices of one shard, whatever they feed. Such a
     computation may change nothing below some index (Llama4 scales queries by ``log(floor(index / 8192))``), so
-    the short probe cannot see it in the outputs."""
+    the short probe cannot see it in the outputs. The calls are seen through a torch function mode of this thread,
+    which leaves when the block does (``torch.arange`` itself is never replaced)."""
     names = {module: name for name, module in model.named_modules()}
     running: list[nn.Module] = []
-    found: list[Finding] = []
-    original = torch.arange
-
-    def arange(*args: Any, **kwargs: Any) -> Tensor:
-        result = original(*args, **kwargs)
-        if (
-            running
-            and result.dim() == 1
-            and result.numel() == length
-            and bool((result == original(length, device=result.device, dtype=result.dtype)).all())
-        ):
-            caller = sys._getframe(1)
-            where = f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno}"
-            finding = Finding(
-                module_label(names, running[-1]),
-                f"builds token indices from the length of its input "
-                f"(torch.arange at {where}), which under SP is one shard's: local indices, not global "
-                "ones",
-            )
-            if finding not in found:
-                found.append(finding)
-        return result
+    trap = _LocalIndices(length, names, running)
 
     def enter(module: nn.Module, args: tuple) -> None:
         running.append(module)
@@ -172,10 +153,40 @@ def local_index_trap(model: nn.Module, length: int) -> Iterator[list[Finding]]:
         for module in model.modules()
         for handle in (module.register_forward_pre_hook(enter), module.register_forward_hook(leave))
     ]
-    torch.arange = arange
     try:
-        yield found
+        with trap:
+            yield trap.found
     finally:
-        torch.arange = original
         for handle in handles:
             handle.remove()
+
+
+class _LocalIndices(TorchFunctionMode):
+    """The ``torch.arange`` calls over ``0 .. length - 1`` made inside a module of ``running``'s (innermost last),
+    as findings naming that module and the calling line."""
+
+    def __init__(self, length: int, names: dict[nn.Module, str], running: list[nn.Module]) -> None:
+        super().__init__()
+        self.length, self.names, self.running = length, names, running
+        self.found: list[Finding] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        result = func(*args, **(kwargs or {}))  # the mode is off inside its own handler: no recursion
+        if (
+            func is torch.arange
+            and self.running
+            and result.dim() == 1
+            and result.numel() == self.length
+            and bool((result == torch.arange(self.length, device=result.device, dtype=result.dtype)).all())
+        ):
+            caller = sys._getframe(1)  # torch.arange is C code: the frame that called it
+            where = f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno}"
+            finding = Finding(
+                module_label(self.names, self.running[-1]),
+                f"builds token indices from the length of its input "
+                f"(torch.arange at {where}), which under SP is one shard's: local indices, not global "
+                "ones",
+            )
+            if finding not in self.found:
+                self.found.append(finding)
+        return result
