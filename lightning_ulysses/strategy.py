@@ -139,9 +139,9 @@ class UlyssesStrategy(DeepSpeedStrategy):
             once per chunk with its projections narrowed to the chunk's heads, so that the layer keeps only its
             input for the backward (:mod:`lightning_ulysses.hf.projections`); per chunk its attention then runs as
             plain Ulysses on the chunk's heads. ``"auto"``: the fewest chunks whose whole-sequence q, k, v and
-            output fit in the bytes of the layer's query shard. ``None`` (default): all heads at once (three
-            all-to-alls in, one out). Exact with every path: Ulysses x Ring, sinks, packed documents, windows, any
-            head count.
+            output fit in the bytes of the layer's query shard. ``None`` (default): all heads at once (one
+            all-to-all in, q, k and v together, and one out). Exact with every path: Ulysses x Ring, sinks, packed
+            documents, windows, any head count.
         loss_normalization: ``"sp_group"`` (default): each SP group's token mean, averaged over DP groups as
             DDP does. ``"global"``: the token mean over every valid token of the optimizer step, all DP
             groups and accumulation micro-batches together (see :mod:`lightning_ulysses.loss`).
