@@ -52,7 +52,7 @@ from lightning_ulysses.hf.check.logits import check_tiled_logits, fit_output_map
 from lightning_ulysses.logits import LogitMap, TiledLogits, token_losses
 from tests.cases import CaseTable
 from tests.test_host_syncs import HostSyncs
-from tests.tiny import collate, relative_update_error
+from tests.tiny import collate, cpu_trainer, relative_update_error
 from tests.zoo import LR, ROWS, build_model, make_samples, reference_step
 from tests.zoo_configs import TinyRecipe, tiny_recipe
 
@@ -385,17 +385,7 @@ def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]
         tiled_loss=case.get("tiled_loss", 3),
         sequence_mixers=case.get("sequence_mixers", "refuse"),
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy,
-        max_steps=1,
-        num_sanity_val_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(world_size, strategy, max_steps=1, num_sanity_val_steps=1)
     loader = DataLoader(_samples(case), batch_size=ROWS, collate_fn=collate)
     try:
         trainer.fit(module, loader, loader)
@@ -426,16 +416,11 @@ def fit_vision_case(case: dict[str, Any], world_size: int) -> dict[str, Any]:
 
     module = Recorded(model=CONFIGS[case["family"]])
     module.model, module.losses, module.logits_kinds = tiny_model(case["family"]), [], set()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
+    trainer = cpu_trainer(
+        world_size,
+        UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa", tiled_loss=3),
         max_steps=STEPS,
-        logger=False,
         num_sanity_val_steps=0,
-        strategy=UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa", tiled_loss=3),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(module, DataLoader(case_batches(case), batch_size=1, collate_fn=lambda items: items[0]))
     params = gathered_parameters(module.model, case["stage"] == 3)
