@@ -40,6 +40,7 @@ def apply_ulysses_attention(
     sequence_mixers: SequenceMixers = "refuse",
     head_chunks: HeadChunks | None = None,
     labels_loss: LabelsLoss | None = None,
+    *,
     tiled_loss: bool = True,
 ) -> None:
     """Make every transformers ``PreTrainedModel`` inside ``model`` run Ulysses attention over ``group`` (the
