@@ -1,10 +1,5 @@
 """Ulysses sequence parallelism for PyTorch Lightning."""
 
-from lightning_ulysses import quiet
-
-quiet.install()  # first: DeepSpeed logs as it is imported
-
-
 from lightning_ulysses.attention import ulysses_attention
 from lightning_ulysses.callbacks import SequenceParallelMonitor, SequenceParallelParityCheck
 from lightning_ulysses.data import LongTextDataModule, byte_tokenizer

@@ -88,6 +88,7 @@ class UlyssesFSDPStrategy(SequenceParallelMixin, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        self._quiet_run()
         lightning_engine.model_parallel_setup_distributed(self)
         self._create_topology()
         self._create_groups(self._timeout)

@@ -59,6 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_ulysses import quiet
 from lightning_ulysses.attention import gather_sequence, resolve_attn_implementation
 from lightning_ulysses.attention.collectives import gather_from_ranks
 from lightning_ulysses.attention.head_chunks import HeadChunks, check_head_chunks
@@ -125,9 +126,9 @@ class SequenceParallelMixin(ParallelStrategy):
             once per chunk with its projections narrowed to the chunk's heads, so that the layer keeps only its
             input for the backward (:mod:`lightning_ulysses.hf.projections`); per chunk its attention then runs as
             plain Ulysses on the chunk's heads. ``"auto"``: the fewest chunks whose whole-sequence q, k, v and
-            output fit in the bytes of the layer's query shard. ``None`` (default): all heads at once (three
-            all-to-alls in, one out). Exact with every path: Ulysses x Ring, sinks, packed documents, windows, any
-            head count.
+            output fit in the bytes of the layer's query shard. ``None`` (default): all heads at once (one
+            all-to-all in, q, k and v together, and one out). Exact with every path: Ulysses x Ring, sinks, packed
+            documents, windows, any head count.
         loss_normalization: ``"sp_group"`` (default): each SP group's token mean, averaged over DP groups as
             DDP does. ``"global"``: the token mean over every valid token of the optimizer step, all DP
             groups and accumulation micro-batches together (see :mod:`lightning_ulysses.loss`).
@@ -221,6 +222,7 @@ class SequenceParallelMixin(ParallelStrategy):
         self._topology: SequenceParallelTopology | None = None
         self._groups: SequenceParallelGroups | None = None
         self._heartbeat: Heartbeat | None = None
+        self._quiet: quiet.Installed | None = None  # the run's filters of harmless third-party messages
         self._applied_steps = 0  # Lightning's global step once it has counted the last step the engine applied
         self._batch: ShardedBatch | None = None  # the running batch (batch_to_device), see sharded_batch
         self._step_tokens: StepTokenCounts | None = None  # the training loader's wrapper under "global"
@@ -428,6 +430,7 @@ class SequenceParallelMixin(ParallelStrategy):
             self.sequence_mixers,
             self.head_chunks,
             self._labels_loss,
+            tiled_loss=bool(self.memory.tiled_loss),
             batches=lambda: self._batch,
         )
         # refuses a model whose logits do not tile, before any other option's work
@@ -637,6 +640,15 @@ class SequenceParallelMixin(ParallelStrategy):
         self._train_batch_shape = None
         self._batch = self._step_tokens = None
         super().teardown()
+        if self._quiet is not None:
+            self._quiet.remove()
+            self._quiet = None
+
+    def _quiet_run(self) -> None:
+        """Install the run's filters of harmless third-party messages (removed at :meth:`teardown`); first thing in
+        the engine's ``setup_environment``: setting up the processes imports DeepSpeed, which logs as it is imported."""
+        if self._quiet is None:
+            self._quiet = quiet.install(quiet.RUN)
 
 
 def _check_ring_options(ring_size: Any, sp_size: Any, attn_implementation: str) -> None:

@@ -67,6 +67,7 @@ class UlyssesStrategy(SequenceParallelMixin, DeepSpeedStrategy):
                 f"UlyssesStrategy runs on CUDA GPUs or CPUs, not {type(self.accelerator).__name__}. "
                 "Set Trainer(accelerator='cuda') or Trainer(accelerator='cpu')."
             )
+        self._quiet_run()
         DDPStrategy.setup_environment(self)
 
     @override

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import os
 import signal
 import socket
@@ -38,7 +39,45 @@ Launcher = Literal["env", "torchrun", "slurm"]
 FORKED = False
 
 
+PORTS_PER_WORKER = 400
+# this test process's walk through its slice; other sessions on the machine start elsewhere in it
+_port_offsets = itertools.count(os.getpid() % PORTS_PER_WORKER)
+
+
 def free_port() -> int:
+    """A port for a world's rendezvous that no other process is likely to take between this call and rank 0's bind.
+
+    A port the kernel picks (``bind(("", 0))``) comes from its ephemeral range, from which every outgoing connection
+    also takes its local port: the gloo connections of the other pytest-xdist worker's world (hundreds per world)
+    could take it before rank 0 binds it ("address already in use"). This one lies below that range, in a slice of
+    its own for each xdist worker, and binds now; successive calls walk the slice, so a world does not meet the
+    previous world's port in TIME_WAIT.
+    """
+    low = _ephemeral_ports()[0]
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    first = low - PORTS_PER_WORKER * (worker + 1)
+    if first < 1024:  # an ephemeral range that starts low leaves no room below it: the kernel's pick
+        return _kernel_port()
+    for _ in range(PORTS_PER_WORKER):
+        port = first + next(_port_offsets) % PORTS_PER_WORKER
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # taken
+                continue
+        return port
+    return _kernel_port()
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return int(low), int(high)
+
+
+def _kernel_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

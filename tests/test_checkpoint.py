@@ -46,6 +46,7 @@ from tests.tiny import (
     SaveAndStop,
     TinyCausalLM,
     collate,
+    cpu_trainer,
     gathered_parameters,
     make_samples,
     reference_training,
@@ -108,16 +109,11 @@ def _fit(
 ) -> tuple[TinyCausalLM, L.Trainer]:
     lr = ADAMW_LR if optimizer == "adamw" else LR
     module = module or TinyCausalLM(lr=lr, momentum=MOMENTUM, optimizer=optimizer)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
+    trainer = cpu_trainer(
+        world_size,
+        UlyssesStrategy(sp_size=sp, stage=stage, attn_implementation="sdpa"),
         max_epochs=EPOCHS,
         max_steps=max_steps,
-        logger=False,
-        strategy=UlyssesStrategy(sp_size=sp, stage=stage, attn_implementation="sdpa"),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=list(callbacks),
     )
     trainer.fit(module, DataLoader(make_samples(**DATA), batch_size=batch, collate_fn=collate), ckpt_path=ckpt_path)

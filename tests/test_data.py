@@ -17,7 +17,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,7 +37,7 @@ from lightning_ulysses.data import (
 from lightning_ulysses.model import CausalLM, build_config
 from tests.cases import CaseTable
 from tests.loaders import check_workers_from_a_fork_server
-from tests.tiny import TINY_LLAMA, relative_update_error
+from tests.tiny import TINY_LLAMA, cpu_trainer, relative_update_error
 
 pytestmark = pytest.mark.distributed
 
@@ -321,16 +320,11 @@ def test_causal_lm_outside_ulysses_keeps_packed_documents_apart(corpus: Path) ->
 def fit_case(name: str, case: dict[str, Any], world_size: int, folder: str) -> dict[str, Any]:
     module = SGDCausalLM(model=TINY_LLAMA, vocab_size=BYTE_VOCAB)
     module.model = fresh_model()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
+    trainer = cpu_trainer(
+        world_size,
+        UlyssesStrategy(sp_size=case["sp"], stage=2, attn_implementation="sdpa"),
         max_steps=STEPS,
         num_sanity_val_steps=0,
-        logger=False,
-        strategy=UlyssesStrategy(sp_size=case["sp"], stage=2, attn_implementation="sdpa"),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     data = data_module(folder, case["mode"], batch_size=case["batch_size"])
     if case["fit"]:

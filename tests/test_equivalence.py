@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,6 +24,7 @@ from tests.cases import CaseTable
 from tests.tiny import (
     TinyCausalLM,
     collate,
+    cpu_trainer,
     make_samples,
     plain_lightning_training,
     reference_training,
@@ -94,18 +94,13 @@ def _fit(
     strategy = UlyssesStrategy(
         sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa", **(strategy_kwargs or {})
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
+    trainer = cpu_trainer(
+        devices,
+        strategy,
         num_nodes=num_nodes,
-        strategy=strategy,
         max_steps=-1 if "epochs" in case else STEPS,
         max_epochs=case.get("epochs"),
         accumulate_grad_batches=case.get("accumulate", 1),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     loader = DataLoader(make_samples(**_data(case)), batch_size=BATCH, collate_fn=collate)
     trainer.fit(module, loader)

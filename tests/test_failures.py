@@ -18,7 +18,6 @@ import warnings
 from datetime import timedelta
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -37,6 +36,7 @@ from tests.tiny import (
     VOCAB,
     TinyCausalLM,
     collate,
+    cpu_trainer,
     gathered_parameters,
     make_samples,
     reference_training,
@@ -71,16 +71,7 @@ class FailingCausalLM(TinyCausalLM):
 
 def _fit(mode: str, sp: int, world_size: int) -> None:
     strategy = UlyssesStrategy(sp_size=sp, stage=2, attn_implementation="sdpa", timeout=timedelta(seconds=PG_TIMEOUT_S))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy,
-        max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(world_size, strategy, max_steps=4)
     loader = DataLoader(make_samples(num=16, seq_len=16), batch_size=2, collate_fn=collate)
     trainer.fit(FailingCausalLM(mode, fail_rank=1), loader)
 
@@ -107,16 +98,7 @@ class FailingOptimizerSetup(TinyCausalLM):
 
 def failing_setup_worker(args: dict[str, Any]) -> None:
     strategy = UlyssesStrategy(sp_size=2, stage=2, attn_implementation="sdpa", timeout=timedelta(seconds=PG_TIMEOUT_S))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(2, strategy, max_steps=1)
     trainer.fit(FailingOptimizerSetup(), DataLoader(make_samples(num=4, seq_len=16), batch_size=2, collate_fn=collate))
 
 
@@ -174,17 +156,8 @@ def skipping_worker(args: dict[str, Any]) -> dict[str, Any]:
         module = FailingCausalLM("nan", fail_rank=1, lr=SKIP_LR, momentum=SKIP_MOMENTUM)
         strategy = UlyssesStrategy(sp_size=2, stage=stage, attn_implementation="sdpa", nonfinite_loss="skip")
         monitor = SequenceParallelMonitor()
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=world_size,
-            strategy=strategy,
-            max_steps=SKIP_STEPS,
-            callbacks=[monitor],
-            accumulate_grad_batches=accumulate,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
+        trainer = cpu_trainer(
+            world_size, strategy, max_steps=SKIP_STEPS, callbacks=[monitor], accumulate_grad_batches=accumulate
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -206,16 +179,7 @@ def skipping_worker(args: dict[str, Any]) -> dict[str, Any]:
 
 def _fit_stage_0_skip(world_size: int) -> None:
     strategy = UlyssesStrategy(sp_size=2, stage=0, attn_implementation="sdpa", nonfinite_loss="skip")
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(world_size, strategy, max_steps=1)
     trainer.fit(TinyCausalLM(), DataLoader(make_samples(**SKIP_DATA), batch_size=SKIP_BATCH, collate_fn=collate))
 
 
@@ -319,16 +283,7 @@ class OutOfMemoryLM(TinyCausalLM):
 
 def out_of_memory_worker(args: dict[str, Any]) -> None:
     strategy = UlyssesStrategy(sp_size=2, attn_implementation="sdpa", tiled_loss=True)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(2, strategy, max_steps=1)
     trainer.fit(OutOfMemoryLM(), DataLoader(make_samples(4, 16), batch_size=2, collate_fn=collate))
 
 

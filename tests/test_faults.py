@@ -39,6 +39,7 @@ from tests.launch import RankExit, launch, launch_to_exit
 from tests.tiny import (
     TinyCausalLM,
     collate,
+    cpu_trainer,
     gathered_parameters,
     make_samples,
     reference_training,
@@ -58,17 +59,7 @@ def _fit(
     world_size: int, module: TinyCausalLM, ckpt_path: str | None = None, callbacks: list[L.Callback] = ()
 ) -> L.Trainer:
     strategy = UlyssesStrategy(sp_size=2, stage=2, attn_implementation="sdpa", timeout=timedelta(seconds=PG_TIMEOUT_S))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy,
-        max_epochs=EPOCHS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=list(callbacks),
-    )
+    trainer = cpu_trainer(world_size, strategy, max_epochs=EPOCHS, callbacks=list(callbacks))
     trainer.fit(module, DataLoader(make_samples(**DATA), batch_size=BATCH, collate_fn=collate), ckpt_path=ckpt_path)
     return trainer
 

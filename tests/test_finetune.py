@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,7 +33,7 @@ from lightning_ulysses.model import CausalLM, build_config
 from tests.cases import CaseTable
 from tests.finetune_data import chat, chat_of_tokens, preference_records, sft_records, write_jsonl
 from tests.loaders import check_workers_from_a_fork_server
-from tests.tiny import TINY_LLAMA, epoch_order, gathered_parameters, relative_update_error
+from tests.tiny import TINY_LLAMA, cpu_trainer, epoch_order, gathered_parameters, relative_update_error
 
 pytestmark = pytest.mark.distributed
 
@@ -263,16 +262,11 @@ def fit_sft_case(
     data = sft_data(files, tokenizer, mode=case["mode"])
     module = RecordingSGDCausalLM(model=TINY_LLAMA, vocab_size=data.vocab_size)
     module.model, module.losses = fresh_model(data.vocab_size), []
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
+    trainer = cpu_trainer(
+        world_size,
+        UlyssesStrategy(sp_size=2, stage=case["stage"], attn_implementation="sdpa"),
         max_steps=STEPS,
-        logger=False,
         num_sanity_val_steps=0,
-        strategy=UlyssesStrategy(sp_size=2, stage=case["stage"], attn_implementation="sdpa"),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(module, data)
     trainer.validate(module, data, verbose=False)
@@ -405,18 +399,13 @@ def fit_dpo_case(
         batch_size=1 if odd else 64,
     )
     module = SGDDPO(model=model, pretrained=True, beta=BETA, vocab_size=data.vocab_size)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
+    trainer = cpu_trainer(
+        world_size,
+        UlyssesStrategy(sp_size=case.get("sp", 2), stage=case["stage"], attn_implementation="sdpa"),
         max_steps=-1 if odd else STEPS,
         max_epochs=1 if odd else None,
-        logger=False,
-        strategy=UlyssesStrategy(sp_size=case.get("sp", 2), stage=case["stage"], attn_implementation="sdpa"),
         limit_val_batches=None if odd else 0,
         num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(module, data)
     prefix = "val" if odd else "train"  # the validation at the epoch's end sees the final weights

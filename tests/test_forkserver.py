@@ -81,9 +81,11 @@ def failing_worker(args: dict[str, Any]) -> None:
 
 def sleeping_worker(args: dict[str, Any]) -> None:
     if os.environ["RANK"] == "1":
-        import time
-
         time.sleep(600)
+
+
+def hanging_worker(args: dict[str, Any]) -> None:
+    time.sleep(600)
 
 
 def ending_worker(args: dict[str, Any]) -> None:
@@ -169,8 +171,11 @@ def test_a_failing_call_fails_with_every_rank_output() -> None:
 
 
 def test_a_hanging_call_is_stopped_at_its_timeout() -> None:
-    with pytest.raises(AssertionError, match=r"\['rank 1'\] failed \(\['rank 1'\] were stopped"):
-        launch("tests.test_forkserver:sleeping_worker", 2, timeout=6)
+    """Every rank hangs, so each is still running at the timeout however slowly the machine starts them (a rank
+    that had to finish first would race the timeout)."""
+    stopped = r"\['rank 0', 'rank 1'\]"
+    with pytest.raises(AssertionError, match=rf"{stopped} failed \({stopped} were stopped"):
+        launch("tests.test_forkserver:hanging_worker", 2, timeout=6)
 
 
 class _Interrupted(Exception):
@@ -180,6 +185,9 @@ class _Interrupted(Exception):
 @pytest.mark.parametrize("forked", [True, False], ids=["forked", "fresh"])
 def test_a_call_interrupted_from_outside_stops_its_ranks(monkeypatch: pytest.MonkeyPatch, forked: bool) -> None:
     monkeypatch.setattr(tests.launch, "FORKED", forked)
+    # the fork server first (seconds of imports where this test runs alone): the alarm must interrupt the ranks,
+    # not the server's start, which would leave it running unregistered, where it reads as a rank left behind
+    tests.launch.interpreter()
     running = _rank_processes()
 
     def interrupt(signum: int, frame: Any) -> None:

@@ -24,7 +24,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -44,6 +43,7 @@ from lightning_ulysses.topology import SequenceParallelTopology
 from tests.cases import CaseTable
 from tests.tiny import (
     collate,
+    cpu_trainer,
     epoch_order,
     gathered_parameters,
     make_packed_samples,
@@ -304,16 +304,7 @@ def fit_case(name: str, case: dict[str, Any], world_size: int, folder: str) -> d
     strategy = UlyssesStrategy(
         sp_size=case["sp"], ring_size=case.get("ring", 1), stage=case["stage"], attn_implementation="sdpa"
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(world_size, strategy, max_steps=STEPS)
     loader = DataLoader(packed_samples(case, recipe), batch_size=ROWS, collate_fn=collate, shuffle=False)
     try:
         trainer.fit(module, loader)

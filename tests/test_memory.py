@@ -37,6 +37,7 @@ from tests.test_equivalence import BATCH, LR, SEQ, STEPS, _fit
 from tests.tiny import (
     VOCAB,
     TinyCausalLM,
+    cpu_trainer,
     make_samples,
     reference_training,
     relative_update_error,
@@ -282,7 +283,6 @@ FAMILIES: dict[str, list[str]] = {
 def families_worker(args: dict[str, Any]) -> dict[str, tuple[float, float, str]]:
     """Each family trained one step under UlyssesStrategy(sp_size=2, stage=3, every memory option), with tests.zoo's
     data and plain one-process reference: the loss's and the update's relative errors, and the strategy's report."""
-    import lightning as L
     from torch.utils.data import DataLoader
 
     from tests.tiny import collate, gathered_parameters
@@ -310,16 +310,7 @@ def families_worker(args: dict[str, Any]) -> dict[str, tuple[float, float, str]]
         strategy = UlyssesStrategy(
             sp_size=2, stage=3, attn_implementation="sdpa", timeout=COLLECTIVE_TIMEOUT, **FAMILY_OPTIONS
         )
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy,
-            max_steps=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        trainer = cpu_trainer(2, strategy, max_steps=1)
         try:
             loader = DataLoader(make_samples(prepared.recipe.token_ids), batch_size=ROWS, collate_fn=collate)
             trainer.fit(module, loader)

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from lightning_ulysses import ModelCheckpoint, UlyssesStrategy
 from lightning_ulysses.runtime.directory import saved_global_step
 from tests.launch import REPO_ROOT, launch
-from tests.tiny import TinyCausalLM, collate, make_samples
+from tests.tiny import TinyCausalLM, collate, cpu_trainer, make_samples
 
 pytestmark = pytest.mark.cli
 
@@ -110,17 +110,14 @@ class WorseningCausalLM(TinyCausalLM):
 
 def lightnings_checkpoint_under_ulysses_worker(args: dict[str, Any]) -> dict[str, Any]:
     callback = L.pytorch.callbacks.ModelCheckpoint(dirpath=args["dirpath"], monitor="val_loss", save_last=True)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=UlyssesStrategy(sp_size=1, stage=2, attn_implementation="sdpa"),
+    trainer = cpu_trainer(
+        1,
+        UlyssesStrategy(sp_size=1, stage=2, attn_implementation="sdpa"),
         max_steps=5,
         val_check_interval=2,
         check_val_every_n_epoch=None,
         callbacks=[callback],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
     )
     loader = DataLoader(make_samples(12, 8), batch_size=1, collate_fn=collate)
     trainer.fit(WorseningCausalLM(), loader, DataLoader(make_samples(1, 8), batch_size=1, collate_fn=collate))

@@ -28,7 +28,6 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
@@ -41,6 +40,7 @@ from tests.launch import launch_to_exit
 from tests.tiny import (
     TinyCausalLM,
     collate,
+    cpu_trainer,
     gathered_parameters,
     make_samples,
     reference_training,
@@ -202,17 +202,12 @@ def chain_worker(args: dict[str, Any]) -> dict[str, Any]:
         strategy = UlyssesStrategy(sp_size=sp, stage=STAGE, attn_implementation="sdpa")
         outcome = "completed"
         with fake_slurm_job(directory, rank) if link.get("slurm") else nullcontext():
-            trainer = L.Trainer(
-                accelerator="cpu",
-                devices=world_size,
-                strategy=strategy,
+            trainer = cpu_trainer(
+                world_size,
+                strategy,
                 max_epochs=EPOCHS,
                 accumulate_grad_batches=ACCUMULATE,
                 default_root_dir=str(directory),
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
                 plugins=[SLURMEnvironment(auto_requeue=True)] if link.get("slurm") else None,
             )
             loader = DataLoader(make_samples(**DATA), batch_size=BATCH * sp // 2, collate_fn=collate)

@@ -22,6 +22,7 @@ from tests.tiny import (
     SaveAndStop,
     TinyCausalLM,
     collate,
+    cpu_trainer,
     make_packed_samples,
     make_samples,
     reference_loss,
@@ -87,16 +88,11 @@ def _evaluate_and_reload(devices: int, checkpoint: str) -> dict[str, Any]:
     import deepspeed
 
     def trainer(ring_size: int, max_steps: int) -> L.Trainer:
-        return L.Trainer(
-            accelerator="cpu",
-            devices=devices,
+        return cpu_trainer(
+            devices,
+            UlyssesStrategy(sp_size=4, ring_size=ring_size, stage=3, attn_implementation="sdpa"),
             max_steps=max_steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             num_sanity_val_steps=0,
-            strategy=UlyssesStrategy(sp_size=4, ring_size=ring_size, stage=3, attn_implementation="sdpa"),
         )
 
     def train_loader() -> DataLoader:
@@ -130,16 +126,7 @@ def _fit(case: dict[str, Any], devices: int) -> dict[str, Any]:
     strategy = UlyssesStrategy(
         sp_size=case["sp"], ring_size=2, stage=case["stage"], attn_implementation="sdpa", **case.get("strategy", {})
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(devices, strategy, max_steps=STEPS)
     trainer.fit(module, DataLoader(_samples(case), batch_size=BATCH, collate_fn=collate))
     with deepspeed.zero.GatheredParameters(list(module.model.parameters()), enabled=case["stage"] == 3):
         state = {name: p.detach().clone() for name, p in module.model.named_parameters()}

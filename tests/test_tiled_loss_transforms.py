@@ -10,7 +10,8 @@ follow otherwise is refused at set-up.
   and bf16, and six maps it must refuse); the tiles through a map equal the mapped logits (loss and gradient) without
   a host sync; the map the check finds for tiny models of each family (fp32 and bf16), whose tiled logits equal the
   model's own; a toy model with a per-token bias on its logits refused by ``check_tiled_logits``, and one that gives
-  its decoder other inputs than the token ids (the decoder called by itself, as the tiled loss calls it, differs).
+  its decoder other inputs than the token ids (the decoder called by itself, as the tiled loss calls it, differs);
+  without ``tiled_loss`` the check makes neither of its two logit calls (counted) and accepts that model.
 * Two processes (one launch): tiny Granite (``logits_scaling=4``), MiniCPM3 (ZeRO-3, tied embeddings), Falcon-H1
   (``lm_head_multiplier=0.3``) and Gemma 3n (final soft-cap 0.3) train one step with ``tiled_loss`` under
   ``UlyssesStrategy(sp_size=2)`` and equal one process of the plain model (loss rtol 1e-5, update 1e-4); their
@@ -19,7 +20,8 @@ follow otherwise is refused at set-up.
   under ZeRO-3 as ``tests/test_vision.py`` checks it without; GPT-Neo, whose decoder ``sequence_mixers="gather"``
   runs on the whole sequence (gathered as the model calls it, ``input_ids`` by position; the tiled loss calls it by
   keyword), trains as one process; the toy model is refused at set-up with
-  ``tiled_loss``, before any validation or training step, and trains without it.
+  ``tiled_loss``, before any validation or training step, and trains without it, its decoder never called by itself
+  (neither by the set-up check nor by a loss).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from lightning_ulysses.hf.check.logits import check_tiled_logits, fit_output_map
 from lightning_ulysses.logits import LogitMap, TiledLogits, token_losses
 from tests.cases import CaseTable
 from tests.test_host_syncs import HostSyncs
-from tests.tiny import collate, relative_update_error
+from tests.tiny import collate, cpu_trainer, relative_update_error
 from tests.zoo import LR, ROWS, build_model, make_samples, reference_step
 from tests.zoo_configs import TinyRecipe, tiny_recipe
 
@@ -246,6 +248,51 @@ def test_check_tiled_logits_refuses_a_decoder_that_differs_when_called_by_itself
         remove_ulysses_attention(model)
 
 
+class ForwardCounts:
+    """Counts the forwards of a model and the calls of its decoder outside one (the decoder called by itself, as the
+    tiled loss and step 7 of the set-up check call it)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.forwards = self.decoder_alone = self._depth = 0
+        model.register_forward_pre_hook(self._enter)
+        model.register_forward_hook(self._leave, always_call=True)
+        model.get_decoder().register_forward_pre_hook(self._decoder)
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self.forwards += 1
+        self._depth += 1
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth -= 1
+
+    def _decoder(self, module: nn.Module, args: Any) -> None:
+        self.decoder_alone += self._depth == 0
+
+
+def test_the_check_reads_the_logits_only_with_tiled_loss() -> None:
+    """Without ``tiled_loss`` the set-up check makes neither its plain forward with ``lm_head``'s output replaced nor
+    its call of the decoder by itself, and a model whose decoder differs when called by itself is accepted (it trains
+    with its own logits); with it, that model is refused by what those two calls see."""
+    counts = {}
+    for tiled_loss in (False, True):
+        torch.manual_seed(0)
+        model = EmbeddingScaledLlama(token_biased_llama().config)
+        counts[tiled_loss] = ForwardCounts(model)
+        apply_ulysses_attention(model, group=None, core="sdpa", tiled_loss=tiled_loss)
+        try:
+            if tiled_loss:
+                with pytest.raises(UnsupportedModelError, match=r"its decoder \(model\), called by itself"):
+                    check_tiled_logits(nn.ModuleDict({"model": model}))
+            else:
+                with pytest.raises(RuntimeError, match="patched with tiled_loss off, so the set-up check did not"):
+                    tiled_logit_map(model)
+        finally:
+            remove_ulysses_attention(model)
+    off, on = counts[False], counts[True]
+    assert (off.decoder_alone, on.decoder_alone) == (0, 1)
+    assert on.forwards - off.forwards == 1 and off.forwards > 0
+
+
 # ----------------------------------------------------------------------------------------------
 # training and evaluation with tiled_loss under UlyssesStrategy(sp_size=2), one launch
 # ----------------------------------------------------------------------------------------------
@@ -330,6 +377,7 @@ def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]
     if "family" in case:
         return fit_vision_case(case, world_size)
     module = TiledLossModule(_model(case))
+    counts = ForwardCounts(module.model)
     strategy = UlyssesStrategy(
         sp_size=world_size,
         stage=case["stage"],
@@ -337,22 +385,12 @@ def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]
         tiled_loss=case.get("tiled_loss", 3),
         sequence_mixers=case.get("sequence_mixers", "refuse"),
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy,
-        max_steps=1,
-        num_sanity_val_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(world_size, strategy, max_steps=1, num_sanity_val_steps=1)
     loader = DataLoader(_samples(case), batch_size=ROWS, collate_fn=collate)
     try:
         trainer.fit(module, loader, loader)
     except UnsupportedModelError as error:
-        return {"refused": str(error), "steps_started": module.steps_started}
+        return {"refused": str(error), "steps_started": module.steps_started, "decoder_alone": counts.decoder_alone}
     with deepspeed.zero.GatheredParameters(list(module.model.parameters()), enabled=case["stage"] == 3):
         params = {n: p.detach().clone() for n, p in module.model.named_parameters()}
     return {
@@ -361,6 +399,7 @@ def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]
         "evaluation": module.evaluation,
         "log_prob_error": module.log_prob_error,
         "logits_kinds": module.logits_kinds,
+        "decoder_alone": counts.decoder_alone,
     }
 
 
@@ -377,16 +416,11 @@ def fit_vision_case(case: dict[str, Any], world_size: int) -> dict[str, Any]:
 
     module = Recorded(model=CONFIGS[case["family"]])
     module.model, module.losses, module.logits_kinds = tiny_model(case["family"]), [], set()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
+    trainer = cpu_trainer(
+        world_size,
+        UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa", tiled_loss=3),
         max_steps=STEPS,
-        logger=False,
         num_sanity_val_steps=0,
-        strategy=UlyssesStrategy(sp_size=case["sp"], stage=case["stage"], attn_implementation="sdpa", tiled_loss=3),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(module, DataLoader(case_batches(case), batch_size=1, collate_fn=lambda items: items[0]))
     params = gathered_parameters(module.model, case["stage"] == 3)
@@ -420,6 +454,8 @@ def test_tiled_loss_equals_one_process(tiled_loss_results: list[dict[str, Any]],
         got = result[name]
         assert "refused" not in got, got.get("refused")
         assert got["logits_kinds"] == {"TiledLogits" if case.get("tiled_loss", 3) else "Tensor"}
+        # the decoder by itself: the set-up check's step 7 and the tiled loss, with tiled_loss only
+        assert (got["decoder_alone"] > 0) == bool(case.get("tiled_loss", 3)), got["decoder_alone"]
         torch.testing.assert_close(torch.tensor(got["losses"]), expected_loss[None], rtol=LOSS_RTOL, atol=0)
         error = relative_update_error(initial, expected, got["params"])
         assert error < UPDATE_TOLERANCE, f"{name} rank {rank}: relative weight-update error {error:.2e}"

@@ -34,6 +34,7 @@ from tests.tiny import (
     SaveAndStop,
     TinyCausalLM,
     collate,
+    cpu_trainer,
     gathered_parameters,
     make_samples,
     reference_training,
@@ -108,20 +109,13 @@ class StepRecorder(L.Callback):
 
 
 def _trainer(case: dict[str, Any], world_size: int, *callbacks: L.Callback) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=UlyssesStrategy(
-            sp_size=2, stage=case["stage"], attn_implementation="sdpa", **case.get("strategy", {})
-        ),
+    return cpu_trainer(
+        world_size,
+        UlyssesStrategy(sp_size=2, stage=case["stage"], attn_implementation="sdpa", **case.get("strategy", {})),
         max_steps=STEPS,
         val_check_interval=1 if case.get("validate_every_step") else None,
         limit_val_batches=None if case.get("validate_every_step") or case.get("validate_only") else 0,
         callbacks=list(callbacks),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
 
 

@@ -303,11 +303,10 @@ def case_batches(case: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]:
-    import lightning as L
     from torch.utils.data import DataLoader
 
     from lightning_ulysses import UlyssesStrategy
-    from tests.tiny import gathered_parameters
+    from tests.tiny import cpu_trainer, gathered_parameters
 
     module = SGDVisionLanguageModel(
         model=CONFIGS[case["family"]],
@@ -319,22 +318,17 @@ def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]
         module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         module.configure_model()  # the vision tower stays unchecked
     loader = DataLoader(case_batches(case), batch_size=1, collate_fn=lambda items: items[0])
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        max_steps=STEPS,
-        logger=False,
-        num_sanity_val_steps=0,
-        strategy=UlyssesStrategy(
+    trainer = cpu_trainer(
+        world_size,
+        UlyssesStrategy(
             sp_size=case["sp"],
             stage=case["stage"],
             attn_implementation="sdpa",
             ring_size=case.get("ring", 1),
             head_chunks=case.get("head_chunks"),
         ),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        max_steps=STEPS,
+        num_sanity_val_steps=0,
     )
     if case.get("refused"):
         with pytest.raises(ValueError) as refusal:

@@ -50,6 +50,21 @@ def tiny_llama(seed: int = 0, model_type: str = "llama", **overrides: Any) -> Pr
     return MODEL_FOR_CAUSAL_LM_MAPPING[config_class](config_class(**config))
 
 
+def cpu_trainer(devices: int, strategy: Any, **kwargs: Any) -> L.Trainer:
+    """A Trainer on ``devices`` CPU processes that writes no logs or checkpoints and prints no progress bar or model
+    summary, as most tests train; ``kwargs`` add to or override that."""
+    settings: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return L.Trainer(**{**settings, **kwargs})
+
+
 def make_optimizer(
     params: Iterable[torch.nn.Parameter], name: OptimizerName, lr: float, momentum: float
 ) -> torch.optim.Optimizer:

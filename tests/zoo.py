@@ -75,7 +75,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from lightning_ulysses import IGNORE_INDEX, UlyssesLossMixin, UlyssesStrategy, UnsupportedModelError
 from lightning_ulysses.hf import SequenceMixers
 from tests.launch import launch
-from tests.tiny import collate, relative_update_error
+from tests.tiny import collate, cpu_trainer, relative_update_error
 from tests.zoo_configs import SEQ_LEN, SHARD_LEN, SP_SIZE, TinyRecipe, features, tiny_recipe
 
 ROWS = 2
@@ -442,16 +442,7 @@ def sp_run(
         else:
             model = load_pretrained(prepared.recipe, prepared.attn_implementation, prepared.folder)
         module = ZooModule(model, entry.sp_loss_scale)
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=world_size,
-            strategy=strategy,
-            max_steps=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        trainer = cpu_trainer(world_size, strategy, max_steps=1)
         trainer.fit(module, DataLoader(make_samples(prepared.recipe.token_ids), batch_size=ROWS, collate_fn=collate))
     except UnsupportedModelError as exc:
         if module is None or module.steps_started:

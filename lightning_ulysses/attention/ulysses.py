@@ -84,7 +84,8 @@ def ulysses_attention(
             :func:`sink_attention`); no dropout with them.
         head_chunks: run the all-to-alls and the attention in that many chunks of each rank's heads, one fused
             all-to-all per chunk and direction, recomputed in the backward (``"auto"``: from the shapes; ``None``:
-            all heads at once, three all-to-alls in and one out). See :mod:`~lightning_ulysses.attention.head_chunks`.
+            all heads at once, one all-to-all in (q, k and v together) and one out). See
+            :mod:`~lightning_ulysses.attention.head_chunks`.
         bidirectional: ``[B, N/P]`` bool, this rank's tokens that belong to bidirectional spans: each maximal run of
             them inside a document attends to itself both ways (Gemma 3's image tokens; see
             :mod:`~lightning_ulysses.attention.spans`); needs ``position_ids``; not with ``chunk``, ``sinks``,

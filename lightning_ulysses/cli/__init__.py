@@ -166,31 +166,31 @@ def _log_into_the_run(config: Any, command: str) -> None:
 def main(args: ArgsType = None) -> None:
     """Entry point of the ``lightning-ulysses`` console script and of ``python -m lightning_ulysses``."""
     argv = sys.argv[1:] if args is None else args
-    quiet.install_cli()
-    if isinstance(argv, list) and argv[:1] and argv[0] in COMMANDS:
-        run_command(argv[0], argv[1:], prog=f"{PROG} {argv[0]}")
-        return
-    try:
-        UlyssesCLI(
-            L.LightningModule,
-            L.LightningDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            args=args,
-            auto_configure_optimizers=False,
-            save_config_callback=SaveRunConfig,
-            save_config_kwargs={"overwrite": True},
-            parser_class=UlyssesArgumentParser,
-            parser_kwargs={
-                "prog": PROG,
-                "description": DESCRIPTION,
-                "formatter_class": HelpFormatter,
-                **subcommand_kwargs(),
-            },
-        )
-    except ConfigError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+    with quiet.installed(quiet.CLI):
+        if isinstance(argv, list) and argv[:1] and argv[0] in COMMANDS:
+            run_command(argv[0], argv[1:], prog=f"{PROG} {argv[0]}")
+            return
+        try:
+            UlyssesCLI(
+                L.LightningModule,
+                L.LightningDataModule,
+                subclass_mode_model=True,
+                subclass_mode_data=True,
+                args=args,
+                auto_configure_optimizers=False,
+                save_config_callback=SaveRunConfig,
+                save_config_kwargs={"overwrite": True},
+                parser_class=UlyssesArgumentParser,
+                parser_kwargs={
+                    "prog": PROG,
+                    "description": DESCRIPTION,
+                    "formatter_class": HelpFormatter,
+                    **subcommand_kwargs(),
+                },
+            )
+        except ConfigError as error:
+            print(f"{PROG}: error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

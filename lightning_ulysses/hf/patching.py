@@ -45,6 +45,7 @@ def apply_ulysses_attention(
     batches: BatchSource | None = None,
     *,
     sp_size: int | None = None,
+    tiled_loss: bool = True,
 ) -> None:
     """Make every transformers ``PreTrainedModel`` inside ``model`` run Ulysses attention over ``group`` (the
     strategy's :class:`~lightning_ulysses.groups.SequenceParallelGroups` or ``DeviceMesh``, Ulysses x Ring included;
@@ -65,6 +66,9 @@ def apply_ulysses_attention(
     (:mod:`lightning_ulysses.hf.dropout`). ``labels_loss``: the loss of a call with ``labels=`` (``None``: the
     model's own); ``batches``: the strategy's running :class:`~lightning_ulysses.batch.ShardedBatch`, whose documents
     a forward on its position ids reads instead of all-gathering them (``None``: every forward gathers its shard's).
+    ``tiled_loss``: the check also reads how each model makes its logits from
+    its decoder's final hidden states, which the tiled loss applies (:mod:`lightning_ulysses.hf.check.logits`;
+    :func:`~lightning_ulysses.tiled_logit_map` needs it); the strategy skips that without its ``tiled_loss``.
     Idempotent.
     """
     if not isinstance(core, str):
@@ -106,7 +110,7 @@ def apply_ulysses_attention(
             ),
         )
         try:
-            outcome = check_model(hf_model, patch.state, patch.realize)
+            outcome = check_model(hf_model, patch.state, patch.realize, tiled_loss=tiled_loss)
         except BaseException:
             patch.undo()
             raise

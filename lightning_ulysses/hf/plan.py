@@ -16,6 +16,9 @@ from torch import nn
 from lightning_ulysses.hf.masks import MaskPattern
 from lightning_ulysses.logits import LogitMap
 
+NOT_CHECKED = "not checked"
+"""A plan's ``logits`` where the set-up check did not read how the model makes its logits (``tiled_loss`` off)."""
+
 
 @dataclass(frozen=True)
 class ProjectionChunks:
@@ -113,9 +116,10 @@ class ModelPlan:
     """What the model's masks do with ``token_type_ids`` (:mod:`lightning_ulysses.hf.check.spans`): ``""`` nothing
     (or it takes none), ``"spans"`` runs of ``1`` attend to themselves bidirectionally, else why it cannot be given
     them."""
-    logits: LogitMap | str = "not checked"
+    logits: LogitMap | str = NOT_CHECKED
     """The :class:`~lightning_ulysses.logits.LogitMap` from the decoder's final hidden states to the logits
-    (:mod:`lightning_ulysses.hf.check.logits`), or why the logits cannot be computed in token tiles."""
+    (:mod:`lightning_ulysses.hf.check.logits`), or why the logits cannot be computed in token tiles, or
+    :data:`NOT_CHECKED` (the check ran without ``tiled_loss``)."""
 
     def with_gathered(self, gathered: Gathered) -> ModelPlan:
         """This plan with ``gathered`` in place of any earlier choice for the same mixer or inside its module."""

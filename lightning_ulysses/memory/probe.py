@@ -5,6 +5,13 @@ feed-forward candidates from this run, and the norm rule the arguments its norms
 plain transformers (:func:`~lightning_ulysses.hf.apply.unpatched`: no collective of sequence parallelism), in eval
 mode without autograd, on the same tokens on every rank; under ZeRO-3 each call gathers its parameters, which every
 rank does alike.
+
+It is not the set-up check's whole-sequence run (:class:`~lightning_ulysses.hf.check.whole.WholeRun`), which also
+records every module's calls: that run computes token-local attention instead of the model's, on ``sp * 11``
+tokens (an odd count per rank; the tiled MLP rule chose its tile counts for :data:`PROBE_TOKENS`), and ends with the
+check, before the memory options are chosen (:func:`~lightning_ulysses.apply_memory_options` also runs without the
+check, and again with other options); handing it over would keep a clone of every module's inputs and outputs alive
+until then, to save one forward of ``2 x PROBE_TOKENS`` tokens.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ does in a step (:mod:`~lightning_ulysses.hf.check.zero3`):
    (:func:`~lightning_ulysses.hf.interface.read_layer_call`): the mask pattern it receives (windows and
    chunks applied only through the mask included) and its arguments (sinks; soft-capping, bidirectional
    attention, model-computed biases are refused). Every module's inputs and outputs are kept. From them and one
-   plain forward more: how the logits follow from the decoder's final hidden states (a constant factor, a tanh
-   soft-cap: :mod:`~lightning_ulysses.hf.check.logits`), which the tiled loss applies per tile; the strategy refuses
-   ``tiled_loss`` where they follow otherwise.
+   plain forward more, with ``tiled_loss`` only: how the logits follow from the decoder's final hidden states (a
+   constant factor, a tanh soft-cap: :mod:`~lightning_ulysses.hf.check.logits`), which the tiled loss applies per
+   tile; the strategy refuses ``tiled_loss`` where they follow otherwise.
 2. **Token types.** Where the model takes ``token_type_ids``, the whole-sequence probe runs once more with runs of
    ``1`` in them: layers whose masks make each run bidirectional (Gemma 3's image tokens) are planned with
    bidirectional spans (:mod:`~lightning_ulysses.hf.check.spans`).
@@ -37,9 +37,10 @@ does in a step (:mod:`~lightning_ulysses.hf.check.zero3`):
    and the first that differs is named; the model's output must agree too. ``torch.arange`` over the
    shard's length is trapped as well: an index-dependent computation may change nothing at the probe's
    few tokens (Llama4's temperature tuning starts at index 8192).
-7. **The decoder by itself** (the tiled loss's call, on the final plan): on this rank's shard it must return
-   its shard of the whole run's final hidden states, else the plan's logits say why and ``tiled_loss`` is refused
-   (:mod:`~lightning_ulysses.hf.check.logits`; a module gathered around the decoder does not run in that call).
+7. **The decoder by itself** (the tiled loss's call, on the final plan; with ``tiled_loss`` only): on this rank's
+   shard it must return its shard of the whole run's final hidden states, else the plan's logits say why and
+   ``tiled_loss`` is refused (:mod:`~lightning_ulysses.hf.check.logits`; a module gathered around the decoder does
+   not run in that call).
 
 The check writes nothing on the model: it returns a :class:`~lightning_ulysses.hf.plan.ModelPlan` (the attention
 layers' plans, the head-sharded token mixers, whole-sequence rotary, gathered mixers, the logit map) or a
@@ -69,7 +70,7 @@ from lightning_ulysses.hf.check.training import run_as_in_training
 from lightning_ulysses.hf.check.whole import check_position_numbering, whole_sequence_run
 from lightning_ulysses.hf.check.zero3 import engine_like_calls
 from lightning_ulysses.hf.mixers import is_token_mixer
-from lightning_ulysses.hf.plan import ModelPlan, Refusal
+from lightning_ulysses.hf.plan import NOT_CHECKED, ModelPlan, Refusal
 from lightning_ulysses.hf.state import PatchState, model_configs
 from lightning_ulysses.logits import LogitMap
 
@@ -77,10 +78,13 @@ PROBE_TOKENS_PER_RANK = 11
 """Tokens per rank in the probe: an odd count, so that the sequence dimension is told from model dimensions."""
 
 
-def check_model(model: PreTrainedModel, state: PatchState, realize: Callable[[ModelPlan], None]) -> ModelPlan | Refusal:
+def check_model(
+    model: PreTrainedModel, state: PatchState, realize: Callable[[ModelPlan], None], *, tiled_loss: bool
+) -> ModelPlan | Refusal:
     """Check a patched ``model`` (see the module docstring): its plan, or the refusal that names every layer that
-    would not run exactly. ``realize`` brings the model to each plan tried on the way. Collective over
-    ``state.group``."""
+    would not run exactly. ``realize`` brings the model to each plan tried on the way; ``tiled_loss``: whether the
+    logit steps run (without them the plan's ``logits`` stay :data:`~lightning_ulysses.hf.plan.NOT_CHECKED`).
+    Collective over ``state.group``."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ring_size = state.group.ring_size
     # with a ring the length is a multiple of 2 * sp_size (two zigzag chunks per ring rank)
@@ -97,7 +101,7 @@ def check_model(model: PreTrainedModel, state: PatchState, realize: Callable[[Mo
         # a forward that failed on one rank only must not leave the others waiting
         findings = agreed(findings, state)
         if not findings:
-            logits = find_logit_map(model, state, whole, input_ids, position_ids)
+            logits = find_logit_map(model, state, whole, input_ids, position_ids) if tiled_loss else NOT_CHECKED
             plan = replace(plan, layers=tuple(whole.layers.items()), logits=logits)
             plan = check_token_types(model, state, input_ids, position_ids, plan)
             realize(plan)

@@ -34,8 +34,11 @@ inside the call), tied embeddings included.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import ParamSpec
 
 import torch
 import torch.distributed as dist
@@ -46,35 +49,13 @@ from lightning_ulysses.hf.apply import patch_of, unpatched
 from lightning_ulysses.hf.check.shard import Shard, close, tolerance
 from lightning_ulysses.hf.check.tensors import first_tensor
 from lightning_ulysses.hf.check.whole import WholeRun, probe_attention, token_local_probe
+from lightning_ulysses.hf.plan import NOT_CHECKED
 from lightning_ulysses.hf.state import PatchState, UnsupportedModelError, model_configs, outermost_models
 from lightning_ulysses.logits import LogitMap
 
+P = ParamSpec("P")
 SPREAD = (1e-2, 1e4)
 """The magnitudes of the values that replace ``lm_head``'s output in step 2."""
-
-
-def find_logit_map(
-    model: PreTrainedModel, state: PatchState, whole: WholeRun, input_ids: Tensor, position_ids: Tensor
-) -> LogitMap | str:
-    """The map from ``model``'s decoder's final hidden states to its logits (see the module docstring), or why there
-    is none that applies per tile; agreed over the SP group (collective: call it on every rank)."""
-    return _agreed(_logit_map(model, whole, input_ids, position_ids), state)
-
-
-def check_decoder_call(
-    model: PreTrainedModel,
-    state: PatchState,
-    whole: WholeRun,
-    shard: Shard,
-    input_ids: Tensor,
-    position_ids: Tensor,
-    found: LogitMap,
-    gathered: tuple[str, ...],
-) -> LogitMap | str:
-    """Step 3 of the module docstring on the model's final plan (``gathered``: the modules it runs on the whole
-    sequence): ``found``, or why the tiled loss's call of the decoder would not give the decoder's final hidden
-    states; agreed over the SP group (collective: call it on every rank)."""
-    return _agreed(_decoder_call(model, state, whole, shard, input_ids, position_ids, found, gathered), state)
 
 
 def fit_output_map(x: Tensor, y: Tensor, constants: Iterable[float] = ()) -> LogitMap | str:
@@ -126,10 +107,7 @@ def tiled_logit_map(model: PreTrainedModel) -> LogitMap:
             "them, and UlyssesStrategy checks the outermost transformers models of the LightningModule at set-up: "
             "pass such a model."
         )
-    found = patch.plan.logits
-    if isinstance(found, str):
-        raise UnsupportedModelError(_refusal(model, found))
-    return found
+    return _found_map(model, patch.plan.logits)
 
 
 def check_tiled_logits(module: nn.Module) -> str | None:
@@ -141,12 +119,22 @@ def check_tiled_logits(module: nn.Module) -> str | None:
         patch = patch_of(model)
         if patch is None:
             continue
-        found = patch.plan.logits
-        if isinstance(found, str):
-            raise UnsupportedModelError(_refusal(model, found))
+        found = _found_map(model, patch.plan.logits)
         if found != LogitMap():
             maps.append(f"{type(model).__name__}: {found}")
     return "; ".join(maps) or None
+
+
+def _found_map(model: PreTrainedModel, found: LogitMap | str) -> LogitMap:
+    if found == NOT_CHECKED:
+        raise RuntimeError(
+            f"{type(model).__name__} was patched with tiled_loss off, so the set-up check did not read how it makes "
+            "its logits, which the tiled loss must apply: turn tiled_loss on (UlyssesStrategy(tiled_loss=...), "
+            "apply_ulysses_attention(..., tiled_loss=True))."
+        )
+    if isinstance(found, str):
+        raise UnsupportedModelError(_refusal(model, found))
+    return found
 
 
 def _refusal(model: PreTrainedModel, problem: str) -> str:
@@ -157,7 +145,31 @@ def _refusal(model: PreTrainedModel, problem: str) -> str:
     )
 
 
-def _logit_map(model: PreTrainedModel, whole: WholeRun, input_ids: Tensor, position_ids: Tensor) -> LogitMap | str:
+def _agreed_over_sp(step: Callable[P, LogitMap | str]) -> Callable[P, LogitMap | str]:
+    """``step``, its verdict agreed over the SP group of its ``state`` argument: the first problem any SP rank found,
+    else SP rank 0's map (ranks differ at most by rounding). Collective: call it on every rank."""
+    signature = inspect.signature(step)
+
+    @functools.wraps(step)
+    def agreed(*args: P.args, **kwargs: P.kwargs) -> LogitMap | str:
+        found = step(*args, **kwargs)
+        state: PatchState = signature.bind(*args, **kwargs).arguments["state"]
+        group = state.group.sp
+        if group is None or state.sp_size == 1:
+            return found
+        gathered: list[LogitMap | str | None] = [None] * state.sp_size
+        dist.all_gather_object(gathered, found, group=group)
+        return next((f for f in gathered if isinstance(f, str)), gathered[0] or found)
+
+    return agreed
+
+
+@_agreed_over_sp
+def find_logit_map(
+    model: PreTrainedModel, state: PatchState, whole: WholeRun, input_ids: Tensor, position_ids: Tensor
+) -> LogitMap | str:
+    """Steps 1 and 2 of the module docstring: the map from ``model``'s decoder's final hidden states to its logits, or
+    why there is none that applies per tile; agreed over the SP group (collective: call it on every rank)."""
     lm_head = model.get_output_embeddings()
     if lm_head is None:
         return "it has no output embeddings (get_output_embeddings() returns None)"
@@ -187,7 +199,8 @@ def _logit_map(model: PreTrainedModel, whole: WholeRun, input_ids: Tensor, posit
     return found if isinstance(found, str) else LogitMap(input_scale, found.scale, found.cap)
 
 
-def _decoder_call(
+@_agreed_over_sp
+def check_decoder_call(
     model: PreTrainedModel,
     state: PatchState,
     whole: WholeRun,
@@ -197,6 +210,9 @@ def _decoder_call(
     found: LogitMap,
     gathered: tuple[str, ...],
 ) -> LogitMap | str:
+    """Step 3 of the module docstring on the model's final plan (``gathered``: the modules it runs on the whole
+    sequence): ``found``, or why the tiled loss's call of the decoder would not give the decoder's final hidden
+    states; agreed over the SP group (collective: call it on every rank)."""
     decoder = model.get_decoder()
     name = next(n for n, m in model.named_modules() if m is decoder)
     expected = whole.calls[name][0].outputs[0]  # step 1 found the decoder called once, its hidden states first
@@ -261,13 +277,3 @@ def _factor(x: Tensor, y: Tensor, constants: list[float], tol: float) -> float:
 def _matches(expected: Tensor, got: Tensor, tol: float) -> bool:
     """Every element of ``got`` within ``tol`` of the same element of ``expected``, relative to that element."""
     return bool(((got - expected).abs() <= tol * expected.abs()).all() and expected.abs().min() > 0)
-
-
-def _agreed(found: LogitMap | str, state: PatchState) -> LogitMap | str:
-    """The first problem any SP rank found, else SP rank 0's map (ranks differ at most by rounding)."""
-    group = state.group.sp
-    if group is None or state.sp_size == 1:
-        return found
-    gathered: list[LogitMap | str | None] = [None] * state.sp_size
-    dist.all_gather_object(gathered, found, group=group)
-    return next((f for f in gathered if isinstance(f, str)), gathered[0] or found)

@@ -137,27 +137,10 @@ def local_index_trap(model: nn.Module, length: int) -> Iterator[list[Finding]]:
     module of ``model`` makes: under SP they are the local indices of one shard, whatever they feed. Such a
     computation may change nothing below some index (Llama4 scales queries by ``log(floor(index / 8192))``), so
     the short probe cannot see it in the outputs. The calls are seen through a torch function mode of this thread,
-    entered for the block only: ``torch.arange`` itself is left alone."""
+    which leaves when the block does (``torch.arange`` itself is never replaced)."""
     names = {module: name for name, module in model.named_modules()}
     running: list[nn.Module] = []
-    found: list[Finding] = []
-
-    def seen(result: Tensor, caller: Any) -> None:
-        if (
-            running
-            and result.dim() == 1
-            and result.numel() == length
-            and bool((result == torch.arange(length, device=result.device, dtype=result.dtype)).all())
-        ):
-            where = f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno}"
-            finding = Finding(
-                module_label(names, running[-1]),
-                f"builds token indices from the length of its input "
-                f"(torch.arange at {where}), which under SP is one shard's: local indices, not global "
-                "ones",
-            )
-            if finding not in found:
-                found.append(finding)
+    trap = _LocalIndices(length, names, running)
 
     def enter(module: nn.Module, args: tuple) -> None:
         running.append(module)
@@ -171,22 +154,39 @@ def local_index_trap(model: nn.Module, length: int) -> Iterator[list[Finding]]:
         for handle in (module.register_forward_pre_hook(enter), module.register_forward_hook(leave))
     ]
     try:
-        with _AfterArange(seen):
-            yield found
+        with trap:
+            yield trap.found
     finally:
         for handle in handles:
             handle.remove()
 
 
-class _AfterArange(TorchFunctionMode):
-    """Calls ``seen(result, caller_frame)`` after each ``torch.arange`` made inside it (in this thread)."""
+class _LocalIndices(TorchFunctionMode):
+    """The ``torch.arange`` calls over ``0 .. length - 1`` made inside a module of ``running``'s (innermost last),
+    as findings naming that module and the calling line."""
 
-    def __init__(self, seen: Callable[[Tensor, Any], None]) -> None:
+    def __init__(self, length: int, names: dict[nn.Module, str], running: list[nn.Module]) -> None:
         super().__init__()
-        self.seen = seen
+        self.length, self.names, self.running = length, names, running
+        self.found: list[Finding] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        result = func(*args, **(kwargs or {}))  # the mode is off while it handles a call: no recursion
-        if func is torch.arange:
-            self.seen(result, sys._getframe(1))  # the frame that called torch.arange
+        result = func(*args, **(kwargs or {}))  # the mode is off inside its own handler: no recursion
+        if (
+            func is torch.arange
+            and self.running
+            and result.dim() == 1
+            and result.numel() == self.length
+            and bool((result == torch.arange(self.length, device=result.device, dtype=result.dtype)).all())
+        ):
+            caller = sys._getframe(1)  # torch.arange is C code: the frame that called it
+            where = f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno}"
+            finding = Finding(
+                module_label(self.names, self.running[-1]),
+                f"builds token indices from the length of its input "
+                f"(torch.arange at {where}), which under SP is one shard's: local indices, not global "
+                "ones",
+            )
+            if finding not in self.found:
+                self.found.append(finding)
         return result
