@@ -125,9 +125,11 @@ class UlyssesStrategy(DeepSpeedStrategy):
             whole-sequence order. Runs torch's SDPA kernels on each block (the flash kernel for CPU, the
             memory-efficient one on CUDA; ``attn_implementation`` ``"auto"`` or ``"sdpa"``), without attention dropout;
             the kernels of the device are checked against float64 at set-up (refused where they are not exact).
-        attn_implementation: core attention kernel run on the gathered sequence: ``"auto"`` (flash-attn 2
-            on CUDA for fp16/bf16 when installed, else SDPA), ``"sdpa"``, ``"flash_attention_2"``,
-            ``"flash_attention_3"`` or ``"flex_attention"``.
+        attn_implementation: core attention kernel run on the gathered sequence: ``"auto"`` (on CUDA in fp16/bf16:
+            SDPA's cuDNN kernels on Hopper and later, else flash-attn 2 when installed, else SDPA; fp32 and CPU:
+            SDPA), ``"sdpa"``, ``"sdpa_cudnn"`` (SDPA's cuDNN backend for every call cuDNN covers, by torch's own
+            check; the others run as ``"sdpa"``), ``"flash_attention_2"``, ``"flash_attention_3"`` or
+            ``"flex_attention"`` (see docs/attention-backends.md).
         head_chunks: run each attention layer's all-to-alls and attention in this many chunks of each rank's heads
             (:mod:`lightning_ulysses.attention.head_chunks`): one all-to-all per chunk for q, k and v together and
             one back, the layer recomputed chunk by chunk in the backward, so its whole-sequence tensors are one
@@ -333,8 +335,12 @@ class UlyssesStrategy(DeepSpeedStrategy):
         a flash backend asked for fp32 is refused here; Ulysses x Ring runs SDPA."""
         if self._topology is not None and self.ring_size > 1:
             return "sdpa"
+        device = self.root_device
         return resolve_attn_implementation(
-            self._requested_attn_implementation, self.root_device.type, compute_dtype(self.precision_plugin.precision)
+            self._requested_attn_implementation,
+            device.type,
+            compute_dtype(self.precision_plugin.precision),
+            torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
         )
 
     @property
