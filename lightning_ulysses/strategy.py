@@ -71,6 +71,7 @@ from lightning_ulysses.attention import gather_sequence, resolve_attn_implementa
 from lightning_ulysses.attention.collectives import gather_from_ranks
 from lightning_ulysses.attention.head_chunks import HeadChunks, check_head_chunks
 from lightning_ulysses.attention.ring_blocks import check_block_kernels
+from lightning_ulysses.compile import compile_decoder_layers, remove_compiled_layers
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.hf.apply import patches
@@ -183,6 +184,14 @@ class UlyssesStrategy(DeepSpeedStrategy):
             mean of this rank's shard, so the logged loss is one shard's and, where the shards' token counts differ,
             the update is wrong. A flag per step, no extra computation. ``False``: for a ``training_step`` that
             reduces its loss over the SP group exactly by itself.
+        compile_layers: ``torch.compile`` each decoder layer on its own (regional compilation, as torchtitan compiles
+            per block; :mod:`lightning_ulysses.compile`), in place, after the options above: one compilation per
+            layer class reused by every layer, the Ulysses all-to-alls run eagerly between compiled regions. With
+            ``activation_checkpointing`` each child of a layer is compiled instead (norms, feed-forward; dynamo
+            compiles nothing of a checkpointed frame with a graph break, and the all-to-alls are one). ZeRO stages
+            1 and 2 (ZeRO-3 is refused: its per-module hooks cut the layers apart). The first step pays the
+            compilation, each new sequence length one more until the shapes are dynamic. Results equal the eager
+            model's to float rounding.
         **deepspeed_strategy_kwargs: anything :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`
             takes (``stage``, ``config``, offload options, ...).
 
@@ -209,6 +218,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         sequence_mixers: SequenceMixers = "refuse",
         head_chunks: HeadChunks | None = None,
         check_loss_reduction: bool = True,
+        compile_layers: bool = False,
         **deepspeed_strategy_kwargs: Any,
     ) -> None:
         super().__init__(**deepspeed_strategy_kwargs)
@@ -239,6 +249,17 @@ class UlyssesStrategy(DeepSpeedStrategy):
         self._padding: Tensor | None = None  # [B, N/sp] bool, the current batch's padding tokens on this rank
         self._train_batch_shape: tuple[int, int] | None = None  # [B, N] of the last training batch, before padding
         self.check_loss_reduction = check_loss_reduction
+        if (
+            compile_layers
+            and isinstance(self.config, dict)
+            and self.config.get("zero_optimization", {}).get("stage") == 3
+        ):
+            raise ValueError(
+                "compile_layers runs under ZeRO stages 1 and 2: under ZeRO-3, DeepSpeed's parameter hooks on every "
+                "submodule run outside compiled code (torch.compiler.disable), cutting each layer into per-module "
+                "pieces while dynamo recompiles DeepSpeed's own code. Set stage=2 (or 1), or compile_layers=False."
+            )
+        self.compile_layers = compile_layers
         self._exact_loss_reductions = 0  # in the running training step (see check_loss_reduction)
         self.memory_report = MemoryReport()
         """What each asked memory option (and ``head_chunks``) applies to, found at set-up and logged at fit start."""
@@ -461,6 +482,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
             self.memory_report.rows.append(head_chunks_row(plans, self.head_chunks))
         if self.memory.tiled_loss:
             self.memory_report.rows.append(tiled_loss_row(self.memory.tiled_loss, logit_maps))
+        if self.compile_layers:  # last: each layer compiles what the options above made of it, at its first call
+            self.memory_report.rows.append(compile_decoder_layers(self.lightning_module))
         if self.memory_report.rows:
             rank_zero_info(self.memory_report.table())
         if trainer.state.fn == TrainerFn.FITTING:
@@ -714,6 +737,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
     def teardown(self) -> None:
         if self.lightning_module is not None:
             remove_ulysses_attention(self.lightning_module)
+            remove_compiled_layers(self.lightning_module)  # first: it compiled what the memory options made
             remove_memory_options(self.lightning_module)
         if self._heartbeat is not None:
             self._heartbeat.stop()
