@@ -77,6 +77,7 @@ from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove
 from lightning_ulysses.hf.apply import patches
 from lightning_ulysses.hf.check.logits import check_tiled_logits
 from lightning_ulysses.hf.mixers import register_mixer_weights_for_zero3
+from lightning_ulysses.liger import apply_liger_kernels, check_liger_kernels, refuse_liger_setup, remove_liger_kernels
 from lightning_ulysses.loss import STEP_TOKENS_KEY, LossContext, StepTokenCounts, labels_loss, padding_tokens
 from lightning_ulysses.memory import (
     MemoryOptions,
@@ -192,6 +193,12 @@ class UlyssesStrategy(DeepSpeedStrategy):
             1 and 2 (ZeRO-3 is refused: its per-module hooks cut the layers apart). The first step pays the
             compilation, each new sequence length one more until the shapes are dynamic. Results equal the eager
             model's to float rounding.
+        liger_kernels: LinkedIn's Triton kernels (:mod:`lightning_ulysses.liger`; ``pip install
+            'lightning-ulysses[liger]'``, CUDA): ``True`` or a list of ``"cross_entropy"`` (Liger's fused linear cross
+            entropy as the ``tiled_loss`` path, with the logit scaling or soft-cap the set-up check found; ZeRO 1/2),
+            ``"rms_norm"`` (the RMSNorms found to compute Llama's or Gemma's form; not with ``fused_norms``) and
+            ``"swiglu"`` (the feed-forwards found to compute ``down(silu(gate(x)) * up(x))``). Refused at construction
+            without the packages, at set-up off CUDA and where a kernel finds nothing to replace.
         **deepspeed_strategy_kwargs: anything :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`
             takes (``stage``, ``config``, offload options, ...).
 
@@ -219,6 +226,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
         head_chunks: HeadChunks | None = None,
         check_loss_reduction: bool = True,
         compile_layers: bool = False,
+        liger_kernels: bool | list[str] = False,
         **deepspeed_strategy_kwargs: Any,
     ) -> None:
         super().__init__(**deepspeed_strategy_kwargs)
@@ -260,6 +268,12 @@ class UlyssesStrategy(DeepSpeedStrategy):
                 "pieces while dynamo recompiles DeepSpeed's own code. Set stage=2 (or 1), or compile_layers=False."
             )
         self.compile_layers = compile_layers
+        self.liger_kernels = check_liger_kernels(liger_kernels)
+        if fused_norms and "rms_norm" in self.liger_kernels:
+            raise ValueError(
+                "fused_norms and liger_kernels 'rms_norm' both replace the RMSNorms: keep one (fused_norms keeps less "
+                "for the backward; Liger's kernel is one Triton launch)."
+            )
         self._exact_loss_reductions = 0  # in the running training step (see check_loss_reduction)
         self.memory_report = MemoryReport()
         """What each asked memory option (and ``head_chunks``) applies to, found at set-up and logged at fit start."""
@@ -341,6 +355,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
             self._padding,
             self.lightning_module.trainer.accumulate_grad_batches,
             self._record_exact_reduction,
+            "cross_entropy" in self.liger_kernels,
         )
 
     def _record_exact_reduction(self) -> None:
@@ -462,6 +477,8 @@ class UlyssesStrategy(DeepSpeedStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             train_loaded_models(self.lightning_module)  # from_pretrained's eval mode would skip checkpointing, dropout
         super().setup(trainer)
+        zero_stage = self.config.get("zero_optimization", {}).get("stage", 0)
+        refuse_liger_setup(self.liger_kernels, self.root_device.type, zero_stage, self.memory.tiled_loss)
         # after DeepSpeed's engine exists: the set-up check runs a short forward (ZeRO-3 gathers the weights for it)
         apply_ulysses_attention(
             self.lightning_module,
@@ -474,9 +491,12 @@ class UlyssesStrategy(DeepSpeedStrategy):
         )
         # refuses a model whose logits do not tile, before any other option's work
         logit_maps = check_tiled_logits(self.lightning_module) if self.memory.tiled_loss else None
+        # before the memory options: tiled_mlp tiles the feed-forward Liger's SwiGLU makes
+        liger_rows = apply_liger_kernels(self.lightning_module, self.liger_kernels) if self.liger_kernels else []
         self.memory_report = apply_memory_options(
             self.lightning_module, self.memory, fitting=trainer.state.fn == TrainerFn.FITTING
         )
+        self.memory_report.rows.extend(liger_rows)
         if self.head_chunks is not None:
             plans = [patch.plan for patch in patches(self.lightning_module)]
             self.memory_report.rows.append(head_chunks_row(plans, self.head_chunks))
@@ -739,6 +759,7 @@ class UlyssesStrategy(DeepSpeedStrategy):
             remove_ulysses_attention(self.lightning_module)
             remove_compiled_layers(self.lightning_module)  # first: it compiled what the memory options made
             remove_memory_options(self.lightning_module)
+            remove_liger_kernels(self.lightning_module)  # last: the memory options tiled what it made
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
