@@ -337,7 +337,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     report.line(f"command: python -m benchmarks.kernels {' '.join(sys.argv[1:] if argv is None else argv)}")
     for table in (attention_table, loss_table, norm_table, layer_table):
+        start = time.perf_counter()
         table(report, args, device, shape)
+        report.line(f"\n({table.__name__}: {time.perf_counter() - start:.0f} s, compilations included)")
 
 
 if __name__ == "__main__":
