@@ -26,7 +26,8 @@ from lightning_ulysses.liger import (
     remove_liger_kernels,
     swiglu_projections,
 )
-from lightning_ulysses.logits import LogitMap, tiled_cross_entropy_sum
+from lightning_ulysses.logits import LogitMap, TiledLogits, tiled_cross_entropy_sum
+from lightning_ulysses.loss import token_cross_entropy
 from tests.tiny import tiny_llama
 
 
@@ -128,7 +129,9 @@ def test_fused_loss_applies_the_logit_map_as_the_tiles_do(
     labels = torch.randint(0, 50, (2, 9), generator=generator)
     labels[0, :3] = -100
     expected = tiled_cross_entropy_sum(hidden, logit_map.head(lm_head), labels, num_tiles=3)
-    got = liger_loss_sum(lm_head, logit_map)(hidden.reshape(-1, 16), labels.reshape(-1), -100)
+    fused = TiledLogits(hidden, logit_map.head(lm_head), 3, liger_loss_sum(lm_head, logit_map))
+    got, valid = token_cross_entropy(fused, labels)  # the loss's path: the fused sum instead of the tiles
+    assert valid == 15
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     params = [hidden, *lm_head.parameters()]
     for g, e in zip(torch.autograd.grad(got, params), torch.autograd.grad(expected, params), strict=True):
