@@ -178,7 +178,7 @@ def worker(args: dict[str, Any]) -> list[dict[str, Any]]:
     from lightning_ulysses.hf.apply import shard_token_mixers
     from lightning_ulysses.hf.ledger import Ledger
     from lightning_ulysses.hf.mixers import shift
-    from lightning_ulysses.hf.state import PatchState
+    from lightning_ulysses.hf.state import ForwardBatch, PatchState
 
     dist.init_process_group("gloo")
     sp, rank, tokens = dist.get_world_size(), dist.get_rank(), args["tokens"]
@@ -216,12 +216,12 @@ def worker(args: dict[str, Any]) -> list[dict[str, Any]]:
         positions = torch.arange(tokens)[None]
         _, whole_saved = saved_bytes(lambda: call(whole, positions), module)  # noqa: B023 - one process, whole sequence
         state = PatchState(SequenceParallelGroups.of(init_device_mesh("cpu", (sp,))), "sdpa", sp)
-        state.position_ids = positions[:, rank * tokens // sp : (rank + 1) * tokens // sp]
+        state.forward = ForwardBatch(positions[:, rank * tokens // sp : (rank + 1) * tokens // sp])
         holder = nn.ModuleDict({"mixer": module})
         if not shard_token_mixers(holder, state, Ledger()):
             raise RuntimeError(f"{mixer.module_class} was not recognised as a token mixer")
         counted[0] = halo[0] = 0
-        out, sharded_saved = saved_bytes(lambda: call(shard, state.position_ids), module)  # noqa: B023
+        out, sharded_saved = saved_bytes(lambda: call(shard, state.forward.position_ids), module)  # noqa: B023
         out.sum().backward()
         local_tokens = tokens // sp
         rows.append(

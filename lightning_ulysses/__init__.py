@@ -2,6 +2,7 @@
 
 from lightning_ulysses.attention import ulysses_attention
 from lightning_ulysses.callbacks import SequenceParallelMonitor, SequenceParallelParityCheck
+from lightning_ulysses.compile import compile_decoder_layers, remove_compiled_layers
 from lightning_ulysses.data import LongTextDataModule, byte_tokenizer
 from lightning_ulysses.finetune import DPO, PreferenceDataModule, SFTDataModule
 from lightning_ulysses.flops import TransformerFlops, dense_peak_flops
@@ -15,6 +16,7 @@ from lightning_ulysses.hf import (
     sequence_parallel_disabled,
 )
 from lightning_ulysses.hf.check.logits import tiled_logit_map
+from lightning_ulysses.liger import apply_liger_kernels, liger_loss_sum, remove_liger_kernels
 from lightning_ulysses.logits import LogitMap, TiledLogits, tiled_cross_entropy_sum
 from lightning_ulysses.loss import UlyssesLossMixin, token_cross_entropy
 from lightning_ulysses.memory import (
@@ -76,19 +78,24 @@ __all__ = [
     "VisionLanguageModel",
     "UnsupportedModelError",
     "WarmupCosine",
+    "apply_liger_kernels",
     "apply_memory_options",
     "apply_ulysses_attention",
     "byte_tokenizer",
     "check_integrity",
     "check_resumable",
     "checkpoint_activations",
+    "compile_decoder_layers",
     "convert_checkpoint",
     "dense_peak_flops",
     "export_hf_model",
     "gather_sequence",
     "is_universal_checkpoint",
+    "liger_loss_sum",
     "plan_heads",
     "prepare_batch",
+    "remove_compiled_layers",
+    "remove_liger_kernels",
     "remove_memory_options",
     "remove_ulysses_attention",
     "layer_norm",

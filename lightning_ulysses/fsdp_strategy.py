@@ -86,6 +86,11 @@ class UlyssesFSDPStrategy(SequenceParallelMixin, ModelParallelStrategy):
             )
         self.reshard_after_forward = reshard_after_forward
 
+    @property
+    def parameters_sharded(self) -> bool:
+        """Always: ``fully_shard`` shards every parameter, gathered per unit in its forward."""
+        return True
+
     @override
     def setup_environment(self) -> None:
         self._quiet_run()

@@ -82,11 +82,16 @@ class TiledLogits:
             ``LogitMap.head`` of it where the model makes its logits with more than ``lm_head``.
         num_tiles: exactly this many ``lm_head`` calls per consumer (tiles may be empty), on every rank alike:
             under ZeRO-3 each call gathers ``lm_head``'s weight collectively.
+        loss_sum: ``(hidden_states [tokens, hidden], labels [tokens], ignore_index) ->`` the fp32 sum of the token
+            cross entropies of these logits by a fused kernel (Liger's,
+            :func:`~lightning_ulysses.liger.liger_loss_sum`), which the loss then takes instead of the tiles;
+            ``None``: the tiles.
     """
 
     hidden_states: Tensor
     lm_head: Callable[[Tensor], Tensor]
     num_tiles: int
+    loss_sum: Callable[[Tensor, Tensor, int], Tensor] | None = None
 
 
 # a runtime alias kept as typing.Union (``X | Y`` would make another object, a types.UnionType)

@@ -49,6 +49,7 @@ from lightning_ulysses.batch import ShardedBatch
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.hf.check.logits import tiled_logit_map
+from lightning_ulysses.liger import liger_loss_sum
 from lightning_ulysses.logits import Logits, TiledLogits, token_losses
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_index
 from lightning_ulysses.tiling import TileSetting, resolve_num_tiles
@@ -70,7 +71,8 @@ class LossContext:
     the first), whose padding :func:`labels_loss` never counts, whose repeated rows of evaluation count nowhere and
     whose step token count ``"global"`` divides by; ``accumulate_grad_batches``: the trainer's;
     ``record_exact_reduction``: called by every SP-exact reduction (the strategy refuses a training step whose loss
-    went through none).
+    went through none); ``liger_loss``: the tiled loss runs Liger's fused linear cross entropy (the strategy's
+    ``liger_kernels`` ``"cross_entropy"``).
     """
 
     groups: SequenceParallelGroups
@@ -80,6 +82,7 @@ class LossContext:
     batch: ShardedBatch | None
     accumulate_grad_batches: int
     record_exact_reduction: Callable[[], None]
+    liger_loss: bool = False
 
     @property
     def repeated_rows(self) -> Tensor | None:
@@ -97,8 +100,12 @@ def token_cross_entropy(
 ) -> tuple[Tensor, Tensor]:
     """Sum of the next-token cross entropies of ``logits [B, n, V]`` (whole or :class:`TiledLogits`) against
     ``shift_labels [B, n]``, in fp32, and the number of valid (``!= ignore_index``) tokens in it: the two sums
-    every exact reduction starts from."""
-    return token_losses(logits, shift_labels, ignore_index).sum(), (shift_labels != ignore_index).sum()
+    every exact reduction starts from (the sum by :attr:`TiledLogits.loss_sum` where it is given)."""
+    valid = (shift_labels != ignore_index).sum()
+    if isinstance(logits, TiledLogits) and logits.loss_sum is not None:
+        hidden_states = logits.hidden_states.reshape(-1, logits.hidden_states.shape[-1])
+        return logits.loss_sum(hidden_states, shift_labels.reshape(-1), ignore_index), valid
+    return token_losses(logits, shift_labels, ignore_index).sum(), valid
 
 
 def token_mean(loss_sum: Tensor, num_valid_tokens: Tensor | int, context: LossContext | None) -> Tensor:
@@ -258,12 +265,13 @@ class UlyssesLossMixin:
         context = self._loss_context()
         if context is None or not context.tiled_loss:
             return model(**inputs).logits
-        lm_head = tiled_logit_map(model).head(model.get_output_embeddings())
+        logit_map, output_embeddings = tiled_logit_map(model), model.get_output_embeddings()
         hidden_states = model.get_decoder()(**inputs).last_hidden_state
         tiles = resolve_num_tiles(
             context.tiled_loss, hidden_states.shape[:-1].numel(), hidden_states.shape[-1], hidden_states.device
         )
-        return TiledLogits(hidden_states, lm_head, tiles)
+        loss_sum = liger_loss_sum(output_embeddings, logit_map) if context.liger_loss else None
+        return TiledLogits(hidden_states, logit_map.head(output_embeddings), tiles, loss_sum)
 
     def model_inputs(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """The keyword inputs of the model's (and its decoder's) forward: ``input_ids`` and ``position_ids``."""

@@ -65,11 +65,13 @@ from lightning_ulysses.attention.collectives import gather_from_ranks
 from lightning_ulysses.attention.head_chunks import HeadChunks, check_head_chunks
 from lightning_ulysses.attention.ring_blocks import check_block_kernels
 from lightning_ulysses.batch import ShardedBatch, shard_loader_batch
+from lightning_ulysses.compile import compile_decoder_layers, remove_compiled_layers
 from lightning_ulysses.engines import lightning as lightning_engine
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf import SequenceMixers, apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.hf.apply import patches
 from lightning_ulysses.hf.check.logits import check_tiled_logits
+from lightning_ulysses.liger import apply_liger_kernels, check_liger_kernels, refuse_liger_setup, remove_liger_kernels
 from lightning_ulysses.loss import LossContext, StepTokenCounts, labels_loss
 from lightning_ulysses.memory import (
     MemoryOptions,
@@ -113,9 +115,11 @@ class SequenceParallelMixin(ParallelStrategy):
             whole-sequence order. Runs torch's SDPA kernels on each block (the flash kernel for CPU, the
             memory-efficient one on CUDA; ``attn_implementation`` ``"auto"`` or ``"sdpa"``), without attention dropout;
             the kernels of the device are checked against float64 at set-up (refused where they are not exact).
-        attn_implementation: core attention kernel run on the gathered sequence: ``"auto"`` (flash-attn 2
-            on CUDA for fp16/bf16 when installed, else SDPA), ``"sdpa"``, ``"flash_attention_2"``,
-            ``"flash_attention_3"`` or ``"flex_attention"``.
+        attn_implementation: core attention kernel run on the gathered sequence: ``"auto"`` (on CUDA in fp16/bf16:
+            SDPA's cuDNN kernels on Hopper and later, else flash-attn 2 when installed, else SDPA; fp32 and CPU:
+            SDPA), ``"sdpa"``, ``"sdpa_cudnn"`` (SDPA's cuDNN backend for every call cuDNN covers, by torch's own
+            check; the others run as ``"sdpa"``), ``"flash_attention_2"``, ``"flash_attention_3"`` or
+            ``"flex_attention"`` (see docs/attention-backends.md).
         head_chunks: run each attention layer's all-to-alls and attention in this many chunks of each rank's heads
             (:mod:`lightning_ulysses.attention.head_chunks`): one all-to-all per chunk for q, k and v together and
             one back, the layer recomputed chunk by chunk in the backward, so its whole-sequence tensors are one
@@ -170,6 +174,21 @@ class SequenceParallelMixin(ParallelStrategy):
             mean of this rank's shard, so the logged loss is one shard's and, where the shards' token counts differ,
             the update is wrong. A flag per step, no extra computation. ``False``: for a ``training_step`` that
             reduces its loss over the SP group exactly by itself.
+        compile_layers: ``torch.compile`` each decoder layer on its own (regional compilation, as torchtitan compiles
+            per block; :mod:`lightning_ulysses.compile`), in place, after the options above: one compilation per
+            layer class reused by every layer, the Ulysses all-to-alls run eagerly between compiled regions. With
+            ``activation_checkpointing`` each child of a layer is compiled instead (norms, feed-forward; dynamo
+            compiles nothing of a checkpointed frame with a graph break, and the all-to-alls are one). Not where the
+            engine shards parameters per module (ZeRO-3, FSDP2: refused; ZeRO-3's per-module hooks cut the layers
+            apart). The first step pays the compilation, each new sequence length one more until the shapes are
+            dynamic. Results equal the eager model's to float rounding.
+        liger_kernels: LinkedIn's Triton kernels (:mod:`lightning_ulysses.liger`; ``pip install
+            'lightning-ulysses[liger]'``, CUDA): ``True`` or a list of ``"cross_entropy"`` (Liger's fused linear cross
+            entropy as the ``tiled_loss`` path, with the logit scaling or soft-cap the set-up check found; not where
+            the engine shards parameters: ZeRO-3, FSDP2), ``"rms_norm"`` (the RMSNorms found to compute Llama's or
+            Gemma's form; not with ``fused_norms``) and ``"swiglu"`` (the feed-forwards found to compute
+            ``down(silu(gate(x)) * up(x))``). Refused at construction without the packages, at set-up off CUDA and
+            where a kernel finds nothing to replace.
         **engine_kwargs: the engine strategy's own arguments (:class:`~lightning_ulysses.UlyssesStrategy`:
             DeepSpeed's; :class:`~lightning_ulysses.UlyssesFSDPStrategy`: its own and Lightning's
             ``ModelParallelStrategy``'s).
@@ -198,6 +217,8 @@ class SequenceParallelMixin(ParallelStrategy):
         sequence_mixers: SequenceMixers = "refuse",
         head_chunks: HeadChunks | None = None,
         check_loss_reduction: bool = True,
+        compile_layers: bool = False,
+        liger_kernels: bool | list[str] = False,
         **engine_kwargs: Any,
     ) -> None:
         super().__init__(**engine_kwargs)
@@ -230,6 +251,21 @@ class SequenceParallelMixin(ParallelStrategy):
         self._train_batch_shape: tuple[int, int] | None = None  # [B, N] of the last training batch, before padding
         self.check_loss_reduction = check_loss_reduction
         self._exact_loss_reductions = 0  # in the running training step (see check_loss_reduction)
+        if compile_layers and self.parameters_sharded:
+            raise ValueError(
+                "compile_layers runs where the engine keeps each layer's parameters whole (ZeRO stages 1 and 2): under "
+                "ZeRO-3 DeepSpeed's parameter hooks on every submodule run outside compiled code "
+                "(torch.compiler.disable), cutting each layer into per-module pieces while dynamo recompiles "
+                "DeepSpeed's own code; FSDP2's per-layer sharding is not supported with it yet. Set stage=2 (or 1) "
+                "on UlyssesStrategy, or compile_layers=False."
+            )
+        self.compile_layers = compile_layers
+        self.liger_kernels = check_liger_kernels(liger_kernels)
+        if fused_norms and "rms_norm" in self.liger_kernels:
+            raise ValueError(
+                "fused_norms and liger_kernels 'rms_norm' both replace the RMSNorms: keep one (fused_norms keeps less "
+                "for the backward; Liger's kernel is one Triton launch)."
+            )
         self.memory_report = MemoryReport()
         """What each asked memory option (and ``head_chunks``) applies to, found at set-up and logged at fit start."""
 
@@ -316,6 +352,7 @@ class SequenceParallelMixin(ParallelStrategy):
             self._batch,
             self.lightning_module.trainer.accumulate_grad_batches,
             self._record_exact_reduction,
+            "cross_entropy" in self.liger_kernels,
         )
 
     @property
@@ -340,9 +377,19 @@ class SequenceParallelMixin(ParallelStrategy):
         a flash backend asked for fp32 is refused here; Ulysses x Ring runs SDPA."""
         if self._topology is not None and self.ring_size > 1:
             return "sdpa"
+        device = self.root_device
         return resolve_attn_implementation(
-            self._requested_attn_implementation, self.root_device.type, compute_dtype(self.precision_plugin.precision)
+            self._requested_attn_implementation,
+            device.type,
+            compute_dtype(self.precision_plugin.precision),
+            torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
         )
+
+    @property
+    def parameters_sharded(self) -> bool:
+        """Whether the engine keeps each parameter sharded over the ranks outside its module's forward (ZeRO-3,
+        FSDP2): ``compile_layers`` and Liger's fused loss (which reads ``lm_head``'s whole weight) are refused then."""
+        raise NotImplementedError(f"{type(self).__name__} must say whether it shards parameters")
 
     @property
     def loss_gradient_scale(self) -> float:
@@ -423,6 +470,7 @@ class SequenceParallelMixin(ParallelStrategy):
         checked by running the model: every rank must hold the weights it runs, whole or gathered by the engine), log
         what they apply to, and install the preemption signals."""
         assert self.lightning_module is not None
+        refuse_liger_setup(self.liger_kernels, self.root_device.type, self.parameters_sharded, self.memory.tiled_loss)
         apply_ulysses_attention(
             self.lightning_module,
             self.groups,
@@ -435,14 +483,19 @@ class SequenceParallelMixin(ParallelStrategy):
         )
         # refuses a model whose logits do not tile, before any other option's work
         logit_maps = check_tiled_logits(self.lightning_module) if self.memory.tiled_loss else None
+        # before the memory options: tiled_mlp tiles the feed-forward Liger's SwiGLU makes
+        liger_rows = apply_liger_kernels(self.lightning_module, self.liger_kernels) if self.liger_kernels else []
         self.memory_report = apply_memory_options(
             self.lightning_module, self.memory, fitting=trainer.state.fn == TrainerFn.FITTING
         )
+        self.memory_report.rows.extend(liger_rows)
         if self.head_chunks is not None:
             plans = [patch.plan for patch in patches(self.lightning_module)]
             self.memory_report.rows.append(head_chunks_row(plans, self.head_chunks))
         if self.memory.tiled_loss:
             self.memory_report.rows.append(tiled_loss_row(self.memory.tiled_loss, logit_maps))
+        if self.compile_layers:  # last: each layer compiles what the options above made of it, at its first call
+            self.memory_report.rows.append(compile_decoder_layers(self.lightning_module))
         if self.memory_report.rows:
             rank_zero_info(self.memory_report.table())
         if not isinstance(lightning_engine.signal_connector(trainer), PreemptionSignals):
@@ -633,7 +686,9 @@ class SequenceParallelMixin(ParallelStrategy):
     def teardown(self) -> None:
         if self.lightning_module is not None:
             remove_ulysses_attention(self.lightning_module)
+            remove_compiled_layers(self.lightning_module)  # first: it compiled what the memory options made
             remove_memory_options(self.lightning_module)
+            remove_liger_kernels(self.lightning_module)  # last: the memory options tiled what it made
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None

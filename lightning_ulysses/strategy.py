@@ -53,6 +53,11 @@ class UlyssesStrategy(SequenceParallelMixin, DeepSpeedStrategy):
     strategy_name = "ulysses"
 
     @property
+    def parameters_sharded(self) -> bool:
+        """Under ZeRO-3 (DeepSpeed partitions every parameter, gathered per module in its forward)."""
+        return isinstance(self.config, dict) and self.config.get("zero_optimization", {}).get("stage") == 3
+
+    @property
     @override
     def root_device(self) -> torch.device:
         device = super().root_device

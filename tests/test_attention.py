@@ -35,7 +35,7 @@ from lightning_ulysses.attention.backends import _REQUIRED_MODULE
 from lightning_ulysses.attention.core import pad_head_dims
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.heads import check_heads, plan_heads
-from lightning_ulysses.strategy import compute_dtype
+from lightning_ulysses.sequence_parallel import compute_dtype
 from lightning_ulysses.topology import SequenceParallelTopology
 from tests.launch import launch
 
@@ -483,7 +483,7 @@ def _cuda_backend(name: str) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("backend", ["sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"])
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_cudnn", "flash_attention_2", "flash_attention_3", "flex_attention"])
 @pytest.mark.parametrize(
     "name", ["packed_documents", "packed_sliding_window", "heads6_mqa", "chunked_packed", *SINK_CASES, *MLA_CASES]
 )
@@ -545,6 +545,80 @@ def test_backend_choice_follows_device_and_dtype(monkeypatch: pytest.MonkeyPatch
             resolve_attn_implementation(name, "cuda", compute_dtype("32-true"))
     with pytest.raises(ValueError, match="runs fp16 and bf16 only, and this run computes in torch.float32"):
         CORE_ATTENTION["flash_attention_2"](*_tensors(CASES["mha"])[:3], None)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "shape", [dict(heads=8, kv_heads=2, head_dim=128), dict(heads=4, kv_heads=4, head_dim=64, positions=True)]
+)
+def test_cuda_cudnn_runs_and_matches_float64(shape: dict[str, Any]) -> None:
+    """At model-like head sizes in bf16, ``sdpa_cudnn`` runs torch's cuDNN kernel (seen by the profiler, forward and
+    backward) and its output and q/k/v gradients match the float64 dense reference in bf16 tolerance."""
+    if not torch.backends.cudnn.is_available():
+        pytest.skip("torch has no cuDNN")
+    rows = [[*range(300), *range(212), *range(512)]] * 2  # packed: three length classes
+    case = dict(batch=2, seq=1024, **shape, positions=rows if shape.get("positions") else None)
+    case = {key: value for key, value in case.items() if value is not None}
+    q, k, v, grad, pos = (None if t is None else t.cuda() for t in _tensors(case))
+    full = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = reference(*full, None if pos is None else pos, **_options(case))
+    low = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        got = _attend("sdpa_cudnn", case, pos)(*low)
+        got_grads = torch.autograd.grad(got, low, grad.bfloat16())
+    ops = {event.name for event in profile.events()}
+    assert {"aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_cudnn_attention_backward"} <= ops
+    for a, b in zip([got, *got_grads], [expected, *torch.autograd.grad(expected, full, grad.double())]):
+        error = ((a.double() - b).norm() / b.norm()).item()
+        assert error < 2e-2, f"sdpa_cudnn {shape}: relative error {error:.2e}"
+
+
+def test_auto_picks_cudnn_on_hopper_in_half_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``"auto"`` takes SDPA's cuDNN backend on CUDA in fp16/bf16 from compute capability 9.0 (here cuDNN is
+    pretended present), flash-attn 2 (pretended installed) or SDPA below it and without cuDNN, SDPA in fp32 and on
+    CPU; ``"sdpa_cudnn"`` asked on CPU, in fp32 or without cuDNN is refused, naming what to choose."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name.startswith("flash_attn") else find_spec(name, *a)
+    )
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    bf16, fp32 = compute_dtype("bf16-mixed"), compute_dtype("32-true")
+    assert resolve_attn_implementation("auto", "cuda", bf16, (9, 0)) == "sdpa_cudnn"
+    assert resolve_attn_implementation("auto", "cuda", compute_dtype("16-mixed"), (10, 0)) == "sdpa_cudnn"
+    assert resolve_attn_implementation("auto", "cuda", bf16, (8, 0)) == "flash_attention_2"
+    assert resolve_attn_implementation("auto", "cuda", fp32, (9, 0)) == "sdpa"
+    assert resolve_attn_implementation("auto", "cpu", bf16) == "sdpa"
+    assert resolve_attn_implementation("sdpa_cudnn", "cuda", bf16, (8, 0)) == "sdpa_cudnn"
+    with pytest.raises(
+        ValueError, match="'sdpa_cudnn' runs fp16 and bf16 only, and this run computes in torch.float32"
+    ):
+        resolve_attn_implementation("sdpa_cudnn", "cuda", fp32)
+    with pytest.raises(ValueError, match="'sdpa_cudnn' runs on CUDA GPUs, and this run is on cpu: choose"):
+        resolve_attn_implementation("sdpa_cudnn", "cpu", bf16)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
+    assert resolve_attn_implementation("auto", "cuda", bf16, (9, 0)) == "flash_attention_2"
+    with pytest.raises(ValueError, match="'sdpa_cudnn' needs a torch built with cuDNN"):
+        resolve_attn_implementation("sdpa_cudnn", "cuda", bf16)
+
+
+def test_cudnn_runs_only_the_calls_torch_says_it_covers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sdpa_cudnn`` asks torch's check for every dense call (length classes, window blocks); a call it does not
+    cover runs as ``sdpa`` runs it (here on CPU: every call, so the result is ``sdpa``'s bit for bit), and a covered
+    call runs with cuDNN as the only kernel, so that it fails rather than runs another (CPU has no cuDNN kernel)."""
+    from lightning_ulysses.attention import cudnn
+
+    asked = []
+    cover = cudnn.cudnn_covers
+    monkeypatch.setattr(cudnn, "cudnn_covers", lambda *args: asked.append(args[3] is None) or cover(*args))
+    case = CASES["packed_sliding_window"]
+    q, k, v, _, pos = _tensors(case)
+    got = _attend("sdpa_cudnn", case, pos)(q, k, v)
+    assert torch.equal(got, _attend("sdpa", case, pos)(q, k, v))
+    classes = plan_packed(_documents(case, pos)).classes
+    assert len(asked) == sum(-(-c.length // case["window"]) for c in classes)  # one per window block of each class
+    monkeypatch.setattr(cudnn, "cudnn_covers", lambda *args: True)
+    with pytest.raises(RuntimeError, match="No viable backend|No available kernel"):
+        _attend("sdpa_cudnn", case, pos)(q, k, v)
 
 
 def test_only_unequal_kv_groups_are_refused() -> None:

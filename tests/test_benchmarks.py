@@ -10,7 +10,16 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import compare_alst, gpu_long_context, head_chunks, longest, mixer_cost, projection_chunks, ring
+from benchmarks import (
+    compare_alst,
+    gpu_long_context,
+    head_chunks,
+    kernels,
+    longest,
+    mixer_cost,
+    projection_chunks,
+    ring,
+)
 from benchmarks.compare_alst import BenchmarkConfig
 from benchmarks.gpu_long_context import LongContextConfig, flops_per_token, llama_config, parameter_counts
 from benchmarks.measure import LiveTensors
@@ -232,3 +241,18 @@ def test_live_tensors_split_the_peak_by_what_made_it() -> None:
     assert "forward 0" not in parts  # its weight's transpose is a view: nothing new
     assert any(label.startswith("backward ") for label in parts)
     assert live.peak >= sum(nbytes for nbytes, _, _ in parts.values())
+
+
+def test_kernels_benchmark_smoke_run_on_cpu(tmp_path: Path) -> None:
+    """Tiny sizes on CPU: every table is written, SDPA's row with its kernel and a bf16-sized error against float64,
+    the GPU-only kernels each with why they did not run, the compiled layer equal to the eager one."""
+    output = tmp_path / "kernels.md"
+    kernels.main(["--output", str(output), "--device", "cpu", "--quick", "--compile-backend", "aot_eager"])
+    rows = {line.split(" | ")[0].removeprefix("| "): line.split(" | ")[1:] for line in output.read_text().splitlines()}
+    assert (
+        rows["sdpa"][2] == "scaled_dot_product_flash_attention_for_cpu" and float(rows["sdpa"][3].rstrip(" |")) < 2e-2
+    )
+    assert rows["sdpa_cudnn"][2] == "CUDA only" and rows["flex_attention"][2] == "torch has no CPU flex backward"
+    assert float(rows["tiled_loss (4 tiles)"][2].rstrip(" |")) < 2e-2
+    assert float(rows["RMSNorm: lightning_ulysses.rms_norm"][1].rstrip(" |")) < 2e-2
+    assert rows["compiled (aot_eager)"][2] == "0.00e+00 |"

@@ -13,11 +13,12 @@ more documents: every position id divisible by the chunk size starts one. Any he
 
 Modules: :mod:`.collectives` (all-to-all, sequence gather), :mod:`.documents` (the document layout and the
 per-batch plans kept with it), :mod:`.core` (the backend interface), one module per backend (:mod:`.sdpa`,
-:mod:`.flash`, :mod:`.flex`), :mod:`.backends` (choice by name, device and dtype), :mod:`.sinks` (attention sinks),
-:mod:`.spans` (bidirectional spans inside causal attention: Gemma 3's images), :mod:`.ring` (ring attention across
-Ulysses groups: Ulysses x Ring, when the SP group is a :class:`~lightning_ulysses.groups.SequenceParallelGroups` with a
-ring), :mod:`.head_chunks` (the all-to-alls and the attention in chunks of heads, recomputed in the backward:
-``head_chunks``) and :mod:`.ulysses` (the entry point and the per-batch planning).
+:mod:`.cudnn`, :mod:`.flash`, :mod:`.flex`), :mod:`.backends` (choice by name, device and dtype), :mod:`.sinks`
+(attention sinks), :mod:`.spans` (bidirectional spans inside causal attention: Gemma 3's images), :mod:`.ring`
+(ring attention across Ulysses groups: Ulysses x Ring, when the SP group is a
+:class:`~lightning_ulysses.groups.SequenceParallelGroups` with a ring), :mod:`.head_chunks` (the all-to-alls and
+the attention in chunks of heads, recomputed in the backward: ``head_chunks``) and :mod:`.ulysses` (the entry point
+and the per-batch planning).
 """
 
 from lightning_ulysses.attention.backends import CORE_ATTENTION, prepare_plans, resolve_attn_implementation
@@ -28,6 +29,7 @@ from lightning_ulysses.attention.collectives import (
     sequence_to_heads,
 )
 from lightning_ulysses.attention.core import CoreAttention
+from lightning_ulysses.attention.cudnn import sdpa_cudnn_attention
 from lightning_ulysses.attention.documents import Documents, documents_of
 from lightning_ulysses.attention.flash import flash_attention_2, flash_attention_3
 from lightning_ulysses.attention.flex import flex_attention
@@ -56,6 +58,7 @@ __all__ = [
     "resolve_attn_implementation",
     "ring_attention",
     "sdpa_attention",
+    "sdpa_cudnn_attention",
     "sdpa_with_lse",
     "sequence_to_heads",
     "sink_attention",

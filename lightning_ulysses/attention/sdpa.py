@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +88,16 @@ def causal_mask(query_index: Tensor, key_index: Tensor, window: int | None) -> T
     return mask if window is None else mask & (distance < window)
 
 
+class DenseKernel(Protocol):
+    """A kernel tried before SDPA's own choice on each dense call: ``[b, h, n, d]`` query, key and value (GQA when
+    ``gqa``), ``mask`` bool ``[n_q, n_k]`` or ``None`` for causal -> ``[b, h, n_q, d]``, or ``None`` where it does not
+    cover the call (which then runs as SDPA alone would run it)."""
+
+    def __call__(
+        self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scale: float, dropout_p: float, gqa: bool
+    ) -> Tensor | None: ...
+
+
 def needs_repeated_kv(query: Tensor, key: Tensor, mask: Tensor | None) -> bool:
     """On CUDA, GQA runs fused only in the flash kernel (fp16/bf16, no mask); otherwise SDPA would pick the math
     kernel (``[N, N]`` scores) for ``enable_gqa``, so the K/V heads are repeated for the memory-efficient one."""
@@ -152,6 +163,7 @@ def sdpa_attention(
     window: int | None = None,
     return_lse: bool = False,
     significant_bits: int | None = SIGNIFICANT_BITS,
+    first_choice: DenseKernel | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Causal attention with ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -163,7 +175,8 @@ def sdpa_attention(
     than the query's (MLA) runs zero-padded to one head size
     (:func:`~lightning_ulysses.attention.core.equal_head_dims`): torch's flash kernels (CPU and CUDA) want one; on
     CPU SDPA would otherwise run its ``[N, N]`` math kernel, and on CUDA GQA would lose its fused kernel
-    (:func:`needs_repeated_kv`).
+    (:func:`needs_repeated_kv`). ``first_choice`` runs each call without the log-sum-exp that it covers (SDPA's cuDNN
+    backend: :mod:`lightning_ulysses.attention.cudnn`).
     """
     refuse_dropout_with_lse(return_lse, dropout_p)
     window, scale, value_dim = no_window_if_off(window), softmax_scale(query, scale), value.shape[-1]
@@ -174,6 +187,10 @@ def sdpa_attention(
         if return_lse:
             return tuple(t.transpose(1, 2) for t in sdpa_with_lse(q, k, v, mask, scale))
         gqa = q.shape[1] != k.shape[1]
+        if first_choice is not None:
+            out = first_choice(q, k, v, mask, scale, dropout_p, gqa)
+            if out is not None:
+                return (out.transpose(1, 2),)
         if needs_repeated_kv(q, k, mask):
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
             gqa = False
