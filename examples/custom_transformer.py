@@ -17,13 +17,8 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from lightning_ulysses import (
-    LongTextDataModule,
-    SequenceParallelGroups,
-    UlyssesLossMixin,
-    UlyssesStrategy,
-    ulysses_attention,
-)
+from lightning_ulysses import LongTextDataModule, UlyssesLossMixin, UlyssesStrategy, ulysses_attention
+from lightning_ulysses.groups import SequenceParallelGroups
 
 
 def rotate(x: Tensor, position_ids: Tensor, base: float = 10000.0) -> Tensor:

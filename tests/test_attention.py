@@ -585,7 +585,7 @@ def test_sliding_window_models_run_their_window(family: str) -> None:
     """Patched Mistral / Qwen2 (a sliding layer after a full one) equal transformers' own SDPA: logits and gradients."""
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from lightning_ulysses import apply_ulysses_attention
+    from lightning_ulysses.hf import apply_ulysses_attention
 
     common = dict(
         vocab_size=61,

@@ -19,12 +19,18 @@ from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.masking_utils import chunked_causal_mask_function, sliding_window_causal_mask_function
 
-from lightning_ulysses import UnsupportedModelError, apply_ulysses_attention, prepare_batch, shard_batch
 from lightning_ulysses.attention import gather_sequence
 from lightning_ulysses.groups import SequenceParallelGroups
-from lightning_ulysses.hf import ULYSSES_ATTN_IMPLEMENTATION, remove_ulysses_attention, unpatched
+from lightning_ulysses.hf import (
+    ULYSSES_ATTN_IMPLEMENTATION,
+    UnsupportedModelError,
+    apply_ulysses_attention,
+    remove_ulysses_attention,
+    unpatched,
+)
 from lightning_ulysses.hf.interface import LayerPlan, read_layer_call
 from lightning_ulysses.hf.masks import MaskPattern, identify_pattern
+from lightning_ulysses.sharding import prepare_batch, shard_batch
 from lightning_ulysses.topology import SequenceParallelTopology
 from tests.launch import launch
 from tests.zoo_configs import tiny_recipe

@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_ulysses import UlyssesStrategy, apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses import UlyssesStrategy
+from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
 from tests.launch import launch
 from tests.tiny import TinyCausalLM, collate, make_samples, tiny_llama
 

@@ -34,20 +34,12 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lightning_ulysses import (
-    Perplexity,
-    TokenAccuracy,
-    TokenCrossEntropy,
-    UlyssesLossMixin,
-    UlyssesStrategy,
-    UnsupportedModelError,
-    apply_ulysses_attention,
-    remove_ulysses_attention,
-    token_log_probs,
-)
-from lightning_ulysses.hf import unpatched
+from lightning_ulysses import UlyssesLossMixin, UlyssesStrategy
+from lightning_ulysses.hf import UnsupportedModelError, apply_ulysses_attention, remove_ulysses_attention, unpatched
 from lightning_ulysses.hf.check.logits import check_tiled_logits, fit_output_map, spread_values, tiled_logit_map
 from lightning_ulysses.logits import LogitMap, TiledLogits, token_losses
+from lightning_ulysses.metrics import Perplexity, TokenAccuracy, TokenCrossEntropy
+from lightning_ulysses.prediction import token_log_probs
 from tests.cases import CaseTable
 from tests.test_host_syncs import HostSyncs
 from tests.tiny import collate, relative_update_error

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_ulysses import apply_ulysses_attention, prepare_batch, remove_ulysses_attention, shard_batch
+from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.hf.state import UnsupportedModelError
 from lightning_ulysses.loss import token_cross_entropy
+from lightning_ulysses.sharding import prepare_batch, shard_batch
 from lightning_ulysses.vision import VisionLanguageModel, merged_inputs_embeds, prepare_vision_batch, vision_family
 from tests.cases import CaseTable
 from tests.loaders import check_workers_from_a_fork_server
