@@ -239,7 +239,7 @@ class UlyssesLossMixin:
             return batch
         # the first call runs the set-up check, which validate's inference mode breaks
         with torch.inference_mode(False):
-            apply_ulysses_attention(model, group=None, core="sdpa")  # idempotent
+            apply_ulysses_attention(model, group=None, attn_implementation="sdpa")  # idempotent
         return prepare_batch(batch, sp_size=1)
 
     def teardown(self, stage: str) -> None:

@@ -1,7 +1,8 @@
-"""The public API is documented: every exported name is in docs/api.md, and every name there imports.
+"""The public API is documented: every exported name is in docs/api.md, and every name there imports; one concept,
+one public name.
 
 docs/api.md has one ``## `namespace``` section per public namespace and one ``- `Name`: ...`` line per name (a line
-may list several names before its colon). Single-process, nothing runs but imports.
+may list several names before its colon). Single-process.
 """
 
 from __future__ import annotations
@@ -12,8 +13,13 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 import lightning_ulysses
+from lightning_ulysses import ulysses_attention
+from lightning_ulysses.attention import sdpa_attention
+from lightning_ulysses.hf import ULYSSES_ATTN_IMPLEMENTATION, apply_ulysses_attention, remove_ulysses_attention
+from tests.tiny import tiny_llama
 
 API_DOC = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 PACKAGE = Path(lightning_ulysses.__file__).parent
@@ -111,3 +117,28 @@ def test_every_moved_name_has_a_documented_home() -> None:
 def test_an_unknown_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
         _ = lightning_ulysses.not_a_name
+
+
+def test_the_attention_backend_has_one_public_name() -> None:
+    """``attn_implementation`` everywhere; ``ulysses_attention(attn_fn=)`` and ``apply_ulysses_attention(core=)``,
+    the old names, warn and still choose the backend."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2, 4) for _ in range(3))
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    expected = ulysses_attention(q, k, v, group=None, attn_implementation="sdpa", position_ids=positions)
+    with pytest.warns(DeprecationWarning, match=r"ulysses_attention\(attn_fn=...\) is deprecated"):
+        got = ulysses_attention(q, k, v, group=None, attn_fn="sdpa", position_ids=positions)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    custom = ulysses_attention(q, k, v, group=None, attn_implementation=sdpa_attention, position_ids=positions)
+    torch.testing.assert_close(custom, expected, rtol=0, atol=0)
+
+    model = tiny_llama()
+    with pytest.warns(DeprecationWarning, match=r"apply_ulysses_attention\(core=...\) is deprecated"):
+        apply_ulysses_attention(model, None, core="sdpa")
+    assert model.config._attn_implementation == ULYSSES_ATTN_IMPLEMENTATION
+    remove_ulysses_attention(model)
+    with pytest.raises(TypeError, match="both attn_implementation and its deprecated name core"):
+        apply_ulysses_attention(model, None, "sdpa", core="sdpa")
+    with pytest.raises(TypeError, match="missing the attention backend"):
+        apply_ulysses_attention(model, None)
+    assert model.config._attn_implementation == "sdpa"  # neither refusal patched it

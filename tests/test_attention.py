@@ -176,7 +176,7 @@ def attention_worker(args: dict[str, Any]) -> dict[tuple[str, int], float]:
         out = ulysses_attention(
             *shards,
             group=groups[sp],
-            attn_fn="sdpa",
+            attn_implementation="sdpa",
             **_options(case),
             sinks=rank_sinks,
             position_ids=None if pos is None else pos[:, local],

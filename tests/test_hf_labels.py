@@ -224,7 +224,7 @@ class RecordingLoss:
 
 def _patched(model: torch.nn.Module) -> RecordingLoss:
     loss = RecordingLoss()
-    apply_ulysses_attention(model, group=None, core="sdpa", labels_loss=loss)
+    apply_ulysses_attention(model, group=None, attn_implementation="sdpa", labels_loss=loss)
     return loss
 
 

@@ -100,7 +100,7 @@ def ring_worker(args: dict[str, Any]) -> dict[Any, Any]:
             out = ulysses_attention(
                 *shards,
                 group=groups,
-                attn_fn="sdpa",
+                attn_implementation="sdpa",
                 window=case.get("window"),
                 chunk=case.get("chunk"),
                 position_ids=None if pos is None else pos[:, index],

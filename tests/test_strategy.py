@@ -157,7 +157,7 @@ def test_flash_attention_without_the_package_is_refused() -> None:
 
 def test_patching_leaves_other_models_alone() -> None:
     patched, other = tiny_llama(), tiny_llama()
-    apply_ulysses_attention(patched, group=None, core="sdpa")
+    apply_ulysses_attention(patched, group=None, attn_implementation="sdpa")
     ids = torch.randint(0, 50, (1, 8))
     assert other.config._attn_implementation == "sdpa"
     torch.testing.assert_close(patched(input_ids=ids, position_ids=torch.arange(8)[None]).logits, other(ids).logits)

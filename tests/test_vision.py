@@ -97,7 +97,7 @@ CASES = [
 
 def patched_loss_sum(module, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed token loss and token count of ``batch`` through the patched model at sp=1 (then unpatched)."""
-    apply_ulysses_attention(model, group=None, core="sdpa")
+    apply_ulysses_attention(model, group=None, attn_implementation="sdpa")
     try:
         prepared = sp_prepared(module, batch, 1, 0)
         logits = model(**module.model_inputs(model, prepared)).logits
@@ -220,7 +220,7 @@ def test_the_set_up_check_reads_the_image_spans_from_the_masks_gemma_3_builds() 
     from lightning_ulysses.hf.apply import patch_of
 
     model = tiny_model("gemma3")
-    apply_ulysses_attention(model, group=None, core="sdpa")
+    apply_ulysses_attention(model, group=None, attn_implementation="sdpa")
     try:
         plan = patch_of(model).plan
         assert plan.token_types == "spans"
@@ -245,7 +245,7 @@ def test_token_type_ids_that_the_masks_read_otherwise_are_refused(monkeypatch: p
 
     monkeypatch.setattr(modeling_gemma3, "get_block_sequence_ids_for_mask", one_block)
     model = tiny_model("gemma3")
-    apply_ulysses_attention(model, group=None, core="sdpa")
+    apply_ulysses_attention(model, group=None, attn_implementation="sdpa")
     try:
         assert "no causal pattern with image spans" in patch_of(model).plan.token_types
         ids = torch.randint(3, 100, (1, 8))

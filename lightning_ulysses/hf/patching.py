@@ -37,17 +37,19 @@ from lightning_ulysses.hf.state import LabelsLoss, PatchState, SequenceMixers, U
 def apply_ulysses_attention(
     model: nn.Module,
     group: SequenceParallelGroupLike,
-    core: str,
+    attn_implementation: str | None = None,
     sequence_mixers: SequenceMixers = "refuse",
     head_chunks: HeadChunks | None = None,
     labels_loss: LabelsLoss | None = None,
     *,
     sp_size: int | None = None,
+    core: str | None = None,
 ) -> None:
     """Make every transformers ``PreTrainedModel`` inside ``model`` run Ulysses attention over ``group`` (the
     strategy's :class:`~lightning_ulysses.groups.SequenceParallelGroups` or ``DeviceMesh``, Ulysses x Ring included;
-    a 1-D ``DeviceMesh``: plain Ulysses over its ranks; ``None``: locally), or refuse it. The SP degree is the
-    group's (``sp_size``: deprecated, checked against it).
+    a 1-D ``DeviceMesh``: plain Ulysses over its ranks; ``None``: locally), or refuse it, its core attention the
+    backend named ``attn_implementation`` (``"sdpa"``, ... as ``UlyssesStrategy(attn_implementation=...)``; ``core``:
+    its deprecated name). The SP degree is the group's (``sp_size``: deprecated, checked against it).
 
     Any head count runs (see :mod:`lightning_ulysses.heads`; a layout with inert heads is logged with its
     overhead). The model must be callable (under ZeRO-3: after DeepSpeed's engine exists): a short forward
@@ -62,10 +64,21 @@ def apply_ulysses_attention(
     random numbers (dropout) from this SP rank's stream, seeded here from ``torch.initial_seed()`` and the SP rank
     (:mod:`lightning_ulysses.hf.dropout`). Idempotent.
     """
-    if not isinstance(core, str):
+    if core is not None:
+        warnings.warn(
+            "apply_ulysses_attention(core=...) is deprecated: pass attn_implementation=...",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if attn_implementation is not None:
+            raise TypeError("apply_ulysses_attention got both attn_implementation and its deprecated name core.")
+        attn_implementation = core
+    if attn_implementation is None:
+        raise TypeError("apply_ulysses_attention() missing the attention backend: attn_implementation='sdpa', ...")
+    if not isinstance(attn_implementation, str):
         raise TypeError(
-            f"apply_ulysses_attention(model, group, core, ...) takes no sp_size (the group carries it), got core="
-            f"{core!r}: drop the sp_size argument."
+            "apply_ulysses_attention(model, group, attn_implementation, ...) takes no sp_size (the group carries it), "
+            f"got attn_implementation={attn_implementation!r}: drop the sp_size argument."
         )
     if sequence_mixers not in ("refuse", "gather"):
         raise ValueError(f"sequence_mixers must be 'refuse' or 'gather', got {sequence_mixers!r}.")
@@ -91,7 +104,7 @@ def apply_ulysses_attention(
             hf_model,
             PatchState(
                 groups,
-                core,
+                attn_implementation,
                 sp_size,
                 gather_mixers=sequence_mixers == "gather",
                 head_chunks=head_chunks,
