@@ -60,17 +60,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.gpu_long_context import MODEL_SIZES, SDPA_BACKENDS, llama_config
 from benchmarks.measure import PeakMemory, SavedForBackward, publish
-from lightning_ulysses import (
-    MemoryOptions,
-    SequenceParallelGroups,
-    UlyssesLossMixin,
-    apply_memory_options,
-    apply_ulysses_attention,
-    prepare_batch,
-    shard_batch,
-)
+from lightning_ulysses import UlyssesLossMixin
 from lightning_ulysses.attention import resolve_attn_implementation
+from lightning_ulysses.groups import SequenceParallelGroups
+from lightning_ulysses.hf import apply_ulysses_attention
 from lightning_ulysses.loss import LossContext
+from lightning_ulysses.memory import MemoryOptions, apply_memory_options
+from lightning_ulysses.sharding import prepare_batch, shard_batch
 
 BACKEND = "emulated"
 GiB = 2**30

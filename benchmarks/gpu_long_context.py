@@ -35,7 +35,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.measure import ProbeSchedule, publish
-from lightning_ulysses import UlyssesLossMixin, UlyssesStrategy, dense_peak_flops
+from lightning_ulysses import UlyssesLossMixin, UlyssesStrategy
+from lightning_ulysses.flops import dense_peak_flops
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -174,7 +175,7 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
 
 
 def peak_flops(device_name: str, peak_tflops: float = 0.0) -> float:
-    """Dense bf16 peak FLOP/s: ``--peak-tflops``, else :func:`~lightning_ulysses.dense_peak_flops` of the GPU."""
+    """Dense bf16 peak FLOP/s: ``--peak-tflops``, else :func:`~lightning_ulysses.flops.dense_peak_flops` of the GPU."""
     flops = peak_tflops * 1e12 or dense_peak_flops(device_name, torch.bfloat16)
     if flops is None:
         raise ValueError(f"No dense bf16 peak known for {device_name!r}; pass --peak-tflops.")

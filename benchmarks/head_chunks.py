@@ -40,15 +40,12 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from benchmarks.measure import PeakMemory, ProbeSchedule
 from benchmarks.memory import CONFIGS, MODEL, WARM_UP_LEN, _train_step
-from lightning_ulysses import (
-    apply_memory_options,
-    apply_ulysses_attention,
-    prepare_batch,
-    shard_batch,
-    ulysses_attention,
-)
+from lightning_ulysses import ulysses_attention
 from lightning_ulysses.attention.head_chunks import plan_chunks
 from lightning_ulysses.heads import plan_heads
+from lightning_ulysses.hf import apply_ulysses_attention
+from lightning_ulysses.memory import apply_memory_options
+from lightning_ulysses.sharding import prepare_batch, shard_batch
 from tests.launch import launch
 from tests.tiny import tiny_llama
 

@@ -12,7 +12,7 @@ Four tables, each row appended to ``--output`` (and printed) as soon as it is me
    q/k/v gradients against the float64 dense reference at ``--check-seq`` tokens.
 2. **Loss**: ``lm_head`` + cross entropy of ``--loss-tokens`` tokens at Llama 3's vocabulary (128,256) and hidden
    size 4096: this package's tiled loss against Liger's fused linear cross entropy; time, peak memory, error.
-3. **Norm and SwiGLU**: transformers' Llama RMSNorm (eager), :func:`~lightning_ulysses.rms_norm` (the fused norm)
+3. **Norm and SwiGLU**: transformers' Llama RMSNorm (eager), :func:`~lightning_ulysses.norms.rms_norm` (the fused norm)
    and Liger's RMSNorm; ``silu(gate) * up`` eager and Liger's SwiGLU; forward + backward, error against float64.
 4. **Decoder layer**: one Llama-3.1-8B-shaped decoder layer at ``--layer-seq`` tokens, eager against
    ``compile_decoder_layers`` (regional ``torch.compile``); the compiled row's time excludes its compilation, which is
@@ -248,7 +248,7 @@ def norm_table(report: Report, args: argparse.Namespace, device: torch.device, s
     # name, kernel (or why it cannot run), the float64 reference it is checked against, inputs
     runs: list[tuple[str, Callable[..., Tensor] | str, Callable[..., Tensor], list[Tensor]]] = [
         ("RMSNorm: transformers (eager)", eager_norm, eager_norm, [x, weight]),
-        ("RMSNorm: lightning_ulysses.rms_norm", lambda x, w: rms_norm(x, w, 1e-5), eager_norm, [x, weight]),
+        ("RMSNorm: lightning_ulysses.norms.rms_norm", lambda x, w: rms_norm(x, w, 1e-5), eager_norm, [x, weight]),
         (
             "RMSNorm: Liger",
             liger if functional is None else lambda x, w: functional.liger_rms_norm(x, w, 1e-5, in_place=False),

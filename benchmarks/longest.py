@@ -7,7 +7,7 @@ Model, budget and method are :mod:`benchmarks.memory`'s (its ``MODEL``: 8 heads,
 2 layers, vocabulary 16000, fp32; 256 MiB per rank; batch 1, one forward + backward, no optimizer; the step's peak
 above the resident weights and gradients, largest rank). Three sides, each in its own processes:
 
-* ``ours``: :func:`~lightning_ulysses.apply_ulysses_attention` (sdpa) with all memory options (tiled MLP, tiled loss,
+* ``ours``: :func:`~lightning_ulysses.hf.apply_ulysses_attention` (sdpa) with all memory options (tiled MLP, tiled loss,
   activation checkpointing, offload), as :mod:`benchmarks.memory` runs ``all``;
 * ``ours, head_chunks=auto``: the same with head-chunked attention (:mod:`lightning_ulysses.attention.head_chunks`);
 * ``ours, head_chunks=auto, fused_norms``: and with every RMSNorm fused (:mod:`lightning_ulysses.norms`; DeepSpeed's
@@ -55,8 +55,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from benchmarks.measure import LiveTensors, PeakMemory, ProbeSchedule, publish
 from benchmarks.memory import CONFIGS, MODEL, WARM_UP_LEN, _train_step
-from lightning_ulysses import apply_memory_options, apply_ulysses_attention, prepare_batch, shard_batch
 from lightning_ulysses.attention.head_chunks import HeadChunks
+from lightning_ulysses.hf import apply_ulysses_attention
+from lightning_ulysses.memory import apply_memory_options
+from lightning_ulysses.sharding import prepare_batch, shard_batch
 from tests.launch import launch
 from tests.tiny import tiny_llama
 

@@ -7,7 +7,7 @@
 
 A fixed small Llama-style model runs forward + backward on one sequence of ``N`` tokens, sharded over
 ``sp`` processes (one SP group, Ulysses attention), under each configuration of
-:class:`~lightning_ulysses.MemoryOptions`. Every sp size runs in its own processes and measures all
+:class:`~lightning_ulysses.memory.MemoryOptions`. Every sp size runs in its own processes and measures all
 configurations and lengths there. Reported per rank (the largest over the group): the step's peak above
 what was resident before it (weights and gradient buffers) and its ratio to the plain sp=1 peak at the same
 length. The longest sequence whose step fits a per-rank budget is probed, not extrapolated (fixed loss-tile
@@ -35,15 +35,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from benchmarks.measure import PeakMemory, ProbeSchedule
-from lightning_ulysses import (
-    MemoryOptions,
-    UlyssesLossMixin,
-    apply_memory_options,
-    apply_ulysses_attention,
-    prepare_batch,
-    remove_memory_options,
-    shard_batch,
-)
+from lightning_ulysses import UlyssesLossMixin
+from lightning_ulysses.hf import apply_ulysses_attention
+from lightning_ulysses.memory import MemoryOptions, apply_memory_options, remove_memory_options
+from lightning_ulysses.sharding import prepare_batch, shard_batch
 from tests.launch import launch
 from tests.tiny import tiny_llama
 

@@ -17,13 +17,8 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from lightning_ulysses import (
-    LongTextDataModule,
-    SequenceParallelGroups,
-    UlyssesLossMixin,
-    UlyssesStrategy,
-    ulysses_attention,
-)
+from lightning_ulysses import LongTextDataModule, UlyssesLossMixin, UlyssesStrategy, ulysses_attention
+from lightning_ulysses.groups import SequenceParallelGroups
 
 
 def rotate(x: Tensor, position_ids: Tensor, base: float = 10000.0) -> Tensor:
@@ -49,7 +44,8 @@ class Block(nn.Module):
         batch, local_len, dim = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(batch, local_len, 3, self.heads, dim // self.heads).unbind(2)
         q, k = rotate(q, position_ids), rotate(k, position_ids)
-        attended = ulysses_attention(q, k, v, group=group, attn_fn="sdpa", position_ids=position_ids)  # [B, N/sp, H, D]
+        # [B, N/sp, H, D]
+        attended = ulysses_attention(q, k, v, group=group, attn_implementation="sdpa", position_ids=position_ids)
         x = x + self.proj(attended.flatten(2))
         return x + self.mlp(self.norm2(x))
 

@@ -31,14 +31,14 @@ from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch,
 
 @dataclass(frozen=True)
 class ShardedBatch:
-    """A loader batch, prepared whole (:func:`~lightning_ulysses.prepare_batch`) and cut to one rank's shard.
+    """A loader batch, prepared whole (:func:`~lightning_ulysses.sharding.prepare_batch`) and cut to one rank's shard.
 
     ``inputs``: what the LightningModule's step receives: every per-token entry cut to ``[B, N/sp]`` (``input_ids``,
     ``position_ids``, ``shift_labels``, ...; the labels of ``repeated_rows`` set to ``-100``), every other entry as
     loaded. ``position_ids``: ``[B, N]`` the whole rows of global position ids in sequence order (``N`` padded to a
     multiple of the shard count), of which ``inputs["position_ids"]`` is this rank's shard. ``padding``: ``[B, N/sp]``
     bool, this rank's padding tokens (the batch's ``attention_mask`` zeros and the columns
-    :func:`~lightning_ulysses.prepare_batch` appended). ``loaded_shape``: ``(B, N)`` as loaded, before padding.
+    :func:`~lightning_ulysses.sharding.prepare_batch` appended). ``loaded_shape``: ``(B, N)`` as loaded, before padding.
     ``repeated_rows``: ``[B]`` bool on an evaluation or prediction batch, the rows the distributed sampler repeated to
     even out the DP ranks (``None``: none). ``step_valid_tokens``: under ``loss_normalization="global"``, this SP
     group's valid tokens in the running optimizer step (``None`` elsewhere).
@@ -75,8 +75,8 @@ def shard_loader_batch(
     step_valid_tokens: int | None = None,
 ) -> ShardedBatch:
     """The :class:`ShardedBatch` of SP rank ``sp_rank`` of a whole loader ``batch`` (a dict with ``input_ids [B, N]``,
-    see :func:`~lightning_ulysses.prepare_batch`), its shards cut as :func:`~lightning_ulysses.shard_batch` cuts them.
-    Pure: no communication, no host sync."""
+    see :func:`~lightning_ulysses.sharding.prepare_batch`), its shards cut as
+    :func:`~lightning_ulysses.sharding.shard_batch` cuts them. Pure: no communication, no host sync."""
     prepared = prepare_batch(batch, sp_size, ring_size)
     inputs = shard_batch(prepared, sp_rank, sp_size, ring_size)
     if repeated_rows is not None:  # repeated to even out the DP ranks: no token of theirs counts
@@ -89,8 +89,8 @@ def shard_loader_batch(
 
 
 def padding_tokens(batch: Mapping[str, Tensor], prepared: Mapping[str, Tensor]) -> Tensor:
-    """``[B, N']`` bool: the padding tokens of ``prepared``, :func:`~lightning_ulysses.prepare_batch` of ``batch``:
-    the columns it appended and the zeros of the batch's ``attention_mask``."""
+    """``[B, N']`` bool: the padding tokens of ``prepared``, :func:`~lightning_ulysses.sharding.prepare_batch` of
+    ``batch``: the columns it appended and the zeros of the batch's ``attention_mask``."""
     padding = torch.zeros_like(prepared["input_ids"], dtype=torch.bool)
     padding[:, batch["input_ids"].shape[1] :] = True
     if "attention_mask" in prepared:

@@ -71,7 +71,7 @@ class TransformerFlops:
     def from_model(cls, model: PreTrainedModel) -> TransformerFlops:
         """Read the dimensions from a transformers model. Under ZeRO-3 the full (not partitioned) weight
         sizes are used. Mixture-of-experts models would be over-counted (every expert counts). On a model patched by
-        :func:`~lightning_ulysses.apply_ulysses_attention` the attention layers are those it planned (a hybrid's
+        :func:`~lightning_ulysses.hf.apply_ulysses_attention` the attention layers are those it planned (a hybrid's
         convolution, state-space and linear-attention layers are not), else every decoder layer."""
         config = model.config.get_text_config()
         matmul_params = sum(

@@ -16,8 +16,8 @@ module's:
 * ``observer``: what the all-to-alls report to while a measurement is on
   (``SequenceParallelMonitor(time_all_to_all=True)`` sets it and clears it when the fit ends).
 
-The public entry points (:func:`~lightning_ulysses.apply_ulysses_attention`, :func:`~lightning_ulysses.
-ulysses_attention`, :func:`~lightning_ulysses.gather_sequence`) also take a ``DeviceMesh`` (one built by
+The public entry points (:func:`~lightning_ulysses.hf.apply_ulysses_attention`, :func:`~lightning_ulysses.
+ulysses_attention`, :func:`~lightning_ulysses.prediction.gather_sequence`) also take a ``DeviceMesh`` (one built by
 :func:`build_mesh`, or a 1-D mesh: plain Ulysses over its ranks) or ``None`` (no sequence parallelism), and make the
 view of it with :meth:`SequenceParallelGroups.of`; every other function takes the view.
 """

@@ -2,9 +2,9 @@
 
 A rank's logits ``[B, n, V]`` are the largest tensor of long-context training *and* evaluation
 (1M tokens x 128k vocabulary x 4 B = 512 GB in fp32). Every consumer of them in this package (the loss,
-:class:`~lightning_ulysses.TokenCrossEntropy`, :class:`~lightning_ulysses.Perplexity`,
-:class:`~lightning_ulysses.TokenAccuracy`, :func:`~lightning_ulysses.token_log_probs`) needs one value per
-token, so each accepts either the logits tensor or :class:`TiledLogits`: the final hidden states and the
+:class:`~lightning_ulysses.metrics.TokenCrossEntropy`, :class:`~lightning_ulysses.metrics.Perplexity`,
+:class:`~lightning_ulysses.metrics.TokenAccuracy`, :func:`~lightning_ulysses.prediction.token_log_probs`) needs one
+value per token, so each accepts either the logits tensor or :class:`TiledLogits`: the final hidden states and the
 ``lm_head`` that would make the logits. Those are turned into logits one token tile at a time and every
 tile is reduced to its per-token values before the next tile exists, so at most one tile's
 ``[tile_tokens, V]`` logits (and their fp32 copy) are alive. The values equal those of the whole logits.

@@ -234,14 +234,14 @@ class UlyssesLossMixin:
 
     def prepared_batch(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
         """The batch as ``UlyssesStrategy`` delivers it. A batch without ``shift_labels`` (from any other strategy)
-        is prepared here, whole (:func:`~lightning_ulysses.prepare_batch` with ``sp_size=1``), and ``model`` is
+        is prepared here, whole (:func:`~lightning_ulysses.sharding.prepare_batch` with ``sp_size=1``), and ``model`` is
         patched to run the same document-masked attention locally (plain SDPA would let packed documents attend to
         each other); :meth:`teardown` removes that patch."""
         if "shift_labels" in batch:
             return batch
         # the first call runs the set-up check, which validate's inference mode breaks
         with torch.inference_mode(False):
-            apply_ulysses_attention(model, group=None, core="sdpa")  # idempotent
+            apply_ulysses_attention(model, group=None, attn_implementation="sdpa")  # idempotent
         return prepare_batch(batch, sp_size=1)
 
     def teardown(self, stage: str) -> None:
@@ -252,9 +252,9 @@ class UlyssesLossMixin:
     def causal_lm_logits(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> Logits:
         """The logits ``[B, N/sp, V]`` of a transformers causal LM on a batch from ``UlyssesStrategy`` (from another
         strategy, the loader's batch: :meth:`prepared_batch`), for the loss, the evaluation metrics and
-        :func:`~lightning_ulysses.token_log_probs`.
+        :func:`~lightning_ulysses.prediction.token_log_probs`.
 
-        With the strategy's ``tiled_loss`` on they are :class:`~lightning_ulysses.TiledLogits` of the decoder's
+        With the strategy's ``tiled_loss`` on they are :class:`~lightning_ulysses.logits.TiledLogits` of the decoder's
         hidden states and ``model.get_output_embeddings()`` followed by the map from its output to the model's logits
         that the set-up check found (a constant factor, a tanh soft-cap: see
         :mod:`lightning_ulysses.hf.check.logits`), with the tile count of ``tiled_loss`` (``True``:
@@ -321,8 +321,8 @@ def _global_token_mean(loss_sum: Tensor, count: Tensor, context: LossContext) ->
 
 class StepTokenCounts:
     """Wraps a training loader: reads each optimizer step's ``accumulate`` batches ahead, counts their valid
-    next-token labels (as :func:`~lightning_ulysses.prepare_batch` sets them) and yields the batches as they are,
-    queueing the step's count once per batch, in order: the strategy :meth:`take` s the count of each batch it
+    next-token labels (as :func:`~lightning_ulysses.sharding.prepare_batch` sets them) and yields the batches as they
+    are, queueing the step's count once per batch, in order: the strategy :meth:`take` s the count of each batch it
     transfers (Lightning transfers the batches in the order the loader yields them) into its
     :class:`~lightning_ulysses.batch.ShardedBatch`. Everything else is the wrapped loader's (sampler, length), so
     Lightning still sets the sampler's epoch.

@@ -15,14 +15,14 @@ process group, i.e. over SP *and* DP ranks, when Lightning computes them at the 
         self.val_loss.update(logits, batch["shift_labels"])
         self.log("val_loss", self.val_loss)
 
-With ``UlyssesStrategy(tiled_loss=...)`` pass the :class:`~lightning_ulysses.TiledLogits` of
+With ``UlyssesStrategy(tiled_loss=...)`` pass the :class:`~lightning_ulysses.logits.TiledLogits` of
 :meth:`~lightning_ulysses.UlyssesLossMixin.causal_lm_logits` instead of the logits: the metrics then never
 build the ``[tokens, vocab]`` logits (each metric runs ``lm_head`` over its own tiles), with the same values.
 
 torchmetrics' own ``text.Perplexity(ignore_index=-100)`` and ``MulticlassAccuracy(average="micro",
 ignore_index=-100)`` keep such sums too and are exact with whole logits (``tests/test_eval.py`` checks them
 under SP and DP against one process); use them freely there. These stay because they also take
-:class:`~lightning_ulysses.TiledLogits` (``tiled_loss``), where the ``[tokens, vocab]`` logits that torchmetrics
+:class:`~lightning_ulysses.logits.TiledLogits` (``tiled_loss``), where the ``[tokens, vocab]`` logits that torchmetrics
 needs never exist, and because the mean token loss itself has no torchmetrics counterpart.
 
 Do not pass an SP or DP ``process_group``: the sum must cover both. The samples that the distributed sampler
@@ -75,7 +75,7 @@ class TokenCrossEntropy(_TokenSumMetric):
     """Mean next-token cross entropy over every valid token of every rank.
 
     ``update(logits [B, n, V], shift_labels [B, n])`` with this rank's shard (``n = N / sp``; the logits whole
-    or as :class:`~lightning_ulysses.TiledLogits`) and the already shifted labels that
+    or as :class:`~lightning_ulysses.logits.TiledLogits`) and the already shifted labels that
     :class:`~lightning_ulysses.UlyssesStrategy` delivers.
     """
 

@@ -1,6 +1,6 @@
 """Activation offload: what a checkpointed layer keeps for its backward waits in host memory, copied on a side stream.
 
-:func:`~lightning_ulysses.checkpoint_activations` with ``offload=True`` keeps only a layer's inputs; these
+:func:`~lightning_ulysses.memory.checkpoint_activations` with ``offload=True`` keeps only a layer's inputs; these
 saved-tensor hooks move them to pinned host memory in the forward and back in the backward. The forward's
 device-to-host copies run on a *side* stream, so they overlap the compute of the layers that follow::
 

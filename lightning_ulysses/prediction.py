@@ -1,7 +1,7 @@
 """Prediction under sequence parallelism: per-token outputs back in whole-sequence order.
 
 Each rank of an SP group computes outputs for its ``[B, N/sp]`` shard; :func:`gather_sequence` is the
-inverse of :func:`~lightning_ulysses.shard_batch` for one tensor and gives every rank of the group the
+inverse of :func:`~lightning_ulysses.sharding.shard_batch` for one tensor and gives every rank of the group the
 ``[B, N, ...]`` result in sequence order (``N`` includes the padding that made it a multiple of ``sp``,
 always at the end of the rows: slice it off with the original length). DP ranks keep their own samples,
 as with DDP: :class:`PredictionWriter` (which ``lightning-ulysses predict`` adds) writes each DP group's to a file.
@@ -27,7 +27,7 @@ __all__ = ["PredictionWriter", "gather_sequence", "token_log_probs"]
 
 def token_log_probs(logits: Logits, shift_labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
     """``[B, n]`` fp32 log-probability of each next-token label under ``logits [B, n, V]`` (whole or
-    :class:`~lightning_ulysses.TiledLogits`, which never builds them); 0 where ignored."""
+    :class:`~lightning_ulysses.logits.TiledLogits`, which never builds them); 0 where ignored."""
     return 0.0 - token_losses(logits, shift_labels, ignore_index)  # 0 - 0 is +0 where ignored
 
 

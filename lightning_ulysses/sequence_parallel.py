@@ -59,7 +59,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ulysses import quiet
 from lightning_ulysses.attention import gather_sequence, resolve_attn_implementation
 from lightning_ulysses.attention.collectives import gather_from_ranks
 from lightning_ulysses.attention.head_chunks import HeadChunks, check_head_chunks
@@ -83,6 +82,7 @@ from lightning_ulysses.memory import (
     tiled_loss_row,
 )
 from lightning_ulysses.model_checkpoint import keep_last_checkpoint_current
+from lightning_ulysses.quiet import RUN, Installed, install
 from lightning_ulysses.runtime.eval_data import RepeatedRows, drop_rows, pad_over_dp_ranks
 from lightning_ulysses.runtime.failures import Heartbeat, NonFiniteLoss, NonFiniteLossGuard
 from lightning_ulysses.runtime.out_of_memory import StepShape, is_out_of_memory, out_of_memory_advice
@@ -157,10 +157,10 @@ class SequenceParallelMixin(ParallelStrategy):
             (:mod:`lightning_ulysses.train_mode`).
         offload_activations: keep those inputs in CPU memory (pinned) instead of on the GPU.
         fused_norms: run every RMSNorm and LayerNorm whose forward is found (by running it) to compute exactly what
-            :func:`~lightning_ulysses.rms_norm` / :func:`~lightning_ulysses.layer_norm` do as those: the same output,
-            and only its input and per-token statistics kept for the backward instead of float copies of the whole
-            normalised tensor (``nn.LayerNorm``'s kernel already keeps only those, and is kept); Mamba 2's gated
-            RMSNorm as :func:`~lightning_ulysses.norms.gated_rms_norm`. A call with arguments a fused form does
+            :func:`~lightning_ulysses.norms.rms_norm` / :func:`~lightning_ulysses.norms.layer_norm` do as those: the
+            same output, and only its input and per-token statistics kept for the backward instead of float copies of
+            the whole normalised tensor (``nn.LayerNorm``'s kernel already keeps only those, and is kept); Mamba 2's
+            gated RMSNorm as :func:`~lightning_ulysses.norms.gated_rms_norm`. A call with arguments a fused form does
             not take (a gate applied after the norm) runs the module's own forward.
         sequence_mixers: what to do with token mixers other than attention (convolutions over the sequence, linear
             attention, state-space layers) that have no head-sharded form (those of transformers' hybrid families
@@ -243,7 +243,7 @@ class SequenceParallelMixin(ParallelStrategy):
         self._topology: SequenceParallelTopology | None = None
         self._groups: SequenceParallelGroups | None = None
         self._heartbeat: Heartbeat | None = None
-        self._quiet: quiet.Installed | None = None  # the run's filters of harmless third-party messages
+        self._quiet: Installed | None = None  # the run's filters of harmless third-party messages
         self._applied_steps = 0  # Lightning's global step once it has counted the last step the engine applied
         self._batch: ShardedBatch | None = None  # the running batch (batch_to_device), see sharded_batch
         self._step_tokens: StepTokenCounts | None = None  # the training loader's wrapper under "global"
@@ -703,7 +703,7 @@ class SequenceParallelMixin(ParallelStrategy):
         """Install the run's filters of harmless third-party messages (removed at :meth:`teardown`); first thing in
         the engine's ``setup_environment``: setting up the processes imports DeepSpeed, which logs as it is imported."""
         if self._quiet is None:
-            self._quiet = quiet.install(quiet.RUN)
+            self._quiet = install(RUN)
 
 
 def _check_ring_options(ring_size: Any, sp_size: Any, attn_implementation: str) -> None:

@@ -23,7 +23,7 @@ Ulysses x Ring (``ring_size > 1``, see :mod:`lightning_ulysses.attention.ring`):
 every ring rank does the same causal attention work; its Ulysses group splits those two chunks, concatenated, into
 ``sp_size / ring_size`` contiguous shards. :func:`shard_index` names the whole-sequence columns of each shard; the
 batch is prepared in whole-sequence order and only :func:`shard_batch` (and its inverse,
-:func:`~lightning_ulysses.gather_sequence`) knows the zigzag.
+:func:`~lightning_ulysses.prediction.gather_sequence`) knows the zigzag.
 """
 
 from __future__ import annotations

@@ -176,7 +176,7 @@ def attention_worker(args: dict[str, Any]) -> dict[tuple[str, int], float]:
         out = ulysses_attention(
             *shards,
             group=groups[sp],
-            attn_fn="sdpa",
+            attn_implementation="sdpa",
             **_options(case),
             sinks=rank_sinks,
             position_ids=None if pos is None else pos[:, local],
@@ -659,7 +659,7 @@ def test_sliding_window_models_run_their_window(family: str) -> None:
     """Patched Mistral / Qwen2 (a sliding layer after a full one) equal transformers' own SDPA: logits and gradients."""
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from lightning_ulysses import apply_ulysses_attention
+    from lightning_ulysses.hf import apply_ulysses_attention
 
     common = dict(
         vocab_size=61,

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import lightning_ulysses.attention.documents as documents_module
-from lightning_ulysses import apply_ulysses_attention, prepare_batch, shard_batch
 from lightning_ulysses.attention import Documents
 from lightning_ulysses.batch import ShardedBatch, shard_loader_batch
+from lightning_ulysses.hf import apply_ulysses_attention
 from lightning_ulysses.loss import StepTokenCounts
 from lightning_ulysses.runtime.eval_data import MarkDuplicates, RepeatedRows
-from lightning_ulysses.sharding import IGNORE_INDEX
+from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_batch
 from tests.tiny import tiny_llama
 
 

@@ -254,5 +254,5 @@ def test_kernels_benchmark_smoke_run_on_cpu(tmp_path: Path) -> None:
     )
     assert rows["sdpa_cudnn"][2] == "CUDA only" and rows["flex_attention"][2] == "torch has no CPU flex backward"
     assert float(rows["tiled_loss (4 tiles)"][2].rstrip(" |")) < 2e-2
-    assert float(rows["RMSNorm: lightning_ulysses.rms_norm"][1].rstrip(" |")) < 2e-2
+    assert float(rows["RMSNorm: lightning_ulysses.norms.rms_norm"][1].rstrip(" |")) < 2e-2
     assert rows["compiled (aot_eager)"][2] == "0.00e+00 |"

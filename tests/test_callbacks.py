@@ -22,14 +22,7 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader
 
-from lightning_ulysses import (
-    IGNORE_INDEX,
-    SequenceParallelMonitor,
-    SequenceParallelParityCheck,
-    TransformerFlops,
-    UlyssesStrategy,
-    dense_peak_flops,
-)
+from lightning_ulysses import SequenceParallelMonitor, SequenceParallelParityCheck, UlyssesStrategy
 from lightning_ulysses.attention import collectives
 from lightning_ulysses.callbacks import (
     GIB,
@@ -40,8 +33,10 @@ from lightning_ulysses.callbacks import (
     summarize,
     token_imbalance,
 )
+from lightning_ulysses.flops import TransformerFlops, dense_peak_flops
 from lightning_ulysses.hf.interface import LayerPlan
 from lightning_ulysses.hf.masks import MaskPattern
+from lightning_ulysses.sharding import IGNORE_INDEX
 from tests.launch import launch
 from tests.tiny import TinyCausalLM, collate, dp_batches, make_samples, reference_training, tiny_llama
 

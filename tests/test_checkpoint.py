@@ -29,14 +29,9 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
-from lightning_ulysses import (
-    UlyssesStrategy,
-    check_resumable,
-    convert_checkpoint,
-    export_hf_model,
-    is_universal_checkpoint,
-)
+from lightning_ulysses import UlyssesStrategy
 from lightning_ulysses.cli import main
+from lightning_ulysses.runtime import check_resumable, convert_checkpoint, export_hf_model, is_universal_checkpoint
 from lightning_ulysses.runtime.directory import UNTRAINED_STATE_FILE
 from lightning_ulysses.runtime.load import load_untrained_state
 from tests.launch import launch

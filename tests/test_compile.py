@@ -16,8 +16,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_ulysses import MemoryOptions, UlyssesStrategy, apply_memory_options
+from lightning_ulysses import UlyssesStrategy
 from lightning_ulysses.compile import compile_decoder_layers, remove_compiled_layers
+from lightning_ulysses.memory import MemoryOptions, apply_memory_options
 from tests.cases import CaseTable
 from tests.test_equivalence import BATCH, LR, SEQ, STEPS, _fit
 from tests.tiny import make_samples, reference_training, relative_update_error, tiny_llama

@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM
 
-from lightning_ulysses import IGNORE_INDEX, SFTDataModule, UlyssesStrategy, prepare_batch
+from lightning_ulysses import SFTDataModule, UlyssesStrategy
 from lightning_ulysses.data import (
     LongTextDataModule,
     byte_tokenizer,
@@ -35,6 +35,7 @@ from lightning_ulysses.data import (
     warn_on_empty_shards,
 )
 from lightning_ulysses.model import CausalLM, build_config
+from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch
 from tests.cases import CaseTable
 from tests.loaders import check_workers_from_a_fork_server
 from tests.tiny import TINY_LLAMA, cpu_trainer, relative_update_error

@@ -30,8 +30,9 @@ from benchmarks.emulate import (
 )
 from benchmarks.gpu_long_context import llama_config
 from benchmarks.measure import SavedForBackward
-from lightning_ulysses import SequenceParallelGroups, prepare_batch, shard_batch
 from lightning_ulysses.attention import documents_of
+from lightning_ulysses.groups import SequenceParallelGroups
+from lightning_ulysses.sharding import prepare_batch, shard_batch
 from tests.launch import launch
 
 SP, SEQ_LEN = 4, 96

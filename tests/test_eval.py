@@ -28,16 +28,12 @@ import torchmetrics
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_ulysses import (
-    IGNORE_INDEX,
-    Perplexity,
-    TokenAccuracy,
-    TokenCrossEntropy,
-    UlyssesStrategy,
-    token_log_probs,
-)
+from lightning_ulysses import UlyssesStrategy
 from lightning_ulysses.logits import Logits
+from lightning_ulysses.metrics import Perplexity, TokenAccuracy, TokenCrossEntropy
 from lightning_ulysses.model import CausalLM
+from lightning_ulysses.prediction import token_log_probs
+from lightning_ulysses.sharding import IGNORE_INDEX
 from tests.cases import CaseTable
 from tests.launch import launch
 from tests.tiny import TINY_LLAMA, VOCAB, TinyCausalLM, collate, gathered_parameters, make_samples, tiny_llama

@@ -25,12 +25,13 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, PretrainedConfig
 
-from lightning_ulysses import SequenceParallelMonitor, UlyssesStrategy, prepare_batch
+from lightning_ulysses import SequenceParallelMonitor, UlyssesStrategy
 from lightning_ulysses.callbacks import format_summary
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.memory.estimate import DecoderShape, peak_bytes_per_token
 from lightning_ulysses.runtime.failures import Heartbeat, NonFiniteLossGuard
 from lightning_ulysses.runtime.out_of_memory import StepShape, out_of_memory_advice
+from lightning_ulysses.sharding import prepare_batch
 from tests.launch import RankExit, launch, launch_to_exit
 from tests.tiny import (
     VOCAB,

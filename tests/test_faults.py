@@ -31,7 +31,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_ulysses import UlyssesStrategy, convert_checkpoint, export_hf_model
+from lightning_ulysses import UlyssesStrategy
+from lightning_ulysses.runtime import convert_checkpoint, export_hf_model
 from lightning_ulysses.runtime.directory import read_pointer
 from lightning_ulysses.runtime.integrity import CorruptCheckpointError, check_integrity
 from lightning_ulysses.runtime.save import CheckpointSaveError

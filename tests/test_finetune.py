@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_ulysses import IGNORE_INDEX, UlyssesStrategy
+from lightning_ulysses import UlyssesStrategy
 from lightning_ulysses.finetune import (
     DPO,
     PreferenceDataModule,
@@ -30,6 +30,7 @@ from lightning_ulysses.finetune import (
 )
 from lightning_ulysses.finetune.packing import trained_tokens
 from lightning_ulysses.model import CausalLM, build_config
+from lightning_ulysses.sharding import IGNORE_INDEX
 from tests.cases import CaseTable
 from tests.finetune_data import chat, chat_of_tokens, preference_records, sft_records, write_jsonl
 from tests.loaders import check_workers_from_a_fork_server

@@ -66,7 +66,7 @@ def _run(
     out = ulysses_attention(
         *shards,
         group=group,
-        attn_fn="sdpa",
+        attn_implementation="sdpa",
         window=case.get("window"),
         chunk=case.get("chunk"),
         sinks=rank_sinks,

@@ -25,7 +25,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from transformers import LlamaForCausalLM
 
-from lightning_ulysses import UlyssesLossMixin, UlyssesStrategy, apply_ulysses_attention, sequence_parallel_disabled
+from lightning_ulysses import UlyssesLossMixin, UlyssesStrategy
+from lightning_ulysses.hf import apply_ulysses_attention, sequence_parallel_disabled
 from tests.cases import CaseTable
 from tests.test_global_loss import DATA as GLOBAL_DATA
 from tests.test_global_loss import reference_global_training
@@ -223,7 +224,7 @@ class RecordingLoss:
 
 def _patched(model: torch.nn.Module) -> RecordingLoss:
     loss = RecordingLoss()
-    apply_ulysses_attention(model, group=None, core="sdpa", labels_loss=loss)
+    apply_ulysses_attention(model, group=None, attn_implementation="sdpa", labels_loss=loss)
     return loss
 
 

@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_ulysses import MemoryOptions, apply_memory_options, apply_ulysses_attention
 from lightning_ulysses.groups import SequenceParallelGroups
+from lightning_ulysses.hf import apply_ulysses_attention
+from lightning_ulysses.memory import MemoryOptions, apply_memory_options
 from lightning_ulysses.sharding import shard_index
 from lightning_ulysses.topology import SequenceParallelTopology
 from tests.launch import launch

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_ulysses import apply_ulysses_attention
 from lightning_ulysses.attention import collectives
+from lightning_ulysses.hf import apply_ulysses_attention
 from tests.launch import REPO_ROOT, launch
 from tests.tiny import VOCAB, tiny_llama
 

@@ -19,16 +19,11 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lightning_ulysses import (
-    IGNORE_INDEX,
-    Perplexity,
-    TiledLogits,
-    TokenAccuracy,
-    TokenCrossEntropy,
-    token_cross_entropy,
-    token_log_probs,
-)
-from lightning_ulysses.logits import Logits
+from lightning_ulysses.logits import Logits, TiledLogits
+from lightning_ulysses.loss import token_cross_entropy
+from lightning_ulysses.metrics import Perplexity, TokenAccuracy, TokenCrossEntropy
+from lightning_ulysses.prediction import token_log_probs
+from lightning_ulysses.sharding import IGNORE_INDEX
 from lightning_ulysses.tiling import split_tiles, tiled_map
 
 

@@ -22,15 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_ulysses import (
+from lightning_ulysses import UlyssesStrategy
+from lightning_ulysses.logits import tiled_cross_entropy_sum
+from lightning_ulysses.memory import (
     MemoryOptions,
-    UlyssesStrategy,
     apply_memory_options,
     remove_memory_options,
-    tiled_cross_entropy_sum,
+    resolve_num_tiles,
     tiled_map,
 )
-from lightning_ulysses.memory import resolve_num_tiles
 from tests.cases import CaseTable
 from tests.launch import launch
 from tests.test_equivalence import BATCH, LR, SEQ, STEPS, _fit

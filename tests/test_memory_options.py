@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from lightning_ulysses import MemoryOptions, apply_memory_options, remove_memory_options, tiled_map
+from lightning_ulysses.memory import MemoryOptions, apply_memory_options, remove_memory_options, tiled_map
 from tests.tiny import tiny_llama
 from tests.zoo_configs import tiny_recipe
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_ulysses import SequenceParallelTopology, apply_ulysses_attention
 from lightning_ulysses.groups import MESH_AXES, SequenceParallelGroups
+from lightning_ulysses.hf import apply_ulysses_attention
+from lightning_ulysses.topology import SequenceParallelTopology
 from tests.launch import launch
 from tests.tiny import tiny_llama
 

@@ -19,12 +19,18 @@ from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.masking_utils import chunked_causal_mask_function, sliding_window_causal_mask_function
 
-from lightning_ulysses import UnsupportedModelError, apply_ulysses_attention, prepare_batch, shard_batch
 from lightning_ulysses.attention import gather_sequence
 from lightning_ulysses.groups import SequenceParallelGroups
-from lightning_ulysses.hf import ULYSSES_ATTN_IMPLEMENTATION, remove_ulysses_attention, unpatched
+from lightning_ulysses.hf import (
+    ULYSSES_ATTN_IMPLEMENTATION,
+    UnsupportedModelError,
+    apply_ulysses_attention,
+    remove_ulysses_attention,
+    unpatched,
+)
 from lightning_ulysses.hf.interface import LayerPlan, read_layer_call
 from lightning_ulysses.hf.masks import MaskPattern, identify_pattern
+from lightning_ulysses.sharding import prepare_batch, shard_batch
 from lightning_ulysses.topology import SequenceParallelTopology
 from tests.launch import launch
 from tests.zoo_configs import tiny_recipe
@@ -117,7 +123,7 @@ def module_attributes(model: PreTrainedModel, identities: bool = True) -> dict[s
 # one process: what the attention layers ask for
 # ------------------------------------------------------------------------------------------------
 def _patched_logits(model: PreTrainedModel, ids: Tensor, positions: Tensor) -> Tensor:
-    apply_ulysses_attention(model, group=None, core="sdpa")
+    apply_ulysses_attention(model, group=None, attn_implementation="sdpa")
     return model(input_ids=ids, position_ids=positions).logits
 
 
@@ -168,7 +174,7 @@ def test_a_window_switched_off_is_no_window() -> None:
 def test_a_bias_added_through_the_mask_is_refused_and_the_model_left_plain() -> None:
     model = tiny_model("doge")  # Doge adds a model-computed dynamic bias to the mask
     with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.self_attn \(DogeAttention\): adds a bias"):
-        apply_ulysses_attention(model, group=None, core="sdpa")
+        apply_ulysses_attention(model, group=None, attn_implementation="sdpa")
     assert model.config._attn_implementation == "sdpa"
     assert not any("_ulysses_state" in m.__dict__ for m in model.modules())
 
@@ -187,10 +193,10 @@ def test_a_bias_added_through_the_mask_is_refused_and_the_model_left_plain() -> 
 def test_attention_arguments_that_change_the_result_are_refused(model_type, overrides, refusal) -> None:
     model = tiny_model(model_type, **overrides)
     if refusal is None:
-        apply_ulysses_attention(model, group=None, core="sdpa")
+        apply_ulysses_attention(model, group=None, attn_implementation="sdpa")
         return
     with pytest.raises(UnsupportedModelError, match=refusal):
-        apply_ulysses_attention(model, group=None, core="sdpa")
+        apply_ulysses_attention(model, group=None, attn_implementation="sdpa")
 
 
 GPT_OSS = dict(
@@ -235,7 +241,7 @@ def test_a_bidirectional_attention_layer_is_refused() -> None:
     with pytest.raises(
         UnsupportedModelError, match=r"layers\.1\.self_attn \(LlamaAttention\): attends bidirectionally"
     ):
-        apply_ulysses_attention(model, group=None, core="sdpa")
+        apply_ulysses_attention(model, group=None, attn_implementation="sdpa")
 
 
 def test_head_counts_that_vary_per_layer_are_checked_not_crashed_on() -> None:
@@ -245,7 +251,7 @@ def test_head_counts_that_vary_per_layer_are_checked_not_crashed_on() -> None:
     heads = {layer.self_attn.num_heads for layer in model.model.layers}
     assert len(heads) == 2, heads
     with pytest.raises(UnsupportedModelError, match=r"Dots3NoteTextAttention\): passes indices"):
-        apply_ulysses_attention(model, group=None, core="sdpa")
+        apply_ulysses_attention(model, group=None, attn_implementation="sdpa")
 
 
 def test_a_padding_mask_given_to_the_model_is_folded_or_refused() -> None:
@@ -254,7 +260,7 @@ def test_a_padding_mask_given_to_the_model_is_folded_or_refused() -> None:
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, 9:] = 0
     batch = prepare_batch({"input_ids": ids, "attention_mask": mask}, sp_size=1)
-    apply_ulysses_attention(model, group=None, core="sdpa")
+    apply_ulysses_attention(model, group=None, attn_implementation="sdpa")
     with_mask = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=mask).logits
     without = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     torch.testing.assert_close(with_mask, without, rtol=0, atol=0)
@@ -444,7 +450,7 @@ def sp_worker(args: dict[str, Any]) -> dict[str, Any]:
         group = ring if name in RING else plain
         try:
             mixers = "gather" if name in GATHERED else "refuse"
-            apply_ulysses_attention(model, group, core="sdpa", sequence_mixers=mixers)
+            apply_ulysses_attention(model, group, attn_implementation="sdpa", sequence_mixers=mixers)
         except UnsupportedModelError as error:
             results[name] = {"refused": str(error), "undone": module_attributes(model, identities=False) == before}
             continue

@@ -14,10 +14,18 @@ from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from lightning_ulysses import MemoryOptions, apply_memory_options, layer_norm, remove_memory_options, rms_norm
 from lightning_ulysses.hf.ledger import Ledger
+from lightning_ulysses.memory import MemoryOptions, apply_memory_options, remove_memory_options
 from lightning_ulysses.memory.norms import Norm, fuse_norms
-from lightning_ulysses.norms import NormForm, gated_norm_groups, gated_rms_norm, norm_eps, norm_form
+from lightning_ulysses.norms import (
+    NormForm,
+    gated_norm_groups,
+    gated_rms_norm,
+    layer_norm,
+    norm_eps,
+    norm_form,
+    rms_norm,
+)
 from tests.tiny import tiny_llama
 from tests.zoo_configs import tiny_recipe
 

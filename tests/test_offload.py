@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_ulysses import MemoryOptions, apply_memory_options, checkpoint_activations
+from lightning_ulysses.memory import MemoryOptions, apply_memory_options, checkpoint_activations
 from lightning_ulysses.offload import ActivationOffload, DeviceStreams, default_offload
 from tests.tiny import VOCAB, tiny_llama
 

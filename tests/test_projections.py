@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_ulysses import apply_ulysses_attention, prepare_batch, shard_batch
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.heads import plan_heads
+from lightning_ulysses.hf import apply_ulysses_attention
 from lightning_ulysses.hf.apply import Patch
 from lightning_ulysses.hf.check import probe_ids
 from lightning_ulysses.hf.check.projections import projection_chunks_of
@@ -29,6 +29,7 @@ from lightning_ulysses.hf.check.whole import whole_sequence_run
 from lightning_ulysses.hf.plan import ProjectionChunks
 from lightning_ulysses.hf.projections import chunked_call, find_projections
 from lightning_ulysses.hf.state import PatchState
+from lightning_ulysses.sharding import prepare_batch, shard_batch
 from lightning_ulysses.topology import SequenceParallelTopology
 from tests.cases import CaseTable
 from tests.test_attention_training import _check

@@ -100,7 +100,7 @@ def ring_worker(args: dict[str, Any]) -> dict[Any, Any]:
             out = ulysses_attention(
                 *shards,
                 group=groups,
-                attn_fn="sdpa",
+                attn_implementation="sdpa",
                 window=case.get("window"),
                 chunk=case.get("chunk"),
                 position_ids=None if pos is None else pos[:, index],
@@ -120,7 +120,7 @@ def ring_worker(args: dict[str, Any]) -> dict[Any, Any]:
 
 def _dropout_refusal(groups: SequenceParallelGroups) -> str:
     """A Llama with attention dropout, patched under ring 2 x Ulysses 2: the set-up check's refusal."""
-    from lightning_ulysses import UnsupportedModelError, apply_ulysses_attention
+    from lightning_ulysses.hf import UnsupportedModelError, apply_ulysses_attention
     from tests.tiny import tiny_llama
 
     try:
@@ -144,7 +144,7 @@ def _window_models(groups: SequenceParallelGroups) -> dict[str, float]:
         Qwen2ForCausalLM,
     )
 
-    from lightning_ulysses import apply_ulysses_attention
+    from lightning_ulysses.hf import apply_ulysses_attention
 
     common = dict(
         vocab_size=61,

@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_ulysses import UlyssesStrategy, token_log_probs
+from lightning_ulysses import UlyssesStrategy
+from lightning_ulysses.prediction import token_log_probs
 from tests.launch import launch
 from tests.tiny import (
     SaveAndStop,

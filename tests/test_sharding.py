@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from lightning_ulysses import IGNORE_INDEX, prepare_batch, shard_batch
-from lightning_ulysses.sharding import document_starts
+from lightning_ulysses.sharding import IGNORE_INDEX, document_starts, prepare_batch, shard_batch
 
 X = IGNORE_INDEX
 

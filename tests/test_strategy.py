@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_ulysses import UlyssesStrategy, apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses import UlyssesStrategy
+from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
 from tests.launch import launch
 from tests.tiny import TinyCausalLM, collate, make_samples, tiny_llama
 
@@ -156,7 +157,7 @@ def test_flash_attention_without_the_package_is_refused() -> None:
 
 def test_patching_leaves_other_models_alone() -> None:
     patched, other = tiny_llama(), tiny_llama()
-    apply_ulysses_attention(patched, group=None, core="sdpa")
+    apply_ulysses_attention(patched, group=None, attn_implementation="sdpa")
     ids = torch.randint(0, 50, (1, 8))
     assert other.config._attn_implementation == "sdpa"
     torch.testing.assert_close(patched(input_ids=ids, position_ids=torch.arange(8)[None]).logits, other(ids).logits)

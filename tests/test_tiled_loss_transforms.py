@@ -36,20 +36,12 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lightning_ulysses import (
-    Perplexity,
-    TokenAccuracy,
-    TokenCrossEntropy,
-    UlyssesLossMixin,
-    UlyssesStrategy,
-    UnsupportedModelError,
-    apply_ulysses_attention,
-    remove_ulysses_attention,
-    token_log_probs,
-)
-from lightning_ulysses.hf import unpatched
+from lightning_ulysses import UlyssesLossMixin, UlyssesStrategy
+from lightning_ulysses.hf import UnsupportedModelError, apply_ulysses_attention, remove_ulysses_attention, unpatched
 from lightning_ulysses.hf.check.logits import check_tiled_logits, fit_output_map, spread_values, tiled_logit_map
 from lightning_ulysses.logits import LogitMap, TiledLogits, token_losses
+from lightning_ulysses.metrics import Perplexity, TokenAccuracy, TokenCrossEntropy
+from lightning_ulysses.prediction import token_log_probs
 from tests.cases import CaseTable
 from tests.test_host_syncs import HostSyncs
 from tests.tiny import collate, cpu_trainer, relative_update_error
@@ -166,7 +158,7 @@ def test_check_finds_each_family_map_and_tiles_equal_its_logits(name: str, dtype
     model_type, config, expected = FAMILIES[name]
     recipe = _recipe(model_type, config)
     model = build_model(recipe)[0].to(dtype)  # bf16: the constants fitted to its rounded logits are the config's
-    apply_ulysses_attention(model, group=None, core="sdpa")
+    apply_ulysses_attention(model, group=None, attn_implementation="sdpa")
     try:
         found = tiled_logit_map(model)
         assert found.input_scale == pytest.approx(expected.input_scale, rel=1e-6)
@@ -217,7 +209,7 @@ def token_biased_llama() -> TokenBiasedLlama:
 
 def test_check_tiled_logits_refuses_a_per_token_bias() -> None:
     model = token_biased_llama()
-    apply_ulysses_attention(model, group=None, core="sdpa")  # without tiled_loss the model is accepted
+    apply_ulysses_attention(model, group=None, attn_implementation="sdpa")  # without tiled_loss the model is accepted
     try:
         with pytest.raises(UnsupportedModelError, match=r"(?i)TokenBiasedLlama .*set tiled_loss=False"):
             check_tiled_logits(nn.ModuleDict({"model": model}))
@@ -238,7 +230,7 @@ class EmbeddingScaledLlama(LlamaForCausalLM):
 def test_check_tiled_logits_refuses_a_decoder_that_differs_when_called_by_itself() -> None:
     torch.manual_seed(0)
     model = EmbeddingScaledLlama(token_biased_llama().config)
-    apply_ulysses_attention(model, group=None, core="sdpa")  # without tiled_loss the model is accepted
+    apply_ulysses_attention(model, group=None, attn_implementation="sdpa")  # without tiled_loss the model is accepted
     try:
         with pytest.raises(
             UnsupportedModelError, match=r"(?i)its decoder \(model\), called by itself .*set tiled_loss=False"

@@ -2,8 +2,7 @@
 
 import pytest
 
-from lightning_ulysses import SequenceParallelTopology
-from lightning_ulysses.topology import auto_ring_size
+from lightning_ulysses.topology import SequenceParallelTopology, auto_ring_size
 
 
 def test_ranks_on_the_grid() -> None:

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_ulysses import apply_ulysses_attention, prepare_batch, remove_ulysses_attention, shard_batch
+from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.hf.state import UnsupportedModelError
 from lightning_ulysses.loss import token_cross_entropy
+from lightning_ulysses.sharding import prepare_batch, shard_batch
 from lightning_ulysses.vision import VisionLanguageModel, merged_inputs_embeds, prepare_vision_batch, vision_family
 from tests.cases import CaseTable
 from tests.loaders import check_workers_from_a_fork_server
@@ -96,7 +97,7 @@ CASES = [
 
 def patched_loss_sum(module, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed token loss and token count of ``batch`` through the patched model at sp=1 (then unpatched)."""
-    apply_ulysses_attention(model, group=None, core="sdpa")
+    apply_ulysses_attention(model, group=None, attn_implementation="sdpa")
     try:
         prepared = sp_prepared(module, batch, 1, 0)
         logits = model(**module.model_inputs(model, prepared)).logits
@@ -219,7 +220,7 @@ def test_the_set_up_check_reads_the_image_spans_from_the_masks_gemma_3_builds() 
     from lightning_ulysses.hf.apply import patch_of
 
     model = tiny_model("gemma3")
-    apply_ulysses_attention(model, group=None, core="sdpa")
+    apply_ulysses_attention(model, group=None, attn_implementation="sdpa")
     try:
         plan = patch_of(model).plan
         assert plan.token_types == "spans"
@@ -244,7 +245,7 @@ def test_token_type_ids_that_the_masks_read_otherwise_are_refused(monkeypatch: p
 
     monkeypatch.setattr(modeling_gemma3, "get_block_sequence_ids_for_mask", one_block)
     model = tiny_model("gemma3")
-    apply_ulysses_attention(model, group=None, core="sdpa")
+    apply_ulysses_attention(model, group=None, attn_implementation="sdpa")
     try:
         assert "no causal pattern with image spans" in patch_of(model).plan.token_types
         ids = torch.randint(3, 100, (1, 8))

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_ulysses import UnsupportedModelError
+from lightning_ulysses.hf import UnsupportedModelError
 from tests.zoo import (
     CONTROL_ENTRIES,
     ERROR,

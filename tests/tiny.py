@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from transformers import CONFIG_MAPPING, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from lightning_ulysses import IGNORE_INDEX, UlyssesLossMixin
-from lightning_ulysses.sharding import positions_within_runs
+from lightning_ulysses import UlyssesLossMixin
+from lightning_ulysses.sharding import IGNORE_INDEX, positions_within_runs
 
 VOCAB = 61
 OptimizerName = Literal["sgd", "adamw"]

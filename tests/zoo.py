@@ -2,7 +2,7 @@
 parallelism and compared with one process of the plain model on the whole sequence.
 
 The project's promise, checked family by family: a model that ``UlyssesStrategy`` accepts trains exactly like one
-process on the whole sequence; any other is refused at set-up with :class:`~lightning_ulysses.UnsupportedModelError`.
+process on the whole sequence; any other is refused at set-up with :class:`~lightning_ulysses.hf.UnsupportedModelError`.
 Each entry (one per ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, plus :data:`VARIANT_ENTRIES` and the
 :data:`CONTROL_ENTRIES`) gets a tiny seeded config with the proportions of its default (flagship) config and its
 features on (:mod:`tests.zoo_configs`) and:
@@ -72,8 +72,9 @@ from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from lightning_ulysses import IGNORE_INDEX, UlyssesLossMixin, UlyssesStrategy, UnsupportedModelError
-from lightning_ulysses.hf import SequenceMixers
+from lightning_ulysses import UlyssesLossMixin, UlyssesStrategy
+from lightning_ulysses.hf import SequenceMixers, UnsupportedModelError
+from lightning_ulysses.sharding import IGNORE_INDEX
 from tests.launch import launch
 from tests.tiny import collate, cpu_trainer, relative_update_error
 from tests.zoo_configs import SEQ_LEN, SHARD_LEN, SP_SIZE, TinyRecipe, features, tiny_recipe

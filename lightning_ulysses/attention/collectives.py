@@ -129,9 +129,10 @@ def gather_from_ranks(x: Tensor, group: ProcessGroup | None) -> list[Tensor]:
 
 def gather_sequence(local: Tensor, group: SequenceParallelGroupLike) -> Tensor:
     """``[B, N/P, ...]`` shards of ``group`` -> ``[B, N, ...]`` in sequence order on every rank of it
-    (the inverse of :func:`~lightning_ulysses.shard_batch` for one tensor, zigzag order included when ``group`` has a
-    ring; not differentiable). ``group``: the strategy's :class:`~lightning_ulysses.groups.SequenceParallelGroups` or
-    what :meth:`~lightning_ulysses.groups.SequenceParallelGroups.of` takes."""
+    (the inverse of :func:`~lightning_ulysses.sharding.shard_batch` for one tensor, zigzag order included when
+    ``group`` has a ring; not differentiable). ``group``: the strategy's
+    :class:`~lightning_ulysses.groups.SequenceParallelGroups` or what
+    :meth:`~lightning_ulysses.groups.SequenceParallelGroups.of` takes."""
     groups = SequenceParallelGroups.of(group)
     if groups.sp is None or groups.topology.sp_size == 1:
         return local

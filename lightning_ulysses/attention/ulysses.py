@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import cast
 
@@ -22,10 +23,13 @@ from lightning_ulysses.heads import HeadLayout, plan_heads, select_heads
 
 
 def plan_batch(
-    position_ids: Tensor, group: SequenceParallelGroups, attn_fn: str, patterns: Iterable[tuple[int | None, int | None]]
+    position_ids: Tensor,
+    group: SequenceParallelGroups,
+    attn_implementation: str,
+    patterns: Iterable[tuple[int | None, int | None]],
 ) -> None:
-    """Find the documents of a batch and build backend ``attn_fn``'s plans for every ``(chunk, window)`` pattern
-    its layers use, before the first layer (collective over ``group``: the position ids are gathered).
+    """Find the documents of a batch and build backend ``attn_implementation``'s plans for every ``(chunk, window)``
+    pattern its layers use, before the first layer (collective over ``group``: the position ids are gathered).
 
     ``position_ids`` is the ``[B, N/P]`` shard tensor the layers will receive (see
     :func:`~lightning_ulysses.attention.documents.documents_of`); afterwards no layer, forward, backward or
@@ -35,7 +39,7 @@ def plan_batch(
         window = no_window_if_off(window)
         documents = documents_of(position_ids, group, chunk)
         if group.ring is None:
-            prepare_plans(attn_fn, documents, window)
+            prepare_plans(attn_implementation, documents, window)
         else:
             batch, seq_len = documents.starts.shape
             ring_plan(documents, batch, seq_len, group.ring_size, dist.get_rank(group.ring), window)
@@ -47,7 +51,7 @@ def ulysses_attention(
     value: Tensor,
     *,
     group: SequenceParallelGroupLike,
-    attn_fn: str | CoreAttention = "sdpa",
+    attn_implementation: str | CoreAttention = "sdpa",
     position_ids: Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
@@ -56,6 +60,7 @@ def ulysses_attention(
     sinks: Tensor | None = None,
     head_chunks: HeadChunks | None = None,
     bidirectional: Tensor | None = None,
+    attn_fn: str | CoreAttention | None = None,
 ) -> Tensor:
     """Causal attention over a sequence sharded across the ranks of ``group``, any head count.
 
@@ -70,8 +75,9 @@ def ulysses_attention(
             across its ring (:mod:`lightning_ulysses.attention.ring`); the shards are then the zigzag ones of
             :func:`~lightning_ulysses.sharding.shard_index`. The groups object also keeps the batch's documents (one
             all-gather per batch, not per layer) and reports the all-to-alls to its observer.
-        attn_fn: a core backend name (``"sdpa"``, ``"flash_attention_2"``, ``"flash_attention_3"``,
-            ``"flex_attention"``) or a callable with the :class:`CoreAttention` signature.
+        attn_implementation: the core attention backend, by name (``"sdpa"``, ``"flash_attention_2"``,
+            ``"flash_attention_3"``, ``"flex_attention"``: ``UlyssesStrategy(attn_implementation=...)``'s) or a
+            callable with the :class:`CoreAttention` signature.
         position_ids: ``[B, N/P]`` global position ids of this rank's tokens. They delimit packed
             documents; ``None`` treats every row as one document.
         scale: softmax scale (``None``: ``D ** -0.5``).
@@ -90,6 +96,7 @@ def ulysses_attention(
             them inside a document attends to itself both ways (Gemma 3's image tokens; see
             :mod:`~lightning_ulysses.attention.spans`); needs ``position_ids``; not with ``chunk``, ``sinks``,
             attention dropout or a ring.
+        attn_fn: deprecated name of ``attn_implementation``.
 
     Returns:
         ``[B, N/P, H, D_v]``: the attention output of this rank's tokens. Gradients flow back to
@@ -97,7 +104,14 @@ def ulysses_attention(
         each rank the gradient of the heads that rank attended (for the tokens of every rank): summed over the
         group, as replicated weights are, it is whole.
     """
-    core = CORE_ATTENTION[attn_fn] if isinstance(attn_fn, str) else attn_fn
+    if attn_fn is not None:
+        warnings.warn(
+            "ulysses_attention(attn_fn=...) is deprecated: pass attn_implementation=...",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        attn_implementation = attn_fn
+    core = CORE_ATTENTION[attn_implementation] if isinstance(attn_implementation, str) else attn_implementation
     groups = SequenceParallelGroups.of(group)
     if chunk is not None and position_ids is None:
         raise ValueError("Chunked attention needs the position_ids that number the chunks.")
@@ -114,7 +128,7 @@ def ulysses_attention(
         spans = spans_of(bidirectional, documents, groups)
         check_spans_supported(spans, chunk, sinks, dropout_p, groups.ring is not None)
     if groups.ring is not None:
-        check_ring_supported(attn_fn, dropout_p)
+        check_ring_supported(attn_implementation, dropout_p)
         return _ulysses_x_ring(query, key, value, groups, documents, scale, window, sinks, head_chunks)
     observer, sp_group, sp_size = groups.observer, groups.sp, groups.topology.sp_size
     layout = plan_heads(query.shape[2], key.shape[2], sp_size)
@@ -141,13 +155,15 @@ def ulysses_attention(
     return select_heads(heads_to_sequence(out, sp_group, observer), layout.output_slots)  # [B, N/P, H, D_v]
 
 
-def check_ring_supported(attn_fn: str | CoreAttention, dropout_p: float) -> None:
+def check_ring_supported(attn_implementation: str | CoreAttention, dropout_p: float) -> None:
     """Refuse what Ulysses x Ring does not run (yet): core backends other than SDPA (the ring runs its own block
     kernels, :mod:`~lightning_ulysses.attention.ring_blocks`, which return the log-sum-exp and take it back in their
     backward) and attention dropout."""
     unsupported = []
-    if attn_fn not in ("sdpa", CORE_ATTENTION["sdpa"]):
-        unsupported.append(f"the attention backend {attn_fn!r} (the ring runs SDPA-equivalent block kernels)")
+    if attn_implementation not in ("sdpa", CORE_ATTENTION["sdpa"]):
+        unsupported.append(
+            f"the attention backend {attn_implementation!r} (the ring runs SDPA-equivalent block kernels)"
+        )
     if dropout_p:
         unsupported.append(f"attention dropout (dropout_p={dropout_p})")
     if unsupported:

@@ -11,7 +11,7 @@ Commands (``lightning-ulysses --help`` lists them):
   line (``--trainer.strategy.sp_size 4``); ``--print_config`` prints a complete config to stdout, and nothing
   else. The config is checked before any process starts (:mod:`lightning_ulysses.cli.checks`). ``validate``,
   ``test`` and ``predict`` from a run's checkpoint write into that run's folder (``<run>/<command>/``).
-* ``convert-checkpoint SRC DST`` (:func:`~lightning_ulysses.convert_checkpoint`): a universal copy that
+* ``convert-checkpoint SRC DST`` (:func:`~lightning_ulysses.runtime.convert_checkpoint`): a universal copy that
   ``--ckpt_path DST`` resumes on another process count or ZeRO stage.
 * ``export CKPT_OR_RUN OUT``: a ``from_pretrained`` folder (:mod:`lightning_ulysses.cli.commands`).
 """

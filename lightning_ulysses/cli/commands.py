@@ -55,7 +55,7 @@ def export(checkpoint: str, output: str) -> None:
     if not isinstance(model, PreTrainedModel):
         raise ValueError(
             f"export writes the transformers model that the LightningModule holds as .model; {type(module).__name__} "
-            "has none. Call lightning_ulysses.export_hf_model with your model and its prefix."
+            "has none. Call lightning_ulysses.runtime.export_hf_model with your model and its prefix."
         )
     tokenizer: Any = getattr(built.data, "tokenizer", None)  # whatever the data module tokenizes with
     if tokenizer is not None:

@@ -103,7 +103,7 @@ class DPO(CausalLM):
     def _prepared(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         if "shift_labels" not in batch:  # not under UlyssesStrategy: the reference runs the local attention too
             assert self.reference is not None  # configure_model has run
-            apply_ulysses_attention(self.reference, group=None, core="sdpa")
+            apply_ulysses_attention(self.reference, group=None, attn_implementation="sdpa")
         return super()._prepared(batch)
 
     def sequence_log_probs(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:

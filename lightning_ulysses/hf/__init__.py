@@ -4,7 +4,8 @@ that every layer of a patched model runs exactly (or the model is refused).
 * :mod:`~lightning_ulysses.hf.patching`: :func:`apply_ulysses_attention` / :func:`remove_ulysses_attention`:
   plan (the check), then apply (the patch);
 * :mod:`~lightning_ulysses.hf.state`: what both sides share (the patch state, the refusal, the models inside a module);
-* :mod:`~lightning_ulysses.hf.check`: the set-up check, which returns a plan or a refusal (:mod:`.plan`);
+* :mod:`~lightning_ulysses.hf.check`: the set-up check, which returns a plan or a refusal (:mod:`.plan`), and finds
+  the map from hidden states to logits that ``tiled_loss`` tiles (:func:`tiled_logit_map`);
 * :mod:`~lightning_ulysses.hf.apply`: the applier, every change in one ledger (:mod:`.ledger`) with one undo;
 * :mod:`~lightning_ulysses.hf.interface`: the ``"ulysses"`` attention-interface entry and each layer's plan;
 * :mod:`~lightning_ulysses.hf.forward`: the patched model's forward (position ids, masks, per-batch plans);
@@ -16,6 +17,7 @@ that every layer of a patched model runs exactly (or the model is refused).
 """
 
 from lightning_ulysses.hf.apply import sequence_parallel_disabled, unpatched
+from lightning_ulysses.hf.check.logits import tiled_logit_map
 from lightning_ulysses.hf.interface import ULYSSES_ATTN_IMPLEMENTATION
 from lightning_ulysses.hf.patching import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.hf.state import SequenceMixers, UnsupportedModelError, outermost_models
@@ -28,5 +30,6 @@ __all__ = [
     "outermost_models",
     "remove_ulysses_attention",
     "sequence_parallel_disabled",
+    "tiled_logit_map",
     "unpatched",
 ]

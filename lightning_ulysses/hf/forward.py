@@ -5,7 +5,7 @@
   rank but the first), and keeps them for the attention layers: documents (packed samples, padding
   runs) are read from them, whether or not a layer's call site passes them on;
 * it folds a 2-D ``attention_mask`` into that document layout when it marks whole documents (padding that
-  :func:`~lightning_ulysses.prepare_batch` made separate documents), and refuses any other mask;
+  :func:`~lightning_ulysses.sharding.prepare_batch` made separate documents), and refuses any other mask;
 * it reads bidirectional spans from ``token_type_ids`` where the set-up check found the masks make image tokens
   attend to each other both ways (Gemma 3), and refuses ``token_type_ids`` that the masks read otherwise;
 * it switches the KV cache off (it would hold one shard of the sequence);
@@ -232,9 +232,10 @@ def _layer_patterns(model: PreTrainedModel) -> set[tuple[int | None, int | None]
 def check_foldable_attention_mask(mask: Tensor, position_ids: Tensor, group: SequenceParallelGroups) -> None:
     """Accept a 2-D padding mask ``[B, N/sp]`` only when it is constant over every document of the position ids.
 
-    Such a mask marks padding that is already a document of its own (as :func:`~lightning_ulysses.prepare_batch`
-    lays it out), which attention never crosses: dropping it changes nothing for the real tokens. Anything else
-    (a 4-D mask, padding inside a document) is refused. Collective over ``group`` (one all-gather per forward).
+    Such a mask marks padding that is already a document of its own (as
+    :func:`~lightning_ulysses.sharding.prepare_batch` lays it out), which attention never crosses: dropping it changes
+    nothing for the real tokens. Anything else (a 4-D mask, padding inside a document) is refused. Collective over
+    ``group`` (one all-gather per forward).
     """
     if mask.dim() != 2 or mask.shape != position_ids.shape:
         raise ValueError(

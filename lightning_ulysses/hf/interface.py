@@ -125,7 +125,7 @@ def _hf_ulysses_attention(
         key.transpose(1, 2),
         value.transpose(1, 2),
         group=state.group,
-        attn_fn=state.core,
+        attn_implementation=state.core,
         position_ids=None if state.forward is None else state.forward.position_ids,
         scale=scaling,
         dropout_p=dropout,

@@ -38,7 +38,7 @@ from lightning_ulysses.hf.state import LabelsLoss, PatchState, SequenceMixers, U
 def apply_ulysses_attention(
     model: nn.Module,
     group: SequenceParallelGroupLike,
-    core: str,
+    attn_implementation: str | None = None,
     sequence_mixers: SequenceMixers = "refuse",
     head_chunks: HeadChunks | None = None,
     labels_loss: LabelsLoss | None = None,
@@ -46,11 +46,13 @@ def apply_ulysses_attention(
     *,
     sp_size: int | None = None,
     tiled_loss: bool = True,
+    core: str | None = None,
 ) -> None:
     """Make every transformers ``PreTrainedModel`` inside ``model`` run Ulysses attention over ``group`` (the
     strategy's :class:`~lightning_ulysses.groups.SequenceParallelGroups` or ``DeviceMesh``, Ulysses x Ring included;
-    a 1-D ``DeviceMesh``: plain Ulysses over its ranks; ``None``: locally), or refuse it. The SP degree is the
-    group's (``sp_size``: deprecated, checked against it).
+    a 1-D ``DeviceMesh``: plain Ulysses over its ranks; ``None``: locally), or refuse it, its core attention the
+    backend named ``attn_implementation`` (``"sdpa"``, ... as ``UlyssesStrategy(attn_implementation=...)``; ``core``:
+    its deprecated name). The SP degree is the group's (``sp_size``: deprecated, checked against it).
 
     Any head count runs (see :mod:`lightning_ulysses.heads`; a layout with inert heads is logged with its
     overhead). The model must be callable (under ZeRO-3: after DeepSpeed's engine exists): a short forward
@@ -68,13 +70,24 @@ def apply_ulysses_attention(
     a forward on its position ids reads instead of all-gathering them (``None``: every forward gathers its shard's).
     ``tiled_loss``: the check also reads how each model makes its logits from
     its decoder's final hidden states, which the tiled loss applies (:mod:`lightning_ulysses.hf.check.logits`;
-    :func:`~lightning_ulysses.tiled_logit_map` needs it); the strategy skips that without its ``tiled_loss``.
+    :func:`~lightning_ulysses.hf.tiled_logit_map` needs it); the strategy skips that without its ``tiled_loss``.
     Idempotent.
     """
-    if not isinstance(core, str):
+    if core is not None:
+        warnings.warn(
+            "apply_ulysses_attention(core=...) is deprecated: pass attn_implementation=...",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if attn_implementation is not None:
+            raise TypeError("apply_ulysses_attention got both attn_implementation and its deprecated name core.")
+        attn_implementation = core
+    if attn_implementation is None:
+        raise TypeError("apply_ulysses_attention() missing the attention backend: attn_implementation='sdpa', ...")
+    if not isinstance(attn_implementation, str):
         raise TypeError(
-            f"apply_ulysses_attention(model, group, core, ...) takes no sp_size (the group carries it), got core="
-            f"{core!r}: drop the sp_size argument."
+            "apply_ulysses_attention(model, group, attn_implementation, ...) takes no sp_size (the group carries it), "
+            f"got attn_implementation={attn_implementation!r}: drop the sp_size argument."
         )
     if sequence_mixers not in ("refuse", "gather"):
         raise ValueError(f"sequence_mixers must be 'refuse' or 'gather', got {sequence_mixers!r}.")
@@ -100,7 +113,7 @@ def apply_ulysses_attention(
             hf_model,
             PatchState(
                 groups,
-                core,
+                attn_implementation,
                 sp_size,
                 gather_mixers=sequence_mixers == "gather",
                 head_chunks=head_chunks,

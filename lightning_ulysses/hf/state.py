@@ -54,7 +54,7 @@ class ForwardBatch:
 
 @dataclass
 class PatchState:
-    """Shared by every module that one :func:`~lightning_ulysses.apply_ulysses_attention` call patched: the patch's
+    """Shared by every module that one :func:`~lightning_ulysses.hf.apply_ulysses_attention` call patched: the patch's
     configuration, the switches of its forward (``enabled``, ``depth``, ``probe``) and, as one object, what the latest
     outermost forward read from its batch (``forward``)."""
 

@@ -95,8 +95,9 @@ def apply_memory_options(model: nn.Module, options: MemoryOptions, fitting: bool
     if (options.tiled_mlp or options.activation_checkpointing or options.fused_norms) and not hf_models:
         raise ValueError(
             "tiled_mlp, activation_checkpointing and fused_norms act on transformers models, and this "
-            "LightningModule holds none. For a custom model call lightning_ulysses.tiled_map on its MLP, "
-            "lightning_ulysses.checkpoint_activations on its layers and lightning_ulysses.rms_norm in its norms."
+            "LightningModule holds none. For a custom model call lightning_ulysses.memory.tiled_map on its MLP, "
+            "lightning_ulysses.memory.checkpoint_activations on its layers and lightning_ulysses.norms.rms_norm in its "
+            "norms."
         )
     for hf_model in hf_models:
         _undo_memory_options(hf_model)

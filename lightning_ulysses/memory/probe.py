@@ -9,8 +9,8 @@ rank does alike.
 It is not the set-up check's whole-sequence run (:class:`~lightning_ulysses.hf.check.whole.WholeRun`), which also
 records every module's calls: that run computes token-local attention instead of the model's, on ``sp * 11``
 tokens (an odd count per rank; the tiled MLP rule chose its tile counts for :data:`PROBE_TOKENS`), and ends with the
-check, before the memory options are chosen (:func:`~lightning_ulysses.apply_memory_options` also runs without the
-check, and again with other options); handing it over would keep a clone of every module's inputs and outputs alive
+check, before the memory options are chosen (:func:`~lightning_ulysses.memory.apply_memory_options` also runs without
+the check, and again with other options); handing it over would keep a clone of every module's inputs and outputs alive
 until then, to save one forward of ``2 x PROBE_TOKENS`` tokens.
 """
 

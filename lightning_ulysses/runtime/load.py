@@ -107,7 +107,8 @@ def check_resumable(checkpoint_dir: str | Path, num_processes: int, zero_stage: 
         f"optimizer state over every process, so as saved it resumes only with {saved_processes} processes and "
         f"stage={saved_stage} (any sp_size x dp_size split). To resume on this layout with the optimizer state and "
         "loop progress, convert it once (offline, one process) and resume from the converted directory: "
-        f"lightning-ulysses convert-checkpoint {checkpoint_dir} {converted} (or lightning_ulysses.convert_checkpoint), "
+        f"lightning-ulysses convert-checkpoint {checkpoint_dir} {converted} "
+        "(or lightning_ulysses.runtime.convert_checkpoint), "
         f"then ckpt_path={converted!r}."
     )
 

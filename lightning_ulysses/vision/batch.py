@@ -3,9 +3,9 @@
 The batch from the data holds ``input_ids [B, N]`` (each image or video as its run of placeholder tokens), optionally
 ``labels``, ``attention_mask`` and packed ``position_ids [B, N]`` (restarting at 0 per document), and the vision
 inputs under ``batch["vision"]`` (a dict: ``pixel_values``, ``image_grid_thw``, ``pixel_values_videos``, ...; a dict
-travels through :func:`~lightning_ulysses.prepare_batch` and :func:`~lightning_ulysses.shard_batch` unchanged, so
-every SP rank keeps all of the batch's pixels). :func:`prepare_vision_batch` adds what must be computed on the whole
-sequence, as per-token entries that the strategy then shards like ``input_ids``:
+travels through :func:`~lightning_ulysses.sharding.prepare_batch` and :func:`~lightning_ulysses.sharding.shard_batch`
+unchanged, so every SP rank keeps all of the batch's pixels). :func:`prepare_vision_batch` adds what must be computed on
+the whole sequence, as per-token entries that the strategy then shards like ``input_ids``:
 
 * ``vision_rows [B, N]``: 0 for a text token, ``r + 1`` for the placeholder that takes embedding row ``r`` of its
   modality's items, concatenated in batch order (the row that transformers' ``masked_scatter`` puts there);

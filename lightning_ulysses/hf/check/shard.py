@@ -20,8 +20,8 @@ def tolerance(dtype: torch.dtype) -> float:
 
 
 class Shard:
-    """This rank's shard of the probe sequence (its columns as :func:`~lightning_ulysses.shard_batch` takes them,
-    zigzag with a ring), and comparisons of per-token tensors with the whole run."""
+    """This rank's shard of the probe sequence (its columns as :func:`~lightning_ulysses.sharding.shard_batch` takes
+    them, zigzag with a ring), and comparisons of per-token tensors with the whole run."""
 
     def __init__(self, rank: int, sp_size: int, whole_length: int, ring_size: int = 1) -> None:
         self.whole_length, self.length = whole_length, whole_length // sp_size
