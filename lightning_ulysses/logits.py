@@ -12,6 +12,18 @@ tile is reduced to its per-token values before the next tile exists, so at most 
 Under autograd each tile is a :func:`torch.utils.checkpoint.checkpoint` region recomputed in the backward
 (see :mod:`lightning_ulysses.memory`), so the same code is the training loss's tiled path.
 
+**Tile size** (``tiled_loss=True``, :func:`resolve_loss_tiles`): tiles are sized by bytes. While a tile's cross
+entropy trains, three fp32 ``[tile, V]`` tensors are alive at once (:data:`CROSS_ENTROPY_BYTES_PER_LOGIT`), and they
+are kept within the bytes of ``lm_head``'s ``[V, hidden]`` weight, a buffer every tile holds anyway (its gradient in
+the tile's backward, its gather under ZeRO-3)::
+
+    tile * V * 12  <=  V * hidden * itemsize,   so   tile = hidden * itemsize // 12   (itemsize: the hidden states')
+
+The vocabulary cancels: 42 tokens for hidden 128 in fp32, 682 for Llama-3.1-8B in bf16 (1 GiB of transients against
+its 1 GiB weight). Smaller tiles would not lower the peak below the weight gradient's bytes and cost more per-tile
+overhead. The former rule, ``hidden`` tokens per tile, held ``12 / itemsize`` times the weight's bytes (5.9 GiB for the
+8B), a fixed per-rank cost that set the peak of short shards; this one is smaller at every length, so no peak grows.
+
 Some families make their logits from ``lm_head``'s output, or its input, with more than ``lm_head``: Granite divides
 them by ``logits_scaling``, Cohere and Falcon-H1 multiply them by a constant, MiniCPM3 divides the hidden states before
 ``lm_head``, Gemma 3n and RecurrentGemma soft-cap them (``cap * tanh(logits / cap)``). Each of these acts on every logit
@@ -30,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_ulysses.sharding import IGNORE_INDEX
-from lightning_ulysses.tiling import recomputed_in_backward, split_tiles
+from lightning_ulysses.tiling import TileSetting, recomputed_in_backward, resolve_num_tiles, split_tiles
 
 TokenFunction = Callable[[Tensor, Tensor], Tensor]
 """``(logits [tokens, V], labels [tokens]) -> [tokens]``: one value per token."""
@@ -87,6 +99,30 @@ class TiledLogits:
     hidden_states: Tensor
     lm_head: Callable[[Tensor], Tensor]
     num_tiles: int
+
+
+CROSS_ENTROPY_BYTES_PER_LOGIT = 12
+"""Bytes per logit alive at once while one tile of :func:`token_losses` trains: in the tile's backward the fp32
+log-softmax kept by its recomputed forward, its gradient, and the gradient of the fp32 logits (three fp32 ``[tile, V]``
+tensors). The forward holds fewer: the logits in their dtype, their fp32 copy (the logits themselves in fp32) and the
+log-softmax, 10 bytes in bf16 and 8 in fp32."""
+
+
+def loss_tile_tokens(hidden_size: int, itemsize: int) -> int:
+    """The most tokens of a loss tile: the largest ``tile`` (at least 1) whose ``[tile, V]`` cross-entropy transients
+    (``CROSS_ENTROPY_BYTES_PER_LOGIT`` bytes per logit) fit in the bytes of the ``[V, hidden_size]`` weight in the
+    hidden states' ``itemsize`` (see the module docstring); at most ``hidden_size``, the former tile."""
+    return max(1, hidden_size * itemsize // CROSS_ENTROPY_BYTES_PER_LOGIT)
+
+
+def resolve_loss_tiles(setting: TileSetting, hidden_states: Tensor) -> int:
+    """The number of loss tiles of ``hidden_states [..., hidden]``: ``setting`` when an int (1 when ``False``), else
+    ``ceil(n / loss_tile_tokens(...))`` with ``n`` the most tokens of any rank, agreed here with one ``all_reduce``
+    (a host sync, once per batch, outside the layers), so that every rank makes the same number of ``lm_head`` calls
+    (under ZeRO-3 each gathers its weight collectively)."""
+    tokens = hidden_states.shape[:-1].numel()
+    tile_tokens = loss_tile_tokens(hidden_states.shape[-1], hidden_states.element_size())
+    return resolve_num_tiles(setting, tokens, tile_tokens, hidden_states.device)
 
 
 # a runtime alias kept as typing.Union (``X | Y`` would make another object, a types.UnionType)

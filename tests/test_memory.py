@@ -62,7 +62,8 @@ CASES: dict[str, dict[str, Any]] = {
         sp=2, stage=2, memory=dict(fused_norms=True, activation_checkpointing=True)
     ),
     "all_fused_norms_zero3_head_chunks2": dict(sp=2, stage=3, memory=dict(ALL, fused_norms=True, head_chunks=2)),
-    # 47 tokens -> 24 per rank, 48 per rank and batch: auto makes 2 tiles of hidden_size=32 tokens
+    # 47 tokens -> 24 per rank, 48 per rank and batch: auto makes 2 MLP tiles of hidden_size=32 tokens and 5 loss
+    # tiles of 10 tokens (fp32: 10 * V * 12 bytes <= V * 32 * 4, lm_head's weight)
     "all_auto_length_not_divisible": dict(
         sp=2,
         stage=1,
