@@ -128,10 +128,17 @@ def _layer_probes(group: dist.ProcessGroup, head_chunks: Any) -> dict[str, Any]:
         calls[phase] += 1
         return original(*args, **kwargs)
 
+    observed: Counter[str] = Counter()
+
+    def observer(run: Any) -> Any:  # as SequenceParallelMonitor(time_all_to_all=True)'s timer wraps each call
+        observed[phase] += 1
+        return run()
+
     syncs, largest = HostSyncs(), _Largest(64)
     groups = SequenceParallelGroups.of(group)  # their cache keeps the documents (a plain process group keeps none)
     ulysses_attention(*shards, group=groups, position_ids=pos, window=9, head_chunks=head_chunks)  # plans
     dist.all_to_all_single = counted
+    groups.observer.all_to_all = observer
     try:
         with syncs.methods_counted(), largest:
             syncs.where = "layer"
@@ -140,7 +147,8 @@ def _layer_probes(group: dist.ProcessGroup, head_chunks: Any) -> dict[str, Any]:
             out.backward(grad[:, index])
     finally:
         dist.all_to_all_single = original
-    return {"calls": dict(calls), "syncs": dict(syncs.counts), "largest": largest.largest}
+        groups.observer.all_to_all = None
+    return {"calls": dict(calls), "observed": dict(observed), "syncs": dict(syncs.counts), "largest": largest.largest}
 
 
 def worker(args: dict[str, Any]) -> dict[Any, Any]:
@@ -199,11 +207,13 @@ def test_chunked_ulysses_x_ring_equals_the_reference(results: list[dict[Any, Any
 
 def test_one_all_to_all_per_chunk_and_direction(results: list[dict[Any, Any]]) -> None:
     """Plain Ulysses: q, k and v in (one all-to-all) and the output back, and as many in the backward; chunked: 2
-    per chunk."""
+    per chunk. The SP group's observer (what ``SequenceParallelMonitor(time_all_to_all=True)`` times) sees each."""
     for got in results:
         assert got["probes", None]["calls"] == {"forward": 2, "backward": 2}
         for chunks in (1, 2, 4):
             assert got["probes", chunks]["calls"] == {"forward": 2 * chunks, "backward": 2 * chunks}
+        for head_chunks in (None, 1, 2, 4):
+            assert got["probes", head_chunks]["observed"] == got["probes", head_chunks]["calls"]
 
 
 def test_no_host_sync_inside_the_chunked_layer(results: list[dict[Any, Any]]) -> None:

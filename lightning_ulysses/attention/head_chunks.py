@@ -25,6 +25,8 @@ the work already queued on the compute stream by an event, and keeps its buffers
 before chunk ``j`` attends, and the compute stream waits for it (an event wait, no host sync) only where its result
 is read; an output's all-to-all back likewise overlaps the next chunk. Two chunks' inputs are then alive at once.
 On CPU (gloo) every all-to-all is waited on at once: the same code, synchronous. The CUDA overlap is not measured.
+Every exchange is a :class:`~lightning_ulysses.attention.collectives.Exchange`, the package's all-to-all: while the
+SP group's observer watches (``SequenceParallelMonitor(time_all_to_all=True)``), each runs through it, synchronously.
 
 Transformers attention modules whose projections narrow per head run their chunks one level up instead, projections
 included (:mod:`lightning_ulysses.hf.projections`), with :func:`chunk_heads`' heads; this module then runs the
@@ -43,7 +45,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_ulysses.attention.collectives import by_sequence, rank_slots, whole_sequence
+from lightning_ulysses.attention.collectives import Exchange, by_sequence, rank_slots, whole_sequence
+from lightning_ulysses.groups import CollectiveObserver
 from lightning_ulysses.heads import HeadLayout
 
 HeadChunks = int | Literal["auto"]
@@ -164,22 +167,6 @@ def _routes(layout: HeadLayout, chunks: int, device: torch.device) -> tuple[_Rou
     return tuple(routes)
 
 
-class _Exchange:
-    """One all-to-all ``[P, ...] -> [P, ...]`` over ``group`` (block ``r`` to / from rank ``r``), started at once;
-    :meth:`take` waits for it and hands over the received buffer (the exchange keeps no reference to it)."""
-
-    def __init__(self, send: Tensor, group: ProcessGroup) -> None:
-        self.receive: Tensor | None = torch.empty_like(send)
-        self.work: Any = dist.all_to_all_single(self.receive, send, group=group, async_op=True)
-
-    def take(self) -> Tensor:
-        assert self.receive is not None, "taken twice"
-        self.work.wait()  # CUDA: the compute stream waits for NCCL's (an event), the host does not
-        # the work holds the send buffer (NCCL reads it until the wait): dropped with it
-        receive, self.receive, self.work = self.receive, None, None
-        return receive
-
-
 def _to_ranks(source: Sequence[tuple[Tensor, Tensor]], sp: int) -> Tensor:
     """The send buffer ``[P, B, n, sum_i c_i * d_i]`` of sequence-sharded ``[B, n, H_i, d_i]`` tensors, each with the
     ``[P * c_i]`` heads of its slots for every destination rank, rank-major; written in place, rank by rank."""
@@ -209,16 +196,17 @@ class _ChunkedUlysses(torch.autograd.Function):
         attend: Attend,
         rank: int,
         random: bool,
+        observer: CollectiveObserver | None,
     ) -> Tensor:
         routes = _routes(layout, chunks, query.device)
         sp, overlap = layout.sp_size, query.is_cuda
         out = query.new_empty((*query.shape[:3], value.shape[-1]))
         rng_states = []
 
-        def start(j: int) -> _Exchange:
+        def start(j: int) -> Exchange:
             r = routes[j]
             send = _to_ranks([(query, r.query_heads), (key, r.kv_heads), (value, r.kv_heads)], sp)
-            return _Exchange(send, group)
+            return Exchange(send, group, observer)
 
         incoming, returning = start(0), None
         for j, r in enumerate(routes):
@@ -230,7 +218,7 @@ class _ChunkedUlysses(torch.autograd.Function):
             del q, k, v
             if returning is not None:
                 _place(out, *returning, value, sp)
-            returning = (_Exchange(by_sequence([result], sp), group), r)
+            returning = (Exchange(by_sequence([result], sp), group, observer), r)
             del result
             if not overlap:  # CPU: one chunk at a time
                 _place(out, *returning, value, sp)
@@ -241,25 +229,26 @@ class _ChunkedUlysses(torch.autograd.Function):
             _place(out, *returning, value, sp)
         ctx.save_for_backward(query, key, value, sinks)
         ctx.layout, ctx.chunks, ctx.group, ctx.attend, ctx.rank = layout, chunks, group, attend, rank
+        ctx.observer = observer
         ctx.rng_states, ctx.autocast = rng_states, _autocast_state(query.device)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         query, key, value, sinks = ctx.saved_tensors
-        layout, group, attend, rank = ctx.layout, ctx.group, ctx.attend, ctx.rank
+        layout, group, attend, rank, observer = ctx.layout, ctx.group, ctx.attend, ctx.rank, ctx.observer
         routes = _routes(layout, ctx.chunks, query.device)
         sp, overlap = layout.sp_size, query.is_cuda
         grads: list[Tensor | None] = [None, None, None]  # made at the first chunk's return: not alive at its peak
         grad_sinks = None if sinks is None else torch.zeros_like(sinks)
 
-        def start(j: int) -> _Exchange:
+        def start(j: int) -> Exchange:
             r = routes[j]
             grad_out = grad.new_zeros((*grad.shape[:2], len(r.query_heads), grad.shape[-1]))
             grad_out.index_copy_(2, r.output_slots, grad.index_select(2, r.output_heads))  # inert slots: zero
             slots = torch.arange(len(r.query_heads), device=grad.device)
             send = _to_ranks([(query, r.query_heads), (key, r.kv_heads), (value, r.kv_heads), (grad_out, slots)], sp)
-            return _Exchange(send, group)
+            return Exchange(send, group, observer)
 
         incoming, returning = start(0), None
         for j, r in enumerate(routes):
@@ -279,7 +268,7 @@ class _ChunkedUlysses(torch.autograd.Function):
                 grad_sinks += chunk_grads[3]
             if returning is not None:
                 _accumulate(grads, *returning, (query, key, value), sp)
-            returning = (_Exchange(by_sequence(chunk_grads[:3], sp), group), r)
+            returning = (Exchange(by_sequence(chunk_grads[:3], sp), group, observer), r)
             del chunk_grads
             if not overlap:
                 _accumulate(grads, *returning, (query, key, value), sp)
@@ -288,7 +277,7 @@ class _ChunkedUlysses(torch.autograd.Function):
                     incoming = start(j + 1)
         if returning is not None:
             _accumulate(grads, *returning, (query, key, value), sp)
-        return (*grads, grad_sinks, None, None, None, None, None, None)
+        return (*grads, grad_sinks, None, None, None, None, None, None, None)
 
 
 def _widths(r: _Routes, query: Tensor, value: Tensor, sp: int) -> list[tuple[int, int]]:
@@ -297,13 +286,13 @@ def _widths(r: _Routes, query: Tensor, value: Tensor, sp: int) -> list[tuple[int
     return [(heads, query.shape[-1]), (kv, query.shape[-1]), (kv, value.shape[-1])]
 
 
-def _place(out: Tensor, back: _Exchange, r: _Routes, value: Tensor, sp: int) -> None:
+def _place(out: Tensor, back: Exchange, r: _Routes, value: Tensor, sp: int) -> None:
     """Write the real query heads of a chunk's returned output into ``out [B, N/P, H, D_v]``."""
     (slots,) = rank_slots(back.take(), [(len(r.query_heads) // sp, value.shape[-1])])
     out.index_copy_(2, r.output_heads, slots.index_select(2, r.output_slots))
 
 
-def _accumulate(grads: list[Tensor | None], back: _Exchange, r: _Routes, inputs: Sequence[Tensor], sp: int) -> None:
+def _accumulate(grads: list[Tensor | None], back: Exchange, r: _Routes, inputs: Sequence[Tensor], sp: int) -> None:
     """Add a chunk's returned query, key and value gradients into the input gradients (replicated slots sum)."""
     received = rank_slots(back.take(), _widths(r, inputs[0], inputs[2], sp))
     for i, (heads, part) in enumerate(zip((r.query_heads, r.kv_heads, r.kv_heads), received, strict=True)):
@@ -367,6 +356,7 @@ def chunked_ulysses(
     head_chunks: HeadChunks,
     *,
     random: bool = False,
+    observer: CollectiveObserver | None = None,
 ) -> Tensor:
     """Ulysses attention over ``group`` in chunks of heads (see the module docstring).
 
@@ -378,6 +368,8 @@ def chunked_ulysses(
             and once more in the backward, on the same inputs.
         head_chunks: the chunk count (:data:`HeadChunks`).
         random: ``attend`` draws random numbers (attention dropout): each chunk's backward replays its forward's RNG.
+        observer: the SP group's :class:`~lightning_ulysses.groups.CollectiveObserver`: every all-to-all runs through
+            :class:`~lightning_ulysses.attention.collectives.Exchange`, which reports it there while it observes.
 
     Returns ``[B, N/P, H, D_v]``, exactly plain Ulysses' output; gradients reach ``query``, ``key``, ``value`` and
     ``sinks`` (this rank's attended heads, as in plain Ulysses).
@@ -385,4 +377,4 @@ def chunked_ulysses(
     chunks = auto_chunks(layout, query.shape[-1], value.shape[-1]) if head_chunks == "auto" else head_chunks
     check_head_chunks(chunks)
     rank = dist.get_rank(group)
-    return _ChunkedUlysses.apply(query, key, value, sinks, layout, int(chunks), group, attend, rank, random)
+    return _ChunkedUlysses.apply(query, key, value, sinks, layout, int(chunks), group, attend, rank, random, observer)
