@@ -261,6 +261,32 @@ def test_auto_chunks_fit_the_query_shard() -> None:
     assert auto_chunks(plan_heads(8, 8, 8), 16, 16) == 1  # one slot per rank: nothing to cut
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "sp", "qk_dim", "value_dim"),
+    [
+        (8, 8, 2, 16, 16),
+        (8, 4, 2, 16, 16),
+        (32, 8, 4, 128, 128),
+        (8, 1, 2, 16, 16),
+        (16, 2, 8, 192, 128),
+        (6, 6, 6, 8, 8),
+    ],
+)
+def test_auto_chunks_are_the_fewest_that_fit(heads: int, kv_heads: int, sp: int, qk_dim: int, value_dim: int) -> None:
+    """The whole-sequence q, k, v and output of the largest chunk take at most the query shard's bytes, and no
+    smaller count does so (counted per token and rank: P * slots of the chunk against H heads)."""
+    layout = plan_heads(heads, kv_heads, sp)
+
+    def largest(chunks: int) -> int:
+        return sp * max(
+            len(c.query) * (qk_dim + value_dim) + len(c.kv) * (qk_dim + value_dim) for c in plan_chunks(layout, chunks)
+        )
+
+    chunks = auto_chunks(layout, qk_dim, value_dim)
+    fits = [n for n in range(1, layout.heads_per_rank + 1) if largest(n) <= heads * qk_dim]
+    assert chunks == (fits[0] if fits else layout.heads_per_rank)
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "all"])
 def test_bad_head_chunks_are_refused(bad: Any) -> None:
     with pytest.raises(ValueError, match="head_chunks"):

@@ -107,7 +107,9 @@ def auto_chunks(layout: HeadLayout, qk_dim: int, value_dim: int) -> int:
     """The fewest chunks whose largest chunk's whole-sequence query, key, value and output take no more bytes than
     this rank's query shard ``[B, N/P, H, qk_dim]`` (a tensor the layer holds anyway). The batch and the length
     cancel out (``B * N`` tokens of ``P * slots`` against ``B * N / P`` of ``H`` heads), so every rank of the group,
-    and every batch, picks the same count."""
+    and every batch, picks the same count. The counts are tried from 1 up, so the first that fits is the fewest (a
+    larger count may not fit where a smaller one does: a K/V slot travels with each chunk of its group); where none
+    fits (one query slot per rank, or a K/V slot as wide as its queries), one slot per chunk, the most there are."""
     budget = layout.num_heads * qk_dim
     width = qk_dim + value_dim
     for chunks in range(1, layout.heads_per_rank + 1):
