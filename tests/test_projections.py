@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_ulysses import apply_ulysses_attention, prepare_batch, shard_batch
+from lightning_ulysses import apply_ulysses_attention, checkpoint_activations, prepare_batch, shard_batch
 from lightning_ulysses.heads import plan_heads
 from lightning_ulysses.hf.apply import Patch
 from lightning_ulysses.hf.check import probe_ids
@@ -89,6 +89,41 @@ def test_a_chunked_layer_keeps_only_its_inputs() -> None:
     assert saved and {t.data_ptr() for t in saved if t.numel()} <= inputs, [tuple(t.shape) for t in saved]
     out[0].sum().backward()
     assert hidden.grad is not None and all(p.grad is not None for p in attention.parameters())
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_checkpointed_layer_recomputes_each_chunk_once(offload: bool) -> None:
+    """In a layer checkpointed by checkpoint_activations, the layer's recomputation takes the chunks' sum its forward
+    kept: each chunk's projections run in the forward and once more for its backward (2 x chunks calls, not 3 x), with
+    the gradients of the same layer unchekpointed, attention dropout in the chunks and a dropout after them included
+    (the recomputation draws what the forward drew)."""
+    model = tiny_llama(**dict(MODEL, attention_dropout=0.3)).train()
+    attention, kwargs = _layer_call(model, tokens=12)
+    hidden = kwargs.pop("hidden_states")
+    chunks, layout = 2, plan_heads(8, 4, SP)
+    spec = _spec(attention, chunks)
+    calls: list[int] = []
+    attention.q_proj.register_forward_hook(lambda module, args, out: calls.append(1))
+
+    def layer(x: Tensor) -> Tensor:
+        out = chunked_call(attention, spec, layout, attention.forward, (x * 2,), kwargs)[0]
+        return torch.nn.functional.dropout(out, 0.5) + x
+
+    def step(checkpointed: bool) -> list[Tensor]:
+        x = hidden.clone().requires_grad_()
+        torch.manual_seed(3)
+        out = checkpoint_activations(layer, x, offload=offload) if checkpointed else layer(x)
+        out.pow(2).sum().backward()
+        grads = [x.grad, *(p.grad for p in attention.parameters())]
+        attention.zero_grad(set_to_none=True)
+        return [out.detach(), *grads]
+
+    expected = step(checkpointed=False)
+    calls.clear()
+    got = step(checkpointed=True)
+    assert len(calls) == 2 * chunks  # today's double recomputation: 3 x chunks
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
 
 
 def _whole_run(model: nn.Module) -> Any:
