@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_ulysses import checkpoint_activations
 from lightning_ulysses.attention import ulysses_attention
+from lightning_ulysses.attention.backends import CORE_ATTENTION
 from lightning_ulysses.attention.head_chunks import HeadChunk, auto_chunks, check_head_chunks, plan_chunks
 from lightning_ulysses.groups import SequenceParallelGroup, SequenceParallelGroups, process_group
 from lightning_ulysses.heads import plan_heads
@@ -151,6 +153,33 @@ def _layer_probes(group: dist.ProcessGroup, head_chunks: Any) -> dict[str, Any]:
     return {"calls": dict(calls), "observed": dict(observed), "syncs": dict(syncs.counts), "largest": largest.largest}
 
 
+def _checkpointed_layer(group: dist.ProcessGroup, head_chunks: int) -> dict[str, Any]:
+    """Attention kernel calls of one forward + backward of a layer checkpointed by checkpoint_activations, and the
+    relative error of its output and gradients against the same layer unchekpointed."""
+    sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    case = dict(batch=1, seq=64, heads=8, kv_heads=4)
+    q, k, v, grad, _ = _tensors(case)
+    index = shard_index(64, rank, sp)
+    calls: list[int] = []
+
+    def core(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return CORE_ATTENTION["sdpa"](*args, **kwargs)
+
+    def layer(*shards: torch.Tensor) -> torch.Tensor:
+        return ulysses_attention(*(2 * t for t in shards), group=group, attn_fn=core, head_chunks=head_chunks) + 1
+
+    runs = []
+    for checkpointed in (False, True):
+        shards = [t[:, index].clone().requires_grad_() for t in (q, k, v)]
+        calls.clear()
+        out = checkpoint_activations(layer, *shards) if checkpointed else layer(*shards)
+        out.backward(grad[:, index])
+        runs.append(([out.detach(), *(t.grad for t in shards)], len(calls)))
+    (plain, plain_calls), (checkpointed, checkpointed_calls) = runs
+    return {"calls": (plain_calls, checkpointed_calls), "error": _error(checkpointed, plain)}
+
+
 def worker(args: dict[str, Any]) -> dict[Any, Any]:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -178,6 +207,8 @@ def worker(args: dict[str, Any]) -> dict[Any, Any]:
             )
     for head_chunks in (None, 1, 2, 4):
         results["probes", head_chunks] = _layer_probes(groups[2], head_chunks)
+    for head_chunks in (1, 4):
+        results["checkpointed", head_chunks] = _checkpointed_layer(groups[2], head_chunks)
     dist.destroy_process_group()
     return results
 
@@ -214,6 +245,16 @@ def test_one_all_to_all_per_chunk_and_direction(results: list[dict[Any, Any]]) -
             assert got["probes", chunks]["calls"] == {"forward": 2 * chunks, "backward": 2 * chunks}
         for head_chunks in (None, 1, 2, 4):
             assert got["probes", head_chunks]["observed"] == got["probes", head_chunks]["calls"]
+
+
+def test_a_checkpointed_layer_attends_each_chunk_twice(results: list[dict[Any, Any]]) -> None:
+    """Under checkpoint_activations the layer's recomputation takes the output its forward kept: each chunk attends
+    in the forward and once in its backward, as without the layer's checkpoint (today's double recomputation: 3 x),
+    with the same output and gradients."""
+    for got in results:
+        for chunks in (1, 4):
+            assert got["checkpointed", chunks]["calls"] == (2 * chunks, 2 * chunks)
+            assert got["checkpointed", chunks]["error"] < 1e-6
 
 
 def test_no_host_sync_inside_the_chunked_layer(results: list[dict[Any, Any]]) -> None:

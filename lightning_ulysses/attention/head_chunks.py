@@ -14,7 +14,9 @@ Plain Ulysses gathers the whole sequence of all of a rank's ``h`` head slots at 
 So each direction sends one collective per chunk (plain Ulysses: three in, one out, and as many back), the layer
 keeps nothing of the whole sequence for its backward (only its sequence-sharded inputs and output), and the
 whole-sequence tensors alive at any time are one chunk's: ``1 / chunks`` of plain Ulysses'. The price is one more
-attention forward per layer in the backward (the core backends take no saved log-sum-exp back).
+attention forward per layer in the backward (the core backends take no saved log-sum-exp back). In a layer
+checkpointed by :func:`~lightning_ulysses.checkpoint_activations` the layer's recomputation takes the output its
+forward kept (:mod:`lightning_ulysses.replay`), so that forward is the only one added.
 
 A chunk is either whole K/V groups (``chunks <= kv_h``: the K/V slots are split, each with its query slots) or part
 of one K/V group, whose K/V slot then travels with each of its chunks: the local attention is always ordinary GQA.
@@ -48,6 +50,7 @@ from torch.distributed import ProcessGroup
 from lightning_ulysses.attention.collectives import Exchange, by_sequence, rank_slots, whole_sequence
 from lightning_ulysses.groups import CollectiveObserver
 from lightning_ulysses.heads import HeadLayout
+from lightning_ulysses.replay import kept_for_replay
 
 HeadChunks = int | Literal["auto"]
 """``int``: that many chunks of each rank's head slots (at most one slot per chunk: larger counts run one slot per
@@ -379,4 +382,23 @@ def chunked_ulysses(
     chunks = auto_chunks(layout, query.shape[-1], value.shape[-1]) if head_chunks == "auto" else head_chunks
     check_head_chunks(chunks)
     rank = dist.get_rank(group)
-    return _ChunkedUlysses.apply(query, key, value, sinks, layout, int(chunks), group, attend, rank, random, observer)
+
+    def compute() -> Tensor:
+        return _ChunkedUlysses.apply(
+            query, key, value, sinks, layout, int(chunks), group, attend, rank, random, observer
+        )
+
+    # in a checkpointed layer's recomputation the output its forward kept: each chunk recomputed once, by the backward
+    return kept_for_replay(compute, lambda: _SavedInputs.apply(query, key, value, sinks))
+
+
+class _SavedInputs(torch.autograd.Function):
+    """Saves what :class:`_ChunkedUlysses` saves, in its order: a checkpointed layer's recomputation remakes them."""
+
+    @staticmethod
+    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, sinks: Tensor | None) -> None:
+        ctx.save_for_backward(query, key, value, sinks)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[None, ...]:
+        return None, None, None, None
