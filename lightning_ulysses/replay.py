@@ -1,24 +1,26 @@
 """Results a checkpointed layer's forward keeps for its recomputation, so that a region with a checkpoint of its own
-inside the layer is recomputed once, not twice.
+inside the layer is recomputed once, not twice, where keeping them costs no device memory.
 
 A non-reentrant checkpoint (:func:`torch.utils.checkpoint.checkpoint`) runs its function again at the start of the
 layer's backward, only to remake what the layer's operations saved. A head chunk inside the layer
-(:mod:`lightning_ulysses.hf.projections`) is a checkpoint of its own, recomputed when its backward comes: under a
-checkpointed layer each chunk then runs three times (the forward, the layer's recomputation, the chunk's own), two
-more than its backward needs. With :func:`replayable` around the layer's function (as
-:func:`~lightning_ulysses.checkpoint_activations` puts it), :func:`kept_for_replay` keeps such a region's result in the
-layer's forward and, in the layer's recomputation, hands it back instead of computing it again: each chunk runs in
-the forward and once more for its backward::
+(:mod:`lightning_ulysses.attention.head_chunks`, :mod:`lightning_ulysses.hf.projections`) is recomputed on its own
+when its backward comes: under a checkpointed layer each chunk then runs three times (the forward, the layer's
+recomputation, the chunk's own), one more than its backward needs. With :func:`replayable` around the layer's
+function (as :func:`~lightning_ulysses.checkpoint_activations` puts it), :func:`kept_for_replay` keeps such a
+region's result in the layer's forward and, in the layer's recomputation, hands it back instead of computing it
+again::
 
     forward:            layer ... region: compute, keep the result (detached) ... rest of the layer
     recomputation:      layer ... region: re-save its inputs, take the kept result ... rest of the layer
-    backward:           the region's own checkpoint recomputes it, chunk by chunk
+    backward:           the region recomputes itself for its backward, chunk by chunk
 
-The price is the kept result (``[B, N/P, C]`` per layer, the bytes of the layer's own kept input) from the forward to
-the layer's recomputation, moved to host memory like the layer's input where activations are offloaded. The random
-number generators are left as the region left them in the forward, so the rest of the recomputation draws what the
-forward drew. Outside such a layer (no checkpoint, transformers' own checkpointing, evaluation) the region is computed
-as always.
+The kept result (``[B, N/P, C]`` per layer, the bytes of the layer's own kept input) waits from the forward to the
+layer's recomputation, so it is kept only where the layer's activations are offloaded and it leaves the device with
+them (``offload_activations`` on CUDA): in device memory it would add one hidden-state tensor per layer to the peak
+(on CPU at 32k tokens, sp=2, 2 layers: 16 MiB of 109), and head chunks are there to save memory. Elsewhere (no
+offload, CPU, transformers' own checkpointing, evaluation) the region is computed in the recomputation as always. The
+random number generators are left as the region left them in the forward, so the rest of the recomputation draws
+what the forward drew.
 """
 
 from __future__ import annotations
@@ -31,14 +33,16 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
+
+from lightning_ulysses.offload import ActivationOffload
 
 
 class _LayerRun:
     """One call of a :func:`replayable` function: the results its forward kept, in order, for its recomputation."""
 
-    def __init__(self, pack: Callable[[Tensor], Any], unpack: Callable[[Any], Tensor]) -> None:
-        self.pack, self.unpack = pack, unpack
+    def __init__(self, offload: ActivationOffload) -> None:
+        self.offload = offload
         self.kept: deque[tuple[Any, list[Tensor]]] = deque()
         self.calls = 0
 
@@ -50,15 +54,10 @@ class _LayerRun:
 _current: ContextVar[_LayerRun | None] = ContextVar("lightning_ulysses_layer_run", default=None)
 
 
-def replayable(
-    function: Callable[..., Any],
-    pack: Callable[[Tensor], Any] = lambda t: t,
-    unpack: Callable[[Any], Tensor] = lambda t: t,
-) -> Callable[..., Any]:
-    """``function`` for one checkpoint call: its first call is the forward, any later one the checkpoint's
-    recomputation, in which :func:`kept_for_replay` hands back what the forward kept. ``pack`` / ``unpack``: how a
-    kept tensor waits (the offload's, for offloaded activations)."""
-    run = _LayerRun(pack, unpack)
+def replayable(function: Callable[..., Any], offload: ActivationOffload) -> Callable[..., Any]:
+    """``function`` for one checkpoint call whose saved tensors ``offload`` packs: its first call is the forward, any
+    later one the checkpoint's recomputation, in which :func:`kept_for_replay` hands back what the forward kept."""
+    run = _LayerRun(offload)
 
     @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -84,9 +83,11 @@ def kept_for_replay(compute: Callable[[], Any], resave: Callable[[], None]) -> A
         return compute()
     if not run.replaying:
         result = compute()
-        run.kept.append((tree_map(functools.partial(_keep, run), result), _rng_states()))
+        leaves = [x for x in tree_leaves(result) if isinstance(x, Tensor)]
+        if leaves and all(run.offload.streams.offloads(x) for x in leaves):  # it leaves the device
+            run.kept.append((tree_map(functools.partial(_keep, run), result), _rng_states()))
         return result
-    if not run.kept:  # a second recomputation (a retained graph): as without
+    if not run.kept:  # nothing kept (on the device), or a second recomputation (a retained graph)
         return compute()
     resave()
     kept, rng = run.kept.popleft()
@@ -100,13 +101,13 @@ class _Kept:
 
 
 def _keep(run: _LayerRun, x: Any) -> Any:
-    return _Kept(run.pack(x.detach()), x.requires_grad) if isinstance(x, Tensor) else x
+    return _Kept(run.offload.pack(x.detach()), x.requires_grad) if isinstance(x, Tensor) else x
 
 
 def _take(run: _LayerRun, x: Any) -> Any:
     if not isinstance(x, _Kept):
         return x
-    return run.unpack(x.packed).detach().requires_grad_(x.requires_grad)
+    return run.offload.unpack(x.packed).detach().requires_grad_(x.requires_grad)
 
 
 def _rng_states() -> list[Tensor]:

@@ -22,11 +22,13 @@ from lightning_ulysses.attention.backends import CORE_ATTENTION
 from lightning_ulysses.attention.head_chunks import HeadChunk, auto_chunks, check_head_chunks, plan_chunks
 from lightning_ulysses.groups import SequenceParallelGroup, SequenceParallelGroups, process_group
 from lightning_ulysses.heads import plan_heads
+from lightning_ulysses.offload import ActivationOffload
 from lightning_ulysses.sharding import shard_index
 from tests.launch import launch
 from tests.test_attention import CASES as ATTENTION_CASES
 from tests.test_attention import _tensors, reference, sink_logits
 from tests.test_host_syncs import HostSyncs
+from tests.test_offload import RecordingStreams
 from tests.test_ring import _groups
 
 # packed documents, windows, chunked attention, sinks, GQA with replicated K/V (kv < sp), inert head slots (6 heads
@@ -154,8 +156,9 @@ def _layer_probes(group: dist.ProcessGroup, head_chunks: Any) -> dict[str, Any]:
 
 
 def _checkpointed_layer(group: dist.ProcessGroup, head_chunks: int) -> dict[str, Any]:
-    """Attention kernel calls of one forward + backward of a layer checkpointed by checkpoint_activations, and the
-    relative error of its output and gradients against the same layer unchekpointed."""
+    """Attention kernel calls of one forward + backward of a layer checkpointed by checkpoint_activations with its
+    activations offloaded (CPU tensors playing device ones), and the relative error of its output and gradients
+    against the same layer unchekpointed."""
     sp, rank = dist.get_world_size(group), dist.get_rank(group)
     case = dict(batch=1, seq=64, heads=8, kv_heads=4)
     q, k, v, grad, _ = _tensors(case)
@@ -173,7 +176,8 @@ def _checkpointed_layer(group: dist.ProcessGroup, head_chunks: int) -> dict[str,
     for checkpointed in (False, True):
         shards = [t[:, index].clone().requires_grad_() for t in (q, k, v)]
         calls.clear()
-        out = checkpoint_activations(layer, *shards) if checkpointed else layer(*shards)
+        offload = ActivationOffload(RecordingStreams())
+        out = checkpoint_activations(layer, *shards, offload=offload) if checkpointed else layer(*shards)
         out.backward(grad[:, index])
         runs.append(([out.detach(), *(t.grad for t in shards)], len(calls)))
     (plain, plain_calls), (checkpointed, checkpointed_calls) = runs
@@ -248,9 +252,9 @@ def test_one_all_to_all_per_chunk_and_direction(results: list[dict[Any, Any]]) -
 
 
 def test_a_checkpointed_layer_attends_each_chunk_twice(results: list[dict[Any, Any]]) -> None:
-    """Under checkpoint_activations the layer's recomputation takes the output its forward kept: each chunk attends
-    in the forward and once in its backward, as without the layer's checkpoint (today's double recomputation: 3 x),
-    with the same output and gradients."""
+    """Under checkpoint_activations with offloaded activations the layer's recomputation takes the output its forward
+    kept: each chunk attends in the forward and once in its backward, as without the layer's checkpoint (3 x
+    before), with the same output and gradients."""
     for got in results:
         for chunks in (1, 4):
             assert got["checkpointed", chunks]["calls"] == (2 * chunks, 2 * chunks)
