@@ -14,15 +14,21 @@ Under autograd each tile is a :func:`torch.utils.checkpoint.checkpoint` region r
 
 **Tile size** (``tiled_loss=True``, :func:`resolve_loss_tiles`): tiles are sized by bytes. While a tile's cross
 entropy trains, three fp32 ``[tile, V]`` tensors are alive at once (:data:`CROSS_ENTROPY_BYTES_PER_LOGIT`), and they
-are kept within the bytes of ``lm_head``'s ``[V, hidden]`` weight, a buffer every tile holds anyway (its gradient in
-the tile's backward, its gather under ZeRO-3)::
+are kept within what the rank holds anyway, and never above the former ``hidden``-token tile::
 
-    tile * V * 12  <=  V * hidden * itemsize,   so   tile = hidden * itemsize // 12   (itemsize: the hidden states')
+    tile * V * 12  <=  max(n, V) * hidden * itemsize,   tile <= hidden    (n: the most tokens of any rank)
 
-The vocabulary cancels: 42 tokens for hidden 128 in fp32, 682 for Llama-3.1-8B in bf16 (1 GiB of transients against
-its 1 GiB weight). Smaller tiles would not lower the peak below the weight gradient's bytes and cost more per-tile
-overhead. The former rule, ``hidden`` tokens per tile, held ``12 / itemsize`` times the weight's bytes (5.9 GiB for the
-8B), a fixed per-rank cost that set the peak of short shards; this one is smaller at every length, so no peak grows.
+``V * hidden * itemsize`` is ``lm_head``'s weight (resident under ZeRO 0-2, gathered for each tile's call under
+ZeRO-3; its gradient is made in every tile's backward) and ``n * hidden * itemsize`` the rank's final hidden states
+(the loss's input, which scales as ``1/sp``). Below ``n = V`` tokens a tile is ``hidden * itemsize / 12`` tokens
+(hidden 128 in fp32: 42; Llama-3.1-8B in bf16: 682 tokens, 1 GiB of transients against the former 5.9 GiB), so the
+fixed cost that set the peak of short shards is the weight's bytes, which every tile moves anyway: smaller tiles
+would cost more in per-tile overhead than they save. Above, the tile grows with ``n`` (its transients one more copy
+of the rank's hidden states) until it is ``hidden`` tokens again, from ``n = 12 V / itemsize`` (3 V in fp32, 6 V in
+bf16): at long shards the tiles, their count and the peak are the former rule's. The count is capped so because every
+tile costs a little besides its logits (its autograd nodes, its gradient piece until the tiles' gradients are joined;
+on CPU these small buffers stay in the process's heap: 6-8 KiB a tile), which at long lengths would outgrow the
+transients saved.
 
 Some families make their logits from ``lm_head``'s output, or its input, with more than ``lm_head``: Granite divides
 them by ``logits_scaling``, Cohere and Falcon-H1 multiply them by a constant, MiniCPM3 divides the hidden states before
@@ -42,7 +48,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_ulysses.sharding import IGNORE_INDEX
-from lightning_ulysses.tiling import TileSetting, recomputed_in_backward, resolve_num_tiles, split_tiles
+from lightning_ulysses.tiling import (
+    TileSetting,
+    agree_max_tokens,
+    recomputed_in_backward,
+    resolve_num_tiles,
+    split_tiles,
+)
 
 TokenFunction = Callable[[Tensor, Tensor], Tensor]
 """``(logits [tokens, V], labels [tokens]) -> [tokens]``: one value per token."""
@@ -108,21 +120,46 @@ tensors). The forward holds fewer: the logits in their dtype, their fp32 copy (t
 log-softmax, 10 bytes in bf16 and 8 in fp32."""
 
 
-def loss_tile_tokens(hidden_size: int, itemsize: int) -> int:
-    """The most tokens of a loss tile: the largest ``tile`` (at least 1) whose ``[tile, V]`` cross-entropy transients
-    (``CROSS_ENTROPY_BYTES_PER_LOGIT`` bytes per logit) fit in the bytes of the ``[V, hidden_size]`` weight in the
-    hidden states' ``itemsize`` (see the module docstring); at most ``hidden_size``, the former tile."""
-    return max(1, hidden_size * itemsize // CROSS_ENTROPY_BYTES_PER_LOGIT)
+def loss_tile_tokens(max_tokens: int, hidden_size: int, vocab_size: int, itemsize: int) -> int:
+    """The most tokens of a loss tile: the largest ``tile`` (at least 1, at most ``hidden_size``) with
+    ``tile * vocab_size * CROSS_ENTROPY_BYTES_PER_LOGIT <= max(max_tokens, vocab_size) * hidden_size * itemsize``,
+    the bytes of ``lm_head``'s ``[vocab_size, hidden_size]`` weight or of the ``[max_tokens, hidden_size]`` hidden
+    states, whichever is larger (see the module docstring for why)."""
+    budget = max(max_tokens, vocab_size) * hidden_size * itemsize
+    return min(hidden_size, max(1, budget // (vocab_size * CROSS_ENTROPY_BYTES_PER_LOGIT)))
 
 
-def resolve_loss_tiles(setting: TileSetting, hidden_states: Tensor) -> int:
+def resolve_loss_tiles(
+    setting: TileSetting,
+    hidden_states: Tensor,
+    lm_head: Callable[[Tensor], Tensor] | None = None,
+    vocab_size: int | None = None,
+) -> int:
     """The number of loss tiles of ``hidden_states [..., hidden]``: ``setting`` when an int (1 when ``False``), else
-    ``ceil(n / loss_tile_tokens(...))`` with ``n`` the most tokens of any rank, agreed here with one ``all_reduce``
+    ``ceil(n / loss_tile_tokens(n, ...))`` with ``n`` the most tokens of any rank, agreed here with one ``all_reduce``
     (a host sync, once per batch, outside the layers), so that every rank makes the same number of ``lm_head`` calls
-    (under ZeRO-3 each gathers its weight collectively)."""
+    (under ZeRO-3 each gathers its weight collectively). ``vocab_size`` (needed by ``True``): ``None`` reads it from
+    ``lm_head``'s ``[vocab, hidden]`` weight."""
+    if setting is not True:
+        return resolve_num_tiles(setting, 0, 1, hidden_states.device)
+    if vocab_size is None:
+        vocab_size = _output_rows(lm_head)
     tokens = hidden_states.shape[:-1].numel()
-    tile_tokens = loss_tile_tokens(hidden_states.shape[-1], hidden_states.element_size())
-    return resolve_num_tiles(setting, tokens, tile_tokens, hidden_states.device)
+    max_tokens = agree_max_tokens(tokens, hidden_states.device)
+    tile_tokens = loss_tile_tokens(max_tokens, hidden_states.shape[-1], vocab_size, hidden_states.element_size())
+    return resolve_num_tiles(True, tokens, tile_tokens, hidden_states.device, max_tokens)
+
+
+def _output_rows(lm_head: Callable[[Tensor], Tensor] | None) -> int:
+    """The vocabulary of an output embedding: the rows of its ``[vocab, hidden]`` weight (under ZeRO-3, whose
+    partitioned weight is empty on the rank, the shape DeepSpeed records as ``ds_shape``)."""
+    weight = getattr(lm_head, "weight", None)
+    if not isinstance(weight, Tensor):
+        raise ValueError(
+            f"tiled_loss=True sizes the loss tiles by the vocabulary, which {type(lm_head).__name__} does not show as "
+            "a [vocab, hidden] weight: pass vocab_size=, or an int number of tiles."
+        )
+    return int(getattr(weight, "ds_shape", weight.shape)[0])
 
 
 # a runtime alias kept as typing.Union (``X | Y`` would make another object, a types.UnionType)

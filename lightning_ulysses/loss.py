@@ -207,6 +207,7 @@ class UlyssesLossMixin:
         shift_labels: Tensor,
         num_tiles: TileSetting | None = None,
         ignore_index: int = IGNORE_INDEX,
+        vocab_size: int | None = None,
     ) -> Tensor:
         """:meth:`causal_lm_loss` of ``lm_head(hidden_states [B, n, hidden])``, computed in token tiles so that
         the ``[B * n, vocab]`` logits never exist (each tile's logits are recomputed in the backward). ``lm_head``
@@ -215,12 +216,13 @@ class UlyssesLossMixin:
 
         ``num_tiles``: an int, or ``True`` for tiles sized by bytes, agreed over ranks
         (:func:`~lightning_ulysses.logits.resolve_loss_tiles`); ``None`` takes the strategy's ``tiled_loss``
-        (``True`` when it is off).
+        (``True`` when it is off). ``vocab_size``: the logits' last dimension, which ``True`` needs; ``None`` reads it
+        from ``lm_head``'s ``[vocab, hidden]`` weight (``lm_head`` a module such as ``nn.Linear``).
         """
         if num_tiles is None:
             context = self._loss_context()
             num_tiles = (context.tiled_loss if context is not None else False) or True
-        tiles = resolve_loss_tiles(num_tiles, hidden_states)
+        tiles = resolve_loss_tiles(num_tiles, hidden_states, lm_head, vocab_size)
         return self.causal_lm_loss(TiledLogits(hidden_states, lm_head, tiles), shift_labels, ignore_index)
 
     def forward_causal_lm_loss(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> Tensor:
@@ -264,10 +266,10 @@ class UlyssesLossMixin:
         context = self._loss_context()
         if context is None or not context.tiled_loss:
             return model(**inputs).logits
-        lm_head = tiled_logit_map(model).head(model.get_output_embeddings())
+        output_embeddings = model.get_output_embeddings()
         hidden_states = model.get_decoder()(**inputs).last_hidden_state
-        tiles = resolve_loss_tiles(context.tiled_loss, hidden_states)
-        return TiledLogits(hidden_states, lm_head, tiles)
+        tiles = resolve_loss_tiles(context.tiled_loss, hidden_states, output_embeddings)
+        return TiledLogits(hidden_states, tiled_logit_map(model).head(output_embeddings), tiles)
 
     def model_inputs(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """The keyword inputs of the model's (and its decoder's) forward: ``input_ids`` and ``position_ids``."""

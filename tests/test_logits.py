@@ -145,26 +145,40 @@ def test_tiles_gradients_are_joined_once(num_tiles: int) -> None:
 # tiled_loss=True: tiles sized by bytes
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("tokens", "hidden", "dtype"),
+    ("tokens", "hidden", "vocab", "dtype"),
     [
-        (37, 16, torch.float32),  # 5-token tiles
-        (8192, 128, torch.float32),  # benchmarks.memory's model at sp=1: 42-token tiles (the former rule: 128)
-        (1000, 4096, torch.bfloat16),  # Llama-3.1-8B's widths: 682-token tiles
-        (5, 2, torch.float32),  # the bound needs less than a token: one-token tiles, the least there is
+        (37, 16, 101, torch.float32),  # fewer tokens than the vocabulary: lm_head's weight bounds the tile
+        (300, 16, 101, torch.float32),  # more: the hidden states do
+        (3000, 16, 101, torch.float32),  # far more: the former tile of hidden tokens caps it
+        (8192, 128, 16000, torch.float32),  # benchmarks.memory's model at sp=1: 42-token tiles (former: 128)
+        (1000, 4096, 128256, torch.bfloat16),  # Llama-3.1-8B's widths: 682-token tiles
+        (5, 2, 4096, torch.float32),  # the bound needs less than a token: one-token tiles, the least there is
     ],
 )
-def test_loss_tiles_hold_the_weight_bytes(tokens: int, hidden: int, dtype: torch.dtype) -> None:
-    """A tile's cross-entropy transients stay within lm_head's weight (any vocabulary), never above the former
-    hidden-token tile, with the fewest tiles that do."""
+def test_loss_tiles_hold_the_byte_bound(tokens: int, hidden: int, vocab: int, dtype: torch.dtype) -> None:
+    """A tile's cross-entropy transients fit in lm_head's weight or the rank's hidden states, whichever is larger,
+    the tile is never above the former hidden-token tile, and the count is the fewest that does both."""
     hidden_states = torch.zeros(1, tokens, hidden, dtype=dtype)
-    num_tiles = resolve_loss_tiles(True, hidden_states)
-    weight_per_row = hidden * hidden_states.element_size()  # bytes of the [V, hidden] weight over V
-    largest_tile = math.ceil(tokens / num_tiles)
-    assert largest_tile * CROSS_ENTROPY_BYTES_PER_LOGIT <= weight_per_row or largest_tile == 1
-    assert largest_tile <= hidden
+    num_tiles = resolve_loss_tiles(True, hidden_states, vocab_size=vocab)
+    budget = max(tokens, vocab) * hidden * hidden_states.element_size()
+
+    def holds(tile: int) -> bool:
+        return tile <= hidden and (tile * vocab * CROSS_ENTROPY_BYTES_PER_LOGIT <= budget or tile == 1)
+
+    assert holds(math.ceil(tokens / num_tiles))
     if num_tiles > 1:  # the fewest tiles that hold it: one fewer would not
-        assert math.ceil(tokens / (num_tiles - 1)) * CROSS_ENTROPY_BYTES_PER_LOGIT > weight_per_row
+        assert not holds(math.ceil(tokens / (num_tiles - 1)))
     assert resolve_loss_tiles(7, hidden_states) == 7 and resolve_loss_tiles(False, hidden_states) == 1
+
+
+def test_auto_loss_tiles_need_the_vocabulary() -> None:
+    hidden_states, lm_head, labels = _inputs()
+    loss = UlyssesLossMixin()
+    with pytest.raises(ValueError, match="pass vocab_size="):
+        loss.tiled_causal_lm_loss(hidden_states, lambda h: lm_head(h), labels, num_tiles=True)
+    given = loss.tiled_causal_lm_loss(hidden_states, lambda h: lm_head(h), labels, num_tiles=True, vocab_size=101)
+    torch.testing.assert_close(given, loss.tiled_causal_lm_loss(hidden_states, lm_head, labels, num_tiles=True))
+    loss.tiled_causal_lm_loss(hidden_states, lambda h: lm_head(h), labels, num_tiles=3)  # an int needs none
 
 
 class LargestLogits(TorchDispatchMode):
@@ -192,7 +206,7 @@ def test_auto_loss_tiles_bound_the_logit_tiles_of_a_training_step() -> None:
     with LargestLogits(vocab, hidden) as mode:
         loss = UlyssesLossMixin().tiled_causal_lm_loss(hidden_states, lm_head, labels, num_tiles=True)
         loss.backward()
-    tile_tokens = loss_tile_tokens(hidden, 4)
+    tile_tokens = loss_tile_tokens(tokens, hidden, vocab, 4)
     assert tile_tokens == 3 and calls == [tile_tokens] * (2 * tokens // tile_tokens)  # forward + recomputation
     assert mode.numel == tile_tokens * vocab  # the largest logits-shaped tensor: one tile's
     whole = token_cross_entropy(lm_head(hidden_states.detach()), labels)
