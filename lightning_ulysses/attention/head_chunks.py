@@ -14,9 +14,9 @@ Plain Ulysses gathers the whole sequence of all of a rank's ``h`` head slots at 
 So each direction sends one collective per chunk (plain Ulysses: three in, one out, and as many back), the layer
 keeps nothing of the whole sequence for its backward (only its sequence-sharded inputs and output), and the
 whole-sequence tensors alive at any time are one chunk's: ``1 / chunks`` of plain Ulysses'. The price is one more
-attention forward per layer in the backward (the core backends take no saved log-sum-exp back). In a layer
-checkpointed by :func:`~lightning_ulysses.checkpoint_activations` the layer's recomputation takes the output its
-forward kept (:mod:`lightning_ulysses.replay`), so that forward is the only one added.
+attention forward per layer in the backward (the core backends take no saved log-sum-exp back). A layer checkpointed
+by :func:`~lightning_ulysses.checkpoint_activations` recomputes the chunks once more, unless its activations are
+offloaded off the device: then its recomputation takes the output its forward kept (:mod:`lightning_ulysses.replay`).
 
 A chunk is either whole K/V groups (``chunks <= kv_h``: the K/V slots are split, each with its query slots) or part
 of one K/V group, whose K/V slot then travels with each of its chunks: the local attention is always ordinary GQA.

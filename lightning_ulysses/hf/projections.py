@@ -12,9 +12,9 @@ of the projections, this runs the module's own forward once per chunk instead::
 
 Each chunk is one checkpoint region (recomputed in the backward), so the layer keeps only its inputs, and the
 projections' outputs, the whole-sequence tensors and their gradients exist for one chunk at a time. In a layer
-checkpointed by :func:`~lightning_ulysses.checkpoint_activations`, the layer's recomputation takes the chunks' sum
-its forward kept instead of running them again (:mod:`lightning_ulysses.replay`): each chunk runs in the forward and
-once more, for its backward. The chunk's
+checkpointed by :func:`~lightning_ulysses.checkpoint_activations` with its activations offloaded off the device, the
+layer's recomputation takes the chunks' sum its forward kept instead of running them again
+(:mod:`lightning_ulysses.replay`): each chunk runs in the forward and once more, for its backward. The chunk's
 heads are the ones :func:`~lightning_ulysses.attention.head_chunks.chunk_heads` routes: every rank of the group
 computes the same chunks, and the all-to-all inside hands each rank the chunk's slots of the full layout.
 
