@@ -97,7 +97,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
         shard = shard_batch(prepare_batch(batch, sp), rank, sp)
         memory = PeakMemory(torch.device("cpu"))
         memory.reset()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         if args["breakdown"]:
             with LiveTensors(model) as live:
                 step(shard)
@@ -106,6 +106,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
             step(shard)
         results[f"peak {seq_len}"] = memory.peak()
         results[f"time {seq_len}"] = time.perf_counter() - start
+        results[f"cpu {seq_len}"] = time.process_time() - cpu_start
     dist.destroy_process_group()
     return results
 

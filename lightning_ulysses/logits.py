@@ -12,6 +12,24 @@ tile is reduced to its per-token values before the next tile exists, so at most 
 Under autograd each tile is a :func:`torch.utils.checkpoint.checkpoint` region recomputed in the backward
 (see :mod:`lightning_ulysses.memory`), so the same code is the training loss's tiled path.
 
+**Tile size** (``tiled_loss=True``, :func:`resolve_loss_tiles`): tiles are sized by bytes. While a tile's cross
+entropy trains, three fp32 ``[tile, V]`` tensors are alive at once (:data:`CROSS_ENTROPY_BYTES_PER_LOGIT`), and they
+are kept within what the rank holds anyway, and never above the former ``hidden``-token tile::
+
+    tile * V * 12  <=  max(n, V) * hidden * itemsize,   tile <= hidden    (n: the most tokens of any rank)
+
+``V * hidden * itemsize`` is ``lm_head``'s weight (resident under ZeRO 0-2, gathered for each tile's call under
+ZeRO-3; its gradient is made in every tile's backward) and ``n * hidden * itemsize`` the rank's final hidden states
+(the loss's input, which scales as ``1/sp``). Below ``n = V`` tokens a tile is ``hidden * itemsize / 12`` tokens
+(hidden 128 in fp32: 42; Llama-3.1-8B in bf16: 682 tokens, 1 GiB of transients against the former 5.9 GiB), so the
+fixed cost that set the peak of short shards is the weight's bytes, which every tile moves anyway: smaller tiles
+would cost more in per-tile overhead than they save. Above, the tile grows with ``n`` (its transients one more copy
+of the rank's hidden states) until it is ``hidden`` tokens again, from ``n = 12 V / itemsize`` (3 V in fp32, 6 V in
+bf16): at long shards the tiles, their count and the peak are the former rule's. The count is capped so because every
+tile costs a little besides its logits (its autograd nodes, its gradient piece until the tiles' gradients are joined;
+on CPU these small buffers stay in the process's heap: 6-8 KiB a tile), which at long lengths would outgrow the
+transients saved.
+
 Some families make their logits from ``lm_head``'s output, or its input, with more than ``lm_head``: Granite divides
 them by ``logits_scaling``, Cohere and Falcon-H1 multiply them by a constant, MiniCPM3 divides the hidden states before
 ``lm_head``, Gemma 3n and RecurrentGemma soft-cap them (``cap * tanh(logits / cap)``). Each of these acts on every logit
@@ -30,7 +48,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_ulysses.sharding import IGNORE_INDEX
-from lightning_ulysses.tiling import recomputed_in_backward, split_tiles
+from lightning_ulysses.tiling import (
+    TileSetting,
+    agree_max_tokens,
+    recomputed_in_backward,
+    resolve_num_tiles,
+    split_tiles,
+)
 
 TokenFunction = Callable[[Tensor, Tensor], Tensor]
 """``(logits [tokens, V], labels [tokens]) -> [tokens]``: one value per token."""
@@ -92,6 +116,55 @@ class TiledLogits:
     lm_head: Callable[[Tensor], Tensor]
     num_tiles: int
     loss_sum: Callable[[Tensor, Tensor, int], Tensor] | None = None
+
+
+CROSS_ENTROPY_BYTES_PER_LOGIT = 12
+"""Bytes per logit alive at once while one tile of :func:`token_losses` trains: in the tile's backward the fp32
+log-softmax kept by its recomputed forward, its gradient, and the gradient of the fp32 logits (three fp32 ``[tile, V]``
+tensors). The forward holds fewer: the logits in their dtype, their fp32 copy (the logits themselves in fp32) and the
+log-softmax, 10 bytes in bf16 and 8 in fp32."""
+
+
+def loss_tile_tokens(max_tokens: int, hidden_size: int, vocab_size: int, itemsize: int) -> int:
+    """The most tokens of a loss tile: the largest ``tile`` (at least 1, at most ``hidden_size``) with
+    ``tile * vocab_size * CROSS_ENTROPY_BYTES_PER_LOGIT <= max(max_tokens, vocab_size) * hidden_size * itemsize``,
+    the bytes of ``lm_head``'s ``[vocab_size, hidden_size]`` weight or of the ``[max_tokens, hidden_size]`` hidden
+    states, whichever is larger (see the module docstring for why)."""
+    budget = max(max_tokens, vocab_size) * hidden_size * itemsize
+    return min(hidden_size, max(1, budget // (vocab_size * CROSS_ENTROPY_BYTES_PER_LOGIT)))
+
+
+def resolve_loss_tiles(
+    setting: TileSetting,
+    hidden_states: Tensor,
+    lm_head: Callable[[Tensor], Tensor] | None = None,
+    vocab_size: int | None = None,
+) -> int:
+    """The number of loss tiles of ``hidden_states [..., hidden]``: ``setting`` when an int (1 when ``False``), else
+    ``ceil(n / loss_tile_tokens(n, ...))`` with ``n`` the most tokens of any rank, agreed here with one ``all_reduce``
+    (a host sync, once per batch, outside the layers), so that every rank makes the same number of ``lm_head`` calls
+    (under ZeRO-3 each gathers its weight collectively). ``vocab_size`` (needed by ``True``): ``None`` reads it from
+    ``lm_head``'s ``[vocab, hidden]`` weight."""
+    if setting is not True:
+        return resolve_num_tiles(setting, 0, 1, hidden_states.device)
+    if vocab_size is None:
+        vocab_size = _output_rows(lm_head)
+    tokens = hidden_states.shape[:-1].numel()
+    max_tokens = agree_max_tokens(tokens, hidden_states.device)
+    tile_tokens = loss_tile_tokens(max_tokens, hidden_states.shape[-1], vocab_size, hidden_states.element_size())
+    return resolve_num_tiles(True, tokens, tile_tokens, hidden_states.device, max_tokens)
+
+
+def _output_rows(lm_head: Callable[[Tensor], Tensor] | None) -> int:
+    """The vocabulary of an output embedding: the rows of its ``[vocab, hidden]`` weight (under ZeRO-3, whose
+    partitioned weight is empty on the rank, the shape DeepSpeed records as ``ds_shape``)."""
+    weight = getattr(lm_head, "weight", None)
+    if not isinstance(weight, Tensor):
+        raise ValueError(
+            f"tiled_loss=True sizes the loss tiles by the vocabulary, which {type(lm_head).__name__} does not show as "
+            "a [vocab, hidden] weight: pass vocab_size=, or an int number of tiles."
+        )
+    return int(getattr(weight, "ds_shape", weight.shape)[0])
 
 
 # a runtime alias kept as typing.Union (``X | Y`` would make another object, a types.UnionType)

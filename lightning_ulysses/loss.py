@@ -50,9 +50,9 @@ from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.hf.check.logits import tiled_logit_map
 from lightning_ulysses.liger import liger_loss_sum
-from lightning_ulysses.logits import Logits, TiledLogits, token_losses
+from lightning_ulysses.logits import Logits, TiledLogits, resolve_loss_tiles, token_losses
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_index
-from lightning_ulysses.tiling import TileSetting, resolve_num_tiles
+from lightning_ulysses.tiling import TileSetting
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -209,19 +209,22 @@ class UlyssesLossMixin:
         shift_labels: Tensor,
         num_tiles: TileSetting | None = None,
         ignore_index: int = IGNORE_INDEX,
+        vocab_size: int | None = None,
     ) -> Tensor:
         """:meth:`causal_lm_loss` of ``lm_head(hidden_states [B, n, hidden])``, computed in token tiles so that
         the ``[B * n, vocab]`` logits never exist (each tile's logits are recomputed in the backward). ``lm_head``
         must make the model's logits: for a transformers model that scales or soft-caps them outside its output
         embeddings, ``tiled_logit_map(model).head(model.get_output_embeddings())``.
 
-        ``num_tiles``: an int, or ``True`` for ``ceil(tokens / hidden)`` agreed over ranks; ``None`` takes the
-        strategy's ``tiled_loss`` (``True`` when it is off).
+        ``num_tiles``: an int, or ``True`` for tiles sized by bytes, agreed over ranks
+        (:func:`~lightning_ulysses.logits.resolve_loss_tiles`); ``None`` takes the strategy's ``tiled_loss``
+        (``True`` when it is off). ``vocab_size``: the logits' last dimension, which ``True`` needs; ``None`` reads it
+        from ``lm_head``'s ``[vocab, hidden]`` weight (``lm_head`` a module such as ``nn.Linear``).
         """
         if num_tiles is None:
             context = self._loss_context()
             num_tiles = (context.tiled_loss if context is not None else False) or True
-        tiles = resolve_num_tiles(num_tiles, shift_labels.numel(), hidden_states.shape[-1], hidden_states.device)
+        tiles = resolve_loss_tiles(num_tiles, hidden_states, lm_head, vocab_size)
         return self.causal_lm_loss(TiledLogits(hidden_states, lm_head, tiles), shift_labels, ignore_index)
 
     def forward_causal_lm_loss(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> Tensor:
@@ -257,9 +260,9 @@ class UlyssesLossMixin:
         With the strategy's ``tiled_loss`` on they are :class:`~lightning_ulysses.logits.TiledLogits` of the decoder's
         hidden states and ``model.get_output_embeddings()`` followed by the map from its output to the model's logits
         that the set-up check found (a constant factor, a tanh soft-cap: see
-        :mod:`lightning_ulysses.hf.check.logits`), with the tile count of ``tiled_loss`` (``True``:
-        ``ceil(tokens / hidden)`` agreed over ranks): the ``[tokens, vocab]`` logits never exist. Otherwise the
-        model's own logits.
+        :mod:`lightning_ulysses.hf.check.logits`), with the tile count of ``tiled_loss`` (``True``: sized by bytes
+        and agreed over ranks, :func:`~lightning_ulysses.logits.resolve_loss_tiles`): the ``[tokens, vocab]`` logits
+        never exist. Otherwise the model's own logits.
         """
         inputs = self.model_inputs(model, self.prepared_batch(model, batch))
         context = self._loss_context()
@@ -267,9 +270,7 @@ class UlyssesLossMixin:
             return model(**inputs).logits
         logit_map, output_embeddings = tiled_logit_map(model), model.get_output_embeddings()
         hidden_states = model.get_decoder()(**inputs).last_hidden_state
-        tiles = resolve_num_tiles(
-            context.tiled_loss, hidden_states.shape[:-1].numel(), hidden_states.shape[-1], hidden_states.device
-        )
+        tiles = resolve_loss_tiles(context.tiled_loss, hidden_states, output_embeddings)
         loss_sum = liger_loss_sum(output_embeddings, logit_map) if context.liger_loss else None
         return TiledLogits(hidden_states, logit_map.head(output_embeddings), tiles, loss_sum)
 

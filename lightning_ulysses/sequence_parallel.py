@@ -146,11 +146,11 @@ class SequenceParallelMixin(ParallelStrategy):
             do (the children of a decoder layer that map its hidden states alone to hidden states: dense MLPs and
             mixture-of-experts blocks alike), and each is tiled where its tiles, run at set-up, equal its whole call
             (router logits and scores included); one that is not token-wise is left whole and named in the report.
-        tiled_loss: number of token tiles (or ``True``: auto) for the logits + loss of
-            :meth:`~lightning_ulysses.UlyssesLossMixin.forward_causal_lm_loss`, which then never materialises
-            the ``[tokens, vocab]`` logits; each tile gets the scaling or soft-cap the model applies outside
-            ``lm_head``, as the set-up check found it (:mod:`lightning_ulysses.hf.check.logits`), and a model whose
-            logits follow otherwise is refused at set-up.
+        tiled_loss: number of token tiles (or ``True``: sized by bytes, see :mod:`lightning_ulysses.logits`) for the
+            logits + loss of :meth:`~lightning_ulysses.UlyssesLossMixin.forward_causal_lm_loss`, which then never
+            materialises the ``[tokens, vocab]`` logits; each tile gets the scaling or soft-cap the model applies
+            outside ``lm_head``, as the set-up check found it (:mod:`lightning_ulysses.hf.check.logits`), and a model
+            whose logits follow otherwise is refused at set-up.
         activation_checkpointing: keep only each decoder layer's inputs, recompute the layer in the backward. A fit
             whose trainable layers are in eval mode (transformers then checkpoints nothing) is refused at set-up; a
             model loaded in eval mode (``from_pretrained``) is put in train mode first

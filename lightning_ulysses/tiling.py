@@ -2,10 +2,12 @@
 
 Tile counts must agree across ranks: under ZeRO-3 every call of a tiled module gathers its parameters
 (a collective). An ``int`` is used as is, with empty tiles where a rank has fewer tokens
-(``Tensor.tensor_split`` always makes exactly that many); ``True`` picks ``ceil(tokens / hidden_size)``
-(a tile's transient tensors are then about the size of one weight matrix), maximised over all ranks: in a patched
-model the token count is agreed once per batch by its forward (``PatchState.forward.tokens``), so a tiled MLP call
-and its recomputation run no collective and no host sync.
+(:func:`split_tiles` always makes exactly that many); ``True`` picks ``ceil(tokens / tile_tokens)``
+with the most tokens of any rank. A tiled MLP's tile is ``hidden_size`` tokens (its transient tensors are then about
+the size of one weight matrix); in a patched model the token count is agreed once per batch by its forward
+(``PatchState.forward.tokens``), so a tiled MLP call and its recomputation run no collective and no host sync. Loss
+tiles are sized by bytes (:func:`lightning_ulysses.logits.resolve_loss_tiles`), agreed once per batch before the
+first tile.
 """
 
 from __future__ import annotations

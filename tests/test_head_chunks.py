@@ -17,15 +17,19 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ulysses.attention import ulysses_attention
+from lightning_ulysses.attention.backends import CORE_ATTENTION
 from lightning_ulysses.attention.head_chunks import HeadChunk, auto_chunks, check_head_chunks, plan_chunks
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.heads import plan_heads
+from lightning_ulysses.memory import checkpoint_activations
+from lightning_ulysses.offload import ActivationOffload
 from lightning_ulysses.sharding import shard_index
 from lightning_ulysses.topology import SequenceParallelTopology
 from tests.launch import launch
 from tests.test_attention import CASES as ATTENTION_CASES
 from tests.test_attention import _tensors, reference, sink_logits
 from tests.test_host_syncs import HostSyncs
+from tests.test_offload import RecordingStreams
 from tests.test_ring import _groups
 
 # packed documents, windows, chunked attention, sinks, GQA with replicated K/V (kv < sp), inert head slots (6 heads
@@ -129,9 +133,16 @@ def _layer_probes(groups: SequenceParallelGroups, head_chunks: Any) -> dict[str,
         calls[phase] += 1
         return original(*args, **kwargs)
 
+    observed: Counter[str] = Counter()
+
+    def observer(run: Any) -> Any:  # as SequenceParallelMonitor(time_all_to_all=True)'s timer wraps each call
+        observed[phase] += 1
+        return run()
+
     syncs, largest = HostSyncs(), _Largest(64)
     ulysses_attention(*shards, group=groups, position_ids=pos, window=9, head_chunks=head_chunks)  # plans
     dist.all_to_all_single = counted
+    groups.observer.all_to_all = observer
     try:
         with syncs.methods_counted(), largest:
             syncs.where = "layer"
@@ -140,7 +151,40 @@ def _layer_probes(groups: SequenceParallelGroups, head_chunks: Any) -> dict[str,
             out.backward(grad[:, index])
     finally:
         dist.all_to_all_single = original
-    return {"calls": dict(calls), "syncs": dict(syncs.counts), "largest": largest.largest}
+        groups.observer.all_to_all = None
+    return {"calls": dict(calls), "observed": dict(observed), "syncs": dict(syncs.counts), "largest": largest.largest}
+
+
+def _checkpointed_layer(group: SequenceParallelGroups, head_chunks: int) -> dict[str, Any]:
+    """Attention kernel calls of one forward + backward of a layer checkpointed by checkpoint_activations with its
+    activations offloaded (CPU tensors playing device ones), and the relative error of its output and gradients
+    against the same layer unchekpointed."""
+    sp, rank = dist.get_world_size(group.sp), dist.get_rank(group.sp)
+    case = dict(batch=1, seq=64, heads=8, kv_heads=4)
+    q, k, v, grad, _ = _tensors(case)
+    index = shard_index(64, rank, sp)
+    calls: list[int] = []
+
+    def core(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return CORE_ATTENTION["sdpa"](*args, **kwargs)
+
+    def layer(*shards: torch.Tensor) -> torch.Tensor:
+        return (
+            ulysses_attention(*(2 * t for t in shards), group=group, attn_implementation=core, head_chunks=head_chunks)
+            + 1
+        )
+
+    runs = []
+    for checkpointed in (False, True):
+        shards = [t[:, index].clone().requires_grad_() for t in (q, k, v)]
+        calls.clear()
+        offload = ActivationOffload(RecordingStreams())
+        out = checkpoint_activations(layer, *shards, offload=offload) if checkpointed else layer(*shards)
+        out.backward(grad[:, index])
+        runs.append(([out.detach(), *(t.grad for t in shards)], len(calls)))
+    (plain, plain_calls), (checkpointed, checkpointed_calls) = runs
+    return {"calls": (plain_calls, checkpointed_calls), "error": _error(checkpointed, plain)}
 
 
 def worker(args: dict[str, Any]) -> dict[Any, Any]:
@@ -170,6 +214,8 @@ def worker(args: dict[str, Any]) -> dict[Any, Any]:
             )
     for head_chunks in (None, 1, 2, 4):
         results["probes", head_chunks] = _layer_probes(groups[2], head_chunks)
+    for head_chunks in (1, 4):
+        results["checkpointed", head_chunks] = _checkpointed_layer(groups[2], head_chunks)
     dist.destroy_process_group()
     return results
 
@@ -199,11 +245,23 @@ def test_chunked_ulysses_x_ring_equals_the_reference(results: list[dict[Any, Any
 
 def test_one_all_to_all_per_chunk_and_direction(results: list[dict[Any, Any]]) -> None:
     """Plain Ulysses: q, k and v in (one all-to-all) and the output back, and as many in the backward; chunked: 2
-    per chunk."""
+    per chunk. The SP group's observer (what ``SequenceParallelMonitor(time_all_to_all=True)`` times) sees each."""
     for got in results:
         assert got["probes", None]["calls"] == {"forward": 2, "backward": 2}
         for chunks in (1, 2, 4):
             assert got["probes", chunks]["calls"] == {"forward": 2 * chunks, "backward": 2 * chunks}
+        for head_chunks in (None, 1, 2, 4):
+            assert got["probes", head_chunks]["observed"] == got["probes", head_chunks]["calls"]
+
+
+def test_a_checkpointed_layer_attends_each_chunk_twice(results: list[dict[Any, Any]]) -> None:
+    """Under checkpoint_activations with offloaded activations the layer's recomputation takes the output its forward
+    kept: each chunk attends in the forward and once in its backward, as without the layer's checkpoint (3 x
+    before), with the same output and gradients."""
+    for got in results:
+        for chunks in (1, 4):
+            assert got["checkpointed", chunks]["calls"] == (2 * chunks, 2 * chunks)
+            assert got["checkpointed", chunks]["error"] < 1e-6
 
 
 def test_no_host_sync_inside_the_chunked_layer(results: list[dict[Any, Any]]) -> None:
@@ -249,6 +307,32 @@ def test_auto_chunks_fit_the_query_shard() -> None:
     mqa = plan_heads(8, 1, 2)
     assert auto_chunks(mqa, 16, 16) == 4  # 4 slots, the K/V slot travels with each: 1 q + 1 k + 1 v + 1 out
     assert auto_chunks(plan_heads(8, 8, 8), 16, 16) == 1  # one slot per rank: nothing to cut
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "sp", "qk_dim", "value_dim"),
+    [
+        (8, 8, 2, 16, 16),
+        (8, 4, 2, 16, 16),
+        (32, 8, 4, 128, 128),
+        (8, 1, 2, 16, 16),
+        (16, 2, 8, 192, 128),
+        (6, 6, 6, 8, 8),
+    ],
+)
+def test_auto_chunks_are_the_fewest_that_fit(heads: int, kv_heads: int, sp: int, qk_dim: int, value_dim: int) -> None:
+    """The whole-sequence q, k, v and output of the largest chunk take at most the query shard's bytes, and no
+    smaller count does so (counted per token and rank: P * slots of the chunk against H heads)."""
+    layout = plan_heads(heads, kv_heads, sp)
+
+    def largest(chunks: int) -> int:
+        return sp * max(
+            len(c.query) * (qk_dim + value_dim) + len(c.kv) * (qk_dim + value_dim) for c in plan_chunks(layout, chunks)
+        )
+
+    chunks = auto_chunks(layout, qk_dim, value_dim)
+    fits = [n for n in range(1, layout.heads_per_rank + 1) if largest(n) <= heads * qk_dim]
+    assert chunks == (fits[0] if fits else layout.heads_per_rank)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "all"])

@@ -19,8 +19,14 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lightning_ulysses.logits import Logits, TiledLogits
-from lightning_ulysses.loss import token_cross_entropy
+from lightning_ulysses.logits import (
+    CROSS_ENTROPY_BYTES_PER_LOGIT,
+    Logits,
+    TiledLogits,
+    loss_tile_tokens,
+    resolve_loss_tiles,
+)
+from lightning_ulysses.loss import UlyssesLossMixin, token_cross_entropy
 from lightning_ulysses.metrics import Perplexity, TokenAccuracy, TokenCrossEntropy
 from lightning_ulysses.prediction import token_log_probs
 from lightning_ulysses.sharding import IGNORE_INDEX
@@ -133,3 +139,75 @@ def test_tiles_gradients_are_joined_once(num_tiles: int) -> None:
         with WholeSized(inputs.numel()) as mode:
             loss.backward()
         assert mode.count == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# tiled_loss=True: tiles sized by bytes
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "vocab", "dtype"),
+    [
+        (37, 16, 101, torch.float32),  # fewer tokens than the vocabulary: lm_head's weight bounds the tile
+        (300, 16, 101, torch.float32),  # more: the hidden states do
+        (3000, 16, 101, torch.float32),  # far more: the former tile of hidden tokens caps it
+        (8192, 128, 16000, torch.float32),  # benchmarks.memory's model at sp=1: 42-token tiles (former: 128)
+        (1000, 4096, 128256, torch.bfloat16),  # Llama-3.1-8B's widths: 682-token tiles
+        (5, 2, 4096, torch.float32),  # the bound needs less than a token: one-token tiles, the least there is
+    ],
+)
+def test_loss_tiles_hold_the_byte_bound(tokens: int, hidden: int, vocab: int, dtype: torch.dtype) -> None:
+    """A tile's cross-entropy transients fit in lm_head's weight or the rank's hidden states, whichever is larger,
+    the tile is never above the former hidden-token tile, and the count is the fewest that does both."""
+    hidden_states = torch.zeros(1, tokens, hidden, dtype=dtype)
+    num_tiles = resolve_loss_tiles(True, hidden_states, vocab_size=vocab)
+    budget = max(tokens, vocab) * hidden * hidden_states.element_size()
+
+    def holds(tile: int) -> bool:
+        return tile <= hidden and (tile * vocab * CROSS_ENTROPY_BYTES_PER_LOGIT <= budget or tile == 1)
+
+    assert holds(math.ceil(tokens / num_tiles))
+    if num_tiles > 1:  # the fewest tiles that hold it: one fewer would not
+        assert not holds(math.ceil(tokens / (num_tiles - 1)))
+    assert resolve_loss_tiles(7, hidden_states) == 7 and resolve_loss_tiles(False, hidden_states) == 1
+
+
+def test_auto_loss_tiles_need_the_vocabulary() -> None:
+    hidden_states, lm_head, labels = _inputs()
+    loss = UlyssesLossMixin()
+    with pytest.raises(ValueError, match="pass vocab_size="):
+        loss.tiled_causal_lm_loss(hidden_states, lambda h: lm_head(h), labels, num_tiles=True)
+    given = loss.tiled_causal_lm_loss(hidden_states, lambda h: lm_head(h), labels, num_tiles=True, vocab_size=101)
+    torch.testing.assert_close(given, loss.tiled_causal_lm_loss(hidden_states, lm_head, labels, num_tiles=True))
+    loss.tiled_causal_lm_loss(hidden_states, lambda h: lm_head(h), labels, num_tiles=3)  # an int needs none
+
+
+class LargestLogits(TorchDispatchMode):
+    """Records the element count of the largest ``[rows, vocab]`` tensor that any operation returns while active,
+    but for ``[hidden, vocab]``: the weight's gradient, which ``mm``'s backward makes transposed."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.vocab, self.hidden, self.numel = vocab, hidden, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_leaves(out) if isinstance(t, Tensor) and t.dim() == 2]
+        shaped = [t.numel() for t in tensors if t.shape[1] == self.vocab and t.shape[0] != self.hidden]
+        self.numel = max([self.numel, *shaped])
+        return out
+
+
+def test_auto_loss_tiles_bound_the_logit_tiles_of_a_training_step() -> None:
+    tokens, hidden, vocab = 300, 9, 512  # a tile of 9 * 4 // 12 = 3 tokens: 100 tiles
+    hidden_states, lm_head, labels = _inputs(tokens=tokens, hidden=hidden, vocab=vocab)
+    hidden_states.requires_grad_(True)
+    calls = []
+    lm_head.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    with LargestLogits(vocab, hidden) as mode:
+        loss = UlyssesLossMixin().tiled_causal_lm_loss(hidden_states, lm_head, labels, num_tiles=True)
+        loss.backward()
+    tile_tokens = loss_tile_tokens(tokens, hidden, vocab, 4)
+    assert tile_tokens == 3 and calls == [tile_tokens] * (2 * tokens // tile_tokens)  # forward + recomputation
+    assert mode.numel == tile_tokens * vocab  # the largest logits-shaped tensor: one tile's
+    whole = token_cross_entropy(lm_head(hidden_states.detach()), labels)
+    torch.testing.assert_close(loss, whole[0] / whole[1], rtol=1e-5, atol=0)

@@ -27,13 +27,16 @@ from lightning_ulysses.logits import tiled_cross_entropy_sum
 from lightning_ulysses.memory import (
     MemoryOptions,
     apply_memory_options,
+    options,
     remove_memory_options,
     resolve_num_tiles,
     tiled_map,
 )
+from lightning_ulysses.offload import ActivationOffload
 from tests.cases import CaseTable
 from tests.launch import launch
 from tests.test_equivalence import BATCH, LR, SEQ, STEPS, _fit
+from tests.test_offload import RecordingStreams
 from tests.tiny import (
     VOCAB,
     TinyCausalLM,
@@ -63,10 +66,14 @@ CASES: dict[str, dict[str, Any]] = {
         sp=2, stage=2, memory=dict(fused_norms=True, activation_checkpointing=True)
     ),
     "all_fused_norms_zero3_head_chunks2": dict(sp=2, stage=3, memory=dict(ALL, fused_norms=True, head_chunks=2)),
-    # 47 tokens -> 24 per rank, 48 per rank and batch: auto makes 2 tiles of hidden_size=32 tokens
+    # offloaded as off a device (CPU tensors playing CUDA ones): the layers' recomputation takes the chunks' kept output
+    "all_zero3_head_chunks2_offloaded": dict(sp=2, stage=3, memory=dict(ALL, head_chunks=2), offloaded=True),
+    # 47 tokens -> 24 per rank, 48 per rank and batch: auto makes 2 MLP tiles of hidden_size=32 tokens and 5 loss
+    # tiles of 10 tokens (vocabulary 61, fp32: 10 * 61 * 12 bytes <= 61 * 32 * 4; under ZeRO-3 the vocabulary is
+    # read from the partitioned lm_head's ds_shape)
     "all_auto_length_not_divisible": dict(
         sp=2,
-        stage=1,
+        stage=3,
         data=dict(seq_len=2 * SEQ - 1),
         memory=dict(tiled_mlp=True, tiled_loss=True, activation_checkpointing=True, offload_activations=True),
     ),
@@ -83,7 +90,13 @@ class MemoryTinyCausalLM(TinyCausalLM):
 
 
 def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]:
-    return _fit(case, world_size, module_class=MemoryTinyCausalLM, strategy_kwargs=case["memory"])
+    default_offload = options.default_offload
+    if case.get("offloaded"):
+        options.default_offload = lambda: ActivationOffload(RecordingStreams())
+    try:
+        return _fit(case, world_size, module_class=MemoryTinyCausalLM, strategy_kwargs=case["memory"])
+    finally:
+        options.default_offload = default_offload
 
 
 TABLE = CaseTable("results", "tests.test_memory:fit_case", 2, CASES)

@@ -253,6 +253,6 @@ def test_report_reads_the_head_chunk_plan_and_the_tiled_loss() -> None:
     assert report.table().splitlines()[3:] == [
         "| head_chunks=2 | 3 attention layers: 2 projected per chunk | model.layers.2.self_attn: chunked attention "
         "only (projections not per head) |",
-        "| tiled_loss=True | lm_head + cross entropy of forward_causal_lm_loss in tiles of hidden_size tokens, each "
-        "tile's logits divided by 4.0 | - |",
+        "| tiled_loss=True | lm_head + cross entropy of forward_causal_lm_loss in tiles sized by bytes, each tile's "
+        "logits divided by 4.0 | - |",
     ]

@@ -29,10 +29,13 @@ from lightning_ulysses.hf.check.whole import whole_sequence_run
 from lightning_ulysses.hf.plan import ProjectionChunks
 from lightning_ulysses.hf.projections import chunked_call, find_projections
 from lightning_ulysses.hf.state import PatchState
+from lightning_ulysses.memory import checkpoint_activations
+from lightning_ulysses.offload import ActivationOffload
 from lightning_ulysses.sharding import prepare_batch, shard_batch
 from lightning_ulysses.topology import SequenceParallelTopology
 from tests.cases import CaseTable
 from tests.test_attention_training import _check
+from tests.test_offload import RecordingStreams
 from tests.tiny import make_samples, projected_layers, tiny_llama
 
 # head_dim 16 against hidden / heads = 6: the output projection reads 128 features from a hidden size of 48
@@ -92,6 +95,44 @@ def test_a_chunked_layer_keeps_only_its_inputs() -> None:
     assert saved and {t.data_ptr() for t in saved if t.numel()} <= inputs, [tuple(t.shape) for t in saved]
     out[0].sum().backward()
     assert hidden.grad is not None and all(p.grad is not None for p in attention.parameters())
+
+
+@pytest.mark.parametrize(("offload", "runs"), [("device", 2), (False, 3), (True, 3)])
+def test_a_checkpointed_layer_recomputes_each_chunk_once_where_offloaded(offload: Any, runs: int) -> None:
+    """In a layer checkpointed by checkpoint_activations with its activations offloaded off the device ("device": CPU
+    tensors playing device ones), the layer's recomputation takes the chunks' sum its forward kept: each chunk's
+    projections run in the forward and once more for its backward (2 x chunks calls, 3 x before). Kept on the device
+    (no offload; offload on CPU, which moves nothing) it would add to the peak: the recomputation runs them again.
+    Gradients equal the same layer's unchekpointed, with attention dropout in the chunks and a dropout after them
+    (the recomputation draws what the forward drew)."""
+    model = tiny_llama(**dict(MODEL, attention_dropout=0.3)).train()
+    attention, kwargs = _layer_call(model, tokens=12)
+    hidden = kwargs.pop("hidden_states")
+    chunks, layout = 2, plan_heads(8, 4, SP)
+    spec = _spec(attention, chunks)
+    calls: list[int] = []
+    attention.q_proj.register_forward_hook(lambda module, args, out: calls.append(1))
+    offloading = ActivationOffload(RecordingStreams()) if offload == "device" else offload
+
+    def layer(x: Tensor) -> Tensor:
+        out = chunked_call(attention, spec, layout, attention.forward, (x * 2,), kwargs)[0]
+        return torch.nn.functional.dropout(out, 0.5) + x
+
+    def step(checkpointed: bool) -> list[Tensor]:
+        x = hidden.clone().requires_grad_()
+        torch.manual_seed(3)
+        out = checkpoint_activations(layer, x, offload=offloading) if checkpointed else layer(x)
+        out.pow(2).sum().backward()
+        grads = [x.grad, *(p.grad for p in attention.parameters())]
+        attention.zero_grad(set_to_none=True)
+        return [out.detach(), *grads]
+
+    expected = step(checkpointed=False)
+    calls.clear()
+    got = step(checkpointed=True)
+    assert len(calls) == runs * chunks
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
 
 
 def _whole_run(model: nn.Module) -> Any:

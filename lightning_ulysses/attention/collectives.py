@@ -43,6 +43,31 @@ def _exchange(x: Tensor, group: ProcessGroup | None, scatter_dim: int, gather_di
     return torch.cat(receive.unbind(0), dim=gather_dim)
 
 
+class Exchange:
+    """One all-to-all of a ``[P, ...]`` buffer over ``group`` (block ``r`` to / from rank ``r``), started at once;
+    :meth:`take` waits for it and hands over the received ``[P, ...]`` buffer (the exchange keeps no reference to it).
+
+    Unobserved, it runs ``async_op`` (on CUDA, NCCL's own stream, ordered after the work already queued on the compute
+    stream, its buffers kept alive until the wait), so the caller overlaps it with compute. While ``observer`` has an
+    ``all_to_all`` set it runs through :func:`all_to_all`, there and then, so the observer sees (and times) it."""
+
+    def __init__(self, send: Tensor, group: ProcessGroup, observer: CollectiveObserver | None = None) -> None:
+        self.work: Any = None
+        if observer is not None and observer.all_to_all is not None:
+            self.receive: Tensor | None = all_to_all(send, group, 0, 0, observer)
+            return
+        self.receive = torch.empty_like(send)
+        self.work = dist.all_to_all_single(self.receive, send, group=group, async_op=True)
+
+    def take(self) -> Tensor:
+        assert self.receive is not None, "taken twice"
+        if self.work is not None:
+            self.work.wait()  # CUDA: the compute stream waits for NCCL's (an event), the host does not
+        # the work holds the send buffer (NCCL reads it until the wait): dropped with it
+        receive, self.receive, self.work = self.receive, None, None
+        return receive
+
+
 def by_rank(tensors: Sequence[Tensor], world: int) -> Tensor:
     """Sequence-sharded ``[B, n, P * h_i, d_i]`` -> the send buffer ``[P, B, n, sum_i h_i * d_i]``: block ``r`` holds
     the ``h_i`` heads of each tensor that rank ``r`` attends, side by side (one copy)."""

@@ -14,7 +14,9 @@ Plain Ulysses gathers the whole sequence of all of a rank's ``h`` head slots at 
 So each direction sends one collective per chunk (plain Ulysses: three in, one out, and as many back), the layer
 keeps nothing of the whole sequence for its backward (only its sequence-sharded inputs and output), and the
 whole-sequence tensors alive at any time are one chunk's: ``1 / chunks`` of plain Ulysses'. The price is one more
-attention forward per layer in the backward (the core backends take no saved log-sum-exp back).
+attention forward per layer in the backward (the core backends take no saved log-sum-exp back). A layer checkpointed
+by :func:`~lightning_ulysses.memory.checkpoint_activations` recomputes the chunks once more, unless its activations are
+offloaded off the device: then its recomputation takes the output its forward kept (:mod:`lightning_ulysses.replay`).
 
 A chunk is either whole K/V groups (``chunks <= kv_h``: the K/V slots are split, each with its query slots) or part
 of one K/V group, whose K/V slot then travels with each of its chunks: the local attention is always ordinary GQA.
@@ -25,6 +27,8 @@ the work already queued on the compute stream by an event, and keeps its buffers
 before chunk ``j`` attends, and the compute stream waits for it (an event wait, no host sync) only where its result
 is read; an output's all-to-all back likewise overlaps the next chunk. Two chunks' inputs are then alive at once.
 On CPU (gloo) every all-to-all is waited on at once: the same code, synchronous. The CUDA overlap is not measured.
+Every exchange is a :class:`~lightning_ulysses.attention.collectives.Exchange`, the package's all-to-all: while the
+SP group's observer watches (``SequenceParallelMonitor(time_all_to_all=True)``), each runs through it, synchronously.
 
 Transformers attention modules whose projections narrow per head run their chunks one level up instead, projections
 included (:mod:`lightning_ulysses.hf.projections`), with :func:`chunk_heads`' heads; this module then runs the
@@ -43,8 +47,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_ulysses.attention.collectives import by_sequence, rank_slots, whole_sequence
+from lightning_ulysses.attention.collectives import Exchange, by_sequence, rank_slots, whole_sequence
+from lightning_ulysses.groups import CollectiveObserver
 from lightning_ulysses.heads import HeadLayout
+from lightning_ulysses.replay import kept_for_replay
 
 HeadChunks = int | Literal["auto"]
 """``int``: that many chunks of each rank's head slots (at most one slot per chunk: larger counts run one slot per
@@ -104,7 +110,9 @@ def auto_chunks(layout: HeadLayout, qk_dim: int, value_dim: int) -> int:
     """The fewest chunks whose largest chunk's whole-sequence query, key, value and output take no more bytes than
     this rank's query shard ``[B, N/P, H, qk_dim]`` (a tensor the layer holds anyway). The batch and the length
     cancel out (``B * N`` tokens of ``P * slots`` against ``B * N / P`` of ``H`` heads), so every rank of the group,
-    and every batch, picks the same count."""
+    and every batch, picks the same count. The counts are tried from 1 up, so the first that fits is the fewest (a
+    larger count may not fit where a smaller one does: a K/V slot travels with each chunk of its group); where none
+    fits (one query slot per rank, or a K/V slot as wide as its queries), one slot per chunk, the most there are."""
     budget = layout.num_heads * qk_dim
     width = qk_dim + value_dim
     for chunks in range(1, layout.heads_per_rank + 1):
@@ -164,22 +172,6 @@ def _routes(layout: HeadLayout, chunks: int, device: torch.device) -> tuple[_Rou
     return tuple(routes)
 
 
-class _Exchange:
-    """One all-to-all ``[P, ...] -> [P, ...]`` over ``group`` (block ``r`` to / from rank ``r``), started at once;
-    :meth:`take` waits for it and hands over the received buffer (the exchange keeps no reference to it)."""
-
-    def __init__(self, send: Tensor, group: ProcessGroup) -> None:
-        self.receive: Tensor | None = torch.empty_like(send)
-        self.work: Any = dist.all_to_all_single(self.receive, send, group=group, async_op=True)
-
-    def take(self) -> Tensor:
-        assert self.receive is not None, "taken twice"
-        self.work.wait()  # CUDA: the compute stream waits for NCCL's (an event), the host does not
-        # the work holds the send buffer (NCCL reads it until the wait): dropped with it
-        receive, self.receive, self.work = self.receive, None, None
-        return receive
-
-
 def _to_ranks(source: Sequence[tuple[Tensor, Tensor]], sp: int) -> Tensor:
     """The send buffer ``[P, B, n, sum_i c_i * d_i]`` of sequence-sharded ``[B, n, H_i, d_i]`` tensors, each with the
     ``[P * c_i]`` heads of its slots for every destination rank, rank-major; written in place, rank by rank."""
@@ -209,16 +201,17 @@ class _ChunkedUlysses(torch.autograd.Function):
         attend: Attend,
         rank: int,
         random: bool,
+        observer: CollectiveObserver | None,
     ) -> Tensor:
         routes = _routes(layout, chunks, query.device)
         sp, overlap = layout.sp_size, query.is_cuda
         out = query.new_empty((*query.shape[:3], value.shape[-1]))
         rng_states = []
 
-        def start(j: int) -> _Exchange:
+        def start(j: int) -> Exchange:
             r = routes[j]
             send = _to_ranks([(query, r.query_heads), (key, r.kv_heads), (value, r.kv_heads)], sp)
-            return _Exchange(send, group)
+            return Exchange(send, group, observer)
 
         incoming, returning = start(0), None
         for j, r in enumerate(routes):
@@ -230,7 +223,7 @@ class _ChunkedUlysses(torch.autograd.Function):
             del q, k, v
             if returning is not None:
                 _place(out, *returning, value, sp)
-            returning = (_Exchange(by_sequence([result], sp), group), r)
+            returning = (Exchange(by_sequence([result], sp), group, observer), r)
             del result
             if not overlap:  # CPU: one chunk at a time
                 _place(out, *returning, value, sp)
@@ -241,25 +234,26 @@ class _ChunkedUlysses(torch.autograd.Function):
             _place(out, *returning, value, sp)
         ctx.save_for_backward(query, key, value, sinks)
         ctx.layout, ctx.chunks, ctx.group, ctx.attend, ctx.rank = layout, chunks, group, attend, rank
+        ctx.observer = observer
         ctx.rng_states, ctx.autocast = rng_states, _autocast_state(query.device)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         query, key, value, sinks = ctx.saved_tensors
-        layout, group, attend, rank = ctx.layout, ctx.group, ctx.attend, ctx.rank
+        layout, group, attend, rank, observer = ctx.layout, ctx.group, ctx.attend, ctx.rank, ctx.observer
         routes = _routes(layout, ctx.chunks, query.device)
         sp, overlap = layout.sp_size, query.is_cuda
         grads: list[Tensor | None] = [None, None, None]  # made at the first chunk's return: not alive at its peak
         grad_sinks = None if sinks is None else torch.zeros_like(sinks)
 
-        def start(j: int) -> _Exchange:
+        def start(j: int) -> Exchange:
             r = routes[j]
             grad_out = grad.new_zeros((*grad.shape[:2], len(r.query_heads), grad.shape[-1]))
             grad_out.index_copy_(2, r.output_slots, grad.index_select(2, r.output_heads))  # inert slots: zero
             slots = torch.arange(len(r.query_heads), device=grad.device)
             send = _to_ranks([(query, r.query_heads), (key, r.kv_heads), (value, r.kv_heads), (grad_out, slots)], sp)
-            return _Exchange(send, group)
+            return Exchange(send, group, observer)
 
         incoming, returning = start(0), None
         for j, r in enumerate(routes):
@@ -279,7 +273,7 @@ class _ChunkedUlysses(torch.autograd.Function):
                 grad_sinks += chunk_grads[3]
             if returning is not None:
                 _accumulate(grads, *returning, (query, key, value), sp)
-            returning = (_Exchange(by_sequence(chunk_grads[:3], sp), group), r)
+            returning = (Exchange(by_sequence(chunk_grads[:3], sp), group, observer), r)
             del chunk_grads
             if not overlap:
                 _accumulate(grads, *returning, (query, key, value), sp)
@@ -288,7 +282,7 @@ class _ChunkedUlysses(torch.autograd.Function):
                     incoming = start(j + 1)
         if returning is not None:
             _accumulate(grads, *returning, (query, key, value), sp)
-        return (*grads, grad_sinks, None, None, None, None, None, None)
+        return (*grads, grad_sinks, None, None, None, None, None, None, None)
 
 
 def _widths(r: _Routes, query: Tensor, value: Tensor, sp: int) -> list[tuple[int, int]]:
@@ -297,13 +291,13 @@ def _widths(r: _Routes, query: Tensor, value: Tensor, sp: int) -> list[tuple[int
     return [(heads, query.shape[-1]), (kv, query.shape[-1]), (kv, value.shape[-1])]
 
 
-def _place(out: Tensor, back: _Exchange, r: _Routes, value: Tensor, sp: int) -> None:
+def _place(out: Tensor, back: Exchange, r: _Routes, value: Tensor, sp: int) -> None:
     """Write the real query heads of a chunk's returned output into ``out [B, N/P, H, D_v]``."""
     (slots,) = rank_slots(back.take(), [(len(r.query_heads) // sp, value.shape[-1])])
     out.index_copy_(2, r.output_heads, slots.index_select(2, r.output_slots))
 
 
-def _accumulate(grads: list[Tensor | None], back: _Exchange, r: _Routes, inputs: Sequence[Tensor], sp: int) -> None:
+def _accumulate(grads: list[Tensor | None], back: Exchange, r: _Routes, inputs: Sequence[Tensor], sp: int) -> None:
     """Add a chunk's returned query, key and value gradients into the input gradients (replicated slots sum)."""
     received = rank_slots(back.take(), _widths(r, inputs[0], inputs[2], sp))
     for i, (heads, part) in enumerate(zip((r.query_heads, r.kv_heads, r.kv_heads), received, strict=True)):
@@ -367,6 +361,7 @@ def chunked_ulysses(
     head_chunks: HeadChunks,
     *,
     random: bool = False,
+    observer: CollectiveObserver | None = None,
 ) -> Tensor:
     """Ulysses attention over ``group`` in chunks of heads (see the module docstring).
 
@@ -378,6 +373,8 @@ def chunked_ulysses(
             and once more in the backward, on the same inputs.
         head_chunks: the chunk count (:data:`HeadChunks`).
         random: ``attend`` draws random numbers (attention dropout): each chunk's backward replays its forward's RNG.
+        observer: the SP group's :class:`~lightning_ulysses.groups.CollectiveObserver`: every all-to-all runs through
+            :class:`~lightning_ulysses.attention.collectives.Exchange`, which reports it there while it observes.
 
     Returns ``[B, N/P, H, D_v]``, exactly plain Ulysses' output; gradients reach ``query``, ``key``, ``value`` and
     ``sinks`` (this rank's attended heads, as in plain Ulysses).
@@ -385,4 +382,23 @@ def chunked_ulysses(
     chunks = auto_chunks(layout, query.shape[-1], value.shape[-1]) if head_chunks == "auto" else head_chunks
     check_head_chunks(chunks)
     rank = dist.get_rank(group)
-    return _ChunkedUlysses.apply(query, key, value, sinks, layout, int(chunks), group, attend, rank, random)
+
+    def compute() -> Tensor:
+        return _ChunkedUlysses.apply(
+            query, key, value, sinks, layout, int(chunks), group, attend, rank, random, observer
+        )
+
+    # in a checkpointed layer's recomputation the output its forward kept: each chunk recomputed once, by the backward
+    return kept_for_replay(compute, lambda: _SavedInputs.apply(query, key, value, sinks))
+
+
+class _SavedInputs(torch.autograd.Function):
+    """Saves what :class:`_ChunkedUlysses` saves, in its order: a checkpointed layer's recomputation remakes them."""
+
+    @staticmethod
+    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, sinks: Tensor | None) -> None:
+        ctx.save_for_backward(query, key, value, sinks)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[None, ...]:
+        return None, None, None, None

@@ -146,7 +146,9 @@ def ulysses_attention(
         return attend(query, key, value, sinks)
     assert sp_group is not None  # sp_size > 1: a process group of that many ranks
     if head_chunks is not None:
-        return chunked_ulysses(query, key, value, sinks, layout, sp_group, attend, head_chunks, random=dropout_p > 0)
+        return chunked_ulysses(
+            query, key, value, sinks, layout, sp_group, attend, head_chunks, random=dropout_p > 0, observer=observer
+        )
     sinks = _sinks_of_rank(sinks, layout, sp_group)
     query, key, value = sequence_to_heads(  # [B, N, h, D], [B, N, kv, D], [B, N, kv, D_v]: one all-to-all
         *(select_heads(t, slots) for t, slots in _slots(query, key, value, layout)), group=sp_group, observer=observer
@@ -249,7 +251,17 @@ def _ulysses_x_ring(
             )
 
         # ulysses: a mesh with a ring has a ulysses axis (were it None, dist's default group)
-        return chunked_ulysses(query, key, value, sinks, layout, ulysses, attend, head_chunks)  # type: ignore[arg-type]
+        return chunked_ulysses(
+            query,
+            key,
+            value,
+            sinks,
+            layout,
+            ulysses,  # type: ignore[arg-type]
+            attend,
+            head_chunks,
+            observer=observer,
+        )
     sinks = _sinks_of_rank(sinks, layout, ulysses)  # type: ignore[arg-type]  # as above
     query, key, value = sequence_to_heads(  # [B, N/R, h, D] ...: one all-to-all
         *(select_heads(t, slots) for t, slots in _slots(query, key, value, layout)), group=ulysses, observer=observer

@@ -11,7 +11,10 @@ of the projections, this runs the module's own forward once per chunk instead::
               o_proj narrowed to their columns (its bias in chunk 0 only)          -> [B, N/P, C], summed over chunks
 
 Each chunk is one checkpoint region (recomputed in the backward), so the layer keeps only its inputs, and the
-projections' outputs, the whole-sequence tensors and their gradients exist for one chunk at a time. The chunk's
+projections' outputs, the whole-sequence tensors and their gradients exist for one chunk at a time. In a layer
+checkpointed by :func:`~lightning_ulysses.memory.checkpoint_activations` with its activations offloaded off the
+device, the layer's recomputation takes the chunks' sum its forward kept instead of running them again
+(:mod:`lightning_ulysses.replay`): each chunk runs in the forward and once more, for its backward. The chunk's
 heads are the ones :func:`~lightning_ulysses.attention.head_chunks.chunk_heads` routes: every rank of the group
 computes the same chunks, and the all-to-all inside hands each rank the chunk's slots of the full layout.
 
@@ -41,6 +44,7 @@ from lightning_ulysses.attention.head_chunks import chunk_heads
 from lightning_ulysses.heads import HeadLayout, plan_heads
 from lightning_ulysses.hf.plan import ProjectionChunks
 from lightning_ulysses.hf.state import PatchState
+from lightning_ulysses.replay import kept_for_replay
 from lightning_ulysses.tiling import recomputed_in_backward
 
 PROJECTION_NAMES = {
@@ -126,16 +130,31 @@ def chunked_call(
     leaves, tree = tree_flatten((args, kwargs))
     tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
     skeleton = [None if isinstance(leaf, Tensor) else leaf for leaf in leaves]
-    total: Tensor | None = None
-    tail: tuple | None = None  # the module's other outputs (attention weights: None), from the last chunk
-    for index, (query_heads, kv_heads) in enumerate(chunk_heads(layout, spec.chunks)):
-        chunk = functools.partial(
-            _chunk, module, spec, query_heads, kv_heads, index == 0, forward, skeleton, tensors, tree
-        )
-        out = recomputed_in_backward(chunk)(*(leaves[i] for i in tensors))
-        first, tail = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
-        total = first if total is None else total + first
-    return total if tail is None else (total, *tail)
+    values = [leaves[i] for i in tensors]
+    heads = chunk_heads(layout, spec.chunks)
+
+    def compute() -> Any:
+        total: Tensor | None = None
+        tail: tuple | None = None  # the module's other outputs (attention weights: None), from the last chunk
+        for index, (query_heads, kv_heads) in enumerate(heads):
+            chunk = functools.partial(
+                _chunk, module, spec, query_heads, kv_heads, index == 0, forward, skeleton, tensors, tree
+            )
+            out = recomputed_in_backward(chunk)(*values)
+            first, tail = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
+            total = first if total is None else total + first
+        return total if tail is None else (total, *tail)
+
+    def resave() -> None:  # each chunk's checkpoint saves its inputs through the layer's
+        for _ in heads:
+            recomputed_in_backward(_nothing)(*values)
+
+    # in a checkpointed layer's recomputation the sum its forward kept: each chunk recomputed once, by its own
+    return kept_for_replay(compute, resave)
+
+
+def _nothing(*values: Tensor) -> None:
+    return None
 
 
 def _chunk(

@@ -25,6 +25,7 @@ from lightning_ulysses.memory.norms import Norm, find_norms, fuse_norms, with_ca
 from lightning_ulysses.memory.probe import probe_calls, probing
 from lightning_ulysses.memory.report import MemoryReport, OptionReport, summarize, summarize_names
 from lightning_ulysses.offload import ActivationOffload, default_offload
+from lightning_ulysses.replay import replayable
 from lightning_ulysses.tiling import TileSetting
 
 
@@ -59,11 +60,14 @@ def checkpoint_activations(
     overlaps the following compute (:mod:`lightning_ulysses.offload`; an :class:`ActivationOffload` instance
     chooses its own streams) and copied back for the recomputation; tensors already on the host stay where
     they are. ``kwargs`` are not offloaded: pass the large per-layer input (the hidden states) positionally.
+    Offloaded off the device, head chunks inside ``function`` are recomputed once, not again in the layer's
+    recomputation (:mod:`lightning_ulysses.replay`).
     """
     if not offload:
         return checkpoint(function, *args, use_reentrant=False, **kwargs)
-    with (default_offload() if offload is True else offload).hooks():
-        return checkpoint(function, *args, use_reentrant=False, **kwargs)
+    offloading = default_offload() if offload is True else offload
+    with offloading.hooks():
+        return checkpoint(replayable(function, offloading), *args, use_reentrant=False, **kwargs)
 
 
 MEMORY_ATTRIBUTE = "_ulysses_memory"

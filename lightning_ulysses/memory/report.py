@@ -75,7 +75,7 @@ def tiled_loss_row(setting: int | bool, logits_transform: str | None = None) -> 
     """``tiled_loss``: ``forward_causal_lm_loss``'s ``lm_head`` + cross entropy. ``logits_transform``: what the tiled
     path applies to each logit tile besides ``lm_head`` (the set-up finding of the model's logit scaling or
     soft-cap), when one is found."""
-    tiles = "tiles of hidden_size tokens" if setting is True else f"{setting} tiles"
+    tiles = "tiles sized by bytes" if setting is True else f"{setting} tiles"
     applies = f"lm_head + cross entropy of forward_causal_lm_loss in {tiles}"
     if logits_transform:
         applies += f", each tile's logits {logits_transform}"
