@@ -38,11 +38,11 @@ measured in the same process (8192^3 random products) and over the datasheet's d
 (everything the process holds: weights, optimizer, activations), reset at the step's start.
 
 **Longest sequence**, probed, never extrapolated: the two lengths' peaks give ``peak = a + b N``; the length where
-that reaches 95% of the GPU's memory is probed first (one step in a fresh process after the engine's set-up, so an
-out-of-memory cannot poison the others), then the next length up (``+1/8``) while it fits or down while it does
-not, then bisections, for as long as ``--budget-s`` leaves time for the next probe's predicted duration (step time
-fitted as ``t = c N + d N^2`` through the two lengths, plus the measured set-up). The result is the bracket
-[longest fit, shortest miss), or what was measured when the time ran out.
+that reaches 95% of the GPU's memory (or ``--probe-first``) is probed first (one step in a fresh process after the
+engine's set-up, so an out-of-memory cannot poison the others), then the next length up (``+1/8``) while it fits or
+down while it does not, then bisections: at most ``--max-probes`` per side, and only while ``--budget-s`` leaves time
+for the next probe's predicted duration (step time fitted as ``t = c N + d N^2`` through the two lengths, plus the
+measured set-up). The result is the bracket [longest fit, shortest miss), or what was measured when the time ran out.
 
 **Results** are written as they appear: every side and probe appends one JSON line to ``side_by_side.jsonl`` in
 ``--out-dir`` and ``side_by_side.md`` is rewritten from all of it (every model run into that folder), with, for a
@@ -131,6 +131,7 @@ class SideBySideConfig:
     capacity_gib: float = 0.0  # 0: the GPU's memory (CPU runs must give one to probe)
     max_probes: int = 4  # per side
     probe_granule: int = 1024  # probed lengths are multiples of this
+    probe_first: int = 0  # the first length probed; 0: where the memory fit reaches 95% of the capacity
     accelerator: str = "cuda"
 
     def __post_init__(self) -> None:
@@ -167,7 +168,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[SideBySideConfig, Path, P
     defaults = SideBySideConfig()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=list(MODELS), default=defaults.model)
-    for name in ("layers", "seq_len", "short_len", "timed_steps", "rounds", "max_probes", "probe_granule"):
+    for name in (
+        "layers",
+        "seq_len",
+        "short_len",
+        "timed_steps",
+        "rounds",
+        "max_probes",
+        "probe_granule",
+        "probe_first",
+    ):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--sides", nargs="+", choices=list(SIDES), default=list(defaults.sides))
     parser.add_argument("--probe-sides", nargs="*", choices=list(SIDES), default=list(defaults.probe_sides))
@@ -584,7 +594,7 @@ def probe_longest(
     """Probe ``summary.side`` from its fitted length while the deadline leaves time for the next probe."""
     from tests.launch import launch
 
-    first = summary.fitted_length(capacity, config.probe_granule)
+    first = config.probe_first or summary.fitted_length(capacity, config.probe_granule)
     fits: list[int] = []
     misses: list[int] = []
     seq_len = first

@@ -21,7 +21,7 @@ def test_side_by_side_on_cpu(tmp_path: Path) -> None:
     records = gpu_side_by_side.main(
         ["--accelerator", "cpu", "--model", "tiny", "--layers", "1", "--seq-len", "128", "--short-len", "64",
          "--timed-steps", "1", "--budget-s", "900", "--capacity-gib", str(capacity_gib), "--max-probes", "1",
-         "--probe-granule", "64", "--probe-sides", "alst",
+         "--probe-granule", "64", "--probe-first", "192", "--probe-sides", "alst",
          "--out-dir", str(tmp_path / "out"), "--checkpoint-dir", str(tmp_path / "checkpoints")]
     )  # fmt: skip
     assert (tmp_path / "checkpoints" / "tiny-1" / "config.json").is_file()
@@ -33,10 +33,8 @@ def test_side_by_side_on_cpu(tmp_path: Path) -> None:
         assert all(s["seconds"] > 0 and s["peak"] > 0 for s in record["steps"]), side
         assert record["flops_per_token"]["128"] > record["flops_per_token"]["64"] > 0, side  # causal attention grows
     probes = [r for r in records if r["kind"] in ("probe", "probe_skipped")]
-    assert [p["side"] for p in probes] == ["alst"]
-    for probe in (p for p in probes if p["kind"] == "probe"):
-        assert probe["seq_len"] % 64 == 0
-        assert probe["fits"] == (probe["peak"] is not None and probe["peak"] <= capacity_gib * 2**30)
+    assert [(p["kind"], p["side"], p["seq_len"]) for p in probes] == [("probe", "alst", 192)]
+    assert probes[0]["fits"] == (probes[0]["peak"] is not None and probes[0]["peak"] <= capacity_gib * 2**30)
     report = (tmp_path / "out" / "side_by_side.md").read_text()
     for side in gpu_side_by_side.SIDES:
         assert f"| {side} | " in report
