@@ -27,15 +27,19 @@ builds; no gradient clipping), the same AdamW, batch 1 of random tokens:
   ``activation_checkpointing``, ``offload_activations``), ``attn_implementation="sdpa"``;
 * ``ours+all``: and ``head_chunks="auto"``, ``fused_norms=True``.
 
-**Method.** One process per model (``tests.launch``) runs the sides one after another in the order of ``--sides``
-(``--rounds 2`` runs them again in reverse order), each from its own ``from_pretrained`` and engine, torn down before
-the next. A side's steps: one warm-up step at ``--seq-len``, one at ``--short-len`` (the second point of the memory
-fit), then ``--timed-steps`` at ``--seq-len``. Step time: the device synchronized at the step's start and end (data,
-forward, backward, optimizer). Tokens/s: ``seq_len`` over the median timed step. MFU: tokens/s x
-:class:`~lightning_ulysses.flops.TransformerFlops` per token (no recompute counted) over the bf16 matrix-product rate
-measured in the same process (8192^3 random products) and over the datasheet's dense peak
-(:func:`~lightning_ulysses.dense_peak_flops`). Peak memory: ``torch.cuda.max_memory_allocated`` over each step
-(everything the process holds: weights, optimizer, activations), reset at the step's start.
+**Method.** The sides run one after another on the same GPU in the order of ``--sides`` (``--rounds 2`` runs them
+again in reverse order), each in a fresh process (``tests.launch``) from its own ``from_pretrained`` and engine:
+DeepSpeed 0.19.8 keeps every ZeRO-3 engine of a process alive (ZeRO-3 appends the engine's top module to
+``deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK`` at set-up and never removes it; with that list
+emptied, an engine trained through ``L.Trainer`` still stays alive, by a reference not traced), so sides sharing a
+process would carry each other's weights and optimizer state. A side's steps: one warm-up step at ``--seq-len``, one
+at ``--short-len`` (the second point of the memory fit), then ``--timed-steps`` at ``--seq-len``. Step time: the
+device synchronized at the step's start and end (data, forward, backward, optimizer). Tokens/s: ``seq_len`` over the
+median timed step. MFU: tokens/s x :class:`~lightning_ulysses.flops.TransformerFlops` per token (no recompute
+counted) over the bf16 matrix-product rate measured on the same GPU in the first side's process (8192^3 random
+products) and over the datasheet's dense peak (:func:`~lightning_ulysses.dense_peak_flops`). Peak memory:
+``torch.cuda.max_memory_allocated`` over each step (everything the process holds: weights, optimizer, activations),
+reset at the step's start.
 
 **Longest sequence**, probed, never extrapolated: the two lengths' peaks give ``peak = a + b N``; the length where
 that reaches 95% of the GPU's memory (or ``--probe-first``) is probed first (one step in a fresh process after the
@@ -219,6 +223,8 @@ def write_checkpoint(config: SideBySideConfig, folder: Path, max_len: int, devic
         model = LlamaForCausalLM(llama_config(config, max_len))
     model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).save_pretrained(folder)
     del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def matmul_rate(device: torch.device, n: int = 8192, repeats: int = 10) -> float | None:
@@ -272,8 +278,9 @@ def load(folder: Path, device: torch.device) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").train()
 
 
-def optimizer_for(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+def optimizer_for(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The same AdamW on both sides (created before the engine moves the model: torch's default implementation)."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-5)
 
 
 def deepspeed_config(device: torch.device) -> dict[str, Any]:
@@ -315,9 +322,7 @@ def alst_steps(folder: Path, lengths: list[int], device: torch.device, recorder:
         layer.mlp.forward = tiled_mlp_forward.__get__(layer.mlp)
     model.gradient_checkpointing_enable()
     flops = TransformerFlops.from_model(model)
-    engine, *_ = deepspeed.initialize(
-        model=model, optimizer=optimizer_for(model, device), config=deepspeed_config(device)
-    )
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer_for(model), config=deepspeed_config(device))
     on_gpu = device.type == "cuda"
     offload = get_checkpoint_hidden_states_offloading_ctx_manager(use_pin_memory=on_gpu, use_streams=on_gpu)
 
@@ -355,12 +360,12 @@ class PretrainedLM(UlyssesLossMixin, L.LightningModule):
         return self.forward_causal_lm_loss(self.model, batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return optimizer_for(self, self.device)
+        return optimizer_for(self)
 
 
 class _LightningSteps(L.Callback):
-    def __init__(self, recorder: StepRecorder, device: torch.device) -> None:
-        self.recorder, self.device = recorder, device
+    def __init__(self, recorder: StepRecorder, device: torch.device, lengths: list[int]) -> None:
+        self.recorder, self.device, self.lengths = recorder, device, lengths
         self.resident = 0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -369,8 +374,10 @@ class _LightningSteps(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
         self.recorder.start()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        self.recorder.end(trainer.train_dataloader.dataset[trainer.global_step - 1]["input_ids"].numel())
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.recorder.end(self.lengths[batch_idx])
 
 
 def ours_steps(
@@ -379,7 +386,7 @@ def ours_steps(
     """``UlyssesStrategy`` in ``L.Trainer``, as the README runs it: one step per entry of ``lengths``."""
     module = PretrainedLM(load(folder, device))
     flops = TransformerFlops.from_model(module.model)
-    callback = _LightningSteps(recorder, device)
+    callback = _LightningSteps(recorder, device, lengths)
     trainer = L.Trainer(
         accelerator=device.type,
         devices=1,
@@ -444,8 +451,9 @@ def host_memory() -> int:
 
 
 def worker(args: dict[str, Any]) -> None:
-    """One process: the checkpoint (once), then either every side's steps (``args["probe"]`` None) or one probe step
-    of ``args["probe"] = [side, seq_len]``; every result appended to ``args["log"]`` as it is measured."""
+    """One fresh process: the checkpoint (the first time), the run's record (``args["run_record"]``: device, measured
+    matmul rate, parameters), then ``args["side"]``'s steps at ``args["lengths"]``, appended to ``args["log"]`` as a
+    ``"side"`` record or, for a probe (one length), as a ``"probe"`` record judged against the capacity."""
     import deepspeed
 
     config, folder, log = SideBySideConfig(**args["config"]), Path(args["folder"]), Path(args["log"])
@@ -455,47 +463,56 @@ def worker(args: dict[str, Any]) -> None:
         torch.cuda.set_device(device)
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     write_checkpoint(config, folder, 1 << 23, device)
-    if args["probe"] is not None:
-        side, seq_len = args["probe"]
-        result = run_side(side, folder, [seq_len], device)
-        step = result["steps"][0] if result["steps"] else {}
-        capacity = config.capacity_gib * GiB or (torch.cuda.mem_get_info(device)[1] if on_gpu else float("inf"))
+    capacity = config.capacity_gib * GiB or (torch.cuda.mem_get_info(device)[1] if on_gpu else None)
+    if args["run_record"]:
+        name = torch.cuda.get_device_name(device) if on_gpu else f"CPU ({os.cpu_count()} cores)"
+        full = dataclasses.replace(config, layers=0)
         append_record(
             log,
             {
-                "kind": "probe",
+                "kind": "run",
                 "label": config.label,
-                "side": side,
-                "seq_len": seq_len,
-                "fits": "error" not in result and step["peak"] <= capacity,
-                "peak": step.get("peak"),
-                "seconds": step.get("seconds"),
+                "config": dataclasses.asdict(config),
+                "device": name,
+                "capacity": capacity,
+                "host_memory": host_memory(),
+                "matmul_flops": matmul_rate(device),
+                "datasheet_flops": dense_peak_flops(name, torch.bfloat16),
+                "parameters": parameter_count(llama_config(config, 1)),
+                "parameters_full": parameter_count(llama_config(full, 1)),
+                "versions": _versions(),
             },
         )
+    side, lengths = args["side"], args["lengths"]
+    result = run_side(side, folder, lengths, device)
+    if args["kind"] == "side":
+        append_record(log, {"kind": "side", "label": config.label, "side": side, **result})
         return
-    name = torch.cuda.get_device_name(device) if on_gpu else f"CPU ({os.cpu_count()} cores)"
-    full = dataclasses.replace(config, layers=0)
+    step = result["steps"][0] if result["steps"] else {}
+    fits = "error" not in result and (capacity is None or step["peak"] <= capacity)
     append_record(
         log,
-        {
-            "kind": "run",
-            "label": config.label,
-            "config": dataclasses.asdict(config),
-            "device": name,
-            "capacity": config.capacity_gib * GiB or (torch.cuda.mem_get_info(device)[1] if on_gpu else None),
-            "host_memory": host_memory(),
-            "matmul_flops": matmul_rate(device),
-            "datasheet_flops": dense_peak_flops(name, torch.bfloat16),
-            "parameters": parameter_count(llama_config(config, 1)),
-            "parameters_full": parameter_count(llama_config(full, 1)),
-            "versions": _versions(),
-        },
+        {"kind": "probe", "label": config.label, "side": side, "seq_len": lengths[0], "fits": fits,
+         "peak": step.get("peak"), "seconds": step.get("seconds")},
+    )  # fmt: skip
+
+
+def launch_side(
+    config: SideBySideConfig, folder: Path, log: Path, side: str, lengths: list[int], kind: str, timeout: float,
+    run_record: bool = False,
+) -> None:  # fmt: skip
+    """:func:`worker` in a fresh process; raises ``AssertionError`` (with its output) where it failed or was stopped."""
+    from tests.launch import launch
+
+    args = {"config": dataclasses.asdict(config), "folder": str(folder), "log": str(log), "side": side,
+            "lengths": lengths, "kind": kind, "run_record": run_record}  # fmt: skip
+    launch(
+        "benchmarks.gpu_side_by_side:worker",
+        1,
+        args,
+        timeout=timeout,
+        extra_env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     )
-    lengths = [config.seq_len, config.short_length, *[config.seq_len] * config.timed_steps]
-    for side in config.side_order:
-        append_record(
-            log, {"kind": "side", "label": config.label, "side": side, **run_side(side, folder, lengths, device)}
-        )
 
 
 def _versions() -> dict[str, str]:
@@ -592,8 +609,6 @@ def probe_longest(
     config: SideBySideConfig, summary: SideSummary, capacity: float, folder: Path, log: Path, deadline: float
 ) -> None:
     """Probe ``summary.side`` from its fitted length while the deadline leaves time for the next probe."""
-    from tests.launch import launch
-
     first = config.probe_first or summary.fitted_length(capacity, config.probe_granule)
     fits: list[int] = []
     misses: list[int] = []
@@ -608,15 +623,8 @@ def probe_longest(
                  "predicted_s": predicted, "left_s": left},
             )  # fmt: skip
             return
-        args = {"config": dataclasses.asdict(config), "folder": str(folder), "log": str(log)}
         try:
-            launch(
-                "benchmarks.gpu_side_by_side:worker",
-                1,
-                {**args, "probe": [summary.side, seq_len]},
-                timeout=left,
-                extra_env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
-            )
+            launch_side(config, folder, log, summary.side, [seq_len], "probe", timeout=left)
         except AssertionError as error:  # a failed or stopped process: out of memory outside the step, or other
             out_of_memory = "out of memory" in str(error) or "OutOfMemoryError" in str(error)
             append_record(
@@ -632,25 +640,20 @@ def probe_longest(
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    from tests.launch import launch
-
     config, out_dir, folder = parse_args(argv)
     if config.accelerator == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_side_by_side needs a CUDA GPU (--accelerator cpu runs a functional smoke test).")
     started = time.monotonic()
     deadline = started + (config.budget_s or 24 * 3600)
     log, report = out_dir / "side_by_side.jsonl", out_dir / "side_by_side.md"
-    args = {"config": dataclasses.asdict(config), "folder": str(folder), "log": str(log), "probe": None}
-    try:
-        launch(
-            "benchmarks.gpu_side_by_side:worker",
-            1,
-            args,
-            timeout=deadline - time.monotonic(),
-            extra_env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
-        )
-    except AssertionError as error:
-        append_record(log, {"kind": "error", "label": config.label, "message": str(error)[-3000:]})
+    lengths = [config.seq_len, config.short_length, *[config.seq_len] * config.timed_steps]
+    for side in config.side_order:
+        try:
+            recorded = any(r["kind"] == "run" and r["label"] == config.label for r in read_records(log))
+            launch_side(config, folder, log, side, lengths, "side", deadline - time.monotonic(), not recorded)
+        except AssertionError as error:
+            append_record(log, {"kind": "error", "label": config.label, "side": side, "message": str(error)[-3000:]})
+        publish_report(read_records(log), report)
     publish_report(read_records(log), report)
     run = next((r for r in read_records(log)[::-1] if r["kind"] == "run" and r["label"] == config.label), None)
     capacity = run and run["capacity"]

@@ -34,7 +34,7 @@ STEPS=${STEPS:-install cuda_tests sbs_1b sbs_8b kernels}
 SBS_1B_SEQ_LEN=${SBS_1B_SEQ_LEN:-32768}
 SBS_8B_SEQ_LEN=${SBS_8B_SEQ_LEN:-65536}
 SBS_8B_LAYERS=${SBS_8B_LAYERS:-2}
-SBS_8B_CAP=${SBS_8B_CAP:-190}
+SBS_8B_CAP=${SBS_8B_CAP:-210}
 mkdir -p "$OUT"
 STATUS=$OUT/status.txt
 : > "$STATUS"
@@ -89,17 +89,17 @@ if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() el
     exit 2
 fi
 
-step cuda_tests 60 "$OUT/cuda_tests.log" "$PYTHON" -m pytest -v -rfs --tb=short -p no:cacheprovider -m cuda \
+step cuda_tests 50 "$OUT/cuda_tests.log" "$PYTHON" -m pytest -v -rfs --tb=short -p no:cacheprovider -m cuda \
     tests/test_ring.py tests/test_norms.py tests/test_offload.py
 sbs=(-m benchmarks.gpu_side_by_side --out-dir "$OUT" --timed-steps 3)
-step sbs_1b 120 "$OUT/side_by_side.log" "$PYTHON" "${sbs[@]}" --model 1b --seq-len "$SBS_1B_SEQ_LEN" \
-    --sides alst ours ours+all --probe-sides --budget-s 100
+step sbs_1b 130 "$OUT/side_by_side.log" "$PYTHON" "${sbs[@]}" --model 1b --seq-len "$SBS_1B_SEQ_LEN" \
+    --sides alst ours ours+all --probe-sides --budget-s 120
 left=$((BUDGET_S - SECONDS))
 sbs_8b_budget=$(( (SBS_8B_CAP < left ? SBS_8B_CAP : left) - 20 ))  # imports, and the report after the last probe
 step sbs_8b "$SBS_8B_CAP" "$OUT/side_by_side.log" "$PYTHON" "${sbs[@]}" --model 8b --layers "$SBS_8B_LAYERS" \
     --seq-len "$SBS_8B_SEQ_LEN" --sides ours+all ours alst --probe-sides ours+all alst --budget-s "$sbs_8b_budget"
 if [[ -f benchmarks/kernels.py ]]; then
-    step kernels 90 "$OUT/kernels.log" "$PYTHON" -m benchmarks.kernels --output "$OUT/kernels.md"
+    step kernels 70 "$OUT/kernels.log" "$PYTHON" -m benchmarks.kernels --output "$OUT/kernels.md"
 else
     note "kernels: skipped, benchmarks/kernels.py does not exist"
 fi
