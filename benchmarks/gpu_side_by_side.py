@@ -287,6 +287,7 @@ def deepspeed_config(device: torch.device) -> dict[str, Any]:
     """The ZeRO-3 config ``UlyssesStrategy`` runs with, as a plain DeepSpeed loop needs it (Lightning writes
     ``gradient_clip_val=None`` as 0; DeepSpeed's own default would clip ALST alone)."""
     config = copy.deepcopy(UlyssesStrategy(stage=3).config)
+    assert config is not None
     config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, gradient_clipping=0.0)
     if device.type == "cuda":
         config["bf16"] = {"enabled": True}
