@@ -4,12 +4,16 @@
 # machine's Python lacks. It has torch, transformers, lightning, torchmetrics, accelerate, PyYAML, numpy, einops,
 # msgpack, ninja, psutil, py-cpuinfo, tqdm and nvidia-ml-py; it lacks deepspeed (built here as a pure-Python
 # py3-none-any wheel, DS_BUILD_OPS=0: no CUDA extension), its pydantic stack and hjson, and jsonargparse with the
-# [signatures] extras. The versions are those of the active environment, the ones the test suite ran with.
+# [signatures] extras, and liger-kernel (Triton kernels, pure Python; its needs, torch and triton, are there). The
+# versions are those of the active environment, the ones the test suite ran with; liger-kernel, not in it, at
+# LIGER_VERSION.
 #   KIT_DIR=.whl (where)   KIT_PYTHON_VERSION=3.12 (the GPU machine's; pydantic-core is the one compiled wheel)
+#   LIGER_VERSION=0.8.5
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 KIT_DIR=${KIT_DIR:-.whl}
 KIT_PYTHON_VERSION=${KIT_PYTHON_VERSION:-3.12}
+LIGER_VERSION=${LIGER_VERSION:-0.8.5}
 LIMIT_MIB=60  # the device tool carries at most 64 MiB with the working tree
 
 version() { python -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
@@ -20,7 +24,8 @@ python -m pip download -q --no-deps --only-binary=:all: -d "$KIT_DIR" $(pins pyd
     --python-version "$KIT_PYTHON_VERSION" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 python -m pip download -q --no-deps --only-binary=:all: -d "$KIT_DIR" \
-    $(pins hjson pydantic annotated-types typing-inspection jsonargparse docstring-parser typeshed-client)
+    $(pins hjson pydantic annotated-types typing-inspection jsonargparse docstring-parser typeshed-client) \
+    "liger-kernel==$LIGER_VERSION"
 python -m pip download -q --no-deps --no-binary=:all: -d "$KIT_DIR/src" $(pins deepspeed)
 DS_BUILD_OPS=0 python -m pip wheel -q --no-deps --no-build-isolation -w "$KIT_DIR" "$KIT_DIR"/src/deepspeed-*.tar.gz
 rm -rf "$KIT_DIR/src"
