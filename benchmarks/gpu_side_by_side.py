@@ -37,7 +37,7 @@ at ``--short-len`` (the second point of the memory fit), then ``--timed-steps`` 
 device synchronized at the step's start and end (data, forward, backward, optimizer). Tokens/s: ``seq_len`` over the
 median timed step. MFU: tokens/s x :class:`~lightning_ulysses.flops.TransformerFlops` per token (no recompute
 counted) over the bf16 matrix-product rate measured on the same GPU in the first side's process (8192^3 random
-products) and over the datasheet's dense peak (:func:`~lightning_ulysses.dense_peak_flops`). Peak memory:
+products) and over the datasheet's dense peak (:func:`~lightning_ulysses.flops.dense_peak_flops`). Peak memory:
 ``torch.cuda.max_memory_allocated`` over each step (everything the process holds: weights, optimizer, activations),
 reset at the step's start.
 
@@ -77,8 +77,8 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from benchmarks.measure import PeakMemory
-from lightning_ulysses import UlyssesLossMixin, UlyssesStrategy, dense_peak_flops
-from lightning_ulysses.flops import TransformerFlops
+from lightning_ulysses import UlyssesLossMixin, UlyssesStrategy
+from lightning_ulysses.flops import TransformerFlops, dense_peak_flops
 
 GiB = 2**30
 # Llama 3.x shapes (https://huggingface.co/meta-llama); "tiny" runs the same code on CPU in seconds

@@ -7,11 +7,12 @@
 # Steps, each stopped at its own time limit (the second field of each `step` line) and all within BUDGET_S:
 #   install     the wheels, offline, into $SITE
 #   (env)       nvidia-smi, versions (not timed: seconds)
-#   cuda_tests  a short CUDA test selection: the ring's block kernels, the fused norms, offload on a side stream
+#   cuda_tests  a short CUDA test selection: the ring's block kernels, the fused norms, offload on a side stream,
+#               Liger's kernels, SDPA's cuDNN backend against float64
 #   sbs_1b      benchmarks.gpu_side_by_side: Llama-3.2-1B whole, ALST / ours / ours+all at SBS_1B_SEQ_LEN tokens
 #   sbs_8b      the same on Llama-3.1-8B's widths with SBS_8B_LAYERS layers, sides in reverse order, then the longest
 #               sequence probed for alst and ours+all with what is left of the step's time
-#   kernels     python -m benchmarks.kernels (only if benchmarks/kernels.py exists)
+#   kernels     python -m benchmarks.kernels: attention kernels (SDPA flash, cuDNN, flex), Liger, compiled layers
 # STEPS (a space-separated subset, in this order) runs fewer. Each result is written to $OUT as soon as it exists;
 # the device tool returns at most 8 files, these:
 #   status.txt          one line per step as it ends: exit code, seconds, "stopped at its time limit"
@@ -89,19 +90,16 @@ if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() el
     exit 2
 fi
 
-step cuda_tests 50 "$OUT/cuda_tests.log" "$PYTHON" -m pytest -v -rfs --tb=short -p no:cacheprovider -m cuda \
-    tests/test_ring.py tests/test_norms.py tests/test_offload.py
+step cuda_tests 60 "$OUT/cuda_tests.log" "$PYTHON" -m pytest -v -rfs --tb=short -p no:cacheprovider -m cuda \
+    tests/test_ring.py tests/test_norms.py tests/test_offload.py tests/test_liger.py tests/test_attention.py -k \
+    "not test_attention.py or cudnn"
 sbs=(-m benchmarks.gpu_side_by_side --out-dir "$OUT" --timed-steps 3)
-step sbs_1b 130 "$OUT/side_by_side.log" "$PYTHON" "${sbs[@]}" --model 1b --seq-len "$SBS_1B_SEQ_LEN" \
-    --sides alst ours ours+all --probe-sides --budget-s 120
+step sbs_1b 120 "$OUT/side_by_side.log" "$PYTHON" "${sbs[@]}" --model 1b --seq-len "$SBS_1B_SEQ_LEN" \
+    --sides alst ours ours+all --probe-sides --budget-s 110
 left=$((BUDGET_S - SECONDS))
 sbs_8b_budget=$(( (SBS_8B_CAP < left ? SBS_8B_CAP : left) - 20 ))  # imports, and the report after the last probe
 step sbs_8b "$SBS_8B_CAP" "$OUT/side_by_side.log" "$PYTHON" "${sbs[@]}" --model 8b --layers "$SBS_8B_LAYERS" \
     --seq-len "$SBS_8B_SEQ_LEN" --sides ours+all ours alst --probe-sides ours+all alst --budget-s "$sbs_8b_budget"
-if [[ -f benchmarks/kernels.py ]]; then
-    step kernels 70 "$OUT/kernels.log" "$PYTHON" -m benchmarks.kernels --output "$OUT/kernels.md"
-else
-    note "kernels: skipped, benchmarks/kernels.py does not exist"
-fi
+step kernels 70 "$OUT/kernels.log" "$PYTHON" -m benchmarks.kernels --output "$OUT/kernels.md"
 note "done in $SECONDS s"
 exit $failed
