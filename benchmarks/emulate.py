@@ -3,9 +3,11 @@
 The lent machines have one GPU; the runs that matter have 8. This runs rank 0's share of an ``sp``-rank step of a
 Llama-shaped model on one device, through the package's own path (``apply_ulysses_attention`` with the strategy's
 head chunks, ``apply_memory_options``, :class:`~lightning_ulysses.UlyssesLossMixin`'s ``forward_causal_lm_loss``),
-over :class:`EmulatedPeers`: a process group of ``sp`` ranks of which only rank 0 exists. Its collectives complete
-locally with tensors of the real shapes, so rank 0 holds ``N / sp`` tokens of every head before each attention and
-all ``N`` tokens of ``H / sp`` heads inside it, exactly as in the real run::
+over the process grid ``UlyssesStrategy`` builds (``SequenceParallelGroups.create``: ``build_mesh``'s ``DeviceMesh``)
+on a world of :class:`EmulatedPeers`: a process group of ``sp`` ranks of which only rank 0 exists, the default group
+of the run (backend ``"emulated"``). Its collectives complete locally with tensors of the real shapes, so rank 0
+holds ``N / sp`` tokens of every head before each attention and all ``N`` tokens of ``H / sp`` heads inside it,
+exactly as in the real run::
 
     python -m benchmarks.emulate --model 8b --sp 8 --seq-lens 262144 524288 --extrapolate-to 3700000 --options alst all
 
