@@ -3,9 +3,11 @@
 The lent machines have one GPU; the runs that matter have 8. This runs rank 0's share of an ``sp``-rank step of a
 Llama-shaped model on one device, through the package's own path (``apply_ulysses_attention`` with the strategy's
 head chunks, ``apply_memory_options``, :class:`~lightning_ulysses.UlyssesLossMixin`'s ``forward_causal_lm_loss``),
-over :class:`EmulatedPeers`: a process group of ``sp`` ranks of which only rank 0 exists. Its collectives complete
-locally with tensors of the real shapes, so rank 0 holds ``N / sp`` tokens of every head before each attention and
-all ``N`` tokens of ``H / sp`` heads inside it, exactly as in the real run::
+over the process grid ``UlyssesStrategy`` builds (``SequenceParallelGroups.create``: ``build_mesh``'s ``DeviceMesh``)
+on a world of :class:`EmulatedPeers`: a process group of ``sp`` ranks of which only rank 0 exists, the default group
+of the run (backend ``"emulated"``). Its collectives complete locally with tensors of the real shapes, so rank 0
+holds ``N / sp`` tokens of every head before each attention and all ``N`` tokens of ``H / sp`` heads inside it,
+exactly as in the real run::
 
     python -m benchmarks.emulate --model 8b --sp 8 --seq-lens 262144 524288 --extrapolate-to 3700000 --options alst all
 
@@ -67,6 +69,7 @@ from lightning_ulysses.hf import apply_ulysses_attention
 from lightning_ulysses.loss import LossContext
 from lightning_ulysses.memory import MemoryOptions, apply_memory_options
 from lightning_ulysses.sharding import prepare_batch, shard_batch
+from lightning_ulysses.topology import SequenceParallelTopology
 
 BACKEND = "emulated"
 GiB = 2**30
@@ -113,6 +116,10 @@ class EmulatedPeers(dist.ProcessGroup):
       position ids: the documents are the real run's), else ``size`` copies of the input;
     * all-reduce: a sum is ``size`` times the input (the peers mirror rank 0), a max, min or average the input;
     * broadcast and barrier: nothing (rank 0 is the source).
+
+    It keeps the name and description ``init_process_group`` / ``new_group`` give it: a ``ProcessGroup`` keeps them in
+    its backends, and a Python one has none, so without these overrides ``group_name`` raises and no ``DeviceMesh``
+    can be built over it.
     """
 
     def __init__(self, rank: int, size: int) -> None:
@@ -120,9 +127,25 @@ class EmulatedPeers(dist.ProcessGroup):
         self.world = size
         self.all_to_alls: list[AllToAll] = []
         self._held: list[tuple[Tensor, list[Tensor]]] = []
+        self._name = ""
+        self._description = ""
 
     def getBackendName(self) -> str:
         return BACKEND
+
+    def getGroupName(self) -> str:
+        if not self._name:
+            raise RuntimeError("ProcessGroup name not set")
+        return self._name
+
+    def setGroupName(self, name: str) -> None:
+        self._name = name
+
+    def getGroupDesc(self) -> str:
+        return self._description
+
+    def setGroupDesc(self, description: str) -> None:
+        self._description = description
 
     def hold(self, whole: Tensor, dim: int = 1) -> None:
         """Let all-gathers of ``whole``'s rank-0 shard (``size`` equal parts along ``dim``) return all its shards."""
@@ -161,8 +184,11 @@ def _same(a: Tensor, b: Tensor) -> bool:
 
 
 @contextmanager
-def emulated_world(size: int) -> Iterator[EmulatedPeers]:
-    """Inside the block, the default process group is :class:`EmulatedPeers` of ``size`` ranks (this process: 0)."""
+def emulated_world(size: int, device_type: str = "cpu") -> Iterator[SequenceParallelGroups]:
+    """Inside the block, the default process group is :class:`EmulatedPeers` of ``size`` ranks (this process: 0), and
+    what it yields is the process grid ``UlyssesStrategy`` builds over it for plain Ulysses at ``sp = size``
+    (:meth:`SequenceParallelGroups.create`: ``build_mesh``'s ``DeviceMesh`` over ``device_type``), every group of it
+    :class:`EmulatedPeers` (the ``dp`` and ``ring`` axes of one rank; the SP group, :func:`peers_of`, of ``size``)."""
     if not hasattr(dist.Backend, BACKEND.upper()):
         dist.Backend.register_backend(
             BACKEND, lambda store, rank, size, timeout: EmulatedPeers(rank, size), devices=["cpu", "cuda"]
@@ -171,11 +197,17 @@ def emulated_world(size: int) -> Iterator[EmulatedPeers]:
         raise RuntimeError("benchmarks.emulate runs in a process without a process group of its own.")
     dist.init_process_group(BACKEND, store=dist.HashStore(), rank=0, world_size=size)
     try:
-        group = dist.group.WORLD
-        assert isinstance(group, EmulatedPeers)
-        yield group
+        yield SequenceParallelGroups.create(SequenceParallelTopology(size, size, 0), device_type)
     finally:
         dist.destroy_process_group()
+
+
+def peers_of(groups: SequenceParallelGroups) -> EmulatedPeers:
+    """The emulated SP group of :func:`emulated_world`'s ``groups``: what its all-to-alls recorded, what it holds."""
+    peers = groups.sp
+    if not isinstance(peers, EmulatedPeers):
+        raise TypeError(f"{groups} is not the process grid of emulated_world.")
+    return peers
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,26 +248,39 @@ def model_config(model: str, layers: int, seq_len: int) -> LlamaConfig:
 
 
 def patched_rank(
-    group: dist.ProcessGroup, config: LlamaConfig, option: str, device: torch.device, dtype: torch.dtype, core: str
+    groups: SequenceParallelGroups,
+    config: LlamaConfig,
+    option: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    core: str,
 ) -> tuple[LlamaForCausalLM, UlyssesLossMixin]:
-    """``config`` built on ``device`` and patched over ``group`` as UlyssesStrategy patches it for ``option`` (the
-    set-up check included), and the loss path with the context the strategy publishes (:meth:`forward_causal_lm_loss`
-    of what it returns runs the step's forward)."""
-    sp = dist.get_world_size(group)
+    """``config`` built on ``device`` and patched over the process grid ``groups`` as UlyssesStrategy patches it for
+    ``option`` (the set-up check included), and the loss path with the context the strategy publishes
+    (:meth:`forward_causal_lm_loss` of what it returns runs the step's forward)."""
+    sp = groups.topology.sp_size
     kwargs = dict(OPTIONS[option])
     head_chunks = kwargs.pop("head_chunks", None)
     memory = MemoryOptions(**kwargs)
     with device:
         model = LlamaForCausalLM(config).to(dtype)
-    groups = SequenceParallelGroups.of(group)
-    apply_ulysses_attention(model, groups, sp, core, head_chunks=head_chunks)
+    apply_ulysses_attention(model, groups, core, head_chunks=head_chunks)
     apply_memory_options(model, memory)
-    loss = _RankLoss(LossContext(groups, "sp_group", float(sp), None, memory.tiled_loss, None, None, 1, lambda: None))
+    context = LossContext(
+        groups,
+        normalization="sp_group",
+        gradient_scale=float(sp),
+        tiled_loss=memory.tiled_loss,
+        batch=None,
+        accumulate_grad_batches=1,
+        record_exact_reduction=lambda: None,
+    )
+    loss = _RankLoss(context)
     return model, loss
 
 
 def run_rank0(
-    peers: EmulatedPeers,
+    groups: SequenceParallelGroups,
     config: LlamaConfig,
     seq_len: int,
     option: str,
@@ -244,10 +289,11 @@ def run_rank0(
     steps: int,
     core: str = "sdpa",
 ) -> StepMeasurement:
-    """:func:`patched_rank` over ``peers``, then ``1 + steps`` forward + backward steps of rank 0's shard of one random
-    ``seq_len`` sequence (the first not timed)."""
+    """:func:`patched_rank` over :func:`emulated_world`'s ``groups``, then ``1 + steps`` forward + backward steps of
+    rank 0's shard of one random ``seq_len`` sequence (the first not timed)."""
+    peers = peers_of(groups)
     sp = peers.world
-    model, loss = patched_rank(peers, config, option, device, dtype, core)
+    model, loss = patched_rank(groups, config, option, device, dtype, core)
     for parameter in model.parameters():  # resident, as ZeRO's gradient partitions are: not part of the peak
         parameter.grad = torch.zeros_like(parameter)
 
@@ -440,14 +486,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     def report() -> str:
         return render(args, rows, device_name, gpu_memory, dtype, core)
 
-    with emulated_world(args.sp) as peers, sdpa_kernel(SDPA_BACKENDS[args.sdpa_backend]):
+    with emulated_world(args.sp, device.type) as groups, sdpa_kernel(SDPA_BACKENDS[args.sdpa_backend]):
         for option in args.options:
             measured: list[tuple[int, Estimate]] = []
             for seq_len in sorted(set(args.seq_lens)):
                 try:
                     low, high = (
                         run_rank0(
-                            peers,
+                            groups,
                             model_config(args.model, d, seq_len),
                             seq_len,
                             option,

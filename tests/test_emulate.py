@@ -16,7 +16,6 @@ import torch.distributed as dist
 from transformers import LlamaConfig
 
 from benchmarks.emulate import (
-    EmulatedPeers,
     Estimate,
     StepMeasurement,
     emulated_world,
@@ -25,6 +24,7 @@ from benchmarks.emulate import (
     main,
     parameter_counts,
     patched_rank,
+    peers_of,
     run_rank0,
     zero3_bytes,
 )
@@ -33,6 +33,7 @@ from benchmarks.measure import SavedForBackward
 from lightning_ulysses.attention import documents_of
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.sharding import prepare_batch, shard_batch
+from lightning_ulysses.topology import SequenceParallelTopology
 from tests.launch import launch
 
 SP, SEQ_LEN = 4, 96
@@ -51,8 +52,8 @@ def config(layers: int) -> LlamaConfig:
     )
 
 
-def run(peers: EmulatedPeers, layers: int, option: str) -> StepMeasurement:
-    return run_rank0(peers, config(layers), SEQ_LEN, option, torch.device("cpu"), torch.float32, steps=1)
+def run(groups: SequenceParallelGroups, layers: int, option: str) -> StepMeasurement:
+    return run_rank0(groups, config(layers), SEQ_LEN, option, torch.device("cpu"), torch.float32, steps=1)
 
 
 def off_device_bytes_per_pass(layers: int, element_bytes: int = 4) -> int:
@@ -64,9 +65,9 @@ def off_device_bytes_per_pass(layers: int, element_bytes: int = 4) -> int:
 
 
 def test_emulated_rank_has_the_real_shapes_and_moves_the_formula_bytes() -> None:
-    with emulated_world(SP) as peers:
-        plain = [run(peers, layers, "plain") for layers in (1, 2)]
-        checkpointed = run(peers, 2, "checkpointing")
+    with emulated_world(SP) as groups:
+        plain = [run(groups, layers, "plain") for layers in (1, 2)]
+        checkpointed = run(groups, 2, "checkpointing")
     n, heads, kv_heads = SEQ_LEN // SP, SHAPE["num_attention_heads"] // SP, SHAPE["num_key_value_heads"] // SP
     for measured in [*plain, checkpointed]:
         # every decoder layer of rank 0 holds N / sp tokens of the whole hidden state
@@ -92,8 +93,8 @@ def test_emulated_rank_has_the_real_shapes_and_moves_the_formula_bytes() -> None
 def test_emulated_rank_on_cuda_with_alst_options() -> None:
     """bf16 on the GPU with ALST's options (offload on its side stream, the tiled loss and MLP): the CUDA backward
     (autograd's device thread) is told from the forward, the recomputation's all-to-alls counted with it."""
-    with emulated_world(SP) as peers:
-        measured = run_rank0(peers, config(2), SEQ_LEN, "alst", torch.device("cuda"), torch.bfloat16, steps=1)
+    with emulated_world(SP, "cuda") as groups:
+        measured = run_rank0(groups, config(2), SEQ_LEN, "alst", torch.device("cuda"), torch.bfloat16, steps=1)
     assert measured.layer_inputs == [(1, SEQ_LEN // SP, SHAPE["hidden_size"])] * 2
     assert measured.off_device_bytes == (off_device_bytes_per_pass(2, 2), 2 * off_device_bytes_per_pass(2, 2))
     assert measured.step_time > 0 and measured.peak_bytes > 0
@@ -104,13 +105,15 @@ REAL_OPTIONS = ("plain", "checkpointing")
 
 
 def real_rank_worker(args: dict[str, Any]) -> dict[str, int]:
-    """One rank of a real sp=2 gloo run of the emulation's model and path: what its forward saved for the backward."""
+    """One rank of a real sp=2 gloo run of the emulation's model and path (the strategy's mesh over gloo): what its
+    forward saved for the backward."""
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    groups = SequenceParallelGroups.create(SequenceParallelTopology(REAL_SP, REAL_SP, rank), "cpu")
     whole = prepare_batch({"input_ids": torch.randint(0, SHAPE["vocab_size"], (1, SEQ_LEN))}, REAL_SP)
     saved_bytes = {}
     for option in REAL_OPTIONS:
-        model, loss = patched_rank(dist.group.WORLD, config(2), option, torch.device("cpu"), torch.float32, "sdpa")
+        model, loss = patched_rank(groups, config(2), option, torch.device("cpu"), torch.float32, "sdpa")
         with SavedForBackward() as saved:
             value = loss.forward_causal_lm_loss(model, shard_batch(whole, rank, REAL_SP))
         value.backward()
@@ -122,26 +125,27 @@ def real_rank_worker(args: dict[str, Any]) -> dict[str, int]:
 def test_emulated_rank_saves_what_a_real_rank_saves() -> None:
     """The activations rank 0 keeps for the backward, byte for byte, in the emulation and in a real sp=2 run."""
     real = launch("tests.test_emulate:real_rank_worker", REAL_SP, {})
-    with emulated_world(REAL_SP) as peers:
-        emulated = {option: run(peers, 2, option).saved_bytes for option in REAL_OPTIONS}
+    with emulated_world(REAL_SP) as groups:
+        emulated = {option: run(groups, 2, option).saved_bytes for option in REAL_OPTIONS}
     assert real[0] == real[1] == emulated
     assert emulated["checkpointing"] < emulated["plain"]
 
 
 def test_emulated_all_gather_returns_the_batch_so_attention_sees_its_documents() -> None:
     """Rank 0's shard of the batch's position ids gathers to the whole row (one document of N tokens, as in the real
-    run); any other tensor gathers to sp copies, and a sum over the group counts sp mirrored ranks."""
+    run); any other tensor gathers to sp copies, and a sum over the group counts sp mirrored ranks (the SP group of the
+    strategy's mesh over the emulated world)."""
     whole = prepare_batch({"input_ids": torch.zeros(1, SEQ_LEN, dtype=torch.long)}, SP)
-    with emulated_world(SP) as peers:
-        peers.hold(whole["position_ids"])
+    with emulated_world(SP) as groups:
+        peers_of(groups).hold(whole["position_ids"])
         shard = shard_batch(whole, 0, SP)["position_ids"]
-        documents = documents_of(shard, SequenceParallelGroups.of(peers))
+        documents = documents_of(shard, groups)
         assert documents.offsets == (0, SEQ_LEN)
         other = [torch.empty(2) for _ in range(SP)]
-        dist.all_gather(other, torch.tensor([1.0, 2.0]))
+        dist.all_gather(other, torch.tensor([1.0, 2.0]), group=groups.sp)
         assert all(torch.equal(t, torch.tensor([1.0, 2.0])) for t in other)
         total = torch.tensor([3.0])
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=groups.sp)
         assert total.item() == 3.0 * SP
     assert not dist.is_initialized()
 
