@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_ulysses import strategy as strategy_module
+from lightning_ulysses import sequence_parallel
 from lightning_ulysses.attention import gather_sequence, ring, ring_blocks, ulysses_attention
 from lightning_ulysses.attention.documents import Documents
 from lightning_ulysses.attention.ring import classify_pair, plan_ring
@@ -464,7 +464,7 @@ def test_inexact_block_kernels_are_refused_at_set_up(monkeypatch: pytest.MonkeyP
         match=r"ring_size=2\): the ring's block kernels on cpu do not compute attention "
         r"exactly here \(.*torch.float32 dK: relative error .*Use ring_size=1",
     ):
-        strategy_module._check_ring_kernels(torch.device("cpu"), torch.bfloat16, 2)
+        sequence_parallel._check_ring_kernels(torch.device("cpu"), torch.bfloat16, 2)
     monkeypatch.setattr(ring_blocks, "block_backward", backward)
     for wrong in (dict(kind="full"), dict(scale=0.25)):
 
