@@ -102,6 +102,11 @@ class UlyssesStrategy(SequenceParallelMixin, DeepSpeedStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.nonfinite_loss.setup(self.model)
 
+    @override
+    def teardown(self) -> None:
+        deepspeed_engine.release_zero3_module(self.model)  # ZeRO-3 would keep the model alive for the process's life
+        super().teardown()
+
     @property
     @override
     def handles_gradient_accumulation(self) -> bool:

@@ -85,3 +85,6 @@ def test_deepspeed_private_names() -> None:
     config = DeepSpeedConfig({"train_batch_size": 1, "bf16": {"enabled": True}})
     assert isinstance(config.bfloat16_config.check_grad_overflow, bool)
     assert hasattr(config, "load_universal_checkpoint")
+    from deepspeed.runtime.zero import parameter_offload
+
+    assert isinstance(parameter_offload.FWD_MODULE_STACK, list)

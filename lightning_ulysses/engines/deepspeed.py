@@ -62,3 +62,18 @@ def checks_bf16_gradient_overflow(engine: Any) -> bool:
     """Whether the engine's bf16 optimizer skips steps with non-finite gradients (the config's
     ``bf16.check_grad_overflow``, which DeepSpeed exposes only in its parsed ``_config``)."""
     return bool(engine._config.bfloat16_config.check_grad_overflow)
+
+
+def release_zero3_module(engine: Any) -> None:
+    """Drop ``engine``'s modules from DeepSpeed's module-level ``parameter_offload.FWD_MODULE_STACK``.
+
+    ZeRO-3 pushes the engine's top module there at set-up and never pops it (DeepSpeed 0.19.8), and a forward that
+    raised leaves its sub-modules there: without this, every engine built in a process (a sweep, a test session)
+    stays alive with its weights and optimizer state. Entries of other engines stay."""
+    from deepspeed.runtime.zero import parameter_offload
+
+    module = getattr(engine, "module", None)
+    if not isinstance(module, torch.nn.Module):
+        return
+    owned = {id(m) for m in module.modules()}
+    parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in owned]
