@@ -177,7 +177,7 @@ def zero3_release_worker(args: dict[str, Any]) -> dict[str, Any]:
     trainer = cpu_trainer(1, UlyssesStrategy(sp_size=1, stage=3, attn_implementation="sdpa"), max_steps=1)
     trainer.fit(module, DataLoader(make_samples(num=2, seq_len=16), batch_size=2, collate_fn=collate))
     held = [type(m).__name__ for m in parameter_offload.FWD_MODULE_STACK if module in list(m.modules())]
-    return {"stack_as_before": parameter_offload.FWD_MODULE_STACK == stack_before, "held": held}
+    return {"stack_as_before": stack_before == parameter_offload.FWD_MODULE_STACK, "held": held}
 
 
 @pytest.mark.distributed
