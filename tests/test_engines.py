@@ -1,5 +1,6 @@
-"""The private names of Lightning, DeepSpeed and torch that the engine adapters (:mod:`lightning_ulysses.engines`) use
-still exist with the signature they are called with: a release that moves one fails here, by name."""
+"""The private names of Lightning, DeepSpeed, transformers and torch that the engine adapters
+(:mod:`lightning_ulysses.engines`) use still exist with the signature they are called with: a release that moves one
+fails here, by name."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.data import BatchSampler
+from torch.utils.data import BatchSampler, SequentialSampler
 
 from lightning_ulysses.engines import lightning as lightning_engine
+from lightning_ulysses.engines import transformers as transformers_engine
 
 
 def parameters(function: Any) -> list[str]:
@@ -58,8 +60,12 @@ def test_lightning_private_classes_and_the_checkpoint_connector() -> None:
         assert getattr(lightning_engine, name) is not None, name
     assert parameters(lightning_engine.format_summary_table)[:2] == ["total_parameters", "trainable_parameters"]
     assert parameters(lightning_engine.plugin_to_compute_dtype) == ["plugin"]
-    assert hasattr(lightning_engine.IndexBatchSamplerWrapper(BatchSampler([0, 1], 1, False)), "_batch_sampler")
-    assert "_sampler" in vars(lightning_engine.DatasetSamplerWrapper([0, 1]))
+    batch_sampler = BatchSampler([0, 1], 1, False)
+    wrapped = lightning_engine.IndexBatchSamplerWrapper(batch_sampler)
+    assert lightning_engine.inside_index_batch_sampler(wrapped) is batch_sampler
+    assert lightning_engine.inside_index_batch_sampler(batch_sampler) is batch_sampler
+    sampler = SequentialSampler([0, 1])
+    assert lightning_engine.wrapped_sampler(lightning_engine.DatasetSamplerWrapper(sampler)) is sampler
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
     assert isinstance(trainer._checkpoint_connector, _CheckpointConnector)
     assert hasattr(trainer._checkpoint_connector, "_hpc_resume_path")
@@ -88,3 +94,37 @@ def test_deepspeed_private_names() -> None:
     from deepspeed.runtime.zero import parameter_offload
 
     assert isinstance(parameter_offload.FWD_MODULE_STACK, list)
+
+
+def test_transformers_private_names() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM, RecurrentGemmaConfig, RecurrentGemmaModel
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    config = LlamaConfig(num_hidden_layers=1, hidden_size=8, intermediate_size=16, num_attention_heads=2, vocab_size=8)
+    config._attn_implementation = "sdpa"
+    assert transformers_engine.attn_implementation(config) == "sdpa"
+    transformers_engine.set_own_attn_implementation(config, "eager")
+    assert config._attn_implementation == "eager" and transformers_engine.ATTN_IMPLEMENTATION_ATTRIBUTE in vars(config)
+
+    ALL_MASK_ATTENTION_FUNCTIONS.register("engines_test", lambda *args, **kwargs: None)
+    transformers_engine.unregister_mask_interface("engines_test")
+    assert "engines_test" not in ALL_MASK_ATTENTION_FUNCTIONS
+
+    model = LlamaForCausalLM(config)
+    assert parameters(type(model)._set_gradient_checkpointing)[:3] == ["self", "enable", "gradient_checkpointing_func"]
+    checkpointed: list[str] = []
+    transformers_engine.enable_gradient_checkpointing(model, lambda *args, **kwargs: checkpointed.append("called"))
+    assert model.is_gradient_checkpointing and model.model.layers[0].gradient_checkpointing
+    transformers_engine.disable_gradient_checkpointing(model)
+    assert not model.is_gradient_checkpointing
+    model.loss_function = lambda *args, **kwargs: None
+    assert transformers_engine.LOSS_FUNCTION_ATTRIBUTE in vars(model)
+
+    recurrent = RecurrentGemmaConfig(
+        num_hidden_layers=1, hidden_size=8, lru_width=8, intermediate_size=16, num_attention_heads=2, vocab_size=8
+    )
+    lru = RecurrentGemmaModel(recurrent).layers[0].temporal_block.rg_lru
+    assert parameters(lru._rnn_scan) == ["hidden_states", "recurrent_gate", "reset", "recurrent_states", "acc_dtype"]
+    gate, x = torch.full((1, 3, 8), 0.5), torch.ones(1, 3, 8)
+    out = transformers_engine.rnn_scan(lru, x, gate, torch.tensor([[[True], [False], [False]]]))
+    assert torch.allclose(out[0, :, 0], torch.tensor([1.0, 1.5, 1.75]))

@@ -96,6 +96,20 @@ def add_worker_init_fn(dataloader: object, rank: int) -> None:
     _auto_add_worker_init_fn(dataloader, rank)
 
 
+def inside_index_batch_sampler(batch_sampler: Any) -> Any:
+    """The batch sampler inside Lightning's prediction index-recording wrapper (``_IndexBatchSamplerWrapper`` keeps it
+    as ``_batch_sampler``, with no public accessor), whose ``sampler`` the SP loader checks and replaces; any other
+    batch sampler as it is."""
+    return batch_sampler._batch_sampler if isinstance(batch_sampler, IndexBatchSamplerWrapper) else batch_sampler
+
+
+def wrapped_sampler(dataset: DatasetSamplerWrapper) -> Any:
+    """The user's sampler that Lightning's ``DistributedSamplerWrapper`` wraps (its dataset, a
+    ``_DatasetSamplerWrapper``, keeps it as ``_sampler``, with no public accessor): the even evaluation batches wrap it
+    again, padded over the DP ranks."""
+    return dataset._sampler
+
+
 def default_store() -> dist.Store:
     """The default process group's key-value store (torch's ``distributed_c10d._get_default_store``), where the
     heartbeat of each rank is kept: every launcher's rendezvous already made it."""
