@@ -20,6 +20,7 @@ from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnect
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import BatchSampler, SequentialSampler
 
+from lightning_ulysses.engines import deepspeed as deepspeed_engine
 from lightning_ulysses.engines import lightning as lightning_engine
 from lightning_ulysses.engines import transformers as transformers_engine
 
@@ -70,6 +71,21 @@ def test_lightning_private_classes_and_the_checkpoint_connector() -> None:
     assert isinstance(trainer._checkpoint_connector, _CheckpointConnector)
     assert hasattr(trainer._checkpoint_connector, "_hpc_resume_path")
     assert lightning_engine.hpc_checkpoint_path(trainer).endswith("hpc_ckpt_1.ckpt")
+    assert lightning_engine.attached_trainer(L.LightningModule()) is None
+    module = L.LightningModule()
+    module.trainer = trainer
+    assert lightning_engine.attached_trainer(module) is trainer
+
+
+def test_the_model_summary_rows_can_be_dropped() -> None:
+    from lightning.pytorch.utilities.model_summary import ModelSummary
+
+    module = L.LightningModule()
+    module.kept, module.dropped = torch.nn.Linear(2, 2), torch.nn.ReLU()
+    summary = ModelSummary(module)
+    assert summary.layer_names == ["kept", "dropped"]
+    lightning_engine.drop_summary_rows(summary, lambda layer: isinstance(layer, torch.nn.ReLU))
+    assert summary.layer_names == ["kept"]
 
 
 def test_torch_private_names() -> None:
@@ -94,6 +110,14 @@ def test_deepspeed_private_names() -> None:
     from deepspeed.runtime.zero import parameter_offload
 
     assert isinstance(parameter_offload.FWD_MODULE_STACK, list)
+    converted, plain = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    converted._parameters = parameter_offload.ZeROOrderedDict(converted, converted._parameters)
+    model = torch.nn.Sequential(converted, plain)
+    (converted_dict,) = deepspeed_engine.zero3_parameter_dicts(model)
+    assert converted_dict is converted._parameters and not deepspeed_engine.in_forward(converted_dict)
+    deepspeed_engine.set_in_forward(converted_dict, True)
+    assert deepspeed_engine.in_forward(converted_dict)
+    assert deepspeed_engine.zero3_parameter_dicts(torch.nn.Linear(2, 2)) == []
 
 
 def test_transformers_private_names() -> None:

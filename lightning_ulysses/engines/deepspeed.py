@@ -77,3 +77,21 @@ def release_zero3_module(engine: Any) -> None:
         return
     owned = {id(m) for m in module.modules()}
     parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in owned]
+
+
+def zero3_parameter_dicts(model: torch.nn.Module) -> list[Any]:
+    """The parameter dicts of ``model``'s modules that ZeRO-3 has converted (DeepSpeed's ``ZeROOrderedDict``): each
+    gathers a parameter read outside its own module's call, but only while its private ``_in_forward`` flag is on,
+    which the engine sets for its own forward only; the set-up check calls the model itself
+    (:mod:`lightning_ulysses.hf.check.zero3`). Empty without ZeRO-3."""
+    return [m._parameters for m in model.modules() if hasattr(m._parameters, "_in_forward")]
+
+
+def in_forward(parameters: Any) -> bool:
+    """Whether a dict of :func:`zero3_parameter_dicts` gathers parameters read outside their module's call."""
+    return bool(parameters._in_forward)
+
+
+def set_in_forward(parameters: Any, on: bool) -> None:
+    """Switch that gathering of a dict of :func:`zero3_parameter_dicts` on or off, as the engine's forward does."""
+    parameters._in_forward = on

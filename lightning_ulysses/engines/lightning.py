@@ -17,7 +17,7 @@ Private classes and functions used as they are are re-exported here under a publ
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from lightning.pytorch.loops import _FitLoop
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper as IndexBatchSamplerWrapper
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector as SignalConnector
+from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary
 from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table as format_summary_table
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -108,6 +109,20 @@ def wrapped_sampler(dataset: DatasetSamplerWrapper) -> Any:
     ``_DatasetSamplerWrapper``, keeps it as ``_sampler``, with no public accessor): the even evaluation batches wrap it
     again, padded over the DP ranks."""
     return dataset._sampler
+
+
+def attached_trainer(module: object) -> Trainer | None:
+    """The Trainer ``module`` is attached to, None where there is none (``LightningModule.trainer`` raises then; its
+    ``_trainer`` is what it reads), or where ``module`` is no LightningModule."""
+    return getattr(module, "_trainer", None)
+
+
+def drop_summary_rows(summary: ModelSummary, drop: Callable[[nn.Module], bool]) -> None:
+    """Leave out of Lightning's model summary the rows of the modules that ``drop`` picks: the summary keeps its rows
+    in ``_layer_summary`` (name -> ``LayerSummary``, whose module is ``_module``), with no public way to filter them
+    (``ModelSummary._summary``, the callback's private hook, is where a subclass gets the summary)."""
+    for name in [name for name, layer in summary._layer_summary.items() if drop(layer._module)]:
+        del summary._layer_summary[name]
 
 
 def default_store() -> dist.Store:
