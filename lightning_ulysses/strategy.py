@@ -85,9 +85,10 @@ class UlyssesStrategy(SequenceParallelMixin, DeepSpeedStrategy):
         self._create_topology()
         if self.root_device.type == "cpu":
             deepspeed_engine.skip_shared_memory_kernel()
-        self._init_deepspeed_distributed()
-        deepspeed_engine.bound_world_group(self.world_size, self._timeout)
-        self._create_groups(self._timeout)
+        deepspeed_engine.init_deepspeed_distributed(self)
+        timeout = lightning_engine.process_group_timeout(self)
+        deepspeed_engine.bound_world_group(self.world_size, timeout)
+        self._create_groups(timeout)
 
     @override
     def setup(self, trainer: Any) -> None:

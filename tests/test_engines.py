@@ -5,6 +5,7 @@ fails here, by name."""
 from __future__ import annotations
 
 import inspect
+from datetime import timedelta
 from typing import Any
 
 import lightning as L
@@ -14,7 +15,7 @@ from lightning.fabric.utilities.data import _auto_add_worker_init_fn
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,6 +37,14 @@ def test_lightning_private_functions_take_what_the_adapter_passes() -> None:
     assert parameters(_auto_add_worker_init_fn)[:2] == ["dataloader", "rank"]
     assert parameters(_TrainingEpochLoop._should_accumulate) == ["self"]
     assert parameters(_validate_device_index_selection) == ["parallel_devices"]
+    assert parameters(DeepSpeedStrategy._init_deepspeed_distributed) == ["self"]
+    timeout = timedelta(seconds=7)
+    for strategy in (
+        DDPStrategy(timeout=timeout),
+        DeepSpeedStrategy(timeout=timeout),
+        ModelParallelStrategy(timeout=timeout),
+    ):
+        assert lightning_engine.process_group_timeout(strategy) == timeout
 
 
 def test_lightning_private_attributes_are_where_the_adapter_reads_and_writes_them() -> None:
@@ -152,3 +161,24 @@ def test_transformers_private_names() -> None:
     gate, x = torch.full((1, 3, 8), 0.5), torch.ones(1, 3, 8)
     out = transformers_engine.rnn_scan(lru, x, gate, torch.tensor([[[True], [False], [False]]]))
     assert torch.allclose(out[0, :, 0], torch.tensor([1.0, 1.5, 1.75]))
+
+
+def test_lightning_private_hooks_the_package_overrides_take_what_it_passes() -> None:
+    """Hooks a subclass overrides cannot move into an adapter: a release that renames one would leave the override
+    silently uncalled (ModelCheckpoint's last.ckpt, the step progress bar, the CLI, the summary, the refusal of a
+    layout in the user's process)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, RichProgressBar
+    from lightning.pytorch.cli import LightningCLI
+
+    assert parameters(ModelCheckpoint._save_topk_checkpoint) == ["self", "trainer", "monitor_candidates"]
+    assert parameters(ModelCheckpoint._save_last_checkpoint) == ["self", "trainer", "monitor_candidates"]
+    assert parameters(ModelCheckpoint._monitor_candidates) == ["self", "trainer"]
+    assert parameters(RichProgressBar._get_train_description) == ["self", "current_epoch"]
+    assert parameters(RichProgressBar._initialize_train_progress_bar_id) == ["self"]
+    assert parameters(RichProgressBar._update)[:3] == ["self", "progress_bar_id", "current"]
+    assert parameters(RichProgressBar._update_metrics) == ["self", "trainer", "pl_module"]
+    assert parameters(LightningCLI._add_subcommands) == ["self", "parser", "kwargs"]
+    assert parameters(LightningCLI._parse_ckpt_path) == ["self"]
+    assert parameters(LightningCLI._instantiate_trainer) == ["self", "config", "callbacks"]
+    assert parameters(ModelSummary._summary) == ["self", "trainer", "pl_module"]
+    assert parameters(DDPStrategy._configure_launcher) == ["self"]

@@ -10,12 +10,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
+from lightning.pytorch.strategies import DeepSpeedStrategy
 
 
 def validate_device_index_selection(devices: list[torch.device]) -> None:
     """Refuse CUDA device lists that DeepSpeed cannot address (it takes the local rank as the device index), as
     ``DeepSpeedStrategy.setup_distributed`` does; the Ulysses strategy replaces that method to build its grid."""
     _validate_device_index_selection(devices)
+
+
+def init_deepspeed_distributed(strategy: DeepSpeedStrategy) -> None:
+    """``deepspeed.init_distributed`` as ``DeepSpeedStrategy.setup_distributed`` calls it (the cluster environment's
+    address and port, the backend, the strategy's timeout; ``_init_deepspeed_distributed``): the Ulysses strategy
+    replaces that method to build its grid between the world's ranks and the engine's groups."""
+    strategy._init_deepspeed_distributed()
 
 
 def bound_world_group(world_size: int, timeout: Any) -> None:

@@ -18,6 +18,7 @@ Private classes and functions used as they are are re-exported here under a publ
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype as plugin_to_compute_dtype
 from lightning.pytorch.loops import _FitLoop
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper as IndexBatchSamplerWrapper
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector as SignalConnector
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary
 from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table as format_summary_table
@@ -45,6 +46,12 @@ def model_parallel_setup_distributed(strategy: ModelParallelStrategy) -> None:
     without the ``[data_parallel, tensor_parallel]`` mesh that its ``setup_environment`` builds next: the Ulysses
     strategy builds its own ``[dp, sp]`` mesh. Lightning has no public hook between the two."""
     strategy._setup_distributed()
+
+
+def process_group_timeout(strategy: DDPStrategy | ModelParallelStrategy) -> timedelta | None:
+    """The ``timeout`` argument of a DDP-family strategy (``DDPStrategy``, ``DeepSpeedStrategy``,
+    ``ModelParallelStrategy``), which they keep only as ``_timeout``: the strategies' own groups get it too."""
+    return strategy._timeout
 
 
 def set_module_device_mesh(module: LightningModule, mesh: DeviceMesh) -> None:
