@@ -100,6 +100,11 @@ def test_the_model_summary_rows_can_be_dropped() -> None:
 def test_torch_private_names() -> None:
     assert "mesh_dim_name" in parameters(DeviceMesh._flatten)
     assert callable(torch.distributed.distributed_c10d._get_default_store)
+    from torch._C._distributed_c10d import Backend
+
+    assert Backend.Options("gloo", timedelta(seconds=7))._timeout == timedelta(seconds=7)
+    if hasattr(torch.distributed, "ProcessGroupNCCL"):  # a CUDA build: the timeout is set through _timeout
+        assert hasattr(torch.distributed.ProcessGroupNCCL.Options(), "_timeout")
 
 
 def test_deepspeed_private_names() -> None:
