@@ -96,11 +96,11 @@ class UlyssesFSDPStrategy(SequenceParallelMixin, ModelParallelStrategy):
         self._quiet_run()
         lightning_engine.model_parallel_setup_distributed(self)
         self._create_topology()
-        self._create_groups(self._timeout)
-        self._device_mesh = self.device_mesh  # the mixin's grid, one more axis for FSDP2
-        flatten_mesh(self._device_mesh["dp", "ring", "ulysses"], FSDP_AXIS)
+        self._create_groups(lightning_engine.process_group_timeout(self))
+        mesh = self.device_mesh  # the mixin's grid, one more axis for FSDP2
+        flatten_mesh(mesh["dp", "ring", "ulysses"], FSDP_AXIS)
         assert self.lightning_module is not None
-        lightning_engine.set_module_device_mesh(self.lightning_module, self._device_mesh)
+        lightning_engine.set_module_device_mesh(self.lightning_module, mesh)
 
     @override
     def setup(self, trainer: Any) -> None:

@@ -34,11 +34,10 @@ from typing import Any, TypeVar, Union
 
 import torch.distributed as dist
 from torch import Tensor
-from torch._C._distributed_c10d import Backend
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_ulysses.engines.fsdp2 import flatten_mesh
+from lightning_ulysses.engines.fsdp2 import backend_options_with_timeout, flatten_mesh
 from lightning_ulysses.topology import SequenceParallelTopology
 
 MESH_AXES = ("dp", "ring", "ulysses")
@@ -98,7 +97,7 @@ def build_mesh(topology: SequenceParallelTopology, device_type: str, timeout: ti
     """
     if dist.get_world_size() != topology.world_size:
         raise ValueError(f"The topology is of {topology.world_size} ranks, the world of {dist.get_world_size()}.")
-    options = None if timeout is None else _timeout_options(timeout)
+    options = None if timeout is None else backend_options_with_timeout(timeout)
     mesh = init_device_mesh(
         device_type,
         (topology.dp_size, topology.ring_size, topology.ulysses_size),
@@ -107,16 +106,6 @@ def build_mesh(topology: SequenceParallelTopology, device_type: str, timeout: ti
     )
     flatten_mesh(mesh["ring", "ulysses"], "sp", backend_override=options)
     return mesh
-
-
-def _timeout_options(timeout: timedelta) -> Backend.Options:
-    """Options of the default group's backend that carry ``timeout``: how ``DeviceMesh`` gives its groups one."""
-    backend = dist.get_backend()
-    if "nccl" in backend:
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return options
-    return Backend.Options(backend, timeout)
 
 
 @dataclass(frozen=True)

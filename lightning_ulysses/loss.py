@@ -46,6 +46,7 @@ from torch import Tensor
 
 from lightning_ulysses.attention import gather_sequence
 from lightning_ulysses.batch import ShardedBatch
+from lightning_ulysses.engines import lightning as lightning_engine
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.hf.check.logits import tiled_logit_map
@@ -281,7 +282,7 @@ class UlyssesLossMixin:
     def _loss_context(self) -> LossContext | None:
         """The :class:`LossContext` the trainer's strategy publishes (``None``: a strategy without sequence
         parallelism, or no trainer)."""
-        trainer = getattr(self, "_trainer", None)
+        trainer = lightning_engine.attached_trainer(self)
         context = getattr(trainer.strategy, "loss_context", None) if trainer is not None else None
         return context if isinstance(context, LossContext) else None
 

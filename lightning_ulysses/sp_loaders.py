@@ -53,7 +53,7 @@ from torch import Tensor
 from torch.utils.data import DistributedSampler
 
 from lightning_ulysses.attention.collectives import gather_from_ranks
-from lightning_ulysses.engines.lightning import IndexBatchSamplerWrapper
+from lightning_ulysses.engines import lightning as lightning_engine
 from lightning_ulysses.topology import SequenceParallelTopology
 
 
@@ -68,8 +68,7 @@ _GOLDEN, _MIX1, _MIX2 = (_int64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E
 def index_batch_sampler(loader: Any) -> Any:
     """The batch sampler that draws ``loader``'s indices (the one inside Lightning's index-recording wrapper when
     predicting); None for loaders without one."""
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    return batch_sampler._batch_sampler if isinstance(batch_sampler, IndexBatchSamplerWrapper) else batch_sampler
+    return lightning_engine.inside_index_batch_sampler(getattr(loader, "batch_sampler", None))
 
 
 def sampler_over_dp_ranks(loader: Any, topology: SequenceParallelTopology, loader_name: str) -> None:

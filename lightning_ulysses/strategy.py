@@ -85,9 +85,10 @@ class UlyssesStrategy(SequenceParallelMixin, DeepSpeedStrategy):
         self._create_topology()
         if self.root_device.type == "cpu":
             deepspeed_engine.skip_shared_memory_kernel()
-        self._init_deepspeed_distributed()
-        deepspeed_engine.bound_world_group(self.world_size, self._timeout)
-        self._create_groups(self._timeout)
+        deepspeed_engine.init_deepspeed_distributed(self)
+        timeout = lightning_engine.process_group_timeout(self)
+        deepspeed_engine.bound_world_group(self.world_size, timeout)
+        self._create_groups(timeout)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -101,6 +102,11 @@ class UlyssesStrategy(SequenceParallelMixin, DeepSpeedStrategy):
         self._apply_sequence_parallel(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.nonfinite_loss.setup(self.model)
+
+    @override
+    def teardown(self) -> None:
+        deepspeed_engine.release_zero3_module(self.model)  # ZeRO-3 would keep the model alive for the process's life
+        super().teardown()
 
     @property
     @override

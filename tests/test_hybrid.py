@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesStrategy
@@ -445,3 +445,12 @@ def test_packed_documents_cost_the_kernels_at_most_twice_the_tokens(request: pyt
             for kernel, tokens in call["kernels"].items():
                 assert sum(tokens) <= 2 * call["tokens"], f"rank {rank}: {kernel} got {tokens} for {call['tokens']}"
         assert max(len(tokens) for call in calls for tokens in call["kernels"].values()) > 1, "no length classes ran"
+
+
+def test_the_constant_padding_shifts_are_recognised() -> None:
+    from lightning_ulysses.hf.mixers.shift import sequence_shift_of
+
+    assert sequence_shift_of(nn.ZeroPad2d((0, 0, 2, -2))) == 2
+    assert sequence_shift_of(nn.ConstantPad2d((0, 0, 1, -1), 0.5)) == 1
+    assert sequence_shift_of(nn.ZeroPad2d((1, 0, 1, -1))) is None  # also pads the channels
+    assert sequence_shift_of(nn.ReflectionPad2d((0, 0, 1, 0))) is None

@@ -167,3 +167,22 @@ def test_the_local_index_trap_replaces_nothing_and_leaves_no_mode_behind() -> No
     assert len(found) == 1 and "torch.arange at test_process_state.py" in found[0].problem, found
     assert other_thread == [0]
     assert torch.arange is original and torch._C._len_torch_function_stack() == modes
+
+
+def zero3_release_worker(args: dict[str, Any]) -> dict[str, Any]:
+    from deepspeed.runtime.zero import parameter_offload
+
+    stack_before = list(parameter_offload.FWD_MODULE_STACK)
+    module = TinyCausalLM()
+    trainer = cpu_trainer(1, UlyssesStrategy(sp_size=1, stage=3, attn_implementation="sdpa"), max_steps=1)
+    trainer.fit(module, DataLoader(make_samples(num=2, seq_len=16), batch_size=2, collate_fn=collate))
+    held = [type(m).__name__ for m in parameter_offload.FWD_MODULE_STACK if module in list(m.modules())]
+    return {"stack_as_before": stack_before == parameter_offload.FWD_MODULE_STACK, "held": held}
+
+
+@pytest.mark.distributed
+def test_a_zero3_fit_leaves_no_module_in_deepspeeds_module_stack() -> None:
+    """DeepSpeed's ZeRO-3 (0.19.8) keeps each engine's top module in its module-level ``FWD_MODULE_STACK`` for the
+    life of the process (with the weights and optimizer state it reaches); the strategy's teardown takes it out."""
+    (result,) = launch("tests.test_process_state:zero3_release_worker", 1)
+    assert result == {"stack_as_before": True, "held": []}

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import Metric
 
+from lightning_ulysses.engines import lightning as lightning_engine
 from lightning_ulysses.engines.lightning import format_summary_table
 
 
@@ -26,8 +27,7 @@ class ModelSummaryWithoutFlops(ModelSummary):
 
     def _summary(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Summary:
         summary = super()._summary(trainer, pl_module)
-        for name in [name for name, layer in summary._layer_summary.items() if isinstance(layer._module, Metric)]:
-            del summary._layer_summary[name]
+        lightning_engine.drop_summary_rows(summary, lambda module: isinstance(module, Metric))
         return summary
 
     @staticmethod

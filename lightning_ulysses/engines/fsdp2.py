@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
+from torch._C._distributed_c10d import Backend
 from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -14,3 +17,15 @@ def flatten_mesh(mesh: DeviceMesh, name: str, backend_override: Any = None) -> D
     torch names this only ``DeviceMesh._flatten`` (torchtitan calls it the same way for its ``dp_shard_cp`` mesh);
     ``backend_override``: the options of the new axis's group (its timeout)."""
     return mesh._flatten(name, backend_override=backend_override)
+
+
+def backend_options_with_timeout(timeout: timedelta) -> Backend.Options:
+    """Options of the default group's backend that carry ``timeout``, the ``backend_override`` through which
+    ``DeviceMesh`` gives its groups a timeout. torch exports the options' type only from ``torch._C`` and sets the
+    timeout of NCCL's only through the private ``_timeout``."""
+    backend = dist.get_backend()
+    if "nccl" in backend:
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return options
+    return Backend.Options(backend, timeout)

@@ -17,7 +17,8 @@ Private classes and functions used as they are are re-exported here under a publ
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -31,8 +32,9 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype as plugin_to_compute_dtype
 from lightning.pytorch.loops import _FitLoop
 from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper as IndexBatchSamplerWrapper
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector as SignalConnector
+from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary
 from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table as format_summary_table
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -44,6 +46,12 @@ def model_parallel_setup_distributed(strategy: ModelParallelStrategy) -> None:
     without the ``[data_parallel, tensor_parallel]`` mesh that its ``setup_environment`` builds next: the Ulysses
     strategy builds its own ``[dp, sp]`` mesh. Lightning has no public hook between the two."""
     strategy._setup_distributed()
+
+
+def process_group_timeout(strategy: DDPStrategy | ModelParallelStrategy) -> timedelta | None:
+    """The ``timeout`` argument of a DDP-family strategy (``DDPStrategy``, ``DeepSpeedStrategy``,
+    ``ModelParallelStrategy``), which they keep only as ``_timeout``: the strategies' own groups get it too."""
+    return strategy._timeout
 
 
 def set_module_device_mesh(module: LightningModule, mesh: DeviceMesh) -> None:
@@ -94,6 +102,34 @@ def add_worker_init_fn(dataloader: object, rank: int) -> None:
     """Lightning's ``seed_everything(workers=True)`` worker seeding, by ``rank`` (the DP rank: the SP ranks of a group
     must draw the same augmentations); Lightning's own call seeds by global rank."""
     _auto_add_worker_init_fn(dataloader, rank)
+
+
+def inside_index_batch_sampler(batch_sampler: Any) -> Any:
+    """The batch sampler inside Lightning's prediction index-recording wrapper (``_IndexBatchSamplerWrapper`` keeps it
+    as ``_batch_sampler``, with no public accessor), whose ``sampler`` the SP loader checks and replaces; any other
+    batch sampler as it is."""
+    return batch_sampler._batch_sampler if isinstance(batch_sampler, IndexBatchSamplerWrapper) else batch_sampler
+
+
+def wrapped_sampler(dataset: DatasetSamplerWrapper) -> Any:
+    """The user's sampler that Lightning's ``DistributedSamplerWrapper`` wraps (its dataset, a
+    ``_DatasetSamplerWrapper``, keeps it as ``_sampler``, with no public accessor): the even evaluation batches wrap it
+    again, padded over the DP ranks."""
+    return dataset._sampler
+
+
+def attached_trainer(module: object) -> Trainer | None:
+    """The Trainer ``module`` is attached to, None where there is none (``LightningModule.trainer`` raises then; its
+    ``_trainer`` is what it reads), or where ``module`` is no LightningModule."""
+    return getattr(module, "_trainer", None)
+
+
+def drop_summary_rows(summary: ModelSummary, drop: Callable[[nn.Module], bool]) -> None:
+    """Leave out of Lightning's model summary the rows of the modules that ``drop`` picks: the summary keeps its rows
+    in ``_layer_summary`` (name -> ``LayerSummary``, whose module is ``_module``), with no public way to filter them
+    (``ModelSummary._summary``, the callback's private hook, is where a subclass gets the summary)."""
+    for name in [name for name, layer in summary._layer_summary.items() if drop(layer._module)]:
+        del summary._layer_summary[name]
 
 
 def default_store() -> dist.Store:

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from lightning_ulysses.engines import transformers as transformers_engine
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf.forward import guarded_forward
 from lightning_ulysses.hf.interface import ULYSSES_ATTN_IMPLEMENTATION
@@ -46,11 +47,15 @@ class Patch:
         self.model, self.state, self.ledger = model, state, Ledger()
         self.plan = ModelPlan()
         configs = model_configs(model)
-        self.original_attn: list[tuple[PretrainedConfig, str]] = [(c, c._attn_implementation) for c in configs]
+        self.original_attn: list[tuple[PretrainedConfig, str | None]] = [
+            (c, transformers_engine.attn_implementation(c)) for c in configs
+        ]
         for module in model.modules():  # any of them may call the attention interface
             self.ledger.set(_HOOK, module, "_ulysses_state", state)
         for config in configs:  # each config by itself: transformers' setter would recurse into the sub-configs
-            self.ledger.set(_HOOK, config, "_attn_implementation_internal", ULYSSES_ATTN_IMPLEMENTATION)
+            self.ledger.set(
+                _HOOK, config, transformers_engine.ATTN_IMPLEMENTATION_ATTRIBUTE, ULYSSES_ATTN_IMPLEMENTATION
+            )
         for sub in model.modules():
             if isinstance(sub, PreTrainedModel):
                 self.ledger.set(_HOOK, sub, "forward", guarded_forward(sub, state))
@@ -162,10 +167,10 @@ def unpatched(model: nn.Module) -> Iterator[None]:
         for patch in found:
             patch.state.enabled = False
             for config, implementation in patch.original_attn:
-                config._attn_implementation_internal = implementation
+                transformers_engine.set_own_attn_implementation(config, implementation)
         yield
     finally:
         for patch in found:
             patch.state.enabled = True
             for config, _ in patch.original_attn:
-                config._attn_implementation_internal = ULYSSES_ATTN_IMPLEMENTATION
+                transformers_engine.set_own_attn_implementation(config, ULYSSES_ATTN_IMPLEMENTATION)

@@ -36,6 +36,7 @@ from transformers import PreTrainedModel
 from lightning_ulysses.attention import documents_of, gather_sequence, plan_batch, plan_spans
 from lightning_ulysses.attention.documents import use_whole_rows
 from lightning_ulysses.batch import ShardedBatch
+from lightning_ulysses.engines import transformers as transformers_engine
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf.dropout import forward_draws
 from lightning_ulysses.hf.mixers import plan_document_rows
@@ -96,7 +97,7 @@ def _forward_with_labels_loss(
         "Call it without labels and reduce the loss with UlyssesLossMixin (forward_causal_lm_loss(model, batch), or "
         "causal_lm_loss(logits, batch['shift_labels']))."
     )
-    if "_loss_function" in model.__dict__:
+    if transformers_engine.LOSS_FUNCTION_ATTRIBUTE in model.__dict__:
         raise ValueError(
             f"{name} was given labels with a loss function of your own (model.loss_function), which under sequence "
             f"parallelism would see one shard of the sequence. {instead}"
@@ -130,7 +131,7 @@ def _forward_with_labels_loss(
     try:
         output = forward(*args, **kwargs)
     finally:
-        del model.__dict__["_loss_function"]
+        del model.__dict__[transformers_engine.LOSS_FUNCTION_ATTRIBUTE]
     loss = output.get("loss") if isinstance(output, Mapping) else output[0]
     if not returned:
         raise ValueError(

@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from lightning_ulysses.engines import transformers as transformers_engine
 from lightning_ulysses.hf.ledger import Ledger
 from lightning_ulysses.hf.state import PatchState, outermost_models
 from lightning_ulysses.memory.feed_forward import (
@@ -229,10 +230,11 @@ def _apply(item: _Found, options: MemoryOptions) -> None:
         tile_feed_forwards(item.feed_forwards, options.tiled_mlp, state, ledger)
     fuse_norms(item.norms, ledger)
     if options.activation_checkpointing:
-        # the public gradient_checkpointing_enable takes no checkpoint function (and pins memory on CPU-only hosts)
         checkpointed = functools.partial(checkpoint_activations, offload=options.offload_activations)
-        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpointed)
-        ledger.record("activation_checkpointing", functools.partial(model._set_gradient_checkpointing, enable=False))
+        transformers_engine.enable_gradient_checkpointing(model, checkpointed)
+        ledger.record(
+            "activation_checkpointing", functools.partial(transformers_engine.disable_gradient_checkpointing, model)
+        )
     ledger.set("memory", model, MEMORY_ATTRIBUTE, ledger)
 
 

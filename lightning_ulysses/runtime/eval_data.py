@@ -31,6 +31,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.utils.data import DistributedSampler
 
+from lightning_ulysses.engines import lightning as lightning_engine
 from lightning_ulysses.engines.lightning import DatasetSamplerWrapper, IndexBatchSamplerWrapper
 from lightning_ulysses.sp_loaders import index_batch_sampler
 
@@ -66,7 +67,7 @@ def pad_over_dp_ranks(loader: Any, repeated_rows: RepeatedRows) -> Any:
     inner = index_batch_sampler(loader)
     sampler = getattr(inner, "sampler", None)
     if isinstance(sampler, UnrepeatedDistributedSamplerWrapper):
-        original = cast(DatasetSamplerWrapper, sampler.dataset)._sampler  # the sampler Lightning wrapped
+        original = lightning_engine.wrapped_sampler(cast(DatasetSamplerWrapper, sampler.dataset))
         replicas, rank = sampler.num_replicas, sampler.rank
         sampler = DistributedSamplerWrapper(original, num_replicas=replicas, rank=rank, shuffle=False)
         inner.sampler = sampler  # read at every iteration, and by len()

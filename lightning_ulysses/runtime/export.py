@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from lightning_ulysses.engines import transformers as transformers_engine
 from lightning_ulysses.hf import ULYSSES_ATTN_IMPLEMENTATION
 from lightning_ulysses.runtime.directory import is_universal_checkpoint, pointer_of, tag_dir
 from lightning_ulysses.runtime.integrity import check_integrity
@@ -38,7 +39,7 @@ def export_hf_model(
     """
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    if model.config._attn_implementation == ULYSSES_ATTN_IMPLEMENTATION:
+    if transformers_engine.attn_implementation(model.config) == ULYSSES_ATTN_IMPLEMENTATION:
         raise ValueError(
             "The model still runs Ulysses attention; its saved config would load only under UlyssesStrategy. "
             "Pass a plain model (e.g. AutoModelForCausalLM.from_config(config)) or call remove_ulysses_attention first."

@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from lightning_ulysses.attention.core import softmax_scale
+from lightning_ulysses.engines import transformers as transformers_engine
 from lightning_ulysses.hf.apply import sequence_parallel_disabled, unpatched
 from lightning_ulysses.hf.check.findings import module_label
 from lightning_ulysses.hf.check.shard import close
@@ -151,4 +152,4 @@ def mask_interface(function: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        del ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[ULYSSES_ATTN_IMPLEMENTATION]
+        transformers_engine.unregister_mask_interface(ULYSSES_ATTN_IMPLEMENTATION)

@@ -22,12 +22,14 @@ from typing import Any
 
 from torch import nn
 
+from lightning_ulysses.engines import deepspeed as deepspeed_engine
+
 
 @contextmanager
 def engine_like_calls(model: nn.Module) -> Iterator[None]:
     """Within the block, each call of ``model`` finds the ZeRO-3 parameters read outside their own module's call as
     a call inside DeepSpeed's engine does (see the module docstring). Nothing changes without ZeRO-3."""
-    discovering = [m._parameters for m in model.modules() if hasattr(m._parameters, "_in_forward")]
+    discovering = deepspeed_engine.zero3_parameter_dicts(model)
     if not discovering:
         yield
         return
@@ -37,9 +39,9 @@ def engine_like_calls(model: nn.Module) -> Iterator[None]:
     def enter(module: nn.Module, args: Any) -> None:
         nonlocal depth
         if depth == 0:
-            before[:] = [parameters._in_forward for parameters in discovering]
+            before[:] = [deepspeed_engine.in_forward(parameters) for parameters in discovering]
             for parameters in discovering:
-                parameters._in_forward = True
+                deepspeed_engine.set_in_forward(parameters, True)
         depth += 1
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
@@ -47,7 +49,7 @@ def engine_like_calls(model: nn.Module) -> Iterator[None]:
         depth -= 1
         if depth == 0:
             for parameters, was in zip(discovering, before, strict=True):
-                parameters._in_forward = was
+                deepspeed_engine.set_in_forward(parameters, was)
 
     handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]
     try:

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from lightning_ulysses.attention import Documents
 from lightning_ulysses.attention.documents import whole_position_ids
+from lightning_ulysses.engines import transformers as transformers_engine
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf.mixers.core import ShardedCore
 
@@ -100,10 +101,7 @@ def rg_lru(lru: Any, x: Tensor, reset: Tensor, heads: Callable[[Tensor], Tensor]
     multiplier = sqrt_bound.apply(1 - a_square)
     multiplier = reset + ~reset * multiplier
     normalized_x = gated_inputs * multiplier.type(x.dtype)
-    out, _ = lru._rnn_scan(
-        hidden_states=normalized_x, recurrent_gate=recurrent_gate, reset=reset, recurrent_states=None
-    )
-    return out
+    return transformers_engine.rnn_scan(lru, normalized_x, recurrent_gate, reset)
 
 
 # ``module: Any``: the layer's parts are read by name, which nn.Module's stubs type as ``Tensor | Module``

@@ -148,11 +148,16 @@ def _same_document(
     return keep & (document_ids[:, columns] == document_ids[:, (columns - shift).clamp(min=0)])
 
 
+CONSTANT_PADDINGS = (nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d)
+"""The constant-padding modules (``nn.ZeroPad*d`` subclass them), torch's public names for its private
+``_ConstantPadNd``."""
+
+
 def sequence_shift_of(module: nn.Module) -> int | None:
     """The shift ``k`` of a constant-padding module that moves the sequence dimension of a ``[B, N, C]`` input ``k``
     tokens later (``nn.ZeroPad2d((0, 0, k, -k))``: ``k`` fill rows before the sequence, its last ``k`` dropped);
     ``None`` for any other module."""
-    if not isinstance(module, nn.modules.padding._ConstantPadNd):
+    if not isinstance(module, CONSTANT_PADDINGS):
         return None
     padding = tuple(module.padding)
     if len(padding) != 4 or padding[:2] != (0, 0) or padding[2] <= 0 or padding[3] != -padding[2]:
@@ -170,7 +175,7 @@ def sharded_shift_forward(
     module's constant); any other input (not 3-D, or not ``local_tokens()`` long) runs the module's own forward."""
     shift, forward = sequence_shift_of(module), module.forward
     # hook.py shards the modules that sequence_shift_of recognises: constant-padding ones
-    assert shift is not None and isinstance(module, nn.modules.padding._ConstantPadNd)
+    assert shift is not None and isinstance(module, CONSTANT_PADDINGS)
 
     def sharded(x: Tensor) -> Tensor:
         if x.dim() != 3 or x.shape[1] != local_tokens():
