@@ -530,18 +530,20 @@ def _compare(module: ZooModule, prepared: Prepared) -> Outcome:
 
 
 def _free_process_groups(strategy: UlyssesStrategy) -> None:
-    """The strategy makes an SP and a DP group per fit; a run of hundreds of fits frees them after each. A gloo group
-    keeps its threads until the object dies, and the fit's DeepSpeed engine holds it (through the strategy) in a
-    cycle through its gradient hooks that ``gc`` cannot see: the engine's ``destroy`` removes those hooks."""
+    """The strategy makes a process group per axis of its mesh per fit (``dp``, ``ring``, ``ulysses`` and the
+    flattened ``sp``); a run of hundreds of fits frees them after each. A gloo group keeps its threads until the object
+    dies, and the fit's DeepSpeed engine holds it (through the strategy) in a cycle through its gradient hooks that
+    ``gc`` cannot see: the engine's ``destroy`` removes those hooks."""
     from deepspeed import DeepSpeedEngine
 
     if isinstance(strategy.model, DeepSpeedEngine):
         strategy.model.destroy()
     try:
-        groups = {strategy.sp_group, strategy.dp_group} - {None}
-    except RuntimeError:  # the run failed before the topology existed
+        mesh = strategy.device_mesh
+    except RuntimeError:  # the run failed before the groups existed
         return
-    for group in groups:
+    groups = {id(group): group for group in (mesh.get_group(axis) for axis in (*(mesh.mesh_dim_names or ()), "sp"))}
+    for group in groups.values():  # the flattened axis may reuse the group of the axis it equals
         dist.destroy_process_group(group)
 
 
