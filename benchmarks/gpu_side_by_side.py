@@ -76,6 +76,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
+from benchmarks.gpu_long_context import MODEL_SIZES
 from benchmarks.measure import PeakMemory
 from lightning_ulysses import UlyssesLossMixin, UlyssesStrategy
 from lightning_ulysses.flops import TransformerFlops, dense_peak_flops
@@ -92,24 +93,8 @@ MODELS: dict[str, dict[str, Any]] = {
         vocab_size=512,
         tie_word_embeddings=False,
     ),
-    "1b": dict(  # Llama-3.2-1B
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        tie_word_embeddings=True,
-    ),
-    "8b": dict(  # Llama-3.1-8B
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        tie_word_embeddings=False,
-    ),
+    "1b": {**MODEL_SIZES["1b"], "tie_word_embeddings": True},  # Llama-3.2-1B
+    "8b": {**MODEL_SIZES["8b"], "tie_word_embeddings": False},  # Llama-3.1-8B
 }
 _EQUIVALENT = dict(tiled_mlp=True, tiled_loss=True, activation_checkpointing=True, offload_activations=True)
 # side -> UlyssesStrategy keyword arguments (None: DeepSpeed's ALST pieces)

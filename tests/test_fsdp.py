@@ -22,7 +22,15 @@ from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesFSDPStrategy
 from tests.cases import CaseTable
-from tests.tiny import TinyCausalLM, collate, make_samples, reference_training, relative_update_error, tiny_llama
+from tests.tiny import (
+    TinyCausalLM,
+    collate,
+    cpu_trainer,
+    make_samples,
+    reference_training,
+    relative_update_error,
+    tiny_llama,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -69,19 +77,6 @@ def _full_parameters(model: torch.nn.Module) -> dict[str, Tensor]:
     }
 
 
-def _trainer(strategy: UlyssesFSDPStrategy, devices: int, **kwargs: Any) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
-
-
 def fit_case(name: str, case: dict[str, Any], world_size: int, folder: str) -> dict[str, Any]:
     module = CountingCausalLM(lr=LR, **case.get("model", {}))
     loader = DataLoader(make_samples(num=16, seq_len=SEQ), batch_size=BATCH, collate_fn=collate)
@@ -91,8 +86,8 @@ def fit_case(name: str, case: dict[str, Any], world_size: int, folder: str) -> d
         resume_from = str(Path(folder) / f"{name}.ckpt")
         first = UlyssesFSDPStrategy(sp_size=case["sp"], attn_implementation="sdpa")
         saved_by = CountingCausalLM(lr=LR)
-        _trainer(first, world_size, max_steps=STEPS, callbacks=[SaveAfterStep(1, resume_from)]).fit(saved_by, loader)
-    trainer = _trainer(strategy, world_size, max_steps=STEPS, accumulate_grad_batches=case.get("accumulate", 1))
+        cpu_trainer(world_size, first, max_steps=STEPS, callbacks=[SaveAfterStep(1, resume_from)]).fit(saved_by, loader)
+    trainer = cpu_trainer(world_size, strategy, max_steps=STEPS, accumulate_grad_batches=case.get("accumulate", 1))
     trainer.fit(module, loader, ckpt_path=resume_from)
     mesh = strategy.device_mesh
     return {
