@@ -20,20 +20,27 @@ side, as torchtitan's ``parallelize_llama`` / ``apply_fsdp`` does it for context
   rank and the loop state), or one full file with ``save_distributed_checkpoint=False``.
 
 The model is patched and its memory options applied before it is sharded: the set-up checks run the whole model on
-every rank, as one process would.
+every rank, as one process would. A LightningModule that an earlier run sharded (``trainer.validate`` or ``predict``
+after ``fit``, a second ``fit``) keeps its units: their weights are gathered whole for the set-up checks
+(:func:`whole_weights`) and sharded again; a model that ``fully_shard`` sharded otherwise (in ``configure_model``) is
+refused. After each run every unit holds only its shards again (after an evaluation FSDP2 would keep some gathered).
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from transformers.modeling_layers import GradientCheckpointingLayer
 from typing_extensions import override
 
@@ -112,16 +119,27 @@ class UlyssesFSDPStrategy(SequenceParallelMixin, ModelParallelStrategy):
         lightning_engine.materialize_meta_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._apply_sequence_parallel(trainer)
-        shard_transformers_models(
-            self.lightning_module, self.device_mesh[FSDP_AXIS], reshard_after_forward=self.reshard_after_forward
-        )
+        mesh = self.device_mesh[FSDP_AXIS]
+        with whole_weights(self.lightning_module, self.reshard_after_forward):  # the models an earlier run sharded
+            self._apply_sequence_parallel(trainer)
+        shard_transformers_models(self.lightning_module, mesh, reshard_after_forward=self.reshard_after_forward)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             lightning_engine.optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def teardown(self) -> None:
+        if self.lightning_module is not None:
+            # after an evaluation FSDP2 keeps the root's weights gathered (it reshards them after the backward), and
+            # those of the embeddings when the tiled loss called lm_head more than once (a unit of several modules
+            # reshards once all of them have run)
+            for units in _sharded_models(self.lightning_module):
+                for unit in (*units.resharded, units.root):
+                    unit.reshard()
+        super().teardown()
 
     @classmethod
     @override
@@ -133,9 +151,57 @@ class UlyssesFSDPStrategy(SequenceParallelMixin, ModelParallelStrategy):
 UlyssesFSDPStrategy.register_strategies(StrategyRegistry)
 
 
+@dataclass(frozen=True)
+class _Units:
+    """The ``fully_shard`` units of one transformers model, as :func:`shard_transformers_models` made them."""
+
+    resharded: list[FSDPModule]  # each decoder layer and the embeddings: resharded after their forward, as asked
+    root: FSDPModule  # the decoder: FSDP2 keeps its weights gathered from forward to backward
+
+
+_SHARDED: weakref.WeakKeyDictionary[nn.Module, _Units] = weakref.WeakKeyDictionary()
+"""The transformers models that :func:`shard_transformers_models` sharded, for the runs after the first."""
+
+
+def _sharded_models(module: nn.Module) -> list[_Units]:
+    """The units of each transformers model inside ``module`` that :func:`shard_transformers_models` sharded."""
+    return [_SHARDED[model] for model in outermost_models(module) if model in _SHARDED]
+
+
+@contextmanager
+def whole_weights(module: nn.Module, reshard_after_forward: bool) -> Iterator[None]:
+    """The weights of the transformers models inside ``module`` that :func:`shard_transformers_models` sharded in an
+    earlier run gathered whole on every rank until the block ends, forwards included (the set-up checks also call
+    single modules, an MLP or an attention module, outside the unit that would gather them); then sharded again, the
+    units other than the root resharding after their forward as ``reshard_after_forward`` says. A collective.
+
+    Raises ``ValueError`` for a model whose modules ``fully_shard`` sharded otherwise (in ``configure_model``): the
+    set-up checks could not run on its whole weights."""
+    for model in outermost_models(module):
+        if model not in _SHARDED and any(isinstance(m, FSDPModule) for m in model.modules()):
+            raise ValueError(
+                f"{type(model).__name__} is already sharded by fully_shard (in configure_model?): UlyssesFSDPStrategy "
+                "shards the transformers models itself, at set-up, once its checks have run on the whole weights. "
+                "Remove the fully_shard calls (and configure_model, if it only shards)."
+            )
+    sharded = _sharded_models(module)
+    settings = [(unit, reshard_after_forward) for units in sharded for unit in units.resharded]
+    settings += [(units.root, False) for units in sharded]
+    for unit, _ in settings:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit, reshard in settings:
+            unit.reshard()
+            unit.set_reshard_after_forward(reshard, recurse=False)
+
+
 def shard_transformers_models(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> None:
     """``fully_shard`` every outermost transformers model inside ``module`` over the 1-D ``mesh``: each decoder layer
     (``GradientCheckpointingLayer``), then the input and output embeddings as one unit, then the decoder as the root.
+    A model that an earlier call sharded is left as it is (the grid's ``dp x sp`` axis is the same world).
 
     Raises ``ValueError`` before any change where a trainable parameter would be left out (outside every transformers
     model, or outside its decoder and output embeddings): its gradient would not be reduced over the ranks."""
@@ -146,7 +212,7 @@ def shard_transformers_models(module: nn.Module, mesh: DeviceMesh, reshard_after
         decoder = model.get_decoder()
         embeddings = list(dict.fromkeys(m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m))
         layers = _outermost(m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer))
-        units.append((layers, embeddings, decoder))
+        units.append((model, layers, embeddings, decoder))
         covered.update(id(p) for part in (decoder, *embeddings) for p in part.parameters())
     left_out = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in covered]
     if left_out:
@@ -156,11 +222,14 @@ def shard_transformers_models(module: nn.Module, mesh: DeviceMesh, reshard_after
             f"LightningModule; these trainable parameters lie outside them, and their gradients would not be reduced "
             f"over the ranks: {shown}. Freeze them (requires_grad=False), or use UlyssesStrategy (DeepSpeed)."
         )
-    for layers, embeddings, decoder in units:
+    for model, layers, embeddings, decoder in units:
+        if model in _SHARDED:
+            continue
         for layer in layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(embeddings, mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(decoder, mesh=mesh)  # the root: FSDP2 keeps its weights gathered from forward to backward
+        _SHARDED[model] = _Units(cast(list[FSDPModule], [*layers, embeddings[0]]), cast(FSDPModule, decoder))
 
 
 def _outermost(modules: Any) -> list[nn.Module]:
