@@ -66,13 +66,14 @@ EVAL_BATCH = 2
 class CountingCausalLM(TinyCausalLM):
     """The loss through ``forward_causal_lm_loss`` (tiled when the strategy's ``tiled_loss`` is on), counting in
     training (recomputations included) the calls of the first decoder layer's MLP, of its ``down_proj`` (once per
-    tile of a tiled MLP) and of ``lm_head``; the widths of the first layer's ``q_proj`` outputs (a head chunk's rows
-    only where the projections run inside head chunks) and the autograd nodes of the final norm's output. Validation
+    tile of a tiled MLP), of its ``q_proj`` (once per head chunk) and of ``lm_head``; the widths of that ``q_proj``'s
+    outputs (a head chunk's rows only where the projections run inside head chunks) and the autograd nodes of the
+    final norm's output. Validation
     records each batch's loss; prediction returns each sample's per-token log-probabilities in sequence order."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.calls = {"layer": 0, "down_proj": 0, "lm_head": 0}
+        self.calls = {"layer": 0, "down_proj": 0, "q_proj": 0, "lm_head": 0}
         self.forward_calls = dict(self.calls)  # those in the training steps' forwards
         self.logits_dtypes: set[torch.dtype] = set()
         self.q_proj_widths: set[int] = set()
@@ -95,6 +96,7 @@ class CountingCausalLM(TinyCausalLM):
             self.logits_dtypes.add(output.dtype)
 
     def _record_q_proj(self, module: Any, args: Any, output: Tensor) -> None:
+        self._count("q_proj")
         if self.training:
             self.q_proj_widths.add(output.shape[-1])
 
@@ -246,10 +248,13 @@ TWO_RANKS = CaseTable(
         "ring2": dict(sp=2, ring=2),
         # chunks of one head each, the projections inside them
         "sp2_head_chunks2": dict(sp=2, strategy=dict(head_chunks=2)),
-        # the other memory options, the checkpointed inputs offloaded as off a device
-        "sp2_tiled_mlp_fused_norms_offload": dict(
+        # the other memory options, the checkpointed inputs offloaded as off a device: the layers' recomputation takes
+        # the head chunks' kept output
+        "sp2_tiled_mlp_fused_norms_offload_head_chunks2": dict(
             sp=2,
-            strategy=dict(tiled_mlp=3, fused_norms=True, activation_checkpointing=True, offload_activations=True),
+            strategy=dict(
+                tiled_mlp=3, fused_norms=True, activation_checkpointing=True, offload_activations=True, head_chunks=2
+            ),
             offloaded=True,
         ),
         "sp2_bf16_mixed": dict(sp=2, precision="bf16-mixed"),
@@ -338,29 +343,36 @@ def test_fsdp_two_ranks_equal_single_process(fsdp_two_rank_results: list[dict[st
 
 
 def test_fsdp_memory_options_act(fsdp_two_rank_results: list[dict[str, Any]]) -> None:
-    """Checkpointing runs the layer twice a step (forward, recomputation); the tiled loss calls ``lm_head`` once per
-    tile in the forward and again in the backward's recomputation. The tiled MLP calls ``down_proj`` once per tile in
-    the forward and at least once more per tile in the backward (each tile recomputed for its own); each layer's
-    checkpointed input is copied off the device once per step; the final norm's output comes from the fused norm's
-    autograd function (which keeps only its input and the reciprocal RMS). Head chunks run the query projection on one
-    chunk's rows at a time (one head of each rank's two: 2 x 8 of the 32 rows)."""
+    """Per step: checkpointing runs the layer twice (forward, recomputation); the tiled loss calls ``lm_head`` once
+    per tile in the forward and again in the backward's recomputation. The tiled MLP calls ``down_proj`` once per tile
+    in the forward and at least once more per tile in the backward (each tile recomputed for its own). Head chunks run
+    the query projection on one chunk's rows at a time (one head of each rank's two: 2 x 8 of the 32 rows), each chunk
+    in the forward and again for its backward; offloaded, the layer's recomputation takes the chunks' output that its
+    forward copied off the device with the layer's input (2 copies a layer) instead of running them a third time. The
+    final norm's output comes from the fused norm's autograd function (which keeps only its input and the reciprocal
+    RMS)."""
     results = fsdp_two_rank_results[0]
     plain = results["sp2"]
-    assert plain["calls"] == {"layer": STEPS, "down_proj": STEPS, "lm_head": STEPS}
+    assert plain["calls"] == {"layer": STEPS, "down_proj": STEPS, "q_proj": STEPS, "lm_head": STEPS}
     assert plain["q_proj_widths"] == {32} and plain["offloaded_copies"] == 0
-    assert results["sp2_checkpointing_tiled_loss"]["calls"] == {
-        "layer": 2 * STEPS,
-        "down_proj": 2 * STEPS,
-        "lm_head": 2 * 3 * STEPS,
-    }
-    options_on = results["sp2_tiled_mlp_fused_norms_offload"]
-    assert options_on["forward_calls"] == {"layer": STEPS, "down_proj": 3 * STEPS, "lm_head": STEPS}
-    assert options_on["calls"]["layer"] == 2 * STEPS
-    assert options_on["calls"]["down_proj"] - options_on["forward_calls"]["down_proj"] >= 3 * STEPS
-    assert options_on["offloaded_copies"] == 2 * STEPS  # 2 layers
-    assert options_on["norm_backward"] == {"_FusedRMSNormBackward"}
     assert "_FusedRMSNormBackward" not in plain["norm_backward"]
-    assert results["sp2_head_chunks2"]["q_proj_widths"] == {16}
+    checkpointed = results["sp2_checkpointing_tiled_loss"]["calls"]
+    assert checkpointed == {"layer": 2 * STEPS, "down_proj": 2 * STEPS, "q_proj": 2 * STEPS, "lm_head": 2 * 3 * STEPS}
+    head_chunks = results["sp2_head_chunks2"]
+    assert head_chunks["q_proj_widths"] == {16}
+    assert (head_chunks["forward_calls"]["q_proj"], head_chunks["calls"]["q_proj"]) == (2 * STEPS, 2 * 2 * STEPS)
+    options_on = results["sp2_tiled_mlp_fused_norms_offload_head_chunks2"]
+    assert options_on["forward_calls"] == {
+        "layer": STEPS,
+        "down_proj": 3 * STEPS,
+        "q_proj": 2 * STEPS,
+        "lm_head": STEPS,
+    }
+    assert options_on["calls"]["layer"] == 2 * STEPS and options_on["calls"]["q_proj"] == 2 * 2 * STEPS
+    assert options_on["calls"]["down_proj"] - options_on["forward_calls"]["down_proj"] >= 3 * STEPS
+    assert options_on["offloaded_copies"] == 2 * 2 * STEPS  # 2 layers
+    assert options_on["q_proj_widths"] == {16}
+    assert options_on["norm_backward"] == {"_FusedRMSNormBackward"}
 
 
 def test_a_model_sharded_in_configure_model_is_refused(fsdp_two_rank_results: list[dict[str, Any]]) -> None:
