@@ -28,7 +28,6 @@ refused. After each run every unit holds only its shards again (after an evaluat
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -159,13 +158,18 @@ class _Units:
     root: FSDPModule  # the decoder: FSDP2 keeps its weights gathered from forward to backward
 
 
-_SHARDED: weakref.WeakKeyDictionary[nn.Module, _Units] = weakref.WeakKeyDictionary()
-"""The transformers models that :func:`shard_transformers_models` sharded, for the runs after the first."""
+UNITS_ATTRIBUTE = "_ulysses_fsdp_units"
+"""Where a transformers model that :func:`shard_transformers_models` sharded holds its :class:`_Units`, for the runs
+after the first."""
+
+
+def _units(model: nn.Module) -> _Units | None:
+    return model.__dict__.get(UNITS_ATTRIBUTE)
 
 
 def _sharded_models(module: nn.Module) -> list[_Units]:
     """The units of each transformers model inside ``module`` that :func:`shard_transformers_models` sharded."""
-    return [_SHARDED[model] for model in outermost_models(module) if model in _SHARDED]
+    return [units for model in outermost_models(module) if (units := _units(model)) is not None]
 
 
 @contextmanager
@@ -178,7 +182,7 @@ def whole_weights(module: nn.Module, reshard_after_forward: bool) -> Iterator[No
     Raises ``ValueError`` for a model whose modules ``fully_shard`` sharded otherwise (in ``configure_model``): the
     set-up checks could not run on its whole weights."""
     for model in outermost_models(module):
-        if model not in _SHARDED and any(isinstance(m, FSDPModule) for m in model.modules()):
+        if _units(model) is None and any(isinstance(m, FSDPModule) for m in model.modules()):
             raise ValueError(
                 f"{type(model).__name__} is already sharded by fully_shard (in configure_model?): UlyssesFSDPStrategy "
                 "shards the transformers models itself, at set-up, once its checks have run on the whole weights. "
@@ -207,12 +211,12 @@ def shard_transformers_models(module: nn.Module, mesh: DeviceMesh, reshard_after
     model, or outside its decoder and output embeddings): its gradient would not be reduced over the ranks."""
     models = outermost_models(module)
     covered: set[int] = set()
-    units = []
+    planned = []
     for model in models:
         decoder = model.get_decoder()
         embeddings = list(dict.fromkeys(m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m))
         layers = _outermost(m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer))
-        units.append((model, layers, embeddings, decoder))
+        planned.append((model, layers, embeddings, decoder))
         covered.update(id(p) for part in (decoder, *embeddings) for p in part.parameters())
     left_out = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in covered]
     if left_out:
@@ -222,14 +226,16 @@ def shard_transformers_models(module: nn.Module, mesh: DeviceMesh, reshard_after
             f"LightningModule; these trainable parameters lie outside them, and their gradients would not be reduced "
             f"over the ranks: {shown}. Freeze them (requires_grad=False), or use UlyssesStrategy (DeepSpeed)."
         )
-    for model, layers, embeddings, decoder in units:
-        if model in _SHARDED:
+    for model, layers, embeddings, decoder in planned:
+        if _units(model) is not None:
             continue
         for layer in layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(embeddings, mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(decoder, mesh=mesh)  # the root: FSDP2 keeps its weights gathered from forward to backward
-        _SHARDED[model] = _Units(cast(list[FSDPModule], [*layers, embeddings[0]]), cast(FSDPModule, decoder))
+        setattr(
+            model, UNITS_ATTRIBUTE, _Units(cast(list[FSDPModule], [*layers, embeddings[0]]), cast(FSDPModule, decoder))
+        )
 
 
 def _outermost(modules: Any) -> list[nn.Module]:
