@@ -64,12 +64,12 @@ EVAL_BATCH = 2
 
 
 class CountingCausalLM(TinyCausalLM):
-    """The loss through ``forward_causal_lm_loss`` (tiled when the strategy's ``tiled_loss`` is on), counting in
+    """The loss through ``forward_causal_lm_loss`` (tiled when the strategy's ``tiled_loss`` is on), recording in
     training (recomputations included) the calls of the first decoder layer's MLP, of its ``down_proj`` (once per
-    tile of a tiled MLP), of its ``q_proj`` (once per head chunk) and of ``lm_head``; the widths of that ``q_proj``'s
-    outputs (a head chunk's rows only where the projections run inside head chunks) and the autograd nodes of the
-    final norm's output. Validation
-    records each batch's loss; prediction returns each sample's per-token log-probabilities in sequence order."""
+    tile of a tiled MLP), of its ``q_proj`` (once per head chunk) and of ``lm_head``, those in the forward apart; the
+    widths of that ``q_proj``'s outputs (a head chunk's rows where the projections run inside head chunks), the dtype
+    of the logits and the autograd nodes of the final norm's output. Validation records each batch's loss;
+    prediction returns each sample's per-token log-probabilities in sequence order."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
