@@ -672,6 +672,7 @@ def _quiet() -> None:
     """The table is the output: no per-fit banners from Lightning, DeepSpeed or transformers."""
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "DeepSpeed", "deepspeed", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.ERROR)
 

@@ -64,16 +64,15 @@ def check_rotary(
 
 def is_rotary(module: nn.Module, call: Call) -> bool:
     """A module without weights that maps ``position_ids`` to a pair of per-token tensors."""
+    if len(call.outputs) != 2 or next(module.parameters(), None) is not None:
+        return False  # before reading the signature, which costs more than the model's small modules
     try:
         bound = inspect.signature(module.forward).bind(*call.args, **call.kwargs)
     except TypeError:
         return False
     positions = bound.arguments.get("position_ids")
-    return (
-        isinstance(positions, Tensor)
-        and len(call.outputs) == 2
-        and all(t.dim() >= 2 and t.shape[-2] == positions.shape[-1] for t in call.outputs)
-        and next(module.parameters(), None) is None
+    return isinstance(positions, Tensor) and all(
+        t.dim() >= 2 and t.shape[-2] == positions.shape[-1] for t in call.outputs
     )
 
 
