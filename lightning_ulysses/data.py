@@ -95,7 +95,7 @@ def standard_library_files(pattern: str) -> list[Path]:
     """The files of the standard library that match ``pattern``, sorted: the base interpreter's library folder
     (``sysconfig``'s ``stdlib``, also from inside a virtual environment) without its ``site-packages`` /
     ``dist-packages``, whose third-party packages differ from machine to machine."""
-    files = []
+    files: list[Path] = []
     for folder, subfolders, names in os.walk(sysconfig.get_paths()["stdlib"]):
         # not walked at all: a base interpreter's site-packages can hold several times the library's own files
         subfolders[:] = [name for name in subfolders if name not in THIRD_PARTY_FOLDERS]
