@@ -487,18 +487,15 @@ def launch_side(
     config: SideBySideConfig, folder: Path, log: Path, side: str, lengths: list[int], kind: str, timeout: float,
     run_record: bool = False,
 ) -> None:  # fmt: skip
-    """:func:`worker` in a fresh process; raises ``AssertionError`` (with its output) where it failed or was stopped."""
+    """:func:`worker` in a fresh process; raises ``AssertionError`` (with its output) where it failed or was stopped.
+    The CUDA allocator's setting only on CUDA: on CPU the test session forks the process from its warm one."""
     from tests.launch import launch
 
     args = {"config": dataclasses.asdict(config), "folder": str(folder), "log": str(log), "side": side,
             "lengths": lengths, "kind": kind, "run_record": run_record}  # fmt: skip
-    launch(
-        "benchmarks.gpu_side_by_side:worker",
-        1,
-        args,
-        timeout=timeout,
-        extra_env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
-    )
+    on_gpu = config.accelerator == "cuda"
+    allocator = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if on_gpu else None
+    launch("benchmarks.gpu_side_by_side:worker", 1, args, timeout=timeout, extra_env=allocator)
 
 
 def _versions() -> dict[str, str]:

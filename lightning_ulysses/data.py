@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import os
 import random
 import sysconfig
 from collections.abc import Mapping, Sequence
@@ -94,12 +95,12 @@ def standard_library_files(pattern: str) -> list[Path]:
     """The files of the standard library that match ``pattern``, sorted: the base interpreter's library folder
     (``sysconfig``'s ``stdlib``, also from inside a virtual environment) without its ``site-packages`` /
     ``dist-packages``, whose third-party packages differ from machine to machine."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(
-        path
-        for path in root.rglob(pattern)
-        if path.is_file() and not THIRD_PARTY_FOLDERS.intersection(path.relative_to(root).parts)
-    )
+    files: list[Path] = []
+    for folder, subfolders, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        # not walked at all: a base interpreter's site-packages can hold several times the library's own files
+        subfolders[:] = [name for name in subfolders if name not in THIRD_PARTY_FOLDERS]
+        files.extend(path for path in map(Path(folder).joinpath, names) if path.match(pattern) and path.is_file())
+    return sorted(files)
 
 
 def check_paths_exist(paths: Sequence[str], key: str, globs: bool = False) -> None:

@@ -2,7 +2,8 @@
 # The project's checks, as CI runs them (README "Tests"): format and lint (ruff, a second), then the type check
 # (mypy on the package, configured in pyproject.toml; half a minute with a cold cache) alongside the test suite,
 # whose multi-process tests leave a core idle part of the time. Fails when any of them fails; mypy's report is
-# printed after the suite's. Arguments go to pytest (e.g. `bash scripts/check.sh -m "not cli"`).
+# printed after the suite's. Arguments go to pytest (e.g. `bash scripts/check.sh -m "not cli"`). With `--dist loadfile`
+# the longest test files start first, one on each worker (tests/scheduling.py), so that none is left for the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

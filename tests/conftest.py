@@ -56,6 +56,15 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 @pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadfile":
+        return None  # xdist's own scheduler
+    from tests.scheduling import LongestFilesFirst
+
+    return LongestFilesFirst(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: object) -> None:
     for kind, count in getattr(node, "workeroutput", {}).get("world_starts", {}).items():
         WORLD_STARTS[kind] += count

@@ -20,7 +20,8 @@ import signal
 import socket
 import sys
 
-FORKABLE = ("lightning_ulysses", "tests.launch", "torch.distributed.run")
+# ``lightning_ulysses.__main__``: Lightning starts the CLI's other ranks with ``-m __main__.__spec__.name``
+FORKABLE = ("lightning_ulysses", "lightning_ulysses.__main__", "tests.launch", "torch.distributed.run")
 OPTIONS = ("-u",)  # interpreter options a forked process honours (``torchrun`` passes ``-u``)
 RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
