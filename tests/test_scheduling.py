@@ -53,16 +53,16 @@ def test_the_longest_files_start_first_on_different_workers_and_unlisted_files_s
         "test_cli.py": 30,
         "test_gpu_side_by_side.py": 3,  # few tests, long ones
         "test_new.py": 40,  # a file the table does not know yet
-        "test_zoo.py": 442,
-        "test_zoo_options.py": 1242,
+        "test_vision.py": 60,
+        "test_zoo.py": 1684,
     }
     assert all(file in EXPECTED_SECONDS for file in ["test_cli.py", "test_gpu_side_by_side.py", "test_zoo.py"])
     assert "test_new.py" not in EXPECTED_SECONDS and "test_api.py" not in EXPECTED_SECONDS
 
     order = hand_out(LongestFilesFirst, tests_per_file)
 
-    assert order[:2] == [("gw0", "test_zoo_options.py"), ("gw1", "test_zoo.py")]
-    listed = ["test_zoo_options.py", "test_zoo.py", "test_cli.py", "test_gpu_side_by_side.py"]
+    assert order[:2] == [("gw0", "test_zoo.py"), ("gw1", "test_vision.py")]
+    listed = ["test_zoo.py", "test_vision.py", "test_cli.py", "test_gpu_side_by_side.py"]
     assert [file for _, file in order] == [*listed, "test_new.py", "test_api.py"]  # then xdist's order: most tests
 
     # xdist's own order (by number of tests) leaves the 3-test file, long as it is, to the very end

@@ -802,8 +802,7 @@ def _options_explained(settings: list[str]) -> list[str]:
         "(exact as above, and the option shows its effect: activation checkpointing runs decoder layers again in the "
         "backward, the tiled loss runs `lm_head` again per tile) or **REFUSED** at set-up by a message that names the "
         "option to drop; anything else is a bug. A family refused (or not built) in the default set-up has no option "
-        "runs (-). The test suite runs every setting for every family (`tests/test_zoo.py`: all options together, "
-        "`tests/test_zoo_options.py`: each single option).",
+        "runs (-). The test suite runs every setting for every family (`tests/test_zoo.py`, in one launch).",
         "",
     ]
 

@@ -1,14 +1,6 @@
-"""The zoo crossed with each memory option (see :mod:`tests.zoo`): a family that trains in the default set-up also
-trains exactly from a ``save_pretrained`` folder loaded with ``from_pretrained`` (eval mode, as users get it) with
-each of ``tiled_loss``, ``tiled_mlp``, ``fused_norms``, ``head_chunks="auto"`` and activation checkpointing with
-offload, and with none ("pretrained"), against one process of the plain model loaded from the same folder in train
-mode; or is refused at set-up by a message that names the option. Every option together runs for every family in
-``tests/test_zoo.py``.
-
-Every family runs each option in one 2-process launch, as ``python -m tests.zoo --markdown docs/model-support.md``
-does for the page. The controls show the harness can fail: a wrong SP loss fails under each option; a model loaded
-from the folder is in the state the folder holds (a changed weight is seen); the effect count sees layers recomputed,
-and none in eval mode.
+"""The zoo harness's own pieces (:mod:`tests.zoo`), in one process: the pretrained runs start from the folder's state
+in eval mode, the reference is loaded from that folder, the effect count sees recomputed layers, a refusal counts only
+when it names an option asked for, and a model with dropout on is seen. The zoo itself runs in ``tests/test_zoo.py``.
 """
 
 from __future__ import annotations
@@ -20,79 +12,24 @@ import torch
 
 from lightning_ulysses.hf import UnsupportedModelError
 from tests.zoo import (
-    CONTROL_ENTRIES,
     ERROR,
-    FAIL,
-    NOT_BUILT,
     PASS,
     REFUSED,
-    SINGLE_OPTION_SETTINGS,
     Outcome,
     ZooEntry,
     ZooModule,
     build_model,
     decoder_layers,
     draws_random_numbers,
-    format_table,
     load_pretrained,
     option_refusal,
     option_run_problem,
     prepare,
     reference_batch,
-    run_zoo,
     save_and_reload,
     state_difference,
-    zoo_entries,
 )
 from tests.zoo_configs import tiny_recipe
-
-ENTRIES = [entry.name for entry in zoo_entries() if entry not in CONTROL_ENTRIES]
-
-
-def _crossing(request: pytest.FixtureRequest, entries: list[ZooEntry]) -> dict[str, Outcome]:
-    results = run_zoo(entries, settings=SINGLE_OPTION_SETTINGS)
-    with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
-        print("\n" + format_table(results))  # shown also when pytest captures output
-    return results
-
-
-@pytest.fixture(scope="module")
-def crossing(request: pytest.FixtureRequest) -> dict[str, Outcome]:
-    """Each single option for every family and the control entries (one launch)."""
-    results = run_zoo(zoo_entries(), settings=SINGLE_OPTION_SETTINGS)
-    with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
-        print("\n" + format_table(results))  # shown also when pytest captures output
-    return results
-
-
-def _assert_option_run(results: dict[str, Outcome], name: str, setting: str) -> None:
-    outcome = results[name]
-    if outcome.verdict in (REFUSED, NOT_BUILT):
-        pytest.skip(f"{name} does not train in the default set-up ({outcome.verdict}): no option runs")
-    problem = option_run_problem(outcome, setting)
-    assert not problem, f"{name} [{outcome.features}] {problem}"
-
-
-@pytest.mark.distributed
-@pytest.mark.zoo
-@pytest.mark.parametrize("setting", SINGLE_OPTION_SETTINGS)
-@pytest.mark.parametrize("name", ENTRIES)
-def test_family_trains_from_pretrained_with_the_option_or_refuses_it(
-    crossing: dict[str, Outcome], name: str, setting: str
-) -> None:
-    _assert_option_run(crossing, name, setting)
-
-
-@pytest.mark.distributed
-@pytest.mark.zoo
-@pytest.mark.parametrize("setting", SINGLE_OPTION_SETTINGS)
-def test_wrong_sp_loss_fails_under_each_option(crossing: dict[str, Outcome], setting: str) -> None:
-    """The control entry doubles the SP loss: every option run from the folder sees it."""
-    for entry in CONTROL_ENTRIES:
-        run = crossing[entry.name].options[setting]
-        assert run.verdict == FAIL, run
-        assert run.loss_error == pytest.approx(1.0, rel=1e-3)
-        assert run.update_error == pytest.approx(1.0, rel=1e-3)
 
 
 def test_folder_gives_back_the_saved_model_in_eval_mode(tmp_path: Path) -> None:
