@@ -271,6 +271,9 @@ def test_benchmark_runs_in_quick_mode(tmp_path: Path) -> None:
     assert longest["all", 2] == (512, None)  # fits up to the probe's maximum
     table = (tmp_path / "memory.md").read_text()
     assert "| plain | 1 |" in table and "| all | 2 |" in table and f"| {fit}, {miss} |" in table
+    ratios = " | ".join(f"{peaks['all', 2, n] / peaks['all', 1, n]:.3f}" for n in (256, 512))
+    assert "## Peak against sp\n\n| config | N=256: sp=2 / sp=1 | N=512: sp=2 / sp=1 |" in table
+    assert f"| all | {ratios} |" in table
     assert (tmp_path / "memory.png").stat().st_size > 0
 
 
