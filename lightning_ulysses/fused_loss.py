@@ -91,16 +91,9 @@ class FusedCrossEntropySum(torch.autograd.Function):
             hidden = hidden.detach().requires_grad_(needs_hidden)
             with torch.enable_grad():
                 loss = F.cross_entropy(head(hidden).float(), target, ignore_index=ignore_index, reduction="sum")
-            inputs = [hidden, *trained] if needs_hidden else trained
             if index == 0:
-                _refuse_unlisted_leaves(loss, inputs, parameters)
-            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
-            if needs_hidden:
-                grad_tile.copy_(grads[0])
-                grads = grads[1:]
-            for i, grad in enumerate(grads):
-                if grad is not None:
-                    grad_parameters[i] = _accumulate(grad_parameters[i], grad)
+                _refuse_unlisted_leaves(loss, [hidden, *parameters])
+            _take_gradients(loss, hidden if needs_hidden else None, grad_tile, trained, grad_parameters)
             sums.append(loss.detach())
         gradients = iter(grad_parameters)
         ctx.gradients = (  # type: ignore[attr-defined]
@@ -128,6 +121,21 @@ class FusedCrossEntropySum(torch.autograd.Function):
         return None, None, None, grad_hidden, None, *scaled
 
 
+def _take_gradients(
+    loss: Tensor, hidden: Tensor | None, grad_tile: Tensor, trained: list[Tensor], sums: list[Tensor | None]
+) -> None:
+    """One tile's backward: ``loss``'s gradient with respect to ``hidden`` (written into ``grad_tile``) and to each
+    of ``trained``, added to ``sums``. A function of its own so that the tile's gradients are freed on return, before
+    the next tile makes its own (a ``[V, hidden]`` weight gradient each)."""
+    inputs = [*([] if hidden is None else [hidden]), *trained]
+    grads = list(torch.autograd.grad(loss, inputs, allow_unused=True))
+    if hidden is not None:
+        grad_tile.copy_(grads.pop(0))
+    for i, grad in enumerate(grads):
+        if grad is not None:
+            sums[i] = _accumulate(sums[i], grad)
+
+
 def _accumulate(total: Tensor | None, grad: Tensor) -> Tensor:
     """``total + grad``, in the parameter's dtype as autograd sums the gradients of a tensor used several times (the
     checkpointed tiles' path, whose results this one equals to rounding), but fp16's in fp32: that tile's gradient
@@ -138,11 +146,11 @@ def _accumulate(total: Tensor | None, grad: Tensor) -> Tensor:
     return total.add_(grad)
 
 
-def _refuse_unlisted_leaves(loss: Tensor, inputs: Sequence[Tensor], parameters: Sequence[Tensor]) -> None:
-    """Raise where ``loss`` depends on a tensor needing a gradient that is neither one of ``inputs`` nor a listed
-    parameter (an ``lm_head`` whose forward reads another module's weight): the fused backward would drop its
-    gradient. Walks the tile's graph, a few nodes, once per call."""
-    listed = {id(t) for t in (*inputs, *parameters)}
+def _refuse_unlisted_leaves(loss: Tensor, listed_tensors: Sequence[Tensor]) -> None:
+    """Raise where ``loss`` depends on a tensor needing a gradient that is none of ``listed_tensors`` (the tile and
+    the head's parameters; an ``lm_head`` whose forward reads another module's weight): the fused backward would drop
+    its gradient. Walks the tile's graph, a few nodes, once per call."""
+    listed = {id(t) for t in listed_tensors}
     seen: set[Any] = set()
     pending = [loss.grad_fn]
     while pending:
