@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from lightning_ulysses.logits import LogitMap, TiledLogits, cross_entropy_sum, fused_loss_sum
 from lightning_ulysses.sharding import IGNORE_INDEX
@@ -217,6 +220,38 @@ def test_no_host_sync_in_the_fused_forward_or_backward() -> None:
     inside = {key: n for key, n in counter.counts.items() if key[0] != "outside"}
     assert not inside, f"host syncs in the fused loss: {inside}"
     assert counter.counts, "the counter missed a host sync"
+
+
+class LiveWeightSized(TorchDispatchMode):
+    """The most storages of ``nbytes`` bytes made while active (``lm_head``'s weight gradients) alive at once; views
+    and in-place results (an output sharing an input's storage) are not made."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__()
+        self.nbytes, self.most = nbytes, 0
+        self.live: dict[int, StorageWeakRef] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.live = {key: ref for key, ref in self.live.items() if not ref.expired()}
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+        for tensor in tree_leaves(out):
+            storage = tensor.untyped_storage() if isinstance(tensor, Tensor) else None
+            if storage is not None and storage.nbytes() == self.nbytes and storage.data_ptr() not in inputs:
+                self.live.setdefault(storage.data_ptr(), StorageWeakRef(storage))
+        self.most = max(self.most, len(self.live))
+        return out
+
+
+def test_one_tile_weight_gradient_alive_beside_their_sum() -> None:
+    """While the forward makes the tiles' gradients, at most the sum and one tile's ``[V, hidden]`` weight gradient
+    exist: each tile's is freed (added) before the next tile's backward makes its own."""
+    lm_head, hidden_states, labels = _inputs(bias=False)
+    loss_sum = fused_loss_sum(lm_head, 5)
+    assert loss_sum is not None
+    with LiveWeightSized(lm_head.weight.numel() * 4) as mode:
+        loss_sum(hidden_states, labels, IGNORE_INDEX)
+    assert mode.most == 2
 
 
 def test_a_second_backward_is_refused() -> None:
