@@ -31,7 +31,10 @@ of the rank's hidden states) until it is ``hidden`` tokens again, from ``n = 12 
 bf16): at long shards the tiles, their count and the peak are the former rule's. The count is capped so because every
 tile costs a little besides its logits (its autograd nodes, its gradient piece until the tiles' gradients are joined;
 on CPU these small buffers stay in the process's heap: 6-8 KiB a tile), which at long lengths would outgrow the
-transients saved.
+transients saved. Small tiles cost time too: each makes and adds a ``[V, hidden]`` weight gradient and runs narrower
+matmuls. At 16384 tokens per rank of ``benchmarks.longest``'s model on CPU the 43-token tiles take about 2 s of a 28 s
+step more than ``hidden``-token tiles would, which in turn raise the step's peak with head chunks by a quarter at 8192
+tokens per rank (``docs/benchmarks/chunk_cost.md``): the memory is kept.
 
 Some families make their logits from ``lm_head``'s output, or its input, with more than ``lm_head``: Granite divides
 them by ``logits_scaling``, Cohere and Falcon-H1 multiply them by a constant, MiniCPM3 divides the hidden states before
