@@ -7,18 +7,21 @@
 
 A fixed small Llama-style model runs forward + backward on one sequence of ``N`` tokens, sharded over
 ``sp`` processes (one SP group, Ulysses attention), under each configuration of
-:class:`~lightning_ulysses.memory.MemoryOptions`. Every sp size runs in its own processes and measures all
-configurations and lengths there. Reported per rank (the largest over the group): the step's peak above
-what was resident before it (weights and gradient buffers) and its ratio to the plain sp=1 peak at the same
-length. The longest sequence whose step fits a per-rank budget is probed, not extrapolated (fixed loss-tile
-buffers set the peak of short sequences, so a line through short measurements overestimates it): each probed
-length trains one step in fresh processes, doubling from ``--probe-start`` while the peak stays under the
-budget, then bisecting ``--refine`` times; the table gives the bracket [longest fit, shortest miss).
+:class:`~lightning_ulysses.memory.MemoryOptions` (``all+head_chunks``: ``all`` with head-chunked attention, which
+needs an all-to-all: at sp=1 it is ``all``). Every sp size runs in its own processes and measures all configurations
+and lengths there. Reported per rank (the largest over the group): the step's peak above what was resident before it
+(weights and gradient buffers), its ratio to the plain sp=1 peak at the same length, and (section "Peak against sp")
+its ratio to the same configuration's sp=1 peak. The longest sequence whose step fits a per-rank budget is probed,
+not extrapolated (fixed loss-tile buffers set the peak of short sequences, so a line through short measurements
+overestimates it): each probed length trains one step in fresh processes, doubling from ``--probe-start`` while the
+peak stays under the budget, then bisecting ``--refine`` times; the table gives the bracket [longest fit, shortest
+miss).
 
 CPU: the RSS high-water mark (``VmHWM`` after a reset through ``/proc/self/clear_refs``) in processes
 started with ``MALLOC_MMAP_THRESHOLD_=65536``, so freed tensors go back to the OS and RSS follows the live
-tensors. CUDA: ``torch.cuda.max_memory_allocated``. Offloading moves activations from the GPU to the host,
-so it is only measured on CUDA; on CPU ``all`` offloads nothing.
+tensors; the reset hands the heap's free pages back too (``malloc_trim``), else a step would reuse what earlier steps
+left there and read low (by 3-15% here). CUDA: ``torch.cuda.max_memory_allocated``. Offloading moves activations from
+the GPU to the host, so it is only measured on CUDA; on CPU ``all`` offloads nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import argparse
 import functools
 import os
 import sys
+from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +40,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from benchmarks.measure import PeakMemory, ProbeSchedule
 from lightning_ulysses import UlyssesLossMixin
-from lightning_ulysses.hf import apply_ulysses_attention
+from lightning_ulysses.attention.head_chunks import HeadChunks
+from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.memory import MemoryOptions, apply_memory_options, remove_memory_options
 from lightning_ulysses.sharding import prepare_batch, shard_batch
 from tests.launch import launch
@@ -59,7 +64,13 @@ CONFIGS: dict[str, MemoryOptions] = {
     "checkpointing+offload": MemoryOptions(activation_checkpointing=True, offload_activations=True),
     "tiled_loss+checkpointing": MemoryOptions(tiled_loss=True, activation_checkpointing=True),
     "all": MemoryOptions(tiled_mlp=True, tiled_loss=True, activation_checkpointing=True, offload_activations=True),
+    "all+head_chunks": MemoryOptions(
+        tiled_mlp=True, tiled_loss=True, activation_checkpointing=True, offload_activations=True
+    ),
 }
+HEAD_CHUNKS: dict[str, HeadChunks] = {"all+head_chunks": "auto"}
+"""The configurations whose attention runs in head chunks (:mod:`lightning_ulysses.attention.head_chunks`; they need
+an all-to-all, so at sp=1 the attention runs whole)."""
 MiB = 2**20
 WARM_UP_LEN = 256
 
@@ -72,10 +83,11 @@ def worker(args: dict[str, Any]) -> dict[tuple[str, int], int]:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     sp_size, sp_rank = dist.get_world_size(), dist.get_rank()
     model = tiny_llama(**MODEL).to(device).train()
-    apply_ulysses_attention(model, init_device_mesh(device.type, (sp_size,)) if sp_size > 1 else None, "sdpa")
+    mesh = init_device_mesh(device.type, (sp_size,)) if sp_size > 1 else None
     peaks = {}
     for name in args["configs"]:
         options = CONFIGS[name]
+        apply_ulysses_attention(model, mesh, "sdpa", head_chunks=HEAD_CHUNKS.get(name))
         apply_memory_options(model, options)
         for seq_len in [WARM_UP_LEN, *args["seq_lens"]]:  # the first step warms up
             generator = torch.Generator().manual_seed(seq_len)
@@ -83,6 +95,7 @@ def worker(args: dict[str, Any]) -> dict[tuple[str, int], int]:
             shard = {k: v.to(device) for k, v in shard_batch(prepare_batch(batch, sp_size), sp_rank, sp_size).items()}
             peaks[name, seq_len] = _peak_bytes(device, functools.partial(_train_step, model, shard, options))
         remove_memory_options(model)
+        remove_ulysses_attention(model)
     dist.destroy_process_group()
     return peaks
 
@@ -137,21 +150,42 @@ def markdown_table(
     budget: float,
     longest: dict[tuple[str, int], tuple[int | None, int | None]],
 ) -> str:
-    header = "| config | sp | " + " | ".join(f"N={n}: MiB (x plain sp=1)" for n in seq_lens)
+    """The peaks in MiB, each with its ratio to the plain sp=1 peak at its length where that was measured."""
+    base = {n: results.get(("plain", 1, n)) for n in seq_lens}
+    header = "| config | sp | " + " | ".join(f"N={n}: MiB" + " (x plain sp=1)" * bool(base[n]) for n in seq_lens)
     header += f" | longest N under {budget / MiB:.0f} MiB: fits, does not (probed) |" if longest else " |"
     lines = [header, "|" + "---|" * (len(seq_lens) + 2 + bool(longest))]
     for config in configs:
         for sp in sp_sizes:
-            cells = [
-                f"{results[config, sp, n] / MiB:.1f} ({results[config, sp, n] / results['plain', 1, n]:.3f})"
-                for n in seq_lens
-            ]
+            cells = []
+            for n in seq_lens:
+                peak, plain = results[config, sp, n], base[n]
+                cells.append(f"{peak / MiB:.1f}" + (f" ({peak / plain:.3f})" if plain else ""))
             row = f"| {config} | {sp} | " + " | ".join(cells) + " |"
             if longest:
                 fit, miss = longest[config, sp]
                 row += f" {'-' if fit is None else fit}, {'-' if miss is None else miss} |"
             lines.append(row)
     return "\n".join(lines)
+
+
+def sp_ratio_table(
+    results: dict[tuple[str, int, int], float], configs: list[str], sp_sizes: list[int], seq_lens: list[int]
+) -> str:
+    """Each configuration's peak at sp > 1 against its own sp=1 peak at the same length (ideal: ``1 / sp``)."""
+    larger = [sp for sp in sp_sizes if sp > 1]
+    header = "| config | " + " | ".join(f"N={n}: sp={sp} / sp=1" for n in seq_lens for sp in larger) + " |"
+    lines = [header, "|" + "---|" * (1 + len(seq_lens) * len(larger))]
+    for config in configs:
+        cells = [f"{results[config, sp, n] / results[config, 1, n]:.3f}" for n in seq_lens for sp in larger]
+        lines.append(f"| {config} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _machine(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"CPU ({os.cpu_count()} cores, gloo)"
 
 
 def plot(
@@ -189,6 +223,7 @@ def main(argv: list[str] | None = None) -> tuple[dict[tuple[str, int, int], floa
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="the configurations (default: all)")
     parser.add_argument("--budget-mib", type=float, default=256.0, help="per-rank memory budget for the step")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--probe-start", type=int, default=1024, help="first length of the longest-N probe")
@@ -198,7 +233,7 @@ def main(argv: list[str] | None = None) -> tuple[dict[tuple[str, int, int], floa
     parser.add_argument("--quick", action="store_true", help="two lengths, sp 1 and 2, plain and all, a short probe")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    configs = [c for c in CONFIGS if args.device == "cuda" or c != "checkpointing+offload"]
+    configs = args.configs or [c for c in CONFIGS if args.device == "cuda" or c != "checkpointing+offload"]
     if args.quick:
         args.seq_lens, args.sp, configs = [256, 512], [1, 2], ["plain", "all"]
         args.budget_mib, args.probe_start, args.probe_max, args.refine = 64.0, 256, 512, 1
@@ -220,12 +255,15 @@ def main(argv: list[str] | None = None) -> tuple[dict[tuple[str, int, int], floa
     )
 
     table = markdown_table(results, configs, args.sp, args.seq_lens, budget, longest)
+    if 1 in args.sp and len(args.sp) > 1:
+        table += "\n\n## Peak against sp\n\n" + sp_ratio_table(results, configs, args.sp, args.seq_lens)
     model = ", ".join(f"{k}={v}" for k, v in MODEL.items() if k != "max_position_embeddings")
     title = f"Peak step memory per rank, {args.device}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "memory.md").write_text(
-        f"# {title}\n\nMade by `{' '.join(['python -m benchmarks.memory', *argv])}` (see its docstring for the "
-        f"method). Model: Llama, {model}, fp32, batch 1, one forward + backward.\n\n{table}\n\n![plot](memory.png)\n"
+        f"# {title}\n\nMade by `{' '.join(['python -m benchmarks.memory', *argv])}` on {date.today()}, "
+        f"{_machine(args.device)} (see its docstring for the method). Model: Llama, {model}, fp32, batch 1, one "
+        f"forward + backward.\n\n{table}\n\n![plot](memory.png)\n"
     )
     plot(results, configs, args.sp, args.seq_lens, args.out / "memory.png", title)
     print(table)

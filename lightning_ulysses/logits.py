@@ -10,7 +10,10 @@ tile is reduced to its per-token values before the next tile exists, so at most 
 ``[tile_tokens, V]`` logits (and their fp32 copy) are alive. The values equal those of the whole logits.
 
 Under autograd each tile is a :func:`torch.utils.checkpoint.checkpoint` region recomputed in the backward
-(see :mod:`lightning_ulysses.memory`), so the same code is the training loss's tiled path.
+(see :mod:`lightning_ulysses.memory`), so the same code is the training loss's tiled path where an engine shards
+``lm_head``'s parameters (ZeRO-3, FSDP2). Where they are whole on the rank (plain PyTorch, ZeRO 0-2) the training
+loss sum runs each tile's backward inside its forward instead (:func:`fused_loss_sum`,
+:mod:`lightning_ulysses.fused_loss`): the same tiles and values, ``lm_head`` called once per tile and step, not twice.
 
 **Tile size** (``tiled_loss=True``, :func:`resolve_loss_tiles`): tiles are sized by bytes. While a tile's cross
 entropy trains, three fp32 ``[tile, V]`` tensors are alive at once (:data:`CROSS_ENTROPY_BYTES_PER_LOGIT`), and they
@@ -28,7 +31,10 @@ of the rank's hidden states) until it is ``hidden`` tokens again, from ``n = 12 
 bf16): at long shards the tiles, their count and the peak are the former rule's. The count is capped so because every
 tile costs a little besides its logits (its autograd nodes, its gradient piece until the tiles' gradients are joined;
 on CPU these small buffers stay in the process's heap: 6-8 KiB a tile), which at long lengths would outgrow the
-transients saved.
+transients saved. Small tiles cost time too: each makes and adds a ``[V, hidden]`` weight gradient and runs narrower
+matmuls. At 16384 tokens per rank of ``benchmarks.longest``'s model on CPU the 43-token tiles take about 2 s of a 28 s
+step more than ``hidden``-token tiles would, which in turn raise the step's peak with head chunks by a quarter at 8192
+tokens per rank (``docs/benchmarks/chunk_cost.md``): the memory is kept.
 
 Some families make their logits from ``lm_head``'s output, or its input, with more than ``lm_head``: Granite divides
 them by ``logits_scaling``, Cohere and Falcon-H1 multiply them by a constant, MiniCPM3 divides the hidden states before
@@ -45,8 +51,9 @@ from typing import Union
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
+from lightning_ulysses.fused_loss import FusedCrossEntropySum, engine_shards
 from lightning_ulysses.sharding import IGNORE_INDEX
 from lightning_ulysses.tiling import (
     TileSetting,
@@ -76,24 +83,36 @@ class LogitMap:
 
     def head(self, lm_head: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
         """``[tokens, hidden] -> [tokens, V]``: the model's logits of a tile of final hidden states (``lm_head`` itself
-        where the map is the identity)."""
-        if self == LogitMap():
-            return lm_head
-
-        def logits_of(hidden_states: Tensor) -> Tensor:
-            logits = lm_head(hidden_states if self.input_scale == 1 else hidden_states * self.input_scale)
-            if self.scale != 1:
-                logits = logits * self.scale
-            if self.cap is not None:  # as transformers soft-caps: divide, tanh, multiply
-                logits = torch.tanh(logits / self.cap) * self.cap
-            return logits
-
-        return logits_of
+        where the map is the identity, else a :class:`MappedHead`)."""
+        return lm_head if self == LogitMap() else MappedHead(lm_head, self)
 
     def __str__(self) -> str:
         hidden = "h" if self.input_scale == 1 else f"{self.input_scale:.6g} * h"
         logits = f"lm_head({hidden})" if self.scale == 1 else f"{self.scale:.6g} * lm_head({hidden})"
         return logits if self.cap is None else f"{self.cap:.6g} * tanh({logits} / {self.cap:.6g})"
+
+
+@dataclass(frozen=True)
+class MappedHead:
+    """``logit_map`` applied to ``lm_head``: ``[tokens, hidden] -> [tokens, V]``, the model's logits; ``lm_head`` kept
+    so that the fused loss (:func:`fused_loss_sum`) finds its parameters."""
+
+    lm_head: Callable[[Tensor], Tensor]
+    logit_map: LogitMap
+
+    def __call__(self, hidden_states: Tensor) -> Tensor:
+        scale, cap = self.logit_map.scale, self.logit_map.cap
+        input_scale = self.logit_map.input_scale
+        logits = self.lm_head(hidden_states if input_scale == 1 else hidden_states * input_scale)
+        if scale != 1:
+            logits = logits * scale
+        if cap is not None:  # as transformers soft-caps: divide, tanh, multiply
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+LossSum = Callable[[Tensor, Tensor, int], Tensor]
+"""``(hidden_states [tokens, hidden], labels [tokens], ignore_index) ->`` the fp32 sum of the token cross entropies."""
 
 
 @dataclass(frozen=True)
@@ -106,16 +125,17 @@ class TiledLogits:
             ``LogitMap.head`` of it where the model makes its logits with more than ``lm_head``.
         num_tiles: exactly this many ``lm_head`` calls per consumer (tiles may be empty), on every rank alike:
             under ZeRO-3 each call gathers ``lm_head``'s weight collectively.
-        loss_sum: ``(hidden_states [tokens, hidden], labels [tokens], ignore_index) ->`` the fp32 sum of the token
-            cross entropies of these logits by a fused kernel (Liger's,
-            :func:`~lightning_ulysses.liger.liger_loss_sum`), which the loss then takes instead of the tiles;
-            ``None``: the tiles.
+        loss_sum: the :data:`LossSum` of these logits by a fused computation, which the loss sum
+            (:func:`cross_entropy_sum`) then takes instead of the checkpointed tiles: Liger's kernel
+            (:func:`~lightning_ulysses.liger.liger_loss_sum`, where asked) or the tiles with each one's backward run
+            in the forward (:func:`fused_loss_sum`, where ``lm_head``'s parameters are whole on the rank); ``None``:
+            the checkpointed tiles.
     """
 
     hidden_states: Tensor
     lm_head: Callable[[Tensor], Tensor]
     num_tiles: int
-    loss_sum: Callable[[Tensor, Tensor, int], Tensor] | None = None
+    loss_sum: LossSum | None = None
 
 
 CROSS_ENTROPY_BYTES_PER_LOGIT = 12
@@ -199,6 +219,35 @@ def token_hits(logits: Logits, labels: Tensor, ignore_index: int = IGNORE_INDEX)
     return per_token(logits, labels, lambda x, y: (x.argmax(dim=-1) == y) & (y != ignore_index))
 
 
+def cross_entropy_sum(logits: Logits, labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """The fp32 sum of the next-token cross entropies of ``logits [B, n, V]`` (whole or :class:`TiledLogits`) against
+    ``labels [B, n]``: by :attr:`TiledLogits.loss_sum` where it is given, else of :func:`token_losses`."""
+    if isinstance(logits, TiledLogits) and logits.loss_sum is not None:
+        hidden_states = logits.hidden_states.reshape(-1, logits.hidden_states.shape[-1])
+        return logits.loss_sum(hidden_states, labels.reshape(-1), ignore_index)
+    return token_losses(logits, labels, ignore_index).sum()
+
+
+def fused_loss_sum(head: Callable[[Tensor], Tensor], num_tiles: int) -> LossSum | None:
+    """The :attr:`TiledLogits.loss_sum` of ``head``'s logits in ``num_tiles`` tiles, each tile's backward run in the
+    forward (:class:`~lightning_ulysses.fused_loss.FusedCrossEntropySum`), where ``head`` is an ``nn.Module`` or
+    :meth:`LogitMap.head` of one whose parameters are whole on the rank (plain PyTorch, ZeRO 0-2). ``None`` (the
+    checkpointed tiles) where an engine shards them (ZeRO-3, FSDP2: :func:`~lightning_ulysses.fused_loss.engine_shards`)
+    or ``head`` is another callable, whose trainable tensors cannot be listed. Called without a gradient to make (no
+    grad mode, nothing requiring one), the sum is the tiles' values alone."""
+    module = head.lm_head if isinstance(head, MappedHead) else head
+    if not isinstance(module, nn.Module) or engine_shards(module):
+        return None
+
+    def loss_sum(hidden_states: Tensor, labels: Tensor, ignore_index: int) -> Tensor:
+        parameters = list(module.parameters())
+        if torch.is_grad_enabled() and (hidden_states.requires_grad or any(p.requires_grad for p in parameters)):
+            return FusedCrossEntropySum.apply(head, num_tiles, ignore_index, hidden_states, labels, *parameters)
+        return token_losses(TiledLogits(hidden_states, head, num_tiles), labels, ignore_index).sum()
+
+    return loss_sum
+
+
 def tiled_cross_entropy_sum(
     hidden_states: Tensor,
     lm_head: Callable[[Tensor], Tensor],
@@ -206,7 +255,8 @@ def tiled_cross_entropy_sum(
     num_tiles: int,
     ignore_index: int = IGNORE_INDEX,
 ) -> Tensor:
-    """Sum of the token cross entropies of ``lm_head(hidden_states)`` without materialising the logits.
+    """Sum of the token cross entropies of ``lm_head(hidden_states)`` without materialising the logits: fused
+    (:func:`fused_loss_sum`) where ``lm_head`` is a module with whole parameters, else the checkpointed tiles.
 
     Args:
         hidden_states: ``[batch, seq/sp, hidden]``, the final (normed) hidden states of this rank's tokens.
@@ -218,4 +268,5 @@ def tiled_cross_entropy_sum(
         a scalar fp32 sum (0 with a zero gradient when no label is valid). At most one tile's
         ``[tile_tokens, vocab]`` logits and their gradient exist at a time.
     """
-    return token_losses(TiledLogits(hidden_states, lm_head, num_tiles), labels, ignore_index).sum()
+    tiled = TiledLogits(hidden_states, lm_head, num_tiles, fused_loss_sum(lm_head, num_tiles))
+    return cross_entropy_sum(tiled, labels, ignore_index)

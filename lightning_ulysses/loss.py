@@ -51,7 +51,7 @@ from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.hf import apply_ulysses_attention, remove_ulysses_attention
 from lightning_ulysses.hf.check.logits import tiled_logit_map
 from lightning_ulysses.liger import liger_loss_sum
-from lightning_ulysses.logits import Logits, TiledLogits, resolve_loss_tiles, token_losses
+from lightning_ulysses.logits import Logits, TiledLogits, cross_entropy_sum, fused_loss_sum, resolve_loss_tiles
 from lightning_ulysses.sharding import IGNORE_INDEX, prepare_batch, shard_index
 from lightning_ulysses.tiling import TileSetting
 
@@ -102,11 +102,7 @@ def token_cross_entropy(
     """Sum of the next-token cross entropies of ``logits [B, n, V]`` (whole or :class:`TiledLogits`) against
     ``shift_labels [B, n]``, in fp32, and the number of valid (``!= ignore_index``) tokens in it: the two sums
     every exact reduction starts from (the sum by :attr:`TiledLogits.loss_sum` where it is given)."""
-    valid = (shift_labels != ignore_index).sum()
-    if isinstance(logits, TiledLogits) and logits.loss_sum is not None:
-        hidden_states = logits.hidden_states.reshape(-1, logits.hidden_states.shape[-1])
-        return logits.loss_sum(hidden_states, shift_labels.reshape(-1), ignore_index), valid
-    return token_losses(logits, shift_labels, ignore_index).sum(), valid
+    return cross_entropy_sum(logits, shift_labels, ignore_index), (shift_labels != ignore_index).sum()
 
 
 def token_mean(loss_sum: Tensor, num_valid_tokens: Tensor | int, context: LossContext | None) -> Tensor:
@@ -213,9 +209,12 @@ class UlyssesLossMixin:
         vocab_size: int | None = None,
     ) -> Tensor:
         """:meth:`causal_lm_loss` of ``lm_head(hidden_states [B, n, hidden])``, computed in token tiles so that
-        the ``[B * n, vocab]`` logits never exist (each tile's logits are recomputed in the backward). ``lm_head``
-        must make the model's logits: for a transformers model that scales or soft-caps them outside its output
-        embeddings, ``tiled_logit_map(model).head(model.get_output_embeddings())``.
+        the ``[B * n, vocab]`` logits never exist. Where ``lm_head`` is a module (or ``LogitMap.head`` of one) whose
+        parameters are whole on the rank (plain PyTorch, ZeRO 0-2) each tile's backward runs inside the forward
+        (:func:`~lightning_ulysses.logits.fused_loss_sum`); else (ZeRO-3, FSDP2, a plain function) each tile's
+        logits are recomputed in the backward. ``lm_head`` must make the model's logits: for a transformers model
+        that scales or soft-caps them outside its output embeddings,
+        ``tiled_logit_map(model).head(model.get_output_embeddings())``.
 
         ``num_tiles``: an int, or ``True`` for tiles sized by bytes, agreed over ranks
         (:func:`~lightning_ulysses.logits.resolve_loss_tiles`); ``None`` takes the strategy's ``tiled_loss``
@@ -226,7 +225,8 @@ class UlyssesLossMixin:
             context = self._loss_context()
             num_tiles = (context.tiled_loss if context is not None else False) or True
         tiles = resolve_loss_tiles(num_tiles, hidden_states, lm_head, vocab_size)
-        return self.causal_lm_loss(TiledLogits(hidden_states, lm_head, tiles), shift_labels, ignore_index)
+        logits = TiledLogits(hidden_states, lm_head, tiles, fused_loss_sum(lm_head, tiles))
+        return self.causal_lm_loss(logits, shift_labels, ignore_index)
 
     def forward_causal_lm_loss(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> Tensor:
         """Run a transformers causal LM on a batch from ``UlyssesStrategy`` (``input_ids``, ``position_ids``,
@@ -263,7 +263,9 @@ class UlyssesLossMixin:
         that the set-up check found (a constant factor, a tanh soft-cap: see
         :mod:`lightning_ulysses.hf.check.logits`), with the tile count of ``tiled_loss`` (``True``: sized by bytes
         and agreed over ranks, :func:`~lightning_ulysses.logits.resolve_loss_tiles`): the ``[tokens, vocab]`` logits
-        never exist. Otherwise the model's own logits.
+        never exist. Their loss sum is Liger's fused kernel where the strategy's ``liger_kernels`` asks for it, else
+        fused tiles where ``lm_head``'s parameters are whole on the rank
+        (:func:`~lightning_ulysses.logits.fused_loss_sum`). Otherwise the model's own logits.
         """
         inputs = self.model_inputs(model, self.prepared_batch(model, batch))
         context = self._loss_context()
@@ -272,8 +274,9 @@ class UlyssesLossMixin:
         logit_map, output_embeddings = tiled_logit_map(model), model.get_output_embeddings()
         hidden_states = model.get_decoder()(**inputs).last_hidden_state
         tiles = resolve_loss_tiles(context.tiled_loss, hidden_states, output_embeddings)
-        loss_sum = liger_loss_sum(output_embeddings, logit_map) if context.liger_loss else None
-        return TiledLogits(hidden_states, logit_map.head(output_embeddings), tiles, loss_sum)
+        head = logit_map.head(output_embeddings)
+        loss_sum = liger_loss_sum(output_embeddings, logit_map) if context.liger_loss else fused_loss_sum(head, tiles)
+        return TiledLogits(hidden_states, head, tiles, loss_sum)
 
     def model_inputs(self, model: PreTrainedModel, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """The keyword inputs of the model's (and its decoder's) forward: ``input_ids`` and ``position_ids``."""

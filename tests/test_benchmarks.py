@@ -22,7 +22,7 @@ from benchmarks import (
 )
 from benchmarks.compare_alst import BenchmarkConfig
 from benchmarks.gpu_long_context import LongContextConfig, flops_per_token, llama_config, parameter_counts
-from benchmarks.measure import LiveTensors
+from benchmarks.measure import LiveTensors, PeakMemory
 
 SHORT = [
     "--seq-len",
@@ -241,6 +241,23 @@ def test_live_tensors_split_the_peak_by_what_made_it() -> None:
     assert "forward 0" not in parts  # its weight's transpose is a view: nothing new
     assert any(label.startswith("backward ") for label in parts)
     assert live.peak >= sum(nbytes for nbytes, _, _ in parts.values())
+
+
+def test_peak_memory_counts_heap_pages_an_earlier_step_freed() -> None:
+    """Small buffers live in the C heap, whose freed pages stay in the RSS below a live one: a step that reuses them
+    must still count them (without the reset's malloc_trim it read 0.3 of these 16 MiB)."""
+
+    def step() -> list[torch.Tensor]:
+        return [torch.ones(1024) for _ in range(4096)]  # 4 KiB each, under any mmap threshold: 16 MiB in the heap
+
+    parts = step()
+    pinned = torch.ones(1024)  # above the freed pages: the heap's top cannot shrink past it
+    del parts
+    memory = PeakMemory(torch.device("cpu"))
+    memory.reset()
+    parts = step()
+    assert memory.peak() >= 0.9 * 4096 * 1024 * 4
+    assert pinned.sum() == 1024 and len(parts) == 4096
 
 
 def test_kernels_benchmark_smoke_run_on_cpu(tmp_path: Path) -> None:

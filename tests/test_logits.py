@@ -197,17 +197,22 @@ class LargestLogits(TorchDispatchMode):
         return out
 
 
-def test_auto_loss_tiles_bound_the_logit_tiles_of_a_training_step() -> None:
+@pytest.mark.parametrize(("head_is_module", "runs_per_tile"), [(True, 1), (False, 2)], ids=["fused", "checkpointed"])
+def test_auto_loss_tiles_bound_the_logit_tiles_of_a_training_step(head_is_module: bool, runs_per_tile: int) -> None:
+    """Each tile's logits are made once per step where the loss is fused (lm_head a module with whole parameters:
+    its backward runs in the forward), twice where the tiles are checkpointed (a plain function: the forward and
+    the recomputation); never more than one tile's logits at a time."""
     tokens, hidden, vocab = 300, 9, 512  # a tile of 9 * 4 // 12 = 3 tokens: 100 tiles
     hidden_states, lm_head, labels = _inputs(tokens=tokens, hidden=hidden, vocab=vocab)
     hidden_states.requires_grad_(True)
     calls = []
     lm_head.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    head = lm_head if head_is_module else lambda h: lm_head(h)
     with LargestLogits(vocab, hidden) as mode:
-        loss = UlyssesLossMixin().tiled_causal_lm_loss(hidden_states, lm_head, labels, num_tiles=True)
+        loss = UlyssesLossMixin().tiled_causal_lm_loss(hidden_states, head, labels, num_tiles=True, vocab_size=vocab)
         loss.backward()
     tile_tokens = loss_tile_tokens(tokens, hidden, vocab, 4)
-    assert tile_tokens == 3 and calls == [tile_tokens] * (2 * tokens // tile_tokens)  # forward + recomputation
+    assert tile_tokens == 3 and calls == [tile_tokens] * (runs_per_tile * tokens // tile_tokens)
     assert mode.numel == tile_tokens * vocab  # the largest logits-shaped tensor: one tile's
     whole = token_cross_entropy(lm_head(hidden_states.detach()), labels)
     torch.testing.assert_close(loss, whole[0] / whole[1], rtol=1e-5, atol=0)

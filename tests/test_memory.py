@@ -81,7 +81,19 @@ CASES: dict[str, dict[str, Any]] = {
 
 
 class MemoryTinyCausalLM(TinyCausalLM):
-    """TinyCausalLM through the one-call HF path, which takes the tiled loss when the strategy asks for it."""
+    """TinyCausalLM through the one-call HF path, which takes the tiled loss when the strategy asks for it; counts
+    ``lm_head``'s calls in training (``lm_head_calls``, recomputations included)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.lm_head_calls = 0
+        self.model.lm_head.register_forward_hook(lambda *_: self._count_lm_head())
+
+    def _count_lm_head(self) -> None:
+        self.lm_head_calls += 1
+
+    def on_train_start(self) -> None:  # the set-up checks ran the model before
+        self.lm_head_calls = 0
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self.forward_causal_lm_loss(self.model, batch)
@@ -93,10 +105,18 @@ def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]
     default_offload = options.default_offload
     if case.get("offloaded"):
         options.default_offload = lambda: ActivationOffload(RecordingStreams())
+    modules: list[MemoryTinyCausalLM] = []
+
+    class Kept(MemoryTinyCausalLM):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            modules.append(self)
+
     try:
-        return _fit(case, world_size, module_class=MemoryTinyCausalLM, strategy_kwargs=case["memory"])
+        result = _fit(case, world_size, module_class=Kept, strategy_kwargs=case["memory"])
     finally:
         options.default_offload = default_offload
+    return {**result, "lm_head_calls": modules[0].lm_head_calls}
 
 
 TABLE = CaseTable("results", "tests.test_memory:fit_case", 2, CASES)
@@ -115,6 +135,20 @@ def test_option_equals_single_process(results: list[dict[str, Any]], name: str) 
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected_losses), rtol=1e-5, atol=0)
         error = relative_update_error(initial, expected, got["params"])
         assert error < 1e-4, f"{name} rank {rank}: relative weight-update error {error:.2e}"
+
+
+@pytest.mark.parametrize(
+    ("name", "calls_per_tile"),
+    [("tiled_loss_7", 1), ("all_rank_without_valid_tokens", 1), ("all_zero3", 2), ("all_zero3_head_chunks2", 2)],
+)
+def test_tiled_loss_runs_lm_head_once_per_tile_where_its_weight_is_whole(
+    results: list[dict[str, Any]], name: str, calls_per_tile: int
+) -> None:
+    """ZeRO-2 keeps lm_head's weight whole on the rank: each tile's backward runs in the forward (the fused loss), so
+    lm_head runs once per tile and step; ZeRO-3 partitions it: each tile runs again in the backward."""
+    tiles = CASES[name]["memory"]["tiled_loss"]
+    for result in results:
+        assert result[name]["lm_head_calls"] == calls_per_tile * tiles * STEPS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,6 +305,9 @@ def test_benchmark_runs_in_quick_mode(tmp_path: Path) -> None:
     assert longest["all", 2] == (512, None)  # fits up to the probe's maximum
     table = (tmp_path / "memory.md").read_text()
     assert "| plain | 1 |" in table and "| all | 2 |" in table and f"| {fit}, {miss} |" in table
+    ratios = " | ".join(f"{peaks['all', 2, n] / peaks['all', 1, n]:.3f}" for n in (256, 512))
+    assert "## Peak against sp\n\n| config | N=256: sp=2 / sp=1 | N=512: sp=2 / sp=1 |" in table
+    assert f"| all | {ratios} |" in table
     assert (tmp_path / "memory.png").stat().st_size > 0
 
 

@@ -8,8 +8,6 @@ Modules are named by their path in the model (``model.layers.0.self_attn``).
 from __future__ import annotations
 
 import inspect
-import types
-import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -67,31 +65,9 @@ class TokenDims:
 
 
 def positional_parameters(module: nn.Module) -> tuple[str, ...]:
-    """The names of the parameters of ``module.forward`` that take arguments by position, in order.
-
-    Read once per method: the set-up check asks for every module call, and ``inspect.signature`` (which unwraps
-    transformers' decorators) costs more than the call of a small module. A bound method's signature follows from its
-    function alone; any other ``forward`` (a callable set on the instance) is read each time."""
-    forward = module.forward
-    if not isinstance(forward, types.MethodType):
-        return _positional_parameters(forward)
-    function = forward.__func__
+    """The names of the parameters of ``module.forward`` that take arguments by position, in order."""
     try:
-        names = _METHOD_POSITIONAL_PARAMETERS.get(function)
-    except TypeError:  # a function that takes no weak reference (a builtin bound to the module)
-        return _positional_parameters(forward)
-    if names is None:
-        names = _METHOD_POSITIONAL_PARAMETERS[function] = _positional_parameters(forward)
-    return names
-
-
-_METHOD_POSITIONAL_PARAMETERS: weakref.WeakKeyDictionary[Any, tuple[str, ...]] = weakref.WeakKeyDictionary()
-"""A bound method's function -> :func:`positional_parameters` of the method (weak: a function made at run time goes)."""
-
-
-def _positional_parameters(forward: Any) -> tuple[str, ...]:
-    try:
-        parameters = inspect.signature(forward).parameters.values()
+        parameters = inspect.signature(module.forward).parameters.values()
     except (TypeError, ValueError):  # a forward without a signature Python can read
         return ()
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
