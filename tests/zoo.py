@@ -25,8 +25,9 @@ For each setting of :data:`OPTION_SETTINGS` (no option, each of ``tiled_loss``, 
 default set-up (``PASS``, ``GATHER``: with ``sequence_mixers="gather"``) trains again, its model loaded on each rank
 with ``from_pretrained`` as a user gets it (eval mode), the loss through
 :meth:`~lightning_ulysses.UlyssesLossMixin.forward_causal_lm_loss` (tiled when ``tiled_loss`` is on). Verdict:
-``PASS`` (exact as above, and activation checkpointing and the tiled loss show their effect: decoder layers, and
-``lm_head``, run again in the backward), ``REFUSED`` (refused at set-up by a message that names an option asked for:
+``PASS`` (exact as above, and activation checkpointing and the tiled loss show their effect: decoder layers run
+again in the backward; ``lm_head`` runs in tiles, each either run again in the backward or, fused, with its backward
+inside the loss's forward), ``REFUSED`` (refused at set-up by a message that names an option asked for:
 the one to drop), else ``FAIL`` / ``ERROR`` / ``NOT BUILT`` (the folder could not be written or read back). The
 reference is computed once per entry and serves every setting.
 
@@ -194,7 +195,9 @@ class Outcome:
         0  # token mixers whose kernels ran head-sharded (lightning_ulysses.hf.mixers.shard_token_mixers)
     )
     recomputed_layers: int = 0  # decoder layers run again in the backward (activation checkpointing's effect)
-    lm_head_recomputed: bool = False  # the output embedding ran again in the backward (the tiled loss's effect)
+    loss_tiled: bool = (
+        False  # the tiled loss's effect: lm_head ran again in the backward, or its backward in the forward
+    )
     options: dict[str, Outcome] = field(default_factory=dict)  # the runs from the save_pretrained folder, by setting
 
 
@@ -355,7 +358,8 @@ def _kernel_noise(prepared: Prepared) -> float:
 class ZooModule(UlyssesLossMixin, L.LightningModule):
     """One causal-LM training step: :meth:`~lightning_ulysses.UlyssesLossMixin.forward_causal_lm_loss` (the shard's
     global position ids, the exact token mean, the tiled loss when the strategy asks for it), SGD. Counts the calls
-    of the decoder layers' submodules and of the output embedding, to tell which of them the backward ran again."""
+    of the decoder layers' submodules and of the output embedding, to tell which of them the backward ran again, and
+    whether the output embedding's backward ran inside the loss's forward (the fused tiled loss's)."""
 
     def __init__(self, model: PreTrainedModel, loss_scale: float) -> None:
         super().__init__()
@@ -366,6 +370,8 @@ class ZooModule(UlyssesLossMixin, L.LightningModule):
         self.sharded_mixers = 0  # token mixers running head-sharded in the latest step
         self.calls: Counter[tuple[str, str]] = Counter()  # (layer, submodule) -> forward calls so far
         self.forward_calls: Counter[tuple[str, str]] = Counter()  # ... when the latest step's loss was computed
+        self.lm_head_gradients = 0  # gradients that reached lm_head's outputs so far
+        self.lm_head_backward_in_forward = False  # ... some of them in the latest step's forward
         # transformers checkpoints a layer's forward, not its __call__: the layer's own hooks do not run again, those
         # of its submodules do. Only submodules with parameters: a recompute stops once the backward has every tensor
         # it saved, before a trailing parameter-free module (a residual dropout) whose output nothing saved
@@ -377,16 +383,26 @@ class ZooModule(UlyssesLossMixin, L.LightningModule):
         }
         if isinstance(lm_head := model.get_output_embeddings(), torch.nn.Module):
             watched["lm_head", ""] = lm_head
+            lm_head.register_forward_hook(self._watch_lm_head_gradient)
         for key, module in watched.items():
             module.register_forward_pre_hook(lambda *_, key=key: self.calls.update([key]))
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         self.steps_started += 1
         self.sharded_mixers = sum("_ulysses_mixer_forward" in m.__dict__ for m in self.model.modules())
+        gradients = self.lm_head_gradients
         loss = self.forward_causal_lm_loss(self.model, batch) * self.loss_scale
         self.forward_calls = Counter(self.calls)
+        self.lm_head_backward_in_forward = self.lm_head_gradients > gradients
         self.losses.append(loss.item())
         return loss
+
+    def _watch_lm_head_gradient(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, Tensor) and output.requires_grad:
+            output.register_hook(self._count_lm_head_gradient)
+
+    def _count_lm_head_gradient(self, gradient: Tensor) -> None:
+        self.lm_head_gradients += 1
 
     def recomputed(self) -> set[str]:
         """The decoder layers (``"layer i"``) every submodule of which that ran in the latest step's forward ran again
@@ -423,7 +439,8 @@ def sp_run(
     key of :data:`OPTION_SETTINGS`: the model loaded from the ``save_pretrained`` folder (in eval mode, as
     ``from_pretrained`` gives it) with those options; ``REFUSED`` only when refused at set-up by a message that names
     an option asked for, and ``FAIL`` where the run is exact but an option shows no effect (activation checkpointing
-    ran no decoder layer again in the backward, the tiled loss no ``lm_head`` tile)."""
+    ran no decoder layer again in the backward, the tiled loss ``lm_head`` neither again in the backward nor with its
+    backward inside the loss's forward)."""
     assert prepared.recipe is not None
     options = {} if setting is None else OPTION_SETTINGS[setting]
     strategy = UlyssesStrategy(
@@ -473,7 +490,7 @@ def sp_run(
     outcome.sharded_mixers = module.sharded_mixers
     recomputed = module.recomputed()
     outcome.recomputed_layers = len(recomputed - {"lm_head"})
-    outcome.lm_head_recomputed = "lm_head" in recomputed
+    outcome.loss_tiled = "lm_head" in recomputed or module.lm_head_backward_in_forward
     missing = _missing_effects(options, outcome)
     if outcome.verdict == PASS and missing:
         return replace(outcome, verdict=FAIL, reason=f"exact, but {missing}")
@@ -485,8 +502,8 @@ def _missing_effects(options: dict[str, Any], outcome: Outcome) -> str:
     missing = []
     if options.get("activation_checkpointing") and not outcome.recomputed_layers:
         missing.append("activation_checkpointing recomputed no decoder layer in the backward")
-    if options.get("tiled_loss") and not outcome.lm_head_recomputed:
-        missing.append("tiled_loss recomputed no lm_head tile in the backward")
+    if options.get("tiled_loss") and not outcome.loss_tiled:
+        missing.append("tiled_loss ran lm_head neither again in the backward nor with its backward in the forward")
     return "; ".join(missing)
 
 
@@ -501,7 +518,7 @@ def option_run_problem(outcome: Outcome, setting: str) -> str:
         return ""
     return (
         f"{setting}: {run.verdict} (loss error {run.loss_error}, update error {run.update_error}, layers recomputed "
-        f"{run.recomputed_layers}, lm_head recomputed {run.lm_head_recomputed}) {run.reason}"
+        f"{run.recomputed_layers}, loss tiled {run.loss_tiled}) {run.reason}"
     )
 
 
@@ -664,7 +681,7 @@ def merge(outcomes: list[Outcome]) -> Outcome:
         worst.missing_package,
         max(o.sharded_mixers for o in outcomes),
         max(o.recomputed_layers for o in outcomes),
-        any(o.lm_head_recomputed for o in outcomes),
+        any(o.loss_tiled for o in outcomes),
     )
 
 
@@ -800,9 +817,10 @@ def _options_explained(settings: list[str]) -> list[str]:
         "step with the strategy's memory options, against one process of the plain model loaded from the same folder "
         f"and trained in train mode (every zoo config has dropout 0). The settings: {asked}. Each is **PASS** "
         "(exact as above, and the option shows its effect: activation checkpointing runs decoder layers again in the "
-        "backward, the tiled loss runs `lm_head` again per tile) or **REFUSED** at set-up by a message that names the "
-        "option to drop; anything else is a bug. A family refused (or not built) in the default set-up has no option "
-        "runs (-). The test suite runs every setting for every family (`tests/test_zoo.py`, in one launch).",
+        "backward, the tiled loss runs `lm_head` per tile with each tile's backward inside the loss's forward, as it "
+        "does where `lm_head`'s weight is whole on the rank: ZeRO-2 here) or **REFUSED** at set-up by a message that "
+        "names the option to drop; anything else is a bug. A family refused (or not built) in the default set-up has "
+        "no option runs (-). The test suite runs every setting for every family (`tests/test_zoo.py`, in one launch).",
         "",
     ]
 
