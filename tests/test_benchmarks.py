@@ -245,7 +245,9 @@ def test_live_tensors_split_the_peak_by_what_made_it() -> None:
 
 def test_peak_memory_counts_heap_pages_an_earlier_step_freed() -> None:
     """Small buffers live in the C heap, whose freed pages stay in the RSS below a live one: a step that reuses them
-    must still count them (without the reset's malloc_trim it read 0.3 of these 16 MiB)."""
+    must still count them (without the reset's malloc_trim it read 0.3 of these 16 MiB). Not all of them: in a test
+    worker that ran other tests the heap holds partly used pages, resident already, where some of the buffers land
+    (the suite read 0.89)."""
 
     def step() -> list[torch.Tensor]:
         return [torch.ones(1024) for _ in range(4096)]  # 4 KiB each, under any mmap threshold: 16 MiB in the heap
@@ -256,7 +258,7 @@ def test_peak_memory_counts_heap_pages_an_earlier_step_freed() -> None:
     memory = PeakMemory(torch.device("cpu"))
     memory.reset()
     parts = step()
-    assert memory.peak() >= 0.9 * 4096 * 1024 * 4
+    assert memory.peak() >= 0.6 * 4096 * 1024 * 4
     assert pinned.sum() == 1024 and len(parts) == 4096
 
 
