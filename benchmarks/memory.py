@@ -56,6 +56,7 @@ MODEL: dict[str, Any] = dict(
     num_key_value_heads=4,
     max_position_embeddings=1 << 20,
 )
+ALL_OPTIONS = MemoryOptions(tiled_mlp=True, tiled_loss=True, activation_checkpointing=True, offload_activations=True)
 CONFIGS: dict[str, MemoryOptions] = {
     "plain": MemoryOptions(),
     "tiled_mlp": MemoryOptions(tiled_mlp=True),
@@ -63,10 +64,8 @@ CONFIGS: dict[str, MemoryOptions] = {
     "checkpointing": MemoryOptions(activation_checkpointing=True),
     "checkpointing+offload": MemoryOptions(activation_checkpointing=True, offload_activations=True),
     "tiled_loss+checkpointing": MemoryOptions(tiled_loss=True, activation_checkpointing=True),
-    "all": MemoryOptions(tiled_mlp=True, tiled_loss=True, activation_checkpointing=True, offload_activations=True),
-    "all+head_chunks": MemoryOptions(
-        tiled_mlp=True, tiled_loss=True, activation_checkpointing=True, offload_activations=True
-    ),
+    "all": ALL_OPTIONS,
+    "all+head_chunks": ALL_OPTIONS,
 }
 HEAD_CHUNKS: dict[str, HeadChunks] = {"all+head_chunks": "auto"}
 """The configurations whose attention runs in head chunks (:mod:`lightning_ulysses.attention.head_chunks`; they need

@@ -20,8 +20,6 @@ reference model on padded rows of a length that is not a multiple of sp.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +32,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_ulysses import UlyssesFSDPStrategy
-from lightning_ulysses.memory import options
-from lightning_ulysses.offload import ActivationOffload
 from lightning_ulysses.prediction import token_log_probs
 from tests.cases import CaseTable
 from tests.test_global_loss import ACCUMULATE as GLOBAL_ACCUMULATE
 from tests.test_global_loss import BATCH as GLOBAL_BATCH
 from tests.test_global_loss import DATA as GLOBAL_DATA
 from tests.test_global_loss import reference_global_training
-from tests.test_offload import RecordingStreams
+from tests.test_offload import offloaded_off_a_device
 from tests.tiny import (
     TinyCausalLM,
     collate,
@@ -144,19 +140,6 @@ def _full_parameters(model: torch.nn.Module) -> dict[str, Tensor]:
     }
 
 
-@contextmanager
-def _offloaded_off_a_device(offloaded: bool) -> Iterator[RecordingStreams]:
-    """With ``offloaded``, the strategy's activation offload takes CPU tensors for device ones (as on a GPU, copied
-    through the side stream of ``RecordingStreams``, which records every copy's event)."""
-    streams, default_offload = RecordingStreams(), options.default_offload
-    if offloaded:
-        options.default_offload = lambda: ActivationOffload(streams)
-    try:
-        yield streams
-    finally:
-        options.default_offload = default_offload
-
-
 def _eval_loader() -> DataLoader:
     samples = [dict(sample, index=torch.tensor(i)) for i, sample in enumerate(make_samples(**EVAL))]
     return DataLoader(samples, batch_size=EVAL_BATCH, collate_fn=collate)
@@ -191,7 +174,7 @@ def fit_case(name: str, case: dict[str, Any], world_size: int, folder: str) -> d
         val_check_interval=STEPS if evaluate else None,  # after the last step: the trained weights
         num_sanity_val_steps=0,
     )
-    with _offloaded_off_a_device(case.get("offloaded", False)) as streams:
+    with offloaded_off_a_device(case.get("offloaded", False)) as streams:
         trainer.fit(module, loader, _eval_loader() if evaluate else None, ckpt_path=resume_from)
     mesh = strategy.device_mesh
     result = {

@@ -27,16 +27,14 @@ from lightning_ulysses.logits import tiled_cross_entropy_sum
 from lightning_ulysses.memory import (
     MemoryOptions,
     apply_memory_options,
-    options,
     remove_memory_options,
     resolve_num_tiles,
     tiled_map,
 )
-from lightning_ulysses.offload import ActivationOffload
 from tests.cases import CaseTable
 from tests.launch import launch
 from tests.test_equivalence import BATCH, LR, SEQ, STEPS, _fit
-from tests.test_offload import RecordingStreams
+from tests.test_offload import offloaded_off_a_device
 from tests.tiny import (
     VOCAB,
     TinyCausalLM,
@@ -102,9 +100,6 @@ class MemoryTinyCausalLM(TinyCausalLM):
 
 
 def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]:
-    default_offload = options.default_offload
-    if case.get("offloaded"):
-        options.default_offload = lambda: ActivationOffload(RecordingStreams())
     modules: list[MemoryTinyCausalLM] = []
 
     class Kept(MemoryTinyCausalLM):
@@ -112,10 +107,8 @@ def fit_case(name: str, case: dict[str, Any], world_size: int) -> dict[str, Any]
             super().__init__(**kwargs)
             modules.append(self)
 
-    try:
+    with offloaded_off_a_device(case.get("offloaded", False)):
         result = _fit(case, world_size, module_class=Kept, strategy_kwargs=case["memory"])
-    finally:
-        options.default_offload = default_offload
     return {**result, "lm_head_calls": modules[0].lm_head_calls}
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_ulysses.memory import MemoryOptions, apply_memory_options, checkpoint_activations
+from lightning_ulysses.memory import MemoryOptions, apply_memory_options, checkpoint_activations, options
 from lightning_ulysses.offload import ActivationOffload, DeviceStreams, default_offload
 from tests.tiny import VOCAB, tiny_llama
 
@@ -67,6 +67,20 @@ class RecordingStreams(DeviceStreams):
 
     def host_buffer(self, tensor: Tensor) -> Tensor:
         return torch.empty_like(tensor)  # no pinned memory without CUDA
+
+
+@contextmanager
+def offloaded_off_a_device(offloaded: bool = True) -> Iterator[RecordingStreams]:
+    """With ``offloaded``, the memory options' activation offload (``offload_activations``) takes CPU tensors for device
+    ones, as on a GPU: copied through the side stream of the yielded ``RecordingStreams``, which records every copy's
+    event. Without, the default offload (on CPU: nothing moves)."""
+    streams, default = RecordingStreams(), options.default_offload
+    if offloaded:
+        options.default_offload = lambda: ActivationOffload(streams)
+    try:
+        yield streams
+    finally:
+        options.default_offload = default
 
 
 class LogCopies(TorchDispatchMode):
