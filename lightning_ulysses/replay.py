@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
@@ -38,12 +39,23 @@ from torch.utils._pytree import tree_leaves, tree_map
 from lightning_ulysses.offload import ActivationOffload
 
 
+class RegionOutput:
+    """The output of the attention call inside one head-chunk region, recorded by the layer's recomputation
+    (``recording``) and taken by the region's own recomputation (``output``)."""
+
+    def __init__(self) -> None:
+        self.recording = False
+        self.output: Tensor | None = None
+
+
 class _LayerRun:
-    """One call of a :func:`replayable` function: the results its forward kept, in order, for its recomputation."""
+    """One call of a :func:`replayable` function: the results its forward kept, in order, for its recomputation,
+    and the head-chunk regions its forward made (:func:`layer_regions`)."""
 
     def __init__(self, offload: ActivationOffload) -> None:
         self.offload = offload
         self.kept: deque[tuple[Any, list[Tensor]]] = deque()
+        self.regions: deque[list[RegionOutput]] = deque()
         self.calls = 0
 
     @property
@@ -51,7 +63,15 @@ class _LayerRun:
         return self.calls > 1
 
 
+class _InRegion:
+    """Inside a head-chunk region: its :class:`RegionOutput` until its attention call has used it, then ``None``."""
+
+    def __init__(self, holder: RegionOutput | None) -> None:
+        self.holder = holder
+
+
 _current: ContextVar[_LayerRun | None] = ContextVar("lightning_ulysses_layer_run", default=None)
+_region: ContextVar[_InRegion | None] = ContextVar("lightning_ulysses_region", default=None)
 
 
 def replayable(function: Callable[..., Any], offload: ActivationOffload) -> Callable[..., Any]:
@@ -71,13 +91,59 @@ def replayable(function: Callable[..., Any], offload: ActivationOffload) -> Call
     return call
 
 
-def kept_for_replay(compute: Callable[[], Any], resave: Callable[[], None]) -> Any:
-    """``compute()``, or inside a :func:`replayable` layer's recomputation the result its forward kept.
+def layer_regions(count: int) -> list[RegionOutput | None]:
+    """The :class:`RegionOutput` of each of ``count`` head-chunk regions about to run in a :func:`replayable` layer:
+    new ones in its forward, the forward's ones (set recording) in its recomputation; ``None`` elsewhere. A region
+    binds its own (the forward's) and runs inside :func:`region`."""
+    run = _current.get()
+    if run is None or not torch.is_grad_enabled():
+        return [None] * count
+    if not run.replaying:
+        made = [RegionOutput() for _ in range(count)]
+        run.regions.append(made)
+        return list(made)
+    if not run.regions:  # a second recomputation (a retained graph)
+        return [None] * count
+    recorded = run.regions.popleft()
+    for holder in recorded:
+        holder.recording = True
+    return list(recorded)
 
-    ``resave()`` runs in its stead: it must save for the backward what ``compute()`` saved through the layer's
-    checkpoint (the inputs of the region's own checkpoints), in the same order, so that the layer's recomputation
-    remakes every saved tensor of the forward. Tensors of the result come back detached, requiring grad as they did.
+
+@contextmanager
+def region(holder: RegionOutput | None) -> Iterator[None]:
+    """Run a head-chunk region: its first :func:`kept_for_replay` call records into ``holder`` or takes from it."""
+    token = _region.set(_InRegion(holder))
+    try:
+        yield
+    finally:
+        _region.reset(token)
+
+
+def kept_for_replay(compute: Callable[[], Any], replay: Callable[[Any], Any]) -> Any:
+    """``compute()``, or ``replay(result)`` with a result an earlier run of the same call kept.
+
+    ``replay(result)`` must save for the backward what ``compute()`` saves, in the same order, and return ``result``
+    as ``compute()`` would (so that a recomputation remakes every saved tensor of the forward). Inside a head-chunk
+    region (:func:`region`) the first call of the region records its tensor result in the layer's recomputation
+    and replays it in the region's own recomputation; elsewhere, in a :func:`replayable` layer whose activations
+    leave the device, the layer's forward keeps the result (detached, requiring grad as it did) and its
+    recomputation replays it.
     """
+    inside = _region.get()
+    if inside is not None:
+        holder, inside.holder = inside.holder, None
+        if holder is None:
+            return compute()
+        if holder.recording:
+            holder.recording = False
+            result = compute()
+            holder.output = result.detach()
+            return result
+        if holder.output is not None:
+            output, holder.output = holder.output, None
+            return replay(output)
+        return compute()
     run = _current.get()
     if run is None or not torch.is_grad_enabled():
         return compute()
@@ -89,10 +155,10 @@ def kept_for_replay(compute: Callable[[], Any], resave: Callable[[], None]) -> A
         return result
     if not run.kept:  # nothing kept (on the device), or a second recomputation (a retained graph)
         return compute()
-    resave()
     kept, rng = run.kept.popleft()
+    result = replay(tree_map(functools.partial(_take, run), kept))
     _set_rng_states(rng)
-    return tree_map(functools.partial(_take, run), kept)
+    return result
 
 
 class _Kept:

@@ -44,7 +44,7 @@ from lightning_ulysses.attention.head_chunks import chunk_heads
 from lightning_ulysses.heads import HeadLayout, plan_heads
 from lightning_ulysses.hf.plan import ProjectionChunks
 from lightning_ulysses.hf.state import PatchState
-from lightning_ulysses.replay import kept_for_replay
+from lightning_ulysses.replay import RegionOutput, kept_for_replay, layer_regions, region
 from lightning_ulysses.tiling import recomputed_in_backward
 
 PROJECTION_NAMES = {
@@ -136,21 +136,23 @@ def chunked_call(
     def compute() -> Any:
         total: Tensor | None = None
         tail: tuple | None = None  # the module's other outputs (attention weights: None), from the last chunk
-        for index, (query_heads, kv_heads) in enumerate(heads):
+        regions = layer_regions(len(heads))
+        for index, ((query_heads, kv_heads), holder) in enumerate(zip(heads, regions, strict=True)):
             chunk = functools.partial(
-                _chunk, module, spec, query_heads, kv_heads, index == 0, forward, skeleton, tensors, tree
+                _chunk, module, spec, query_heads, kv_heads, index == 0, holder, forward, skeleton, tensors, tree
             )
             out = recomputed_in_backward(chunk)(*values)
             first, tail = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
             total = first if total is None else total + first
         return total if tail is None else (total, *tail)
 
-    def resave() -> None:  # each chunk's checkpoint saves its inputs through the layer's
+    def replay(result: Any) -> Any:  # each chunk's checkpoint saves its inputs through the layer's
         for _ in heads:
             recomputed_in_backward(_nothing)(*values)
+        return result
 
-    # in a checkpointed layer's recomputation the sum its forward kept: each chunk recomputed once, by its own
-    return kept_for_replay(compute, resave)
+    # in a checkpointed layer's recomputation the sum its forward kept where it did (offloaded activations)
+    return kept_for_replay(compute, replay)
 
 
 def _nothing(*values: Tensor) -> None:
@@ -163,6 +165,7 @@ def _chunk(
     query_heads: tuple[int, ...],
     kv_heads: tuple[int, ...],
     first: bool,
+    holder: RegionOutput | None,
     forward: Callable[..., Any],
     skeleton: list[Any],
     tensors: list[int],
@@ -173,7 +176,7 @@ def _chunk(
     for i, value in zip(tensors, values, strict=True):
         leaves[i] = value
     args, kwargs = tree_unflatten(leaves, tree)
-    with narrowed(module, spec, query_heads, kv_heads, first):
+    with narrowed(module, spec, query_heads, kv_heads, first), region(holder):
         return forward(*args, **kwargs)
 
 
