@@ -52,7 +52,7 @@ class _LayerRun:
     """One call of a :func:`replayable` function: the results its forward kept, in order, for its recomputation,
     and the head-chunk regions its forward made (:func:`layer_regions`)."""
 
-    def __init__(self, offload: ActivationOffload) -> None:
+    def __init__(self, offload: ActivationOffload | None) -> None:
         self.offload = offload
         self.kept: deque[tuple[Any, list[Tensor]]] = deque()
         self.regions: deque[list[RegionOutput]] = deque()
@@ -74,9 +74,10 @@ _current: ContextVar[_LayerRun | None] = ContextVar("lightning_ulysses_layer_run
 _region: ContextVar[_InRegion | None] = ContextVar("lightning_ulysses_region", default=None)
 
 
-def replayable(function: Callable[..., Any], offload: ActivationOffload) -> Callable[..., Any]:
-    """``function`` for one checkpoint call whose saved tensors ``offload`` packs: its first call is the forward, any
-    later one the checkpoint's recomputation, in which :func:`kept_for_replay` hands back what the forward kept."""
+def replayable(function: Callable[..., Any], offload: ActivationOffload | None) -> Callable[..., Any]:
+    """``function`` for one checkpoint call whose saved tensors ``offload`` packs (``None``: none): its first call is
+    the forward, any later one the checkpoint's recomputation, in which :func:`kept_for_replay` hands back what the
+    forward kept."""
     run = _LayerRun(offload)
 
     @functools.wraps(function)
@@ -150,7 +151,8 @@ def kept_for_replay(compute: Callable[[], Any], replay: Callable[[Any], Any]) ->
     if not run.replaying:
         result = compute()
         leaves = [x for x in tree_leaves(result) if isinstance(x, Tensor)]
-        if leaves and all(run.offload.streams.offloads(x) for x in leaves):  # it leaves the device
+        offload = run.offload
+        if offload is not None and leaves and all(offload.streams.offloads(x) for x in leaves):  # off the device
             run.kept.append((tree_map(functools.partial(_keep, run), result), _rng_states()))
         return result
     if not run.kept:  # nothing kept (on the device), or a second recomputation (a retained graph)

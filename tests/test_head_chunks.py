@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ulysses.attention import ulysses_attention
-from lightning_ulysses.attention.backends import CORE_ATTENTION
 from lightning_ulysses.attention.head_chunks import HeadChunk, auto_chunks, check_head_chunks, plan_chunks
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.heads import plan_heads
@@ -116,14 +115,17 @@ class _Largest(TorchDispatchMode):
         return out
 
 
-def _layer_probes(groups: SequenceParallelGroups, head_chunks: Any) -> dict[str, Any]:
+def _layer_probes(groups: SequenceParallelGroups, head_chunks: Any, packed: bool = True) -> dict[str, Any]:
     """All-to-alls (forward, backward), host syncs and the largest whole-sequence tensor of one layer: 8 heads,
-    4 K/V heads, 64 tokens, packed documents and a window."""
+    4 K/V heads, 64 tokens; packed documents and a window (their kernel's graph saves copies: recomputed in the
+    backward), or one document (its graph kept)."""
     sp, rank = groups.topology.sp_size, groups.topology.sp_rank
     case = dict(batch=1, seq=64, heads=8, kv_heads=4)
     q, k, v, grad, _ = _tensors(case)
     index = shard_index(64, rank, sp)
-    pos = torch.cat([torch.arange(n) for n in (20, 30, 14)])[None, index]  # one tensor: its documents found once
+    lengths = (20, 30, 14) if packed else (64,)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None, index]  # one tensor: its documents found once
+    window = 9 if packed else None
     shards = [t[:, index].clone().requires_grad_() for t in (q, k, v)]
     calls: Counter[str] = Counter()
     original = dist.all_to_all_single
@@ -140,13 +142,13 @@ def _layer_probes(groups: SequenceParallelGroups, head_chunks: Any) -> dict[str,
         return run()
 
     syncs, largest = HostSyncs(), _Largest(64)
-    ulysses_attention(*shards, group=groups, position_ids=pos, window=9, head_chunks=head_chunks)  # plans
+    ulysses_attention(*shards, group=groups, position_ids=pos, window=window, head_chunks=head_chunks)  # plans
     dist.all_to_all_single = counted
     groups.observer.all_to_all = observer
     try:
         with syncs.methods_counted(), largest:
             syncs.where = "layer"
-            out = ulysses_attention(*shards, group=groups, position_ids=pos, window=9, head_chunks=head_chunks)
+            out = ulysses_attention(*shards, group=groups, position_ids=pos, window=window, head_chunks=head_chunks)
             phase = "backward"
             out.backward(grad[:, index])
     finally:
@@ -156,35 +158,39 @@ def _layer_probes(groups: SequenceParallelGroups, head_chunks: Any) -> dict[str,
 
 
 def _checkpointed_layer(group: SequenceParallelGroups, head_chunks: int) -> dict[str, Any]:
-    """Attention kernel calls of one forward + backward of a layer checkpointed by checkpoint_activations with its
-    activations offloaded (CPU tensors playing device ones), and the relative error of its output and gradients
-    against the same layer unchekpointed."""
+    """Attention kernel calls (SDPA's) of one forward + backward of a layer, and the relative error of its output and
+    gradients against the same layer unchekpointed: unchekpointed, checkpointed by checkpoint_activations on the
+    device, and with its activations offloaded (CPU tensors playing device ones)."""
     sp, rank = dist.get_world_size(group.sp), dist.get_rank(group.sp)
     case = dict(batch=1, seq=64, heads=8, kv_heads=4)
     q, k, v, grad, _ = _tensors(case)
     index = shard_index(64, rank, sp)
     calls: list[int] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
 
-    def core(*args: Any, **kwargs: Any) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
-        return CORE_ATTENTION["sdpa"](*args, **kwargs)
+        return sdpa(*args, **kwargs)
 
     def layer(*shards: torch.Tensor) -> torch.Tensor:
-        return (
-            ulysses_attention(*(2 * t for t in shards), group=group, attn_implementation=core, head_chunks=head_chunks)
-            + 1
-        )
+        return ulysses_attention(*(2 * t for t in shards), group=group, head_chunks=head_chunks) + 1
 
-    runs = []
-    for checkpointed in (False, True):
-        shards = [t[:, index].clone().requires_grad_() for t in (q, k, v)]
-        calls.clear()
-        offload = ActivationOffload(RecordingStreams())
-        out = checkpoint_activations(layer, *shards, offload=offload) if checkpointed else layer(*shards)
-        out.backward(grad[:, index])
-        runs.append(([out.detach(), *(t.grad for t in shards)], len(calls)))
-    (plain, plain_calls), (checkpointed, checkpointed_calls) = runs
-    return {"calls": (plain_calls, checkpointed_calls), "error": _error(checkpointed, plain)}
+    runs = {}
+    torch.nn.functional.scaled_dot_product_attention = counted
+    try:
+        for checkpointed in (False, "device", "offloaded"):
+            shards = [t[:, index].clone().requires_grad_() for t in (q, k, v)]
+            calls.clear()
+            offload = ActivationOffload(RecordingStreams()) if checkpointed == "offloaded" else False
+            out = checkpoint_activations(layer, *shards, offload=offload) if checkpointed else layer(*shards)
+            out.backward(grad[:, index])
+            runs[checkpointed] = ([out.detach(), *(t.grad for t in shards)], len(calls))
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+    return {
+        "calls": {name: calls for name, (_, calls) in runs.items()},
+        "error": max(_error(got, runs[False][0]) for got, _ in runs.values()),
+    }
 
 
 def worker(args: dict[str, Any]) -> dict[Any, Any]:
@@ -214,6 +220,8 @@ def worker(args: dict[str, Any]) -> dict[Any, Any]:
             )
     for head_chunks in (None, 1, 2, 4):
         results["probes", head_chunks] = _layer_probes(groups[2], head_chunks)
+    for head_chunks in (1, 4):
+        results["kept probes", head_chunks] = _layer_probes(groups[2], head_chunks, packed=False)
     for head_chunks in (1, 4):
         results["checkpointed", head_chunks] = _checkpointed_layer(groups[2], head_chunks)
     dist.destroy_process_group()
@@ -254,13 +262,14 @@ def test_one_all_to_all_per_chunk_and_direction(results: list[dict[Any, Any]]) -
             assert got["probes", head_chunks]["observed"] == got["probes", head_chunks]["calls"]
 
 
-def test_a_checkpointed_layer_attends_each_chunk_twice(results: list[dict[Any, Any]]) -> None:
-    """Under checkpoint_activations with offloaded activations the layer's recomputation takes the output its forward
-    kept: each chunk attends in the forward and once in its backward, as without the layer's checkpoint (3 x
-    before), with the same output and gradients."""
+def test_each_chunk_attends_once_per_forward_run(results: list[dict[Any, Any]]) -> None:
+    """Each chunk's backward runs its kernel's kept graph (lightning_ulysses.attention.kept_graph): the kernel's
+    forward runs once per chunk in a step, twice under checkpoint_activations (the layer's recomputation; 3 x
+    before), and once where the layer's activations are offloaded (its recomputation takes the output its forward
+    kept), with the same output and gradients."""
     for got in results:
         for chunks in (1, 4):
-            assert got["checkpointed", chunks]["calls"] == (2 * chunks, 2 * chunks)
+            assert got["checkpointed", chunks]["calls"] == {False: chunks, "device": 2 * chunks, "offloaded": chunks}
             assert got["checkpointed", chunks]["error"] < 1e-6
 
 
@@ -268,6 +277,21 @@ def test_no_host_sync_inside_the_chunked_layer(results: list[dict[Any, Any]]) ->
     for got in results:
         for head_chunks in (None, 1, 2, 4):
             assert got["probes", head_chunks]["syncs"] == {}
+        for head_chunks in (1, 4):
+            assert got["kept probes", head_chunks]["syncs"] == {}
+
+
+def test_a_kept_graph_gathers_its_output_instead_of_attending(results: list[dict[Any, Any]]) -> None:
+    """With its kernel's graph kept, a chunk's backward gathers q, k and v as its forward did (one all-to-all) and
+    its output with the output gradient (one more), and sends the gradients back: 3 per chunk. Its largest
+    whole-sequence tensor is the forward's fused q, k and v (``64 x (4 + 2 + 2) x 8``), below the recomputing
+    backward's fused q, k, v and output gradient."""
+    for got in results:
+        for chunks in (1, 4):
+            probes = got["kept probes", chunks]
+            assert probes["calls"] == {"forward": 2 * chunks, "backward": 3 * chunks}
+            assert probes["observed"] == probes["calls"]
+        assert got["kept probes", 1]["largest"] == 64 * (4 + 2 + 2) * 8 < got["probes", 1]["largest"]
 
 
 def test_whole_sequence_tensors_fall_by_the_chunk_factor(results: list[dict[Any, Any]]) -> None:
