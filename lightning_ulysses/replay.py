@@ -153,12 +153,13 @@ def kept_for_replay(compute: Callable[[], Any], replay: Callable[[Any], Any]) ->
         leaves = [x for x in tree_leaves(result) if isinstance(x, Tensor)]
         offload = run.offload
         if offload is not None and leaves and all(offload.streams.offloads(x) for x in leaves):  # off the device
-            run.kept.append((tree_map(functools.partial(_keep, run), result), _rng_states()))
+            run.kept.append((tree_map(functools.partial(_keep, offload), result), _rng_states()))
         return result
     if not run.kept:  # nothing kept (on the device), or a second recomputation (a retained graph)
         return compute()
     kept, rng = run.kept.popleft()
-    result = replay(tree_map(functools.partial(_take, run), kept))
+    assert run.offload is not None  # kept only where offloaded
+    result = replay(tree_map(functools.partial(_take, run.offload), kept))
     _set_rng_states(rng)
     return result
 
@@ -168,14 +169,14 @@ class _Kept:
         self.packed, self.requires_grad = packed, requires_grad
 
 
-def _keep(run: _LayerRun, x: Any) -> Any:
-    return _Kept(run.offload.pack(x.detach()), x.requires_grad) if isinstance(x, Tensor) else x
+def _keep(offload: ActivationOffload, x: Any) -> Any:
+    return _Kept(offload.pack(x.detach()), x.requires_grad) if isinstance(x, Tensor) else x
 
 
-def _take(run: _LayerRun, x: Any) -> Any:
+def _take(offload: ActivationOffload, x: Any) -> Any:
     if not isinstance(x, _Kept):
         return x
-    return run.offload.unpack(x.packed).detach().requires_grad_(x.requires_grad)
+    return offload.unpack(x.packed).detach().requires_grad_(x.requires_grad)
 
 
 def _rng_states() -> list[Tensor]:
