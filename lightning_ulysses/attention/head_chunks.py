@@ -1,22 +1,29 @@
-"""Head-chunked Ulysses attention: one fused all-to-all per chunk of heads, recomputed in the backward.
+"""Head-chunked Ulysses attention: one fused all-to-all per chunk of heads, each chunk's backward run from its kernel's
+kept graph.
 
 Plain Ulysses gathers the whole sequence of all of a rank's ``h`` head slots at once and autograd keeps the gathered
 ``[B, N, h, D]`` query, key, value and output until the backward. Here the rank's head slots are cut into
 ``chunks`` chunks and the layer runs one chunk at a time::
 
     forward, chunk j:   q, k, v slots of chunk j  [B, N/P, ...]  --one all-to-all-->  [B, N, h_j, D] each
-                        attention of chunk j                                          [B, N, h_j, D_v]
+                        attention of chunk j, its graph kept without q, k, v, out     [B, N, h_j, D_v]
                         output of chunk j  --one all-to-all-->  its heads of the [B, N/P, H, D_v] output
-    backward, chunk j:  q, k, v and the output gradient of chunk j  --one all-to-all-->  [B, N, h_j, ...]
-                        attention of chunk j again, and its backward
+    backward, chunk j:  q, k, v of chunk j  --one all-to-all, as in the forward-->  [B, N, h_j, ...]
+                        its output and output gradient  --one all-to-all-->  [B, N, h_j, D_v] each
+                        the kept graph's backward (the kernel's backward, no forward)
                         dq, dk, dv of chunk j  --one all-to-all-->  added to the [B, N/P, ...] input gradients
 
-So each direction sends one collective per chunk (plain Ulysses: three in, one out, and as many back), the layer
-keeps nothing of the whole sequence for its backward (only its sequence-sharded inputs and output), and the
-whole-sequence tensors alive at any time are one chunk's: ``1 / chunks`` of plain Ulysses'. The price is one more
-attention forward per layer in the backward (the core backends take no saved log-sum-exp back). A layer checkpointed
-by :func:`~lightning_ulysses.memory.checkpoint_activations` recomputes the chunks once more, unless its activations are
-offloaded off the device: then its recomputation takes the output its forward kept (:mod:`lightning_ulysses.replay`).
+So the forward sends one collective per chunk each way (plain Ulysses: three in, one out), the backward three per
+chunk, the layer keeps nothing of the whole sequence for its backward (its sequence-sharded inputs and output, and
+per chunk what :mod:`~lightning_ulysses.attention.kept_graph` keeps: the kernel's log-sum-exp, ``1 / D`` of the
+chunk's output), and the whole-sequence tensors alive at any time are one chunk's: ``1 / chunks`` of plain Ulysses'.
+The kernel's forward runs once per step, as plain Ulysses'. A chunk whose kernel saves what cannot be gathered again
+(the math backend's probabilities, attention dropout's mask on CPU, packed documents gathered into copies, windows'
+query blocks, sinks applied after the kernel) or that holds inert slots (their output is dropped) keeps no graph:
+its backward gathers q, k, v and the output gradient in one all-to-all and runs its attention again, replaying the
+forward's RNG. A layer checkpointed by :func:`~lightning_ulysses.memory.checkpoint_activations` runs the chunks again
+in its recomputation (its operations save the output), unless its activations are offloaded off the device: then
+its recomputation takes the output its forward kept (:mod:`lightning_ulysses.replay`).
 
 A chunk is either whole K/V groups (``chunks <= kv_h``: the K/V slots are split, each with its query slots) or part
 of one K/V group, whose K/V slot then travels with each of its chunks: the local attention is always ordinary GQA.
@@ -195,7 +202,7 @@ class _ChunkedUlysses(torch.autograd.Function):
     """``query [B, N/P, H, D]``, ``key [B, N/P, H_kv, D]``, ``value [B, N/P, H_kv, D_v]``, ``sinks [H]`` or ``None``
     -> ``[B, N/P, H, D_v]`` (see the module docstring); keeps the inputs, the output and each chunk's
     :class:`~lightning_ulysses.attention.kept_graph.KeptGraph` for the backward. ``replayed``: the output, known
-    already (a head chunk's recomputation, :func:`~lightning_ulysses.replay.region_output`): nothing is computed,
+    already (a head chunk's recomputation, :func:`~lightning_ulysses.replay.region`): nothing is computed,
     the same tensors are saved."""
 
     @staticmethod
@@ -414,8 +421,9 @@ def chunked_ulysses(
         query: ``[B, N/P, H, D]``; key: ``[B, N/P, H_kv, D]``; value: ``[B, N/P, H_kv, D_v]`` (one dtype).
         sinks: ``[H]`` attention sink logits (``None``: none); each chunk's ``attend`` gets its slots' ``[h_j]``.
         layout: the head layout of ``H`` and ``H_kv`` over the ``P`` ranks of ``group``.
-        attend: the local attention of one chunk on the gathered sequence (:data:`Attend`); run once in the forward
-            and once more in the backward, on the same inputs.
+        attend: the local attention of one chunk on the gathered sequence (:data:`Attend`); run in the forward
+            (its graph kept, :func:`~lightning_ulysses.attention.kept_graph.keep_graph`), and once more in the
+            backward, on the same inputs, only where that graph is not kept.
         head_chunks: the chunk count (:data:`HeadChunks`).
         random: ``attend`` draws random numbers (attention dropout): each chunk's backward replays its forward's RNG.
         observer: the SP group's :class:`~lightning_ulysses.groups.CollectiveObserver`: every all-to-all runs through
