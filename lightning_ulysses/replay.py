@@ -1,26 +1,28 @@
-"""Results a checkpointed layer's forward keeps for its recomputation, so that a region with a checkpoint of its own
-inside the layer is recomputed once, not twice, where keeping them costs no device memory.
+"""What one run of a head chunk hands to a later run of it, so that a checkpointed layer's chunks run their attention
+kernel's forward no more often than its recomputation needs.
 
 A non-reentrant checkpoint (:func:`torch.utils.checkpoint.checkpoint`) runs its function again at the start of the
-layer's backward, only to remake what the layer's operations saved. A head chunk inside the layer
-(:mod:`lightning_ulysses.attention.head_chunks`, :mod:`lightning_ulysses.hf.projections`) is recomputed on its own
-when its backward comes: under a checkpointed layer each chunk then runs three times (the forward, the layer's
-recomputation, the chunk's own), one more than its backward needs. With :func:`replayable` around the layer's
-function (as :func:`~lightning_ulysses.memory.checkpoint_activations` puts it), :func:`kept_for_replay` keeps such a
-region's result in the layer's forward and, in the layer's recomputation, hands it back instead of computing it
-again::
+layer's backward, only to remake what the layer's operations saved. A head chunk inside the layer saves little of
+its own: attention-only chunks (:mod:`lightning_ulysses.attention.head_chunks`) keep their kernel's graph
+(:mod:`lightning_ulysses.attention.kept_graph`) and run no forward in their backward, but the layer's recomputation
+runs them again, since the operations after them saved their output. Chunks with the projections inside
+(:mod:`lightning_ulysses.hf.projections`) are checkpoint regions of their own, recomputed for their backward: their
+attention would run in the forward, in the layer's recomputation and in the region's. With :func:`replayable`
+around the layer's function (as :func:`~lightning_ulysses.memory.checkpoint_activations` puts it), two hand-overs
+remove the runs that compute nothing new::
 
-    forward:            layer ... region: compute, keep the result (detached) ... rest of the layer
-    recomputation:      layer ... region: re-save its inputs, take the kept result ... rest of the layer
-    backward:           the region recomputes itself for its backward, chunk by chunk
+    forward:             layer ... chunks: attend, keep each kernel's graph ... rest of the layer
+    recomputation:       layer ... chunks: attend again; a region records its attention output (layer_regions)
+    backward, region:    the region's recomputation takes the recorded output (no kernel forward), the kernel's
+                         backward runs from the graph the forward kept
 
-The kept result (``[B, N/P, C]`` per layer, the bytes of the layer's own kept input) waits from the forward to the
-layer's recomputation, so it is kept only where the layer's activations are offloaded and it leaves the device with
-them (``offload_activations`` on CUDA): in device memory it would add one hidden-state tensor per layer to the peak
-(on CPU at 32k tokens, sp=2, 2 layers: 16 MiB of 109), and head chunks are there to save memory. Elsewhere (no
-offload, CPU, transformers' own checkpointing, evaluation) the region is computed in the recomputation as always. The
-random number generators are left as the region left them in the forward, so the rest of the recomputation draws
-what the forward drew.
+The recorded outputs (``[B, N/P, H, D_v]`` per layer over its chunks) live from the layer's recomputation to its
+chunks' backward, within the layer's backward. Where the layer's activations are offloaded off the device
+(``offload_activations`` on CUDA), the layer's forward also keeps the chunks' output (:func:`kept_for_replay`,
+``[B, N/P, C]`` per layer, offloaded with the layer's input) and its recomputation takes it instead of running the
+chunks: kept in device memory it would add one hidden-state tensor per layer to the peak (on CPU at 32k tokens,
+sp=2, 2 layers: 16 MiB of 109), so it is not kept there. The random number generators are left as the chunks left
+them in the forward, so the rest of the recomputation draws what the forward drew.
 """
 
 from __future__ import annotations

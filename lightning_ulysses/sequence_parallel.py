@@ -122,14 +122,15 @@ class SequenceParallelMixin(ParallelStrategy):
             ``"flex_attention"`` (see docs/attention-backends.md).
         head_chunks: run each attention layer's all-to-alls and attention in this many chunks of each rank's heads
             (:mod:`lightning_ulysses.attention.head_chunks`): one all-to-all per chunk for q, k and v together and
-            one back, the layer recomputed chunk by chunk in the backward, so its whole-sequence tensors are one
-            chunk's (``1 / head_chunks`` of plain Ulysses') at the price of one more attention forward; on CUDA the
+            one back, the layer's backward run chunk by chunk, so its whole-sequence tensors are one chunk's
+            (``1 / head_chunks`` of plain Ulysses'), each chunk's kernel backward run from its kept graph (q, k, v
+            and the output gathered again; a kernel that saves more is run again); on CUDA the
             next chunk's all-to-all overlaps the current chunk's attention. Where a transformers attention module
             computes each head from its own rows of ``nn.Linear`` projections (found by the set-up check, which
             compares the chunks with the whole module: Llama, Mistral, Qwen, Gemma, ...), the module itself runs
             once per chunk with its projections narrowed to the chunk's heads, so that the layer keeps only its
             input for the backward (:mod:`lightning_ulysses.hf.projections`); per chunk its attention then runs as
-            plain Ulysses on the chunk's heads. ``"auto"``: the fewest chunks whose whole-sequence q, k, v and
+            one head chunk of the chunk's heads. ``"auto"``: the fewest chunks whose whole-sequence q, k, v and
             output fit in the bytes of the layer's query shard. ``None`` (default): all heads at once (one
             all-to-all in, q, k and v together, and one out). Exact with every path: Ulysses x Ring, sinks, packed
             documents, windows, any head count.

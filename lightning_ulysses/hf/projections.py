@@ -7,16 +7,21 @@ of the projections, this runs the module's own forward once per chunk instead::
 
     chunk j:  q_proj, k_proj, v_proj narrowed to the rows of the chunk's heads    [B, N/P, C] -> [B, N/P, P * h_j * D]
               the module's own forward (RoPE, q/k norms per head, gates)          P * h_j query, P * kv_j K/V heads
-              plain Ulysses attention of those heads (rank r attends the chunk's heads r * h_j ... (r + 1) * h_j - 1)
+              Ulysses attention of those heads (rank r attends the chunk's heads r * h_j ... (r + 1) * h_j - 1)
               o_proj narrowed to their columns (its bias in chunk 0 only)          -> [B, N/P, C], summed over chunks
 
 Each chunk is one checkpoint region (recomputed in the backward), so the layer keeps only its inputs, and the
-projections' outputs, the whole-sequence tensors and their gradients exist for one chunk at a time. In a layer
-checkpointed by :func:`~lightning_ulysses.memory.checkpoint_activations` with its activations offloaded off the
-device, the layer's recomputation takes the chunks' sum its forward kept instead of running them again
-(:mod:`lightning_ulysses.replay`): each chunk runs in the forward and once more, for its backward. The chunk's
-heads are the ones :func:`~lightning_ulysses.attention.head_chunks.chunk_heads` routes: every rank of the group
-computes the same chunks, and the all-to-all inside hands each rank the chunk's slots of the full layout.
+projections' outputs, the whole-sequence tensors and their gradients exist for one chunk at a time. The attention
+inside a chunk is one head chunk of :mod:`lightning_ulysses.attention.head_chunks`: its kernel's graph is kept, so
+the region's recomputation runs the kernel's forward only to remake its output, and its backward runs none. In a
+layer checkpointed by :func:`~lightning_ulysses.memory.checkpoint_activations`, the layer's recomputation records
+each chunk's attention output and the chunk's own recomputation takes it instead of attending
+(:mod:`lightning_ulysses.replay`): the kernel's forward runs twice per step (the forward and the layer's
+recomputation), the projections three times; with the layer's activations offloaded off the device, the layer's
+recomputation takes the chunks' sum its forward kept instead of running them: each chunk then runs in the forward
+and once more, for its backward. The chunk's heads are the ones
+:func:`~lightning_ulysses.attention.head_chunks.chunk_heads` routes: every rank of the group computes the same
+chunks, and the all-to-all inside hands each rank the chunk's slots of the full layout.
 
 Which modules run so is decided by behaviour: the set-up check (:mod:`lightning_ulysses.hf.check.projections`) calls
 each candidate this way and keeps it only where the chunks sum to the module's own output, write into its arguments what
