@@ -130,7 +130,7 @@ class SequenceParallelMixin(ParallelStrategy):
             compares the chunks with the whole module: Llama, Mistral, Qwen, Gemma, ...), the module itself runs
             once per chunk with its projections narrowed to the chunk's heads, so that the layer keeps only its
             input for the backward (:mod:`lightning_ulysses.hf.projections`); per chunk its attention then runs as
-            one head chunk of the chunk's heads. ``"auto"``: the fewest chunks whose whole-sequence q, k, v and
+            plain Ulysses on the chunk's heads. ``"auto"``: the fewest chunks whose whole-sequence q, k, v and
             output fit in the bytes of the layer's query shard. ``None`` (default): all heads at once (one
             all-to-all in, q, k and v together, and one out). Exact with every path: Ulysses x Ring, sinks, packed
             documents, windows, any head count.

@@ -1,8 +1,8 @@
 """Kept attention graphs (:mod:`lightning_ulysses.attention.kept_graph`): in one process, a kernel's backward run
 from its kept graph equals autograd's, and a call that saves what cannot be rebuilt keeps none; at sp=2 (one
-launch), head chunks with the projections inside (:mod:`lightning_ulysses.hf.projections`) run their kernel's
-forward twice per step with and without checkpoint_activations (3 x before with), with the gradients of plain
-Ulysses. The chunks of attention alone are counted in ``test_head_chunks.py``.
+launch), what head chunks with the projections inside (:mod:`lightning_ulysses.hf.projections`) cost in kernel
+forwards, with and without activation checkpointing, and that they keep plain Ulysses' gradients. The chunks of
+attention alone are counted in ``test_head_chunks.py``.
 """
 
 from __future__ import annotations
@@ -148,13 +148,16 @@ def projected_results() -> list[dict[str, Any]]:
 
 
 @pytest.mark.distributed
-def test_projection_chunks_attend_twice_per_step_checkpointed_or_not(projected_results: list[dict[str, Any]]) -> None:
-    """2 layers x 2 chunks, projections inside: each chunk's kernel runs in its forward and in its recomputation for
-    the backward (2 x 4 calls), also under checkpoint_activations, whose layer recomputation records each chunk's
-    output for the chunk's own recomputation (3 x 4 before); the gradients equal plain Ulysses'."""
+def test_projection_chunks_attend_twice_per_step_three_times_checkpointed(
+    projected_results: list[dict[str, Any]],
+) -> None:
+    """2 layers x 2 chunks, projections inside: each chunk's kernel runs in its forward and in its region's
+    recomputation for the backward (2 x 4 calls); under checkpoint_activations on the device the layer's
+    recomputation runs it once more (3 x 4): keeping the chunk outputs for the regions' recomputation would add a
+    hidden-state tensor to the peak (docs/benchmarks/chunk_cost.md). The gradients equal plain Ulysses'."""
     for got in projected_results:
         assert got["chunks"]["projected"] == got["checkpointed"]["projected"] != []
-        assert got["chunks"]["calls"] == got["checkpointed"]["calls"] == 2 * 4
+        assert (got["chunks"]["calls"], got["checkpointed"]["calls"]) == (2 * 4, 3 * 4)
         for name, expected in got["plain"]["grads"].items():
             for setting in ("chunks", "checkpointed"):
                 torch.testing.assert_close(got[setting]["grads"][name], expected, rtol=1e-5, atol=1e-6, msg=name)

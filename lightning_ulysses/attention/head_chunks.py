@@ -202,8 +202,8 @@ class _ChunkedUlysses(torch.autograd.Function):
     """``query [B, N/P, H, D]``, ``key [B, N/P, H_kv, D]``, ``value [B, N/P, H_kv, D_v]``, ``sinks [H]`` or ``None``
     -> ``[B, N/P, H, D_v]`` (see the module docstring); keeps the inputs, the output and each chunk's
     :class:`~lightning_ulysses.attention.kept_graph.KeptGraph` for the backward. ``replayed``: the output, known
-    already (a head chunk's recomputation, :func:`~lightning_ulysses.replay.region`): nothing is computed,
-    the same tensors are saved."""
+    already (a checkpointed layer's recomputation, :func:`~lightning_ulysses.replay.kept_for_replay`): nothing is
+    computed, the same tensors are saved."""
 
     @staticmethod
     def forward(

@@ -132,8 +132,7 @@ def _hf_ulysses_attention(
         window=plan.pattern.window,
         chunk=plan.pattern.chunk,
         sinks=kwargs["s_aux"] if plan.sinks else None,
-        # the module runs in chunks around it: each chunk's attention is one chunk (its kernel's graph kept)
-        head_chunks=1 if plan.projection_chunks else state.head_chunks,
+        head_chunks=None if plan.projection_chunks else state.head_chunks,  # the module runs in chunks around it
         bidirectional=state.forward.spans if plan.pattern.spans and state.forward is not None else None,
     )
     return out.contiguous(), None  # as transformers' kernels return it: models .view() it

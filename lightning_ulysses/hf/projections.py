@@ -7,19 +7,19 @@ of the projections, this runs the module's own forward once per chunk instead::
 
     chunk j:  q_proj, k_proj, v_proj narrowed to the rows of the chunk's heads    [B, N/P, C] -> [B, N/P, P * h_j * D]
               the module's own forward (RoPE, q/k norms per head, gates)          P * h_j query, P * kv_j K/V heads
-              Ulysses attention of those heads (rank r attends the chunk's heads r * h_j ... (r + 1) * h_j - 1)
+              plain Ulysses attention of those heads (rank r attends the chunk's heads r * h_j ... (r + 1) * h_j - 1)
               o_proj narrowed to their columns (its bias in chunk 0 only)          -> [B, N/P, C], summed over chunks
 
 Each chunk is one checkpoint region (recomputed in the backward), so the layer keeps only its inputs, and the
-projections' outputs, the whole-sequence tensors and their gradients exist for one chunk at a time. The attention
-inside a chunk is one head chunk of :mod:`lightning_ulysses.attention.head_chunks`: its kernel's graph is kept, so
-the region's recomputation runs the kernel's forward only to remake its output, and its backward runs none. In a
-layer checkpointed by :func:`~lightning_ulysses.memory.checkpoint_activations`, the layer's recomputation records
-each chunk's attention output and the chunk's own recomputation takes it instead of attending
-(:mod:`lightning_ulysses.replay`): the kernel's forward runs twice per step (the forward and the layer's
-recomputation), the projections three times; with the layer's activations offloaded off the device, the layer's
-recomputation takes the chunks' sum its forward kept instead of running them: each chunk then runs in the forward
-and once more, for its backward. The chunk's heads are the ones
+projections' outputs, the whole-sequence tensors and their gradients exist for one chunk at a time. In a layer
+checkpointed by :func:`~lightning_ulysses.memory.checkpoint_activations` with its activations offloaded off the
+device, the layer's recomputation takes the chunks' sum its forward kept instead of running them again
+(:mod:`lightning_ulysses.replay`): each chunk runs in the forward and once more, for its backward. Elsewhere a
+checkpointed layer runs each chunk three times, its attention kernel's forward included: in the forward, in the
+layer's recomputation (the operations after the chunks saved their sum) and in the chunk's own recomputation (its
+backward needs the attention's output, which nothing keeps: keeping the layer's chunk outputs from its
+recomputation to its chunks' backward would spare the third kernel forward but add a hidden-state tensor to the peak,
+docs/benchmarks/chunk_cost.md). The chunk's heads are the ones
 :func:`~lightning_ulysses.attention.head_chunks.chunk_heads` routes: every rank of the group computes the same
 chunks, and the all-to-all inside hands each rank the chunk's slots of the full layout.
 
@@ -49,7 +49,7 @@ from lightning_ulysses.attention.head_chunks import chunk_heads
 from lightning_ulysses.heads import HeadLayout, plan_heads
 from lightning_ulysses.hf.plan import ProjectionChunks
 from lightning_ulysses.hf.state import PatchState
-from lightning_ulysses.replay import RegionOutput, kept_for_replay, layer_regions, region
+from lightning_ulysses.replay import kept_for_replay
 from lightning_ulysses.tiling import recomputed_in_backward
 
 PROJECTION_NAMES = {
@@ -141,10 +141,9 @@ def chunked_call(
     def compute() -> Any:
         total: Tensor | None = None
         tail: tuple | None = None  # the module's other outputs (attention weights: None), from the last chunk
-        regions = layer_regions(len(heads))
-        for index, ((query_heads, kv_heads), holder) in enumerate(zip(heads, regions, strict=True)):
+        for index, (query_heads, kv_heads) in enumerate(heads):
             chunk = functools.partial(
-                _chunk, module, spec, query_heads, kv_heads, index == 0, holder, forward, skeleton, tensors, tree
+                _chunk, module, spec, query_heads, kv_heads, index == 0, forward, skeleton, tensors, tree
             )
             out = recomputed_in_backward(chunk)(*values)
             first, tail = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
@@ -170,7 +169,6 @@ def _chunk(
     query_heads: tuple[int, ...],
     kv_heads: tuple[int, ...],
     first: bool,
-    holder: RegionOutput | None,
     forward: Callable[..., Any],
     skeleton: list[Any],
     tensors: list[int],
@@ -181,7 +179,7 @@ def _chunk(
     for i, value in zip(tensors, values, strict=True):
         leaves[i] = value
     args, kwargs = tree_unflatten(leaves, tree)
-    with narrowed(module, spec, query_heads, kv_heads, first), region(holder):
+    with narrowed(module, spec, query_heads, kv_heads, first):
         return forward(*args, **kwargs)
 
 

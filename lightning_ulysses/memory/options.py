@@ -61,11 +61,11 @@ def checkpoint_activations(
     overlaps the following compute (:mod:`lightning_ulysses.offload`; an :class:`ActivationOffload` instance
     chooses its own streams) and copied back for the recomputation; tensors already on the host stay where
     they are. ``kwargs`` are not offloaded: pass the large per-layer input (the hidden states) positionally.
-    Head chunks inside ``function`` run their attention kernel's forward in the forward and in the recomputation
-    only (offloaded off the device, in the forward only): :mod:`lightning_ulysses.replay`.
+    Offloaded off the device, head chunks inside ``function`` are recomputed once, not again in the layer's
+    recomputation (:mod:`lightning_ulysses.replay`).
     """
     if not offload:
-        return checkpoint(replayable(function, None), *args, use_reentrant=False, **kwargs)
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
     offloading = default_offload() if offload is True else offload
     with offloading.hooks():
         return checkpoint(replayable(function, offloading), *args, use_reentrant=False, **kwargs)
