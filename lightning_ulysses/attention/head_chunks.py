@@ -9,12 +9,13 @@ Plain Ulysses gathers the whole sequence of all of a rank's ``h`` head slots at 
                         attention of chunk j, its graph kept without q, k, v, out     [B, N, h_j, D_v]
                         output of chunk j  --one all-to-all-->  its heads of the [B, N/P, H, D_v] output
     backward, chunk j:  q, k, v of chunk j  --one all-to-all, as in the forward-->  [B, N, h_j, ...]
-                        its output and output gradient  --one all-to-all-->  [B, N, h_j, D_v] each
+                        its output, then its output gradient  --one all-to-all each-->  [B, N, h_j, D_v]
                         the kept graph's backward (the kernel's backward, no forward)
                         dq, dk, dv of chunk j  --one all-to-all-->  added to the [B, N/P, ...] input gradients
 
-So the forward sends one collective per chunk each way (plain Ulysses: three in, one out), the backward three per
-chunk, the layer keeps nothing of the whole sequence for its backward (its sequence-sharded inputs and output, and
+So the forward sends one collective per chunk each way (plain Ulysses: three in, one out), the backward four per
+chunk (each gather separate, so that q, k, v and the output arrive with the strides the kernel saw, no copy; on CPU
+each is started when taken, so one send buffer is alive at a time), the layer keeps nothing of the whole sequence for its backward (its sequence-sharded inputs and output, and
 per chunk what :mod:`~lightning_ulysses.attention.kept_graph` keeps: the kernel's log-sum-exp, ``1 / D`` of the
 chunk's output), and the whole-sequence tensors alive at any time are one chunk's: ``1 / chunks`` of plain Ulysses'.
 The kernel's forward runs once per step, as plain Ulysses'. A chunk whose kernel saves what cannot be gathered again
@@ -273,18 +274,28 @@ class _ChunkedUlysses(torch.autograd.Function):
         grads: list[Tensor | None] = [None, None, None]  # made at the first chunk's return: not alive at its peak
         grad_sinks = None if sinks is None else torch.zeros_like(sinks)
 
-        def start(j: int) -> list[Exchange]:
+        def exchange(send: Callable[[], Tensor]) -> Exchange | _Deferred:  # CPU: one send buffer alive at a time
+            return Exchange(send(), group, observer) if overlap else _Deferred(send, group, observer)
+
+        def start(j: int) -> list[Exchange | _Deferred]:
             r = routes[j]
-            if kept[j] is not None:  # q, k, v as the forward gathered them; its output and the output gradient
+            if kept[j] is not None:  # q, k, v as the forward gathered them, then its output, then the output gradient
                 assert r.slot_outputs is not None
-                outputs = _to_ranks([(out, r.slot_outputs), (grad, r.slot_outputs)], sp)
-                inputs = _inputs_to_ranks(r, query, key, value, sp)
-                return [Exchange(inputs, group, observer), Exchange(outputs, group, observer)]
-            grad_out = grad.new_zeros((*grad.shape[:2], len(r.query_heads), grad.shape[-1]))
-            grad_out.index_copy_(2, r.output_slots, grad.index_select(2, r.output_heads))  # inert slots: zero
-            slots = torch.arange(len(r.query_heads), device=grad.device)
-            send = _to_ranks([(query, r.query_heads), (key, r.kv_heads), (value, r.kv_heads), (grad_out, slots)], sp)
-            return [Exchange(send, group, observer)]
+                return [
+                    exchange(functools.partial(_inputs_to_ranks, r, query, key, value, sp)),
+                    exchange(functools.partial(_to_ranks, [(out, r.slot_outputs)], sp)),
+                    exchange(functools.partial(_to_ranks, [(grad, r.slot_outputs)], sp)),
+                ]
+
+            def send() -> Tensor:
+                grad_out = grad.new_zeros((*grad.shape[:2], len(r.query_heads), grad.shape[-1]))
+                grad_out.index_copy_(2, r.output_slots, grad.index_select(2, r.output_heads))  # inert slots: zero
+                slots = torch.arange(len(r.query_heads), device=grad.device)
+                return _to_ranks(
+                    [(query, r.query_heads), (key, r.kv_heads), (value, r.kv_heads), (grad_out, slots)], sp
+                )
+
+            return [exchange(send)]
 
         incoming, returning = start(0), None
         for j, r in enumerate(routes):
@@ -293,7 +304,8 @@ class _ChunkedUlysses(torch.autograd.Function):
             graph = kept[j]
             if graph is not None:
                 q, k, v = whole_sequence(incoming[0].take(), widths)
-                result, grad_out = whole_sequence(incoming[1].take(), [(widths[0][0], widths[2][1])] * 2)
+                output = [(widths[0][0], widths[2][1])]
+                ((result,), (grad_out,)) = (whole_sequence(e.take(), output) for e in incoming[1:])
             else:
                 q, k, v, grad_out = whole_sequence(incoming[0].take(), [*widths, (widths[0][0], widths[2][1])])
             if overlap and j + 1 < len(routes):
@@ -326,6 +338,17 @@ class _ChunkedUlysses(torch.autograd.Function):
         if returning is not None:
             _accumulate(grads, *returning, (query, key, value), sp)
         return (*grads, grad_sinks, None, None, None, None, None, None, None, None)
+
+
+class _Deferred:
+    """An :class:`~lightning_ulysses.attention.collectives.Exchange` of ``send()`` started only when taken: where
+    exchanges run one at a time (CPU), a chunk's send buffers are then not alive together."""
+
+    def __init__(self, send: Callable[[], Tensor], group: ProcessGroup, observer: CollectiveObserver | None) -> None:
+        self.send, self.group, self.observer = send, group, observer
+
+    def take(self) -> Tensor:
+        return Exchange(self.send(), self.group, self.observer).take()
 
 
 def _inputs_to_ranks(r: _Routes, query: Tensor, key: Tensor, value: Tensor, sp: int) -> Tensor:
