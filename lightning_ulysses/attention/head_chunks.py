@@ -15,9 +15,10 @@ Plain Ulysses gathers the whole sequence of all of a rank's ``h`` head slots at 
 
 So the forward sends one collective per chunk each way (plain Ulysses: three in, one out), the backward four per
 chunk (each gather separate, so that q, k, v and the output arrive with the strides the kernel saw, no copy; on CPU
-each is started when taken, so one send buffer is alive at a time), the layer keeps nothing of the whole sequence for its backward (its sequence-sharded inputs and output, and
-per chunk what :mod:`~lightning_ulysses.attention.kept_graph` keeps: the kernel's log-sum-exp, ``1 / D`` of the
-chunk's output), and the whole-sequence tensors alive at any time are one chunk's: ``1 / chunks`` of plain Ulysses'.
+each is started when taken, so one send buffer is alive at a time). The layer keeps nothing of the whole sequence
+for its backward (its sequence-sharded inputs and output, and per chunk what
+:mod:`~lightning_ulysses.attention.kept_graph` keeps: the kernel's log-sum-exp, ``1 / D`` of the chunk's output), and
+the whole-sequence tensors alive at any time are one chunk's: ``1 / chunks`` of plain Ulysses'.
 The kernel's forward runs once per step, as plain Ulysses'. A chunk whose kernel saves what cannot be gathered again
 (the math backend's probabilities, attention dropout's mask on CPU, packed documents gathered into copies, windows'
 query blocks, sinks applied after the kernel) or that holds inert slots (their output is dropped) keeps no graph:
