@@ -209,6 +209,30 @@ def _backward_twice(group: SequenceParallelGroups, head_chunks: int) -> float:
     return _error(runs[1], [2 * g for g in runs[0]])
 
 
+def _dropout_value_gradient(group: SequenceParallelGroups) -> float:
+    """With attention dropout (CPU: SDPA's math kernel, whose mask a kept graph cannot hold: each chunk recomputed
+    with its forward's RNG), the value gradient of ``<grad, out>`` against its exact directional change: for fixed
+    masks the output is linear in the value, so ``<grad, out(v + d)> - <grad, out(v)> = <dv, d>`` summed over the
+    group's ranks. A backward drawing other masks than its forward misses it by far."""
+    sp, rank = dist.get_world_size(group.sp), dist.get_rank(group.sp)
+    q, k, v, grad, _ = _tensors(dict(batch=1, seq=64, heads=8, kv_heads=4))
+    index = shard_index(64, rank, sp)
+    q, k, v, grad = (t[:, index] for t in (q, k, v, grad))
+    step = torch.randn(v.shape, generator=torch.Generator().manual_seed(5))
+
+    def attended(value: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(7 + rank)
+        return ulysses_attention(q, k, value, group=group, head_chunks=2, dropout_p=0.5)
+
+    leaf = v.clone().requires_grad_()
+    attended(leaf).backward(grad)
+    assert leaf.grad is not None
+    with torch.no_grad():
+        sums = torch.stack([(grad * (attended(v + step) - attended(v))).sum(), (leaf.grad * step).sum()])
+    dist.all_reduce(sums, group=group.sp)
+    return float((sums[0] - sums[1]).abs() / sums[1].abs())
+
+
 def worker(args: dict[str, Any]) -> dict[Any, Any]:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -241,6 +265,7 @@ def worker(args: dict[str, Any]) -> dict[Any, Any]:
     for head_chunks in (1, 4):
         results["checkpointed", head_chunks] = _checkpointed_layer(groups[2], head_chunks)
     results["twice"] = _backward_twice(groups[2], 4)
+    results["dropout"] = _dropout_value_gradient(groups[2])
     dist.destroy_process_group()
     return results
 
@@ -294,6 +319,11 @@ def test_a_retained_graph_backpropagates_twice(results: list[dict[Any, Any]]) ->
     """A kept graph runs its backward once; a second backward through a retained graph recomputes the chunks."""
     for got in results:
         assert got["twice"] < 1e-6
+
+
+def test_attention_dropout_recomputes_the_forwards_masks(results: list[dict[Any, Any]]) -> None:
+    for got in results:
+        assert got["dropout"] < 1e-4
 
 
 def test_no_host_sync_inside_the_chunked_layer(results: list[dict[Any, Any]]) -> None:
