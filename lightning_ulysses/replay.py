@@ -1,26 +1,27 @@
-"""Results a checkpointed layer's forward keeps for its recomputation, so that a region with a checkpoint of its own
-inside the layer is recomputed once, not twice, where keeping them costs no device memory.
+"""Results a checkpointed layer's forward keeps for its recomputation, so that a head chunk inside the layer runs
+no more often than its backward needs, where keeping them costs no device memory.
 
 A non-reentrant checkpoint (:func:`torch.utils.checkpoint.checkpoint`) runs its function again at the start of the
-layer's backward, only to remake what the layer's operations saved. A head chunk inside the layer
-(:mod:`lightning_ulysses.attention.head_chunks`, :mod:`lightning_ulysses.hf.projections`) is recomputed on its own
-when its backward comes: under a checkpointed layer each chunk then runs three times (the forward, the layer's
-recomputation, the chunk's own), one more than its backward needs. With :func:`replayable` around the layer's
-function (as :func:`~lightning_ulysses.memory.checkpoint_activations` puts it), :func:`kept_for_replay` keeps such a
-region's result in the layer's forward and, in the layer's recomputation, hands it back instead of computing it
-again::
+layer's backward, only to remake what the layer's operations saved. Head chunks inside the layer run again in it:
+attention-only chunks (:mod:`lightning_ulysses.attention.head_chunks`), whose backward runs from their kernel's kept
+graph (:mod:`lightning_ulysses.attention.kept_graph`), because the operations after them saved their output; chunks
+with the projections inside (:mod:`lightning_ulysses.hf.projections`), checkpoint regions of their own, also because
+their output is needed, and once more for their own backward, which recomputes the region. With :func:`replayable`
+around the layer's function (as :func:`~lightning_ulysses.memory.checkpoint_activations` puts it),
+:func:`kept_for_replay` keeps such a region's result in the layer's forward and, in the layer's recomputation, hands
+it back instead of computing it again::
 
-    forward:            layer ... region: compute, keep the result (detached) ... rest of the layer
-    recomputation:      layer ... region: re-save its inputs, take the kept result ... rest of the layer
-    backward:           the region recomputes itself for its backward, chunk by chunk
+    forward:            layer ... chunks: compute, keep the result (detached) ... rest of the layer
+    recomputation:      layer ... chunks: save what computing them saved, take the kept result ... rest of the layer
+    backward:           attention-only chunks: the kept graphs; projection chunks recompute themselves, one by one
 
 The kept result (``[B, N/P, C]`` per layer, the bytes of the layer's own kept input) waits from the forward to the
 layer's recomputation, so it is kept only where the layer's activations are offloaded and it leaves the device with
 them (``offload_activations`` on CUDA): in device memory it would add one hidden-state tensor per layer to the peak
 (on CPU at 32k tokens, sp=2, 2 layers: 16 MiB of 109), and head chunks are there to save memory. Elsewhere (no
-offload, CPU, transformers' own checkpointing, evaluation) the region is computed in the recomputation as always. The
-random number generators are left as the region left them in the forward, so the rest of the recomputation draws
-what the forward drew.
+offload, CPU, transformers' own checkpointing, evaluation) the chunks are computed in the recomputation as always.
+The random number generators are left as the chunks left them in the forward, so the rest of the recomputation
+draws what the forward drew.
 """
 
 from __future__ import annotations
@@ -71,12 +72,13 @@ def replayable(function: Callable[..., Any], offload: ActivationOffload) -> Call
     return call
 
 
-def kept_for_replay(compute: Callable[[], Any], resave: Callable[[], None]) -> Any:
-    """``compute()``, or inside a :func:`replayable` layer's recomputation the result its forward kept.
+def kept_for_replay(compute: Callable[[], Any], replay: Callable[[Any], Any]) -> Any:
+    """``compute()``, or inside a :func:`replayable` layer's recomputation ``replay(result)`` with the result its
+    forward kept (its tensors detached, requiring grad as they did).
 
-    ``resave()`` runs in its stead: it must save for the backward what ``compute()`` saved through the layer's
-    checkpoint (the inputs of the region's own checkpoints), in the same order, so that the layer's recomputation
-    remakes every saved tensor of the forward. Tensors of the result come back detached, requiring grad as they did.
+    ``replay(result)`` runs instead of ``compute()``: it must save for the backward what ``compute()`` saved through
+    the layer's checkpoint, in the same order (so that the layer's recomputation remakes every saved tensor of the
+    forward), and return the result as ``compute()`` would.
     """
     run = _current.get()
     if run is None or not torch.is_grad_enabled():
@@ -89,10 +91,10 @@ def kept_for_replay(compute: Callable[[], Any], resave: Callable[[], None]) -> A
         return result
     if not run.kept:  # nothing kept (on the device), or a second recomputation (a retained graph)
         return compute()
-    resave()
     kept, rng = run.kept.popleft()
+    result = replay(tree_map(functools.partial(_take, run), kept))
     _set_rng_states(rng)
-    return tree_map(functools.partial(_take, run), kept)
+    return result
 
 
 class _Kept:

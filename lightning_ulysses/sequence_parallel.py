@@ -122,8 +122,9 @@ class SequenceParallelMixin(ParallelStrategy):
             ``"flex_attention"`` (see docs/attention-backends.md).
         head_chunks: run each attention layer's all-to-alls and attention in this many chunks of each rank's heads
             (:mod:`lightning_ulysses.attention.head_chunks`): one all-to-all per chunk for q, k and v together and
-            one back, the layer recomputed chunk by chunk in the backward, so its whole-sequence tensors are one
-            chunk's (``1 / head_chunks`` of plain Ulysses') at the price of one more attention forward; on CUDA the
+            one back, the layer's backward run chunk by chunk, so its whole-sequence tensors are one chunk's
+            (``1 / head_chunks`` of plain Ulysses'), each chunk's kernel backward run from its kept graph (q, k, v
+            and the output gathered again; a kernel that saves more is run again); on CUDA the
             next chunk's all-to-all overlaps the current chunk's attention. Where a transformers attention module
             computes each head from its own rows of ``nn.Linear`` projections (found by the set-up check, which
             compares the chunks with the whole module: Llama, Mistral, Qwen, Gemma, ...), the module itself runs

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ulysses.attention import ulysses_attention
-from lightning_ulysses.attention.backends import CORE_ATTENTION
 from lightning_ulysses.attention.head_chunks import HeadChunk, auto_chunks, check_head_chunks, plan_chunks
 from lightning_ulysses.groups import SequenceParallelGroups
 from lightning_ulysses.heads import plan_heads
@@ -116,14 +115,17 @@ class _Largest(TorchDispatchMode):
         return out
 
 
-def _layer_probes(groups: SequenceParallelGroups, head_chunks: Any) -> dict[str, Any]:
+def _layer_probes(groups: SequenceParallelGroups, head_chunks: Any, packed: bool = True) -> dict[str, Any]:
     """All-to-alls (forward, backward), host syncs and the largest whole-sequence tensor of one layer: 8 heads,
-    4 K/V heads, 64 tokens, packed documents and a window."""
+    4 K/V heads, 64 tokens; packed documents and a window (their kernel's graph saves copies: recomputed in the
+    backward), or one document (its graph kept)."""
     sp, rank = groups.topology.sp_size, groups.topology.sp_rank
     case = dict(batch=1, seq=64, heads=8, kv_heads=4)
     q, k, v, grad, _ = _tensors(case)
     index = shard_index(64, rank, sp)
-    pos = torch.cat([torch.arange(n) for n in (20, 30, 14)])[None, index]  # one tensor: its documents found once
+    lengths = (20, 30, 14) if packed else (64,)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None, index]  # one tensor: its documents found once
+    window = 9 if packed else None
     shards = [t[:, index].clone().requires_grad_() for t in (q, k, v)]
     calls: Counter[str] = Counter()
     original = dist.all_to_all_single
@@ -140,13 +142,13 @@ def _layer_probes(groups: SequenceParallelGroups, head_chunks: Any) -> dict[str,
         return run()
 
     syncs, largest = HostSyncs(), _Largest(64)
-    ulysses_attention(*shards, group=groups, position_ids=pos, window=9, head_chunks=head_chunks)  # plans
+    ulysses_attention(*shards, group=groups, position_ids=pos, window=window, head_chunks=head_chunks)  # plans
     dist.all_to_all_single = counted
     groups.observer.all_to_all = observer
     try:
         with syncs.methods_counted(), largest:
             syncs.where = "layer"
-            out = ulysses_attention(*shards, group=groups, position_ids=pos, window=9, head_chunks=head_chunks)
+            out = ulysses_attention(*shards, group=groups, position_ids=pos, window=window, head_chunks=head_chunks)
             phase = "backward"
             out.backward(grad[:, index])
     finally:
@@ -156,35 +158,79 @@ def _layer_probes(groups: SequenceParallelGroups, head_chunks: Any) -> dict[str,
 
 
 def _checkpointed_layer(group: SequenceParallelGroups, head_chunks: int) -> dict[str, Any]:
-    """Attention kernel calls of one forward + backward of a layer checkpointed by checkpoint_activations with its
-    activations offloaded (CPU tensors playing device ones), and the relative error of its output and gradients
-    against the same layer unchekpointed."""
+    """Attention kernel calls (SDPA's) of one forward + backward of a layer, and the relative error of its output and
+    gradients against the same layer unchekpointed: unchekpointed, checkpointed by checkpoint_activations on the
+    device, and with its activations offloaded (CPU tensors playing device ones)."""
     sp, rank = dist.get_world_size(group.sp), dist.get_rank(group.sp)
     case = dict(batch=1, seq=64, heads=8, kv_heads=4)
     q, k, v, grad, _ = _tensors(case)
     index = shard_index(64, rank, sp)
     calls: list[int] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
 
-    def core(*args: Any, **kwargs: Any) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
-        return CORE_ATTENTION["sdpa"](*args, **kwargs)
+        return sdpa(*args, **kwargs)
 
     def layer(*shards: torch.Tensor) -> torch.Tensor:
-        return (
-            ulysses_attention(*(2 * t for t in shards), group=group, attn_implementation=core, head_chunks=head_chunks)
-            + 1
-        )
+        return ulysses_attention(*(2 * t for t in shards), group=group, head_chunks=head_chunks) + 1
 
+    runs = {}
+    torch.nn.functional.scaled_dot_product_attention = counted
+    try:
+        for checkpointed in (False, "device", "offloaded"):
+            shards = [t[:, index].clone().requires_grad_() for t in (q, k, v)]
+            calls.clear()
+            offload = ActivationOffload(RecordingStreams()) if checkpointed == "offloaded" else False
+            out = checkpoint_activations(layer, *shards, offload=offload) if checkpointed else layer(*shards)
+            out.backward(grad[:, index])
+            runs[checkpointed] = ([out.detach(), *(t.grad for t in shards)], len(calls))
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+    return {
+        "calls": {name: calls for name, (_, calls) in runs.items()},
+        "error": max(_error(got, runs[False][0]) for got, _ in runs.values()),
+    }
+
+
+def _backward_twice(group: SequenceParallelGroups, head_chunks: int) -> float:
+    """Relative error of the gradients of two backwards through one retained graph against twice one backward's: the
+    first runs the chunks' kept graphs, the second recomputes them."""
+    sp, rank = dist.get_world_size(group.sp), dist.get_rank(group.sp)
+    q, k, v, grad, _ = _tensors(dict(batch=1, seq=64, heads=8, kv_heads=4))
+    index = shard_index(64, rank, sp)
     runs = []
-    for checkpointed in (False, True):
+    for times in (1, 2):
         shards = [t[:, index].clone().requires_grad_() for t in (q, k, v)]
-        calls.clear()
-        offload = ActivationOffload(RecordingStreams())
-        out = checkpoint_activations(layer, *shards, offload=offload) if checkpointed else layer(*shards)
-        out.backward(grad[:, index])
-        runs.append(([out.detach(), *(t.grad for t in shards)], len(calls)))
-    (plain, plain_calls), (checkpointed, checkpointed_calls) = runs
-    return {"calls": (plain_calls, checkpointed_calls), "error": _error(checkpointed, plain)}
+        out = ulysses_attention(*shards, group=group, head_chunks=head_chunks)
+        for _ in range(times):
+            out.backward(grad[:, index], retain_graph=True)
+        runs.append([t.grad for t in shards])
+    return _error(runs[1], [2 * g for g in runs[0]])
+
+
+def _dropout_value_gradient(group: SequenceParallelGroups) -> float:
+    """With attention dropout (CPU: SDPA's math kernel, whose mask a kept graph cannot hold: each chunk recomputed
+    with its forward's RNG), the value gradient of ``<grad, out>`` against its exact directional change: for fixed
+    masks the output is linear in the value, so ``<grad, out(v + d)> - <grad, out(v)> = <dv, d>`` summed over the
+    group's ranks. A backward drawing other masks than its forward misses it by far."""
+    sp, rank = dist.get_world_size(group.sp), dist.get_rank(group.sp)
+    q, k, v, grad, _ = _tensors(dict(batch=1, seq=64, heads=8, kv_heads=4))
+    index = shard_index(64, rank, sp)
+    q, k, v, grad = (t[:, index] for t in (q, k, v, grad))
+    step = torch.randn(v.shape, generator=torch.Generator().manual_seed(5))
+
+    def attended(value: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(7 + rank)
+        return ulysses_attention(q, k, value, group=group, head_chunks=2, dropout_p=0.5)
+
+    leaf = v.clone().requires_grad_()
+    attended(leaf).backward(grad)
+    assert leaf.grad is not None
+    with torch.no_grad():
+        sums = torch.stack([(grad * (attended(v + step) - attended(v))).sum(), (leaf.grad * step).sum()])
+    dist.all_reduce(sums, group=group.sp)
+    return float((sums[0] - sums[1]).abs() / sums[1].abs())
 
 
 def worker(args: dict[str, Any]) -> dict[Any, Any]:
@@ -215,7 +261,11 @@ def worker(args: dict[str, Any]) -> dict[Any, Any]:
     for head_chunks in (None, 1, 2, 4):
         results["probes", head_chunks] = _layer_probes(groups[2], head_chunks)
     for head_chunks in (1, 4):
+        results["kept probes", head_chunks] = _layer_probes(groups[2], head_chunks, packed=False)
+    for head_chunks in (1, 4):
         results["checkpointed", head_chunks] = _checkpointed_layer(groups[2], head_chunks)
+    results["twice"] = _backward_twice(groups[2], 4)
+    results["dropout"] = _dropout_value_gradient(groups[2])
     dist.destroy_process_group()
     return results
 
@@ -254,20 +304,47 @@ def test_one_all_to_all_per_chunk_and_direction(results: list[dict[Any, Any]]) -
             assert got["probes", head_chunks]["observed"] == got["probes", head_chunks]["calls"]
 
 
-def test_a_checkpointed_layer_attends_each_chunk_twice(results: list[dict[Any, Any]]) -> None:
-    """Under checkpoint_activations with offloaded activations the layer's recomputation takes the output its forward
-    kept: each chunk attends in the forward and once in its backward, as without the layer's checkpoint (3 x
-    before), with the same output and gradients."""
+def test_each_chunk_attends_once_per_forward_run(results: list[dict[Any, Any]]) -> None:
+    """Each chunk's backward runs its kernel's kept graph (lightning_ulysses.attention.kept_graph): the kernel's
+    forward runs once per chunk in a step, twice under checkpoint_activations (the layer's recomputation; 3 x
+    before), and once where the layer's activations are offloaded (its recomputation takes the output its forward
+    kept), with the same output and gradients."""
     for got in results:
         for chunks in (1, 4):
-            assert got["checkpointed", chunks]["calls"] == (2 * chunks, 2 * chunks)
+            assert got["checkpointed", chunks]["calls"] == {False: chunks, "device": 2 * chunks, "offloaded": chunks}
             assert got["checkpointed", chunks]["error"] < 1e-6
+
+
+def test_a_retained_graph_backpropagates_twice(results: list[dict[Any, Any]]) -> None:
+    """A kept graph runs its backward once; a second backward through a retained graph recomputes the chunks."""
+    for got in results:
+        assert got["twice"] < 1e-6
+
+
+def test_attention_dropout_recomputes_the_forwards_masks(results: list[dict[Any, Any]]) -> None:
+    for got in results:
+        assert got["dropout"] < 1e-4
 
 
 def test_no_host_sync_inside_the_chunked_layer(results: list[dict[Any, Any]]) -> None:
     for got in results:
         for head_chunks in (None, 1, 2, 4):
             assert got["probes", head_chunks]["syncs"] == {}
+        for head_chunks in (1, 4):
+            assert got["kept probes", head_chunks]["syncs"] == {}
+
+
+def test_a_kept_graph_gathers_its_output_instead_of_attending(results: list[dict[Any, Any]]) -> None:
+    """With its kernel's graph kept, a chunk's backward gathers q, k and v as its forward did (one all-to-all), its
+    output (one) and the output gradient (one), and sends the gradients back: 4 per chunk. Its largest
+    whole-sequence tensor is the forward's fused q, k and v (``64 x (4 + 2 + 2) x 8``), below the recomputing
+    backward's fused q, k, v and output gradient."""
+    for got in results:
+        for chunks in (1, 4):
+            probes = got["kept probes", chunks]
+            assert probes["calls"] == {"forward": 2 * chunks, "backward": 4 * chunks}
+            assert probes["observed"] == probes["calls"]
+        assert got["kept probes", 1]["largest"] == 64 * (4 + 2 + 2) * 8 < got["probes", 1]["largest"]
 
 
 def test_whole_sequence_tensors_fall_by_the_chunk_factor(results: list[dict[Any, Any]]) -> None:

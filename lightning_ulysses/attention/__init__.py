@@ -17,7 +17,8 @@ per-batch plans kept with it), :mod:`.core` (the backend interface), one module 
 (attention sinks), :mod:`.spans` (bidirectional spans inside causal attention: Gemma 3's images), :mod:`.ring`
 (ring attention across Ulysses groups: Ulysses x Ring, when the SP group is a
 :class:`~lightning_ulysses.groups.SequenceParallelGroups` with a ring), :mod:`.head_chunks` (the all-to-alls and
-the attention in chunks of heads, recomputed in the backward: ``head_chunks``) and :mod:`.ulysses` (the entry point
+the attention in chunks of heads: ``head_chunks``; :mod:`.kept_graph`: each chunk's kernel graph kept for its
+backward) and :mod:`.ulysses` (the entry point
 and the per-batch planning).
 """
 

@@ -1,22 +1,31 @@
-"""Head-chunked Ulysses attention: one fused all-to-all per chunk of heads, recomputed in the backward.
+"""Head-chunked Ulysses attention: one fused all-to-all per chunk of heads, each chunk's backward run from its kernel's
+kept graph.
 
 Plain Ulysses gathers the whole sequence of all of a rank's ``h`` head slots at once and autograd keeps the gathered
 ``[B, N, h, D]`` query, key, value and output until the backward. Here the rank's head slots are cut into
 ``chunks`` chunks and the layer runs one chunk at a time::
 
     forward, chunk j:   q, k, v slots of chunk j  [B, N/P, ...]  --one all-to-all-->  [B, N, h_j, D] each
-                        attention of chunk j                                          [B, N, h_j, D_v]
+                        attention of chunk j, its graph kept without q, k, v, out     [B, N, h_j, D_v]
                         output of chunk j  --one all-to-all-->  its heads of the [B, N/P, H, D_v] output
-    backward, chunk j:  q, k, v and the output gradient of chunk j  --one all-to-all-->  [B, N, h_j, ...]
-                        attention of chunk j again, and its backward
+    backward, chunk j:  q, k, v of chunk j  --one all-to-all, as in the forward-->  [B, N, h_j, ...]
+                        its output, then its output gradient  --one all-to-all each-->  [B, N, h_j, D_v]
+                        the kept graph's backward (the kernel's backward, no forward)
                         dq, dk, dv of chunk j  --one all-to-all-->  added to the [B, N/P, ...] input gradients
 
-So each direction sends one collective per chunk (plain Ulysses: three in, one out, and as many back), the layer
-keeps nothing of the whole sequence for its backward (only its sequence-sharded inputs and output), and the
-whole-sequence tensors alive at any time are one chunk's: ``1 / chunks`` of plain Ulysses'. The price is one more
-attention forward per layer in the backward (the core backends take no saved log-sum-exp back). A layer checkpointed
-by :func:`~lightning_ulysses.memory.checkpoint_activations` recomputes the chunks once more, unless its activations are
-offloaded off the device: then its recomputation takes the output its forward kept (:mod:`lightning_ulysses.replay`).
+So the forward sends one collective per chunk each way (plain Ulysses: three in, one out), the backward four per
+chunk (each gather separate, so that q, k, v and the output arrive with the strides the kernel saw, no copy; on CPU
+each is started when taken, so one send buffer is alive at a time). The layer keeps nothing of the whole sequence
+for its backward (its sequence-sharded inputs and output, and per chunk what
+:mod:`~lightning_ulysses.attention.kept_graph` keeps: the kernel's log-sum-exp, ``1 / D`` of the chunk's output), and
+the whole-sequence tensors alive at any time are one chunk's: ``1 / chunks`` of plain Ulysses'.
+The kernel's forward runs once per step, as plain Ulysses'. A chunk whose kernel saves what cannot be gathered again
+(the math backend's probabilities, attention dropout's mask on CPU, packed documents gathered into copies, windows'
+query blocks, sinks applied after the kernel) or that holds inert slots (their output is dropped) keeps no graph:
+its backward gathers q, k, v and the output gradient in one all-to-all and runs its attention again, replaying the
+forward's RNG. A layer checkpointed by :func:`~lightning_ulysses.memory.checkpoint_activations` runs the chunks again
+in its recomputation (its operations save the output), unless its activations are offloaded off the device: then
+its recomputation takes the output its forward kept (:mod:`lightning_ulysses.replay`).
 
 A chunk is either whole K/V groups (``chunks <= kv_h``: the K/V slots are split, each with its query slots) or part
 of one K/V group, whose K/V slot then travels with each of its chunks: the local attention is always ordinary GQA.
@@ -48,6 +57,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_ulysses.attention.collectives import Exchange, by_sequence, rank_slots, whole_sequence
+from lightning_ulysses.attention.kept_graph import KeptGraph, keep_graph
 from lightning_ulysses.groups import CollectiveObserver
 from lightning_ulysses.heads import HeadLayout
 from lightning_ulysses.replay import kept_for_replay
@@ -145,12 +155,14 @@ def chunk_heads(layout: HeadLayout, chunks: int) -> tuple[tuple[tuple[int, ...],
 @dataclass(frozen=True)
 class _Routes:
     """Index tensors of one chunk on this rank's ``[B, N/P, H, ...]`` tensors, destination rank by rank: the source
-    heads of its query and K/V slots, and which of the received output slots are real query heads."""
+    heads of its query and K/V slots, which of the received output slots are real query heads, and the head whose
+    output each slot holds (``None`` where a slot is inert: its output is dropped, so it cannot be gathered again)."""
 
     query_heads: Tensor  # [P * h_j]: source query head of slot s of rank r at r * h_j + s
     kv_heads: Tensor  # [P * kv_j]
     output_heads: Tensor  # the query heads whose output this chunk holds
     output_slots: Tensor  # their position in the received [P * h_j] slots
+    slot_outputs: Tensor | None  # [P * h_j]: the query head whose output slot s of rank r is
 
 
 @functools.lru_cache(maxsize=256)
@@ -160,6 +172,7 @@ def _routes(layout: HeadLayout, chunks: int, device: torch.device) -> tuple[_Rou
         query_slots, _ = _slots(layout, chunk)
         position = {slot: i for i, slot in enumerate(query_slots)}
         heads = [h for h, slot in enumerate(layout.output_slots) if slot in position]
+        slot_outputs = {position[layout.output_slots[h]]: h for h in heads}
         index = functools.partial(torch.tensor, dtype=torch.long, device=device)
         routes.append(
             _Routes(
@@ -167,6 +180,9 @@ def _routes(layout: HeadLayout, chunks: int, device: torch.device) -> tuple[_Rou
                 index(kv_heads),
                 index(heads),
                 index([position[layout.output_slots[h]] for h in heads]),
+                index([slot_outputs[s] for s in range(len(query_slots))])
+                if len(slot_outputs) == len(query_slots)
+                else None,
             )
         )
     return tuple(routes)
@@ -186,7 +202,10 @@ def _to_ranks(source: Sequence[tuple[Tensor, Tensor]], sp: int) -> Tensor:
 
 class _ChunkedUlysses(torch.autograd.Function):
     """``query [B, N/P, H, D]``, ``key [B, N/P, H_kv, D]``, ``value [B, N/P, H_kv, D_v]``, ``sinks [H]`` or ``None``
-    -> ``[B, N/P, H, D_v]`` (see the module docstring); keeps only the inputs for the backward."""
+    -> ``[B, N/P, H, D_v]`` (see the module docstring); keeps the inputs, the output and each chunk's
+    :class:`~lightning_ulysses.attention.kept_graph.KeptGraph` for the backward. ``replayed``: the output, known
+    already (a checkpointed layer's recomputation, :func:`~lightning_ulysses.replay.kept_for_replay`): nothing is
+    computed, the same tensors are saved."""
 
     @staticmethod
     def forward(
@@ -202,24 +221,34 @@ class _ChunkedUlysses(torch.autograd.Function):
         rank: int,
         random: bool,
         observer: CollectiveObserver | None,
+        replayed: Tensor | None,
     ) -> Tensor:
+        ctx.layout, ctx.chunks, ctx.group, ctx.attend, ctx.rank = layout, chunks, group, attend, rank
+        ctx.observer, ctx.autocast = observer, _autocast_state(query.device)
+        ctx.rng_states, ctx.kept = [], []
+        if replayed is not None:
+            out = replayed.detach()
+            ctx.save_for_backward(query, key, value, sinks, out)
+            return out
         routes = _routes(layout, chunks, query.device)
         sp, overlap = layout.sp_size, query.is_cuda
         out = query.new_empty((*query.shape[:3], value.shape[-1]))
-        rng_states = []
 
         def start(j: int) -> Exchange:
-            r = routes[j]
-            send = _to_ranks([(query, r.query_heads), (key, r.kv_heads), (value, r.kv_heads)], sp)
-            return Exchange(send, group, observer)
+            return Exchange(_inputs_to_ranks(routes[j], query, key, value, sp), group, observer)
 
         incoming, returning = start(0), None
         for j, r in enumerate(routes):
             q, k, v = whole_sequence(incoming.take(), _widths(r, query, value, sp))
             if overlap and j + 1 < len(routes):
                 incoming = start(j + 1)  # arrives while this chunk attends
-            rng_states.append(_rng_state(query.device) if random else None)
-            result = attend(q, k, v, _chunk_sinks(sinks, layout, r, rank))
+            ctx.rng_states.append(_rng_state(query.device) if random else None)
+            chunk_sinks = _chunk_sinks(sinks, layout, r, rank)
+            if r.slot_outputs is None:  # inert slots: recomputed in the backward
+                result, kept = attend(q, k, v, chunk_sinks), None
+            else:
+                result, kept = keep_graph(attend, (q, k, v, chunk_sinks))
+            ctx.kept.append(kept)
             del q, k, v
             if returning is not None:
                 _place(out, *returning, value, sp)
@@ -232,48 +261,75 @@ class _ChunkedUlysses(torch.autograd.Function):
                     incoming = start(j + 1)
         if returning is not None:
             _place(out, *returning, value, sp)
-        ctx.save_for_backward(query, key, value, sinks)
-        ctx.layout, ctx.chunks, ctx.group, ctx.attend, ctx.rank = layout, chunks, group, attend, rank
-        ctx.observer = observer
-        ctx.rng_states, ctx.autocast = rng_states, _autocast_state(query.device)
+        ctx.save_for_backward(query, key, value, sinks, out)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        query, key, value, sinks = ctx.saved_tensors
+        query, key, value, sinks, out = ctx.saved_tensors
         layout, group, attend, rank, observer = ctx.layout, ctx.group, ctx.attend, ctx.rank, ctx.observer
         routes = _routes(layout, ctx.chunks, query.device)
         sp, overlap = layout.sp_size, query.is_cuda
+        kept: list[KeptGraph | None] = ctx.kept if len(ctx.kept) == len(routes) else [None] * len(routes)
+        ctx.kept = []  # a second backward (a retained graph) recomputes
         grads: list[Tensor | None] = [None, None, None]  # made at the first chunk's return: not alive at its peak
         grad_sinks = None if sinks is None else torch.zeros_like(sinks)
 
-        def start(j: int) -> Exchange:
+        def exchange(send: Callable[[], Tensor]) -> Exchange | _Deferred:  # CPU: one send buffer alive at a time
+            return Exchange(send(), group, observer) if overlap else _Deferred(send, group, observer)
+
+        def start(j: int) -> list[Exchange | _Deferred]:
             r = routes[j]
-            grad_out = grad.new_zeros((*grad.shape[:2], len(r.query_heads), grad.shape[-1]))
-            grad_out.index_copy_(2, r.output_slots, grad.index_select(2, r.output_heads))  # inert slots: zero
-            slots = torch.arange(len(r.query_heads), device=grad.device)
-            send = _to_ranks([(query, r.query_heads), (key, r.kv_heads), (value, r.kv_heads), (grad_out, slots)], sp)
-            return Exchange(send, group, observer)
+            if kept[j] is not None:  # q, k, v as the forward gathered them, then its output, then the output gradient
+                assert r.slot_outputs is not None
+                return [
+                    exchange(functools.partial(_inputs_to_ranks, r, query, key, value, sp)),
+                    exchange(functools.partial(_to_ranks, [(out, r.slot_outputs)], sp)),
+                    exchange(functools.partial(_to_ranks, [(grad, r.slot_outputs)], sp)),
+                ]
+
+            def send() -> Tensor:
+                grad_out = grad.new_zeros((*grad.shape[:2], len(r.query_heads), grad.shape[-1]))
+                grad_out.index_copy_(2, r.output_slots, grad.index_select(2, r.output_heads))  # inert slots: zero
+                slots = torch.arange(len(r.query_heads), device=grad.device)
+                return _to_ranks(
+                    [(query, r.query_heads), (key, r.kv_heads), (value, r.kv_heads), (grad_out, slots)], sp
+                )
+
+            return [exchange(send)]
 
         incoming, returning = start(0), None
         for j, r in enumerate(routes):
             widths = _widths(r, query, value, sp)
-            q, k, v, grad_out = whole_sequence(incoming.take(), [*widths, (widths[0][0], widths[2][1])])
+            chunk_sinks = _chunk_sinks(sinks, layout, r, rank)
+            graph = kept[j]
+            if graph is not None:
+                q, k, v = whole_sequence(incoming[0].take(), widths)
+                output = [(widths[0][0], widths[2][1])]
+                ((result,), (grad_out,)) = (whole_sequence(e.take(), output) for e in incoming[1:])
+            else:
+                q, k, v, grad_out = whole_sequence(incoming[0].take(), [*widths, (widths[0][0], widths[2][1])])
             if overlap and j + 1 < len(routes):
                 incoming = start(j + 1)
-            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-            leaf_sinks = None if sinks is None else sinks.detach().requires_grad_()
-            with torch.enable_grad(), _replay(ctx.rng_states[j], query.device), torch.autocast(**ctx.autocast):
-                result = attend(*inputs, _chunk_sinks(leaf_sinks, layout, r, rank))
-            wrt = inputs if leaf_sinks is None else [*inputs, leaf_sinks]
-            raw = torch.autograd.grad(result, wrt, grad_out, allow_unused=True)
-            chunk_grads = [_zero_if_none(g, t) for g, t in zip(raw, wrt, strict=True)]
-            del q, k, v, grad_out, inputs, wrt, result, raw
+            if graph is not None:
+                kept[j] = None
+                raw = graph.grads((q, k, v, chunk_sinks), result, grad_out)
+                del result
+            else:  # the chunk's attention again, for its graph
+                leaves = [None if t is None else t.detach().requires_grad_() for t in (q, k, v, chunk_sinks)]
+                with torch.enable_grad(), _replay(ctx.rng_states[j], query.device), torch.autocast(**ctx.autocast):
+                    result = attend(*leaves)
+                wrt = [t for t in leaves if t is not None]
+                raw = list(torch.autograd.grad(result, wrt, grad_out, allow_unused=True))
+                raw += [None] * (4 - len(raw))
+                del leaves, wrt, result
+            chunk_grads = [None if t is None else _zero_if_none(g, t) for g, t in zip(raw, (q, k, v, chunk_sinks))]
+            del q, k, v, grad_out, raw
             if grad_sinks is not None:
-                grad_sinks += chunk_grads[3]
+                grad_sinks.index_add_(0, _rank_query_heads(layout, r, rank), chunk_grads[3])  # type: ignore[arg-type]
             if returning is not None:
                 _accumulate(grads, *returning, (query, key, value), sp)
-            returning = (Exchange(by_sequence(chunk_grads[:3], sp), group, observer), r)
+            returning = (Exchange(by_sequence(chunk_grads[:3], sp), group, observer), r)  # type: ignore[arg-type]
             del chunk_grads
             if not overlap:
                 _accumulate(grads, *returning, (query, key, value), sp)
@@ -282,7 +338,24 @@ class _ChunkedUlysses(torch.autograd.Function):
                     incoming = start(j + 1)
         if returning is not None:
             _accumulate(grads, *returning, (query, key, value), sp)
-        return (*grads, grad_sinks, None, None, None, None, None, None, None)
+        return (*grads, grad_sinks, None, None, None, None, None, None, None, None)
+
+
+class _Deferred:
+    """An :class:`~lightning_ulysses.attention.collectives.Exchange` of ``send()`` started only when taken: where
+    exchanges run one at a time (CPU), a chunk's send buffers are then not alive together."""
+
+    def __init__(self, send: Callable[[], Tensor], group: ProcessGroup, observer: CollectiveObserver | None) -> None:
+        self.send, self.group, self.observer = send, group, observer
+
+    def take(self) -> Tensor:
+        return Exchange(self.send(), self.group, self.observer).take()
+
+
+def _inputs_to_ranks(r: _Routes, query: Tensor, key: Tensor, value: Tensor, sp: int) -> Tensor:
+    """The send buffer of a chunk's query, key and value slots: the same in the forward and the backward, so that
+    the backward gathers them with the strides the kernel saw."""
+    return _to_ranks([(query, r.query_heads), (key, r.kv_heads), (value, r.kv_heads)], sp)
 
 
 def _widths(r: _Routes, query: Tensor, value: Tensor, sp: int) -> list[tuple[int, int]]:
@@ -306,12 +379,15 @@ def _accumulate(grads: list[Tensor | None], back: Exchange, r: _Routes, inputs: 
         grads[i].index_add_(2, heads, part)  # type: ignore[union-attr]
 
 
+def _rank_query_heads(layout: HeadLayout, r: _Routes, rank: int) -> Tensor:
+    """The source heads ``[h_j]`` of the query slots of a chunk that rank ``rank`` of the group attends."""
+    heads = len(r.query_heads) // layout.sp_size
+    return r.query_heads[rank * heads : (rank + 1) * heads]
+
+
 def _chunk_sinks(sinks: Tensor | None, layout: HeadLayout, r: _Routes, rank: int) -> Tensor | None:
     """The sinks ``[h_j]`` of the query slots of a chunk that rank ``rank`` of the group attends."""
-    if sinks is None:
-        return None
-    heads = len(r.query_heads) // layout.sp_size
-    return sinks.index_select(0, r.query_heads[rank * heads : (rank + 1) * heads])
+    return None if sinks is None else sinks.index_select(0, _rank_query_heads(layout, r, rank))
 
 
 def _zero_if_none(g: Tensor | None, like: Tensor) -> Tensor:
@@ -369,8 +445,9 @@ def chunked_ulysses(
         query: ``[B, N/P, H, D]``; key: ``[B, N/P, H_kv, D]``; value: ``[B, N/P, H_kv, D_v]`` (one dtype).
         sinks: ``[H]`` attention sink logits (``None``: none); each chunk's ``attend`` gets its slots' ``[h_j]``.
         layout: the head layout of ``H`` and ``H_kv`` over the ``P`` ranks of ``group``.
-        attend: the local attention of one chunk on the gathered sequence (:data:`Attend`); run once in the forward
-            and once more in the backward, on the same inputs.
+        attend: the local attention of one chunk on the gathered sequence (:data:`Attend`); run in the forward
+            (its graph kept, :func:`~lightning_ulysses.attention.kept_graph.keep_graph`), and once more in the
+            backward, on the same inputs, only where that graph is not kept.
         head_chunks: the chunk count (:data:`HeadChunks`).
         random: ``attend`` draws random numbers (attention dropout): each chunk's backward replays its forward's RNG.
         observer: the SP group's :class:`~lightning_ulysses.groups.CollectiveObserver`: every all-to-all runs through
@@ -383,22 +460,11 @@ def chunked_ulysses(
     check_head_chunks(chunks)
     rank = dist.get_rank(group)
 
-    def compute() -> Tensor:
+    def compute(replayed: Tensor | None = None) -> Tensor:
         return _ChunkedUlysses.apply(
-            query, key, value, sinks, layout, int(chunks), group, attend, rank, random, observer
+            query, key, value, sinks, layout, int(chunks), group, attend, rank, random, observer, replayed
         )
 
-    # in a checkpointed layer's recomputation the output its forward kept: each chunk recomputed once, by the backward
-    return kept_for_replay(compute, lambda: _SavedInputs.apply(query, key, value, sinks))
-
-
-class _SavedInputs(torch.autograd.Function):
-    """Saves what :class:`_ChunkedUlysses` saves, in its order: a checkpointed layer's recomputation remakes them."""
-
-    @staticmethod
-    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, sinks: Tensor | None) -> None:
-        ctx.save_for_backward(query, key, value, sinks)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> tuple[None, ...]:
-        return None, None, None, None
+    # in a recomputation, the output an earlier run kept where it did (lightning_ulysses.replay): the chunks' output
+    # and saved tensors without attending
+    return kept_for_replay(compute, compute)

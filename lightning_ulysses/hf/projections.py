@@ -14,9 +14,14 @@ Each chunk is one checkpoint region (recomputed in the backward), so the layer k
 projections' outputs, the whole-sequence tensors and their gradients exist for one chunk at a time. In a layer
 checkpointed by :func:`~lightning_ulysses.memory.checkpoint_activations` with its activations offloaded off the
 device, the layer's recomputation takes the chunks' sum its forward kept instead of running them again
-(:mod:`lightning_ulysses.replay`): each chunk runs in the forward and once more, for its backward. The chunk's
-heads are the ones :func:`~lightning_ulysses.attention.head_chunks.chunk_heads` routes: every rank of the group
-computes the same chunks, and the all-to-all inside hands each rank the chunk's slots of the full layout.
+(:mod:`lightning_ulysses.replay`): each chunk runs in the forward and once more, for its backward. Elsewhere a
+checkpointed layer runs each chunk three times, its attention kernel's forward included: in the forward, in the
+layer's recomputation (the operations after the chunks saved their sum) and in the chunk's own recomputation (its
+backward needs the attention's output, which nothing keeps: keeping the layer's chunk outputs from its
+recomputation to its chunks' backward would spare the third kernel forward but add a hidden-state tensor to the peak,
+docs/benchmarks/chunk_cost.md). The chunk's heads are the ones
+:func:`~lightning_ulysses.attention.head_chunks.chunk_heads` routes: every rank of the group computes the same
+chunks, and the all-to-all inside hands each rank the chunk's slots of the full layout.
 
 Which modules run so is decided by behaviour: the set-up check (:mod:`lightning_ulysses.hf.check.projections`) calls
 each candidate this way and keeps it only where the chunks sum to the module's own output, write into its arguments what
@@ -145,12 +150,13 @@ def chunked_call(
             total = first if total is None else total + first
         return total if tail is None else (total, *tail)
 
-    def resave() -> None:  # each chunk's checkpoint saves its inputs through the layer's
+    def replay(result: Any) -> Any:  # each chunk's checkpoint saves its inputs through the layer's
         for _ in heads:
             recomputed_in_backward(_nothing)(*values)
+        return result
 
-    # in a checkpointed layer's recomputation the sum its forward kept: each chunk recomputed once, by its own
-    return kept_for_replay(compute, resave)
+    # in a checkpointed layer's recomputation the sum its forward kept where it did (offloaded activations)
+    return kept_for_replay(compute, replay)
 
 
 def _nothing(*values: Tensor) -> None:
