@@ -328,6 +328,7 @@ def alst_steps(folder: Path, lengths: list[int], device: torch.device, recorder:
             total = TiledFusedLogitsLoss.apply(
                 loss_sum, engine.module, hidden, shift_labels, None, shards, [engine.module.lm_head.weight], "sum"
             )
+            del hidden  # as ArcticTraining's loss returns it (and ours' training_step): not kept through the backward
             engine.backward(total / (shift_labels != -100).sum())
         engine.step()
         recorder.end(seq_len)

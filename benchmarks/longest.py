@@ -156,6 +156,7 @@ def _alst(model: Any, sp: int) -> Any:
         loss_sum = TiledFusedLogitsLoss.apply(
             loss_fn, model, hidden, labels, None, shards, [model.lm_head.weight], "sum"
         )
+        del hidden  # as ArcticTraining's loss returns it: not kept through the backward (ours: _train_step)
         (loss_sum / (labels != -100).sum().clamp(min=1)).backward()
         model.zero_grad(set_to_none=False)
 

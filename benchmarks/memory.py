@@ -103,8 +103,12 @@ def _train_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], options:
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
     loss = UlyssesLossMixin()  # outside a Trainer: the plain token mean of this rank, same memory as under SP
     if options.tiled_loss:
+        # dropped before the backward, which the tiled loss does not need it for: a training_step returns its loss
+        # and drops it (as ArcticTraining's loss does); kept here, it would add one [B, N/sp, hidden] to the peak
         hidden_states = model.model(**inputs).last_hidden_state
-        loss.tiled_causal_lm_loss(hidden_states, model.lm_head, batch["shift_labels"], options.tiled_loss).backward()
+        tiled = loss.tiled_causal_lm_loss(hidden_states, model.lm_head, batch["shift_labels"], options.tiled_loss)
+        del hidden_states
+        tiled.backward()
     else:
         loss.causal_lm_loss(model(**inputs).logits, batch["shift_labels"]).backward()
     model.zero_grad(set_to_none=False)  # keep the gradient buffers resident: they are not activations

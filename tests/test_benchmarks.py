@@ -3,12 +3,15 @@ gpu_long_context."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from benchmarks import (
     compare_alst,
@@ -23,6 +26,10 @@ from benchmarks import (
 from benchmarks.compare_alst import BenchmarkConfig
 from benchmarks.gpu_long_context import LongContextConfig, flops_per_token, llama_config, parameter_counts
 from benchmarks.measure import LiveTensors, PeakMemory
+from benchmarks.memory import _train_step
+from lightning_ulysses.memory import MemoryOptions
+from lightning_ulysses.sharding import prepare_batch
+from tests.tiny import VOCAB, tiny_llama
 
 SHORT = [
     "--seq-len",
@@ -88,12 +95,14 @@ def test_mixer_cost_counts_the_formula(tmp_path: Path) -> None:
 
 
 def test_head_chunks_benchmark_counts_the_collectives() -> None:
-    """One layer: one all-to-all a direction for q, k and v and one for the output, unchunked or in one chunk, 2 per
-    chunk with more. A training step: 2 a layer per pass (forward, recomputation, backward) over 2 layers unchunked;
-    with ``"auto"`` (4 chunks, projections inside) 2 per chunk and pass, each chunk's recomputation a fourth pass."""
+    """One layer: one all-to-all a direction for q, k and v and one for the output unchunked; chunked, 2 per chunk
+    forward and 4 backward (a kept kernel graph's backward gathers q, k and v, the output and the output gradient
+    apart, then sends the gradients back). A training step: 2 a layer per pass (forward, recomputation, backward) over
+    2 layers unchunked; with ``"auto"`` (4 chunks, projections inside) 2 per chunk and pass, each chunk's
+    recomputation a fourth pass."""
     report = head_chunks.main(["--layer-seq", "64", "--seq-lens", "128", "--repeats", "1"])
     layer, step = report.split("One training step")
-    assert "| None | 2 | 2 |" in layer and "| 1 | 2 | 2 |" in layer and "| 4 | 8 | 8 |" in layer, report
+    assert "| None | 2 | 2 |" in layer and "| 1 | 2 | 4 |" in layer and "| 4 | 8 | 16 |" in layer, report
     calls = {line.split(" | ")[0]: line.split(" | ")[2] for line in step.splitlines() if line.startswith("| ")}
     assert (calls["| None"], calls["| auto"]) == ("12", "64"), report
 
@@ -241,6 +250,40 @@ def test_live_tensors_split_the_peak_by_what_made_it() -> None:
     assert "forward 0" not in parts  # its weight's transpose is a view: nothing new
     assert any(label.startswith("backward ") for label in parts)
     assert live.peak >= sum(nbytes for nbytes, _, _ in parts.values())
+
+
+def _final_norm_output_alive_in_the_layers_backward(model: Any, step: Callable[[dict[str, Any]], None]) -> bool:
+    """Whether the final norm's output is still alive when the backward reaches the first decoder layer's output."""
+    final: dict[str, StorageWeakRef] = {}
+    alive: list[bool] = []
+
+    def on_final_norm(module: Any, args: Any, out: torch.Tensor) -> None:
+        final["output"] = StorageWeakRef(out.untyped_storage())
+
+    def on_first_layer(module: Any, args: Any, out: torch.Tensor) -> None:
+        out.register_hook(lambda grad: alive.append(not final["output"].expired()))
+
+    model.model.norm.register_forward_hook(on_final_norm)
+    model.model.layers[0].register_forward_hook(on_first_layer)
+    step(prepare_batch({"input_ids": torch.randint(1, VOCAB, (1, 64))}, 1))
+    assert len(alive) == 1
+    return alive[0]
+
+
+def test_the_steps_free_the_decoder_output_before_the_layers_backward() -> None:
+    """The tiled losses need the decoder's output in their forward only (each makes its gradient there), and a
+    training_step returns its loss and drops it: the benchmarks' steps must not keep it through the decoder's backward
+    either (they did, one ``[B, N/sp, hidden]`` in the peak of both sides of benchmarks.longest). Ours: the package's
+    fused tiled loss keeps none of it; ALST: DeepSpeed's TiledFusedLogitsLoss neither."""
+    model = tiny_llama().train()
+    ours = functools.partial(_train_step, model, options=MemoryOptions(tiled_loss=True))
+    assert not _final_norm_output_alive_in_the_layers_backward(model, ours)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = tiny_llama().train()
+        assert not _final_norm_output_alive_in_the_layers_backward(model, longest._alst(model, 1))
+    finally:
+        dist.destroy_process_group()
 
 
 def test_peak_memory_counts_heap_pages_an_earlier_step_freed() -> None:

@@ -23,6 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from lightning_ulysses import UlyssesLossMixin
 from lightning_ulysses.logits import LogitMap, TiledLogits, cross_entropy_sum, fused_loss_sum
 from lightning_ulysses.sharding import IGNORE_INDEX
 from tests.test_host_syncs import HostSyncs
@@ -252,6 +253,19 @@ def test_one_tile_weight_gradient_alive_beside_their_sum() -> None:
     with LiveWeightSized(lm_head.weight.numel() * 4) as mode:
         loss_sum(hidden_states, labels, IGNORE_INDEX)
     assert mode.most == 2
+
+
+def test_the_hidden_states_are_not_kept_for_the_backward() -> None:
+    """The backward needs only the gradients the forward made: hidden states the caller drops (a training_step returns
+    its loss) are freed before the backward, not held through the decoder's backward (one ``[B, N/sp, hidden]``)."""
+    lm_head, leaf, labels = _inputs()
+    hidden_states = (leaf * 2).unsqueeze(0)  # made by the graph, as a decoder's output (a leaf is held by its node)
+    kept = StorageWeakRef(hidden_states.untyped_storage())
+    loss = UlyssesLossMixin().tiled_causal_lm_loss(hidden_states, lm_head, labels.unsqueeze(0), 4)
+    del hidden_states
+    assert kept.expired()
+    loss.backward()
+    assert leaf.grad is not None
 
 
 def test_a_second_backward_is_refused() -> None:
