@@ -8,7 +8,7 @@
 #   install     the wheels, offline, into $SITE
 #   (env)       nvidia-smi, versions (not timed: seconds)
 #   cuda_tests  a short CUDA test selection: the ring's block kernels, the fused norms, offload on a side stream,
-#               Liger's kernels, SDPA's cuDNN backend against float64
+#               Liger's kernels, SDPA's cuDNN backend against float64, kept kernel graphs (head chunks)
 #   sbs_1b      benchmarks.gpu_side_by_side: Llama-3.2-1B whole, ALST / ours / ours+all at SBS_1B_SEQ_LEN tokens
 #   sbs_8b      the same on Llama-3.1-8B's widths with SBS_8B_LAYERS layers, sides in reverse order, then the longest
 #               sequence probed for alst and ours+all with what is left of the step's time
@@ -91,8 +91,8 @@ if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() el
 fi
 
 step cuda_tests 60 "$OUT/cuda_tests.log" "$PYTHON" -m pytest -v -rfs --tb=short -p no:cacheprovider -m cuda \
-    tests/test_ring.py tests/test_norms.py tests/test_offload.py tests/test_liger.py tests/test_attention.py -k \
-    "not test_attention.py or cudnn"
+    tests/test_ring.py tests/test_norms.py tests/test_offload.py tests/test_liger.py tests/test_attention.py \
+    tests/test_kept_graph.py -k "not test_attention.py or cudnn"
 sbs=(-m benchmarks.gpu_side_by_side --out-dir "$OUT" --timed-steps 3)
 step sbs_1b 120 "$OUT/side_by_side.log" "$PYTHON" "${sbs[@]}" --model 1b --seq-len "$SBS_1B_SEQ_LEN" \
     --sides alst ours ours+all --probe-sides --budget-s 110

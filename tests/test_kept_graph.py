@@ -103,6 +103,33 @@ def test_a_call_saving_what_it_cannot_rebuild_keeps_no_graph(attend: Callable[..
     assert kept is None and torch.equal(out, attend(q, k, v))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"])
+def test_cuda_kernels_keep_their_graph_in_bf16(backend: str) -> None:
+    """SDPA's CUDA kernels in bf16, each forced: the call keeps its graph (its saved query, key, value and output are
+    permuted views, the rest small), and the backward from it, given re-gathered copies, equals autograd's within the
+    kernels' own run-to-run spread (their backward may sum in a nondeterministic order), without a forward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in _gathered(4, 4, tokens=256, dim=64))
+    calls: list[int] = []
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        calls.append(1)
+        return sdpa_attention(q, k, v, None)
+
+    with sdpa_kernel(getattr(SDPBackend, backend)):
+        out, kept = keep_graph(attend, (q, k, v))
+        assert kept is not None, f"{backend} saved a tensor the kept graph cannot rebuild"
+        grad = torch.randn_like(out)
+        expected = _autograd(attend, (q, k, v), grad)
+        calls.clear()
+        got = kept.grads([t.clone() for t in (q, k, v)], out.clone(), grad)
+    assert not calls
+    for g, e in zip(got, expected, strict=True):
+        assert g is not None and ((g.float() - e.float()).norm() / e.float().norm()).item() < 1e-2
+
+
 def projected_layer_kernels(args: dict[str, Any]) -> dict[str, Any]:
     """A tiny Llama at sp=2 with ``head_chunks=2`` (projections inside the chunks), one forward + backward per
     setting: SDPA kernel calls and the gradients, with and without activation checkpointing; plain Ulysses'
