@@ -52,6 +52,17 @@ def test_a_kept_graph_differentiates_as_autograd_without_its_forward(heads: int,
     """SDPA (CPU's flash kernel, GQA natively) keeps its graph: the backward from it, given copies of the arguments
     and result with other strides (rebuilt with the saved ones), equals autograd's, exactly, and runs no forward."""
     q, k, v = _gathered(heads, kv_heads)
+    kept, got, expected = _kept_against_autograd(q, k, v)
+    for g, e in zip(got, expected, strict=True):
+        assert g is not None and torch.equal(g, e)
+    with pytest.raises(AssertionError, match="once"):
+        kept.grads([q, k, v], torch.empty(0), torch.empty(0))
+
+
+def _kept_against_autograd(q: Tensor, k: Tensor, v: Tensor) -> tuple[Any, list[Tensor | None], list[Tensor]]:
+    """SDPA on ``q, k, v`` through :func:`keep_graph` (one kernel forward, a graph kept), then the gradients of a
+    random output gradient from the kept graph, given copies of the arguments and result (no forward), and
+    autograd's."""
     calls: list[int] = []
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -59,16 +70,13 @@ def test_a_kept_graph_differentiates_as_autograd_without_its_forward(heads: int,
         return sdpa_attention(q, k, v, None)
 
     out, kept = keep_graph(attend, (q, k, v))
-    assert kept is not None and len(calls) == 1
+    assert kept is not None and len(calls) == 1, "the call saved a tensor the kept graph cannot rebuild"
     grad = torch.randn_like(out)
     expected = _autograd(attend, (q, k, v), grad)
     calls.clear()
     got = kept.grads([t.clone() for t in (q, k, v)], out.clone(), grad)
     assert not calls
-    for g, e in zip(got, expected, strict=True):
-        assert g is not None and torch.equal(g, e)
-    with pytest.raises(AssertionError, match="once"):
-        kept.grads([q, k, v], out, grad)
+    return kept, got, expected
 
 
 def test_a_kept_graph_holds_no_argument_or_result() -> None:
@@ -112,20 +120,8 @@ def test_cuda_kernels_keep_their_graph_in_bf16(backend: str) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q, k, v = (t.to("cuda", torch.bfloat16) for t in _gathered(4, 4, tokens=256, dim=64))
-    calls: list[int] = []
-
-    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        calls.append(1)
-        return sdpa_attention(q, k, v, None)
-
     with sdpa_kernel(getattr(SDPBackend, backend)):
-        out, kept = keep_graph(attend, (q, k, v))
-        assert kept is not None, f"{backend} saved a tensor the kept graph cannot rebuild"
-        grad = torch.randn_like(out)
-        expected = _autograd(attend, (q, k, v), grad)
-        calls.clear()
-        got = kept.grads([t.clone() for t in (q, k, v)], out.clone(), grad)
-    assert not calls
+        _, got, expected = _kept_against_autograd(q, k, v)
     for g, e in zip(got, expected, strict=True):
         assert g is not None and ((g.float() - e.float()).norm() / e.float().norm()).item() < 1e-2
 
