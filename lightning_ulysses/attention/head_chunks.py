@@ -222,6 +222,7 @@ class _ChunkedUlysses(torch.autograd.Function):
         random: bool,
         observer: CollectiveObserver | None,
         replayed: Tensor | None,
+        record: bool,
     ) -> Tensor:
         ctx.layout, ctx.chunks, ctx.group, ctx.attend, ctx.rank = layout, chunks, group, attend, rank
         ctx.observer, ctx.autocast = observer, _autocast_state(query.device)
@@ -244,7 +245,7 @@ class _ChunkedUlysses(torch.autograd.Function):
                 incoming = start(j + 1)  # arrives while this chunk attends
             ctx.rng_states.append(_rng_state(query.device) if random else None)
             chunk_sinks = _chunk_sinks(sinks, layout, r, rank)
-            if r.slot_outputs is None:  # inert slots: recomputed in the backward
+            if r.slot_outputs is None or not record:  # inert slots: recomputed in the backward; no backward
                 result, kept = attend(q, k, v, chunk_sinks), None
             else:
                 result, kept = keep_graph(attend, (q, k, v, chunk_sinks))
@@ -338,7 +339,7 @@ class _ChunkedUlysses(torch.autograd.Function):
                     incoming = start(j + 1)
         if returning is not None:
             _accumulate(grads, *returning, (query, key, value), sp)
-        return (*grads, grad_sinks, None, None, None, None, None, None, None, None)
+        return (*grads, grad_sinks, None, None, None, None, None, None, None, None, None)
 
 
 class _Deferred:
@@ -459,10 +460,11 @@ def chunked_ulysses(
     chunks = auto_chunks(layout, query.shape[-1], value.shape[-1]) if head_chunks == "auto" else head_chunks
     check_head_chunks(chunks)
     rank = dist.get_rank(group)
+    record = torch.is_grad_enabled()  # evaluation keeps no graphs (the Function's forward runs without grad mode)
 
     def compute(replayed: Tensor | None = None) -> Tensor:
         return _ChunkedUlysses.apply(
-            query, key, value, sinks, layout, int(chunks), group, attend, rank, random, observer, replayed
+            query, key, value, sinks, layout, int(chunks), group, attend, rank, random, observer, replayed, record
         )
 
     # in a recomputation, the output an earlier run kept where it did (lightning_ulysses.replay): the chunks' output
