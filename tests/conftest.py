@@ -19,7 +19,7 @@ import torch
 
 import tests.launch
 from tests import forkserver
-from tests.launch import WORLD_STARTS
+from tests.launch import WORLD_STARTS, one_rank_world
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -42,6 +42,13 @@ def _restore_environment() -> Iterator[None]:
 def _fork_server() -> Iterator[None]:
     yield
     forkserver.shutdown()
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """The test process as the one rank of a gloo world (:func:`tests.launch.one_rank_world`)."""
+    with one_rank_world():
+        yield
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -25,11 +25,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from tests import forkserver
 
@@ -81,6 +83,17 @@ def _kernel_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def one_rank_world() -> Iterator[None]:
+    """The test process as the one rank of a gloo world (an in-memory store): for code that asks the default process
+    group its rank or world size, without starting processes."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def launch(

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from benchmarks import (
@@ -29,6 +28,7 @@ from benchmarks.measure import LiveTensors, PeakMemory
 from benchmarks.memory import _train_step
 from lightning_ulysses.memory import MemoryOptions
 from lightning_ulysses.sharding import prepare_batch
+from tests.launch import one_rank_world
 from tests.tiny import VOCAB, tiny_llama
 
 SHORT = [
@@ -278,12 +278,9 @@ def test_the_steps_free_the_decoder_output_before_the_layers_backward() -> None:
     model = tiny_llama().train()
     ours = functools.partial(_train_step, model, options=MemoryOptions(tiled_loss=True))
     assert not _final_norm_output_alive_in_the_layers_backward(model, ours)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_rank_world():
         model = tiny_llama().train()
         assert not _final_norm_output_alive_in_the_layers_backward(model, longest._alst(model, 1))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_peak_memory_counts_heap_pages_an_earlier_step_freed() -> None:

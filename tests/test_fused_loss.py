@@ -12,11 +12,8 @@ checkpointed tiles run as before. One process each.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -296,15 +293,6 @@ def test_a_head_reading_a_tensor_outside_its_parameters_is_refused() -> None:
 # ----------------------------------------------------------------------------------------------
 # engines that shard lm_head's parameters keep the checkpointed tiles
 # ----------------------------------------------------------------------------------------------
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_fsdp2_sharded_lm_head_keeps_the_checkpointed_tiles(one_rank: None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

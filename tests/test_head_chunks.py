@@ -359,7 +359,7 @@ def test_whole_sequence_tensors_fall_by_the_chunk_factor(results: list[dict[Any,
         assert got["probes", 4]["largest"] < 64 * 64
 
 
-def test_evaluation_keeps_no_kernel_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_evaluation_keeps_no_kernel_graphs(monkeypatch: pytest.MonkeyPatch, one_rank: None) -> None:
     """Without autograd recording (validation, prediction) the chunks attend as plain calls: no graph is kept (it
     would record the kernel's saved tensors for a backward that never comes). One rank, 2 chunks."""
     from lightning_ulysses.attention import head_chunks
@@ -367,24 +367,20 @@ def test_evaluation_keeps_no_kernel_graphs(monkeypatch: pytest.MonkeyPatch) -> N
     kept: list[int] = []
     keep_graph = head_chunks.keep_graph
     monkeypatch.setattr(head_chunks, "keep_graph", lambda *a: kept.append(1) or keep_graph(*a))
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        q, k, v = (torch.randn(1, 32, h, 16, requires_grad=True) for h in (4, 2, 2))
-        layout = plan_heads(4, 2, 1)
+    q, k, v = (torch.randn(1, 32, h, 16, requires_grad=True) for h in (4, 2, 2))
+    layout = plan_heads(4, 2, 1)
 
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: None) -> torch.Tensor:
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(
-                1, 2
-            )
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: None) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(
+            1, 2
+        )
 
-        with torch.no_grad():
-            evaluated = head_chunks.chunked_ulysses(q, k, v, None, layout, dist.group.WORLD, attend, 2)
-        assert kept == []
-        trained = head_chunks.chunked_ulysses(q, k, v, None, layout, dist.group.WORLD, attend, 2)
-        assert len(kept) == 2 and torch.equal(evaluated, trained.detach())
-    finally:
-        dist.destroy_process_group()
+    with torch.no_grad():
+        evaluated = head_chunks.chunked_ulysses(q, k, v, None, layout, dist.group.WORLD, attend, 2)
+    assert kept == []
+    trained = head_chunks.chunked_ulysses(q, k, v, None, layout, dist.group.WORLD, attend, 2)
+    assert len(kept) == 2 and torch.equal(evaluated, trained.detach())
 
 
 def test_chunk_plans() -> None:
