@@ -8,10 +8,22 @@ by a tensor (the gradients scaled by exactly that factor) and gradients accumula
 backward runs inside the forward and ``lm_head`` runs once per tile and step; no host sync in the forward or the
 backward; where an engine shards ``lm_head``'s parameters (FSDP2, ZeRO-3) and where no gradient is needed, the
 checkpointed tiles run as before. One process each.
+
+A head whose forward reads a tensor needing a gradient besides its own parameters (the fused backward would leave that
+gradient out) is refused: handed to the loss directly, at its first tile; inside a transformers model, at set-up by
+``check_tiled_logits`` (another module's weight, a tensor outside the model, with and without a logit map; accepted
+where the loss is not fused, ZeRO-3 or evaluation, and for plain and tied heads; no gradient made). One process fits a
+tiny Llama written by ``save_pretrained`` and loaded by ``from_pretrained`` under ``UlyssesStrategy(tiled_loss=True)``:
+with such a head it is refused at set-up (no training step, weights unchanged, the tensor named), with tied embeddings
+it trains.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,11 +31,17 @@ from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.data import DataLoader
+from transformers import PreTrainedModel
 
-from lightning_ulysses import UlyssesLossMixin
+from lightning_ulysses import UlyssesLossMixin, UlyssesStrategy
+from lightning_ulysses.hf import UnsupportedModelError, apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses.hf.check.logits import check_tiled_logits
 from lightning_ulysses.logits import LogitMap, TiledLogits, cross_entropy_sum, fused_loss_sum
 from lightning_ulysses.sharding import IGNORE_INDEX
+from tests.launch import launch
 from tests.test_host_syncs import HostSyncs
+from tests.tiny import collate, cpu_trainer, make_samples, tiny_llama
 
 HIDDEN, VOCAB = 16, 50
 MAPS = {
@@ -288,6 +306,113 @@ def test_a_head_reading_a_tensor_outside_its_parameters_is_refused() -> None:
     with pytest.raises(RuntimeError, match="none of its parameters"):
         loss_sum(hidden_states, labels, IGNORE_INDEX)
     assert fused_loss_sum(lambda x: lm_head(x), 2) is None  # a function: its tensors cannot be listed
+
+
+def read_in_lm_head(model: PreTrainedModel, tensor: Tensor) -> None:
+    """Make ``model``'s ``lm_head`` read ``tensor`` in its forward, as a head that is not only its own weight would
+    (``lm_head(h) = W (h * tensor)``; ``tensor`` of ones leaves the logits as they were)."""
+    lm_head = model.get_output_embeddings()
+    lm_head.forward = lambda hidden: F.linear(hidden * tensor, lm_head.weight)
+
+
+SET_UP_MODELS = {"llama": {}, "granite_scaled": dict(model_type="granite", logits_scaling=4.0)}  # lm_head(h) / 4
+
+
+@pytest.mark.parametrize("overrides", SET_UP_MODELS.values(), ids=SET_UP_MODELS.keys())
+@pytest.mark.parametrize("foreign", ["norm_weight", "outside_the_model"])
+def test_the_set_up_check_refuses_a_head_reading_a_trainable_tensor_not_its_own(
+    foreign: str, overrides: dict[str, Any]
+) -> None:
+    """With the training loss fused, a head reading another module's weight (not tied as the same Parameter) or a
+    trainable tensor outside the model is refused at set-up, naming it; where the loss is not fused (evaluation, an
+    engine that shards lm_head: the checkpointed tiles take every gradient) it is accepted. No gradient is made."""
+    model = tiny_llama(**overrides)
+    tensor = model.model.norm.weight if foreign == "norm_weight" else torch.ones(32, requires_grad=True)
+    read_in_lm_head(model, tensor)
+    trained = nn.ModuleDict({"model": model})
+    apply_ulysses_attention(model, group=None, attn_implementation="sdpa", tiled_loss=True)
+    try:
+        name = "model.model.norm.weight" if foreign == "norm_weight" else "one that is no parameter of ModuleDict"
+        with pytest.raises(
+            UnsupportedModelError, match=rf"lm_head \(lm_head\) reads .*: {name} \(32,\)\..*tiled_loss=False"
+        ):
+            check_tiled_logits(trained, fused_training=True)
+        assert all(p.grad is None for p in model.parameters()) and tensor.grad is None
+        found = check_tiled_logits(trained)  # not fused: evaluation, ZeRO-3, FSDP2 (whose check runs before sharding)
+        assert found == (None if not overrides else "GraniteForCausalLM: 0.25 * lm_head(h)")
+        model.lm_head.weight.ds_id = 0  # ZeRO-3's partitioned parameters: the checkpointed tiles
+        assert check_tiled_logits(trained, fused_training=True) == found
+    finally:
+        remove_ulysses_attention(model)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["own_weight", "tied_embeddings"])
+def test_the_set_up_check_accepts_a_head_of_its_own_parameters(tied: bool) -> None:
+    """lm_head's own weight, or the input embedding's as the same Parameter (tied), is accepted with the loss fused."""
+    model = tiny_llama(tie_word_embeddings=tied)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    apply_ulysses_attention(model, group=None, attn_implementation="sdpa", tiled_loss=True)
+    try:
+        assert check_tiled_logits(nn.ModuleDict({"model": model}), fused_training=True) is None
+    finally:
+        remove_ulysses_attention(model)
+
+
+class HeadTraining(UlyssesLossMixin, L.LightningModule):
+    """Trains a transformers causal LM with :meth:`forward_causal_lm_loss` (tiled under the strategy's
+    ``tiled_loss``), counting its training steps."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__()
+        self.model = model
+        self.steps = 0
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        self.steps += 1
+        return self.forward_causal_lm_loss(self.model, batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def head_fits(args: dict[str, Any]) -> dict[str, Any]:
+    """One rank: the saved tiny Llama loaded with ``from_pretrained``, its lm_head reading the final norm's weight,
+    fitted one step under ``UlyssesStrategy(tiled_loss=True)`` (ZeRO-2); then the saved tied-embedding Llama."""
+    from transformers import AutoModelForCausalLM
+
+    results = {}
+    for name in ("foreign", "tied"):
+        model = AutoModelForCausalLM.from_pretrained(args[name], attn_implementation="sdpa")
+        if name == "foreign":
+            read_in_lm_head(model, model.model.norm.weight)
+        module = HeadTraining(model)
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+        strategy = UlyssesStrategy(sp_size=1, stage=2, attn_implementation="sdpa", tiled_loss=True)
+        loader = DataLoader(make_samples(num=2, seq_len=16), batch_size=2, collate_fn=collate)
+        error = None
+        try:
+            cpu_trainer(1, strategy, max_steps=1).fit(module, loader)
+        except Exception as raised:  # noqa: BLE001 - the test reads which error, and when
+            error = f"{type(raised).__name__}: {raised}"
+        changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), initial[n])]
+        results[name] = {"error": error, "steps": module.steps, "changed": changed}
+    return results
+
+
+@pytest.mark.distributed
+def test_a_loaded_model_whose_head_reads_another_weight_is_refused_at_set_up(tmp_path: Path) -> None:
+    """The user's path: a model from ``from_pretrained`` whose lm_head reads the final norm's weight is refused by
+    ``UlyssesStrategy(tiled_loss=True)`` at set-up, before any training step, its weights unchanged, the message naming
+    the tensor; a model with tied embeddings (lm_head's weight the embedding's Parameter) trains."""
+    for name, tied in (("foreign", False), ("tied", True)):
+        tiny_llama(tie_word_embeddings=tied).save_pretrained(tmp_path / name)
+    (results,) = launch("tests.test_fused_loss:head_fits", 1, {n: str(tmp_path / n) for n in ("foreign", "tied")})
+    refused, tied = results["foreign"], results["tied"]
+    assert refused["error"] is not None and refused["error"].startswith("UnsupportedModelError"), refused
+    assert "model.model.norm.weight (32,)" in refused["error"] and "tiled_loss=False" in refused["error"], refused
+    assert refused["steps"] == 0 and refused["changed"] == [], refused
+    assert tied["error"] is None and tied["steps"] == 1, tied
+    assert "model.embed_tokens.weight" in tied["changed"], tied
 
 
 # ----------------------------------------------------------------------------------------------
