@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -309,24 +310,43 @@ def test_a_head_reading_a_tensor_outside_its_parameters_is_refused() -> None:
 
 
 def read_in_lm_head(model: PreTrainedModel, tensor: Tensor) -> None:
-    """Make ``model``'s ``lm_head`` read ``tensor`` in its forward, as a head that is not only its own weight would
-    (``lm_head(h) = W (h * tensor)``; ``tensor`` of ones leaves the logits as they were)."""
+    """Make ``model``'s ``lm_head`` read ``tensor`` in its forward, as a head that is not only its own parameters
+    would: ``lm_head(h * tensor)`` (``tensor`` of ones leaves the logits as they were)."""
     lm_head = model.get_output_embeddings()
-    lm_head.forward = lambda hidden: F.linear(hidden * tensor, lm_head.weight)
+    forward = lm_head.forward
+    lm_head.forward = lambda hidden: forward(hidden * tensor)
 
 
-SET_UP_MODELS = {"llama": {}, "granite_scaled": dict(model_type="granite", logits_scaling=4.0)}  # lm_head(h) / 4
+class WrappedHead(nn.Module):
+    """An output embedding with no weight of its own, holding the linear layer (the set-up check then takes its probe's
+    hidden size from the config)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return self.linear(hidden_states)
 
 
-@pytest.mark.parametrize("overrides", SET_UP_MODELS.values(), ids=SET_UP_MODELS.keys())
+def head_model(head: str, **overrides: Any) -> PreTrainedModel:
+    """A tiny Llama (Granite with ``logits_scaling=4``: ``lm_head(h) / 4``) whose ``lm_head`` is a linear layer or,
+    ``"wrapped"``, a :class:`WrappedHead`."""
+    if head == "granite_scaled":
+        overrides = dict(overrides, model_type="granite", logits_scaling=4.0)
+    model = tiny_llama(**overrides)
+    if head == "wrapped":
+        model.lm_head = WrappedHead(model.lm_head)
+    return model
+
+
+@pytest.mark.parametrize("head", ["linear", "granite_scaled", "wrapped"])
 @pytest.mark.parametrize("foreign", ["norm_weight", "outside_the_model"])
-def test_the_set_up_check_refuses_a_head_reading_a_trainable_tensor_not_its_own(
-    foreign: str, overrides: dict[str, Any]
-) -> None:
+def test_the_set_up_check_refuses_a_head_reading_a_trainable_tensor_not_its_own(foreign: str, head: str) -> None:
     """With the training loss fused, a head reading another module's weight (not tied as the same Parameter) or a
     trainable tensor outside the model is refused at set-up, naming it; where the loss is not fused (evaluation, an
     engine that shards lm_head: the checkpointed tiles take every gradient) it is accepted. No gradient is made."""
-    model = tiny_llama(**overrides)
+    model = head_model(head)
     tensor = model.model.norm.weight if foreign == "norm_weight" else torch.ones(32, requires_grad=True)
     read_in_lm_head(model, tensor)
     trained = nn.ModuleDict({"model": model})
@@ -339,18 +359,21 @@ def test_the_set_up_check_refuses_a_head_reading_a_trainable_tensor_not_its_own(
             check_tiled_logits(trained, fused_training=True)
         assert all(p.grad is None for p in model.parameters()) and tensor.grad is None
         found = check_tiled_logits(trained)  # not fused: evaluation, ZeRO-3, FSDP2 (whose check runs before sharding)
-        assert found == (None if not overrides else "GraniteForCausalLM: 0.25 * lm_head(h)")
-        model.lm_head.weight.ds_id = 0  # ZeRO-3's partitioned parameters: the checkpointed tiles
+        assert found == ("GraniteForCausalLM: 0.25 * lm_head(h)" if head == "granite_scaled" else None)
+        for parameter in model.lm_head.parameters():
+            parameter.ds_id = 0  # type: ignore[attr-defined]  # ZeRO-3's partitioned parameters: checkpointed tiles
         assert check_tiled_logits(trained, fused_training=True) == found
     finally:
         remove_ulysses_attention(model)
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["own_weight", "tied_embeddings"])
-def test_the_set_up_check_accepts_a_head_of_its_own_parameters(tied: bool) -> None:
-    """lm_head's own weight, or the input embedding's as the same Parameter (tied), is accepted with the loss fused."""
-    model = tiny_llama(tie_word_embeddings=tied)
-    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+@pytest.mark.parametrize("head", ["linear", "tied_embeddings", "wrapped"])
+def test_the_set_up_check_accepts_a_head_of_its_own_parameters(head: str) -> None:
+    """lm_head's own weight, the input embedding's as the same Parameter (tied), or a submodule's, is accepted with
+    the loss fused."""
+    model = head_model(head, tie_word_embeddings=head == "tied_embeddings")
+    tied = getattr(model.get_output_embeddings(), "weight", None) is model.model.embed_tokens.weight
+    assert tied == (head == "tied_embeddings")
     apply_ulysses_attention(model, group=None, attn_implementation="sdpa", tiled_loss=True)
     try:
         assert check_tiled_logits(nn.ModuleDict({"model": model}), fused_training=True) is None
@@ -376,43 +399,56 @@ class HeadTraining(UlyssesLossMixin, L.LightningModule):
 
 
 def head_fits(args: dict[str, Any]) -> dict[str, Any]:
-    """One rank: the saved tiny Llama loaded with ``from_pretrained``, its lm_head reading the final norm's weight,
-    fitted one step under ``UlyssesStrategy(tiled_loss=True)`` (ZeRO-2); then the saved tied-embedding Llama."""
+    """One rank, one step each, ``tiled_loss=True``, on the saved tiny Llamas loaded with ``from_pretrained``: its
+    lm_head reading the final norm's weight under ZeRO-2 and under FSDP2; with tied embeddings under ZeRO-2."""
     from transformers import AutoModelForCausalLM
 
+    from lightning_ulysses import UlyssesFSDPStrategy
+
     results = {}
-    for name in ("foreign", "tied"):
-        model = AutoModelForCausalLM.from_pretrained(args[name], attn_implementation="sdpa")
-        if name == "foreign":
+    for name in ("foreign", "foreign_fsdp2", "tied"):
+        model = AutoModelForCausalLM.from_pretrained(args[name.split("_")[0]], attn_implementation="sdpa")
+        if name.startswith("foreign"):
             read_in_lm_head(model, model.model.norm.weight)
         module = HeadTraining(model)
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-        strategy = UlyssesStrategy(sp_size=1, stage=2, attn_implementation="sdpa", tiled_loss=True)
+        strategy = (
+            UlyssesFSDPStrategy(sp_size=1, attn_implementation="sdpa", tiled_loss=True)
+            if name == "foreign_fsdp2"
+            else UlyssesStrategy(sp_size=1, stage=2, attn_implementation="sdpa", tiled_loss=True)
+        )
         loader = DataLoader(make_samples(num=2, seq_len=16), batch_size=2, collate_fn=collate)
         error = None
         try:
             cpu_trainer(1, strategy, max_steps=1).fit(module, loader)
         except Exception as raised:  # noqa: BLE001 - the test reads which error, and when
             error = f"{type(raised).__name__}: {raised}"
-        changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), initial[n])]
+        changed = [n for n, p in model.named_parameters() if not torch.equal(full(p.detach()), initial[n])]
         results[name] = {"error": error, "steps": module.steps, "changed": changed}
     return results
+
+
+def full(tensor: Tensor) -> Tensor:
+    """The whole tensor of an FSDP2-sharded parameter (a ``DTensor``), else ``tensor``."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 @pytest.mark.distributed
 def test_a_loaded_model_whose_head_reads_another_weight_is_refused_at_set_up(tmp_path: Path) -> None:
     """The user's path: a model from ``from_pretrained`` whose lm_head reads the final norm's weight is refused by
     ``UlyssesStrategy(tiled_loss=True)`` at set-up, before any training step, its weights unchanged, the message naming
-    the tensor; a model with tied embeddings (lm_head's weight the embedding's Parameter) trains."""
+    the tensor; under FSDP2 (the checkpointed tiles, which take every gradient, though its check runs before the
+    sharding) it trains, and so does a model with tied embeddings (lm_head's weight the embedding's Parameter)."""
     for name, tied in (("foreign", False), ("tied", True)):
         tiny_llama(tie_word_embeddings=tied).save_pretrained(tmp_path / name)
     (results,) = launch("tests.test_fused_loss:head_fits", 1, {n: str(tmp_path / n) for n in ("foreign", "tied")})
-    refused, tied = results["foreign"], results["tied"]
+    refused = results["foreign"]
     assert refused["error"] is not None and refused["error"].startswith("UnsupportedModelError"), refused
     assert "model.model.norm.weight (32,)" in refused["error"] and "tiled_loss=False" in refused["error"], refused
     assert refused["steps"] == 0 and refused["changed"] == [], refused
-    assert tied["error"] is None and tied["steps"] == 1, tied
-    assert "model.embed_tokens.weight" in tied["changed"], tied
+    for name, moved in (("foreign_fsdp2", "model.norm.weight"), ("tied", "model.embed_tokens.weight")):
+        trained = results[name]
+        assert trained["error"] is None and trained["steps"] == 1 and moved in trained["changed"], (name, trained)
 
 
 # ----------------------------------------------------------------------------------------------
