@@ -11,11 +11,11 @@ checkpointed tiles run as before. One process each.
 
 A head whose forward reads a tensor needing a gradient besides its own parameters (the fused backward would leave that
 gradient out) is refused: handed to the loss directly, at its first tile; inside a transformers model, at set-up by
-``check_tiled_logits`` (another module's weight, a tensor outside the model, with and without a logit map; accepted
-where the loss is not fused, ZeRO-3 or evaluation, and for plain and tied heads; no gradient made). One process fits a
-tiny Llama written by ``save_pretrained`` and loaded by ``from_pretrained`` under ``UlyssesStrategy(tiled_loss=True)``:
-with such a head it is refused at set-up (no training step, weights unchanged, the tensor named), with tied embeddings
-it trains.
+``check_tiled_logits`` (another module's weight, a tensor outside the model, with and without a logit map, a head
+without a weight of its own; accepted where the loss is not fused, ZeRO-3 or evaluation, and for plain, tied and
+wrapped heads; no gradient made). One process fits tiny Llamas written by ``save_pretrained`` and loaded by
+``from_pretrained`` with ``tiled_loss=True``: with such a head it is refused at set-up under ZeRO-2 (no training step,
+weights unchanged, the tensor named) and trains under FSDP2; with tied embeddings it trains.
 """
 
 from __future__ import annotations
