@@ -24,6 +24,14 @@ Where it runs (:func:`engine_shards`, by what the parameters are):
 * No gradient needed (evaluation, metrics, ``torch.no_grad``): the tiles' values alone, as without fusion
   (:func:`~lightning_ulysses.logits.fused_loss_sum` decides).
 
+Its gradients are those of the hidden-state tile and ``lm_head``'s own parameters only: an ``lm_head`` whose forward
+reads another tensor that needs a gradient (another module's weight not tied as the same ``Parameter``, a trainable
+scale kept outside the module) would lose that tensor's gradient, so it is refused (:func:`unlisted_leaves` finds such
+tensors in the graph). ``UlyssesStrategy`` refuses it at set-up, before any step, for the transformers models it checks
+(:func:`~lightning_ulysses.hf.check.logits.check_tiled_logits` runs their ``lm_head`` once); the first tile of each
+call refuses it too, for a head handed to the loss directly (``tiled_cross_entropy_sum``,
+``UlyssesLossMixin.tiled_causal_lm_loss``), which nothing sees before the step.
+
 Memory: the gradients of the hidden states (``[tokens, hidden]``, which the backward makes anyway) and of ``lm_head``'s
 parameters exist from the loss's forward to its backward, which follows at once; a tile's transients are those of the
 checkpointed tile's backward. The backward scales them in place and hands them on, so it runs once (a second backward
@@ -146,13 +154,14 @@ def _accumulate(total: Tensor | None, grad: Tensor) -> Tensor:
     return total.add_(grad)
 
 
-def _refuse_unlisted_leaves(loss: Tensor, listed_tensors: Sequence[Tensor]) -> None:
-    """Raise where ``loss`` depends on a tensor needing a gradient that is none of ``listed_tensors`` (the tile and
-    the head's parameters; an ``lm_head`` whose forward reads another module's weight): the fused backward would drop
-    its gradient. Walks the tile's graph, a few nodes, once per call."""
+def unlisted_leaves(output: Tensor, listed_tensors: Sequence[Tensor]) -> list[Tensor]:
+    """The tensors needing a gradient that ``output`` is computed from (the leaves of its graph) and that are none of
+    ``listed_tensors``, each once: the gradients a backward taken with respect to ``listed_tensors`` alone would leave
+    out. Walks ``output``'s graph once (a few nodes for a head's call)."""
     listed = {id(t) for t in listed_tensors}
+    unlisted: dict[int, Tensor] = {}
     seen: set[Any] = set()
-    pending = [loss.grad_fn]
+    pending = [output.grad_fn]
     while pending:
         node = pending.pop()
         if node is None or node in seen:
@@ -160,9 +169,21 @@ def _refuse_unlisted_leaves(loss: Tensor, listed_tensors: Sequence[Tensor]) -> N
         seen.add(node)
         leaf = getattr(node, "variable", None)  # an AccumulateGrad node's tensor
         if leaf is not None and id(leaf) not in listed:
-            raise RuntimeError(
-                f"lm_head's forward reads a {tuple(leaf.shape)} tensor that needs a gradient and is none of its "
-                "parameters: the fused tiled loss would leave out its gradient. Pass the loss a head whose "
-                "trainable tensors are its own parameters, or one that is not an nn.Module (the checkpointed tiles)."
-            )
+            unlisted[id(leaf)] = leaf
         pending.extend(next_node for next_node, _ in node.next_functions)
+    return list(unlisted.values())
+
+
+def _refuse_unlisted_leaves(loss: Tensor, listed_tensors: Sequence[Tensor]) -> None:
+    """Raise where ``loss`` depends on a tensor needing a gradient that is none of ``listed_tensors`` (the tile and
+    the head's parameters): the fused backward would drop its gradient. The strategy refuses such an ``lm_head`` of a
+    transformers model at set-up; this refuses a head handed to the loss directly, at its first tile."""
+    unlisted = unlisted_leaves(loss, listed_tensors)
+    if unlisted:
+        shapes = ", ".join(str(tuple(t.shape)) for t in unlisted)
+        raise RuntimeError(
+            f"lm_head's forward reads tensors shaped {shapes} that need a gradient and are none of its parameters: "
+            "the fused tiled loss, which takes the gradients of lm_head's own parameters only, would leave theirs "
+            "out. Pass the loss a head whose trainable tensors are its own parameters (make each a parameter of "
+            "lm_head, or tie it as the same Parameter), or one that is not an nn.Module (the checkpointed tiles)."
+        )

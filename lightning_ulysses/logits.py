@@ -228,6 +228,16 @@ def cross_entropy_sum(logits: Logits, labels: Tensor, ignore_index: int = IGNORE
     return token_losses(logits, labels, ignore_index).sum()
 
 
+def fused_loss_module(head: Callable[[Tensor], Tensor]) -> nn.Module | None:
+    """The module whose parameters the fused loss (:func:`fused_loss_sum`) takes the gradients of, where it runs:
+    ``head`` (or :class:`MappedHead`'s ``lm_head``) where it is an ``nn.Module`` whose parameters are whole on the
+    rank; ``None`` (the checkpointed tiles) where an engine shards them or ``head`` is another callable."""
+    module = head.lm_head if isinstance(head, MappedHead) else head
+    if not isinstance(module, nn.Module) or engine_shards(module):
+        return None
+    return module
+
+
 def fused_loss_sum(head: Callable[[Tensor], Tensor], num_tiles: int) -> LossSum | None:
     """The :attr:`TiledLogits.loss_sum` of ``head``'s logits in ``num_tiles`` tiles, each tile's backward run in the
     forward (:class:`~lightning_ulysses.fused_loss.FusedCrossEntropySum`), where ``head`` is an ``nn.Module`` or
@@ -235,8 +245,8 @@ def fused_loss_sum(head: Callable[[Tensor], Tensor], num_tiles: int) -> LossSum 
     checkpointed tiles) where an engine shards them (ZeRO-3, FSDP2: :func:`~lightning_ulysses.fused_loss.engine_shards`)
     or ``head`` is another callable, whose trainable tensors cannot be listed. Called without a gradient to make (no
     grad mode, nothing requiring one), the sum is the tiles' values alone."""
-    module = head.lm_head if isinstance(head, MappedHead) else head
-    if not isinstance(module, nn.Module) or engine_shards(module):
+    module = fused_loss_module(head)
+    if module is None:
         return None
 
     def loss_sum(hidden_states: Tensor, labels: Tensor, ignore_index: int) -> Tensor:

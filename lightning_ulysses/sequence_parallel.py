@@ -482,13 +482,17 @@ class SequenceParallelMixin(ParallelStrategy):
             tiled_loss=bool(self.memory.tiled_loss),
             batches=lambda: self._batch,
         )
-        # refuses a model whose logits do not tile, before any other option's work
-        logit_maps = check_tiled_logits(self.lightning_module) if self.memory.tiled_loss else None
+        # refuses a model whose logits do not tile, before any other option's work; fitting with lm_head's parameters
+        # whole on the rank (the fused training loss), also one whose lm_head reads a trainable tensor not its own
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        logit_maps = (
+            check_tiled_logits(self.lightning_module, fused_training=fitting and not self.parameters_sharded)
+            if self.memory.tiled_loss
+            else None
+        )
         # before the memory options: tiled_mlp tiles the feed-forward Liger's SwiGLU makes
         liger_rows = apply_liger_kernels(self.lightning_module, self.liger_kernels) if self.liger_kernels else []
-        self.memory_report = apply_memory_options(
-            self.lightning_module, self.memory, fitting=trainer.state.fn == TrainerFn.FITTING
-        )
+        self.memory_report = apply_memory_options(self.lightning_module, self.memory, fitting=fitting)
         self.memory_report.rows.extend(liger_rows)
         if self.head_chunks is not None:
             plans = [patch.plan for patch in patches(self.lightning_module)]

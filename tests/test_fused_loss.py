@@ -8,22 +8,41 @@ by a tensor (the gradients scaled by exactly that factor) and gradients accumula
 backward runs inside the forward and ``lm_head`` runs once per tile and step; no host sync in the forward or the
 backward; where an engine shards ``lm_head``'s parameters (FSDP2, ZeRO-3) and where no gradient is needed, the
 checkpointed tiles run as before. One process each.
+
+A head whose forward reads a tensor needing a gradient besides its own parameters (the fused backward would leave that
+gradient out) is refused: handed to the loss directly, at its first tile; inside a transformers model, at set-up by
+``check_tiled_logits`` (another module's weight, a tensor outside the model, with and without a logit map, a head
+without a weight of its own; accepted where the loss is not fused, ZeRO-3 or evaluation, and for plain, tied and
+wrapped heads; no gradient made). One process fits tiny Llamas written by ``save_pretrained`` and loaded by
+``from_pretrained`` with ``tiled_loss=True``: with such a head it is refused at set-up under ZeRO-2 (no training step,
+weights unchanged, the tensor named) and trains under FSDP2; with tied embeddings it trains.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.data import DataLoader
+from transformers import PreTrainedModel
 
-from lightning_ulysses import UlyssesLossMixin
+from lightning_ulysses import UlyssesLossMixin, UlyssesStrategy
+from lightning_ulysses.hf import UnsupportedModelError, apply_ulysses_attention, remove_ulysses_attention
+from lightning_ulysses.hf.check.logits import check_tiled_logits
 from lightning_ulysses.logits import LogitMap, TiledLogits, cross_entropy_sum, fused_loss_sum
 from lightning_ulysses.sharding import IGNORE_INDEX
+from tests.launch import launch
 from tests.test_host_syncs import HostSyncs
+from tests.tiny import collate, cpu_trainer, make_samples, tiny_llama
 
 HIDDEN, VOCAB = 16, 50
 MAPS = {
@@ -288,6 +307,148 @@ def test_a_head_reading_a_tensor_outside_its_parameters_is_refused() -> None:
     with pytest.raises(RuntimeError, match="none of its parameters"):
         loss_sum(hidden_states, labels, IGNORE_INDEX)
     assert fused_loss_sum(lambda x: lm_head(x), 2) is None  # a function: its tensors cannot be listed
+
+
+def read_in_lm_head(model: PreTrainedModel, tensor: Tensor) -> None:
+    """Make ``model``'s ``lm_head`` read ``tensor`` in its forward, as a head that is not only its own parameters
+    would: ``lm_head(h * tensor)`` (``tensor`` of ones leaves the logits as they were)."""
+    lm_head = model.get_output_embeddings()
+    forward = lm_head.forward
+    lm_head.forward = lambda hidden: forward(hidden * tensor)
+
+
+class WrappedHead(nn.Module):
+    """An output embedding with no weight of its own, holding the linear layer (the set-up check then takes its probe's
+    hidden size from the config)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return self.linear(hidden_states)
+
+
+def head_model(head: str, **overrides: Any) -> PreTrainedModel:
+    """A tiny Llama (Granite with ``logits_scaling=4``: ``lm_head(h) / 4``) whose ``lm_head`` is a linear layer or,
+    ``"wrapped"``, a :class:`WrappedHead`."""
+    if head == "granite_scaled":
+        overrides = dict(overrides, model_type="granite", logits_scaling=4.0)
+    model = tiny_llama(**overrides)
+    if head == "wrapped":
+        model.lm_head = WrappedHead(model.lm_head)
+    return model
+
+
+@pytest.mark.parametrize("head", ["linear", "granite_scaled", "wrapped"])
+@pytest.mark.parametrize("foreign", ["norm_weight", "outside_the_model"])
+def test_the_set_up_check_refuses_a_head_reading_a_trainable_tensor_not_its_own(foreign: str, head: str) -> None:
+    """With the training loss fused, a head reading another module's weight (not tied as the same Parameter) or a
+    trainable tensor outside the model is refused at set-up, naming it; where the loss is not fused (evaluation, an
+    engine that shards lm_head: the checkpointed tiles take every gradient) it is accepted. No gradient is made."""
+    model = head_model(head)
+    tensor = model.model.norm.weight if foreign == "norm_weight" else torch.ones(32, requires_grad=True)
+    read_in_lm_head(model, tensor)
+    trained = nn.ModuleDict({"model": model})
+    apply_ulysses_attention(model, group=None, attn_implementation="sdpa", tiled_loss=True)
+    try:
+        name = "model.model.norm.weight" if foreign == "norm_weight" else "one that is no parameter of ModuleDict"
+        with pytest.raises(
+            UnsupportedModelError, match=rf"lm_head \(lm_head\) reads .*: {name} \(32,\)\..*tiled_loss=False"
+        ):
+            check_tiled_logits(trained, fused_training=True)
+        assert all(p.grad is None for p in model.parameters()) and tensor.grad is None
+        found = check_tiled_logits(trained)  # not fused: evaluation, ZeRO-3, FSDP2 (whose check runs before sharding)
+        assert found == ("GraniteForCausalLM: 0.25 * lm_head(h)" if head == "granite_scaled" else None)
+        for parameter in model.lm_head.parameters():
+            parameter.ds_id = 0  # type: ignore[attr-defined]  # ZeRO-3's partitioned parameters: checkpointed tiles
+        assert check_tiled_logits(trained, fused_training=True) == found
+    finally:
+        remove_ulysses_attention(model)
+
+
+@pytest.mark.parametrize("head", ["linear", "tied_embeddings", "wrapped"])
+def test_the_set_up_check_accepts_a_head_of_its_own_parameters(head: str) -> None:
+    """lm_head's own weight, the input embedding's as the same Parameter (tied), or a submodule's, is accepted with
+    the loss fused."""
+    model = head_model(head, tie_word_embeddings=head == "tied_embeddings")
+    tied = getattr(model.get_output_embeddings(), "weight", None) is model.model.embed_tokens.weight
+    assert tied == (head == "tied_embeddings")
+    apply_ulysses_attention(model, group=None, attn_implementation="sdpa", tiled_loss=True)
+    try:
+        assert check_tiled_logits(nn.ModuleDict({"model": model}), fused_training=True) is None
+    finally:
+        remove_ulysses_attention(model)
+
+
+class HeadTraining(UlyssesLossMixin, L.LightningModule):
+    """Trains a transformers causal LM with :meth:`forward_causal_lm_loss` (tiled under the strategy's
+    ``tiled_loss``), counting its training steps."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__()
+        self.model = model
+        self.steps = 0
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        self.steps += 1
+        return self.forward_causal_lm_loss(self.model, batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def head_fits(args: dict[str, Any]) -> dict[str, Any]:
+    """One rank, one step each, ``tiled_loss=True``, on the saved tiny Llamas loaded with ``from_pretrained``: its
+    lm_head reading the final norm's weight under ZeRO-2 and under FSDP2; with tied embeddings under ZeRO-2."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_ulysses import UlyssesFSDPStrategy
+
+    results = {}
+    for name in ("foreign", "foreign_fsdp2", "tied"):
+        model = AutoModelForCausalLM.from_pretrained(args[name.split("_")[0]], attn_implementation="sdpa")
+        if name.startswith("foreign"):
+            read_in_lm_head(model, model.model.norm.weight)
+        module = HeadTraining(model)
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+        strategy = (
+            UlyssesFSDPStrategy(sp_size=1, attn_implementation="sdpa", tiled_loss=True)
+            if name == "foreign_fsdp2"
+            else UlyssesStrategy(sp_size=1, stage=2, attn_implementation="sdpa", tiled_loss=True)
+        )
+        loader = DataLoader(make_samples(num=2, seq_len=16), batch_size=2, collate_fn=collate)
+        error = None
+        try:
+            cpu_trainer(1, strategy, max_steps=1).fit(module, loader)
+        except Exception as raised:  # noqa: BLE001 - the test reads which error, and when
+            error = f"{type(raised).__name__}: {raised}"
+        changed = [n for n, p in model.named_parameters() if not torch.equal(full(p.detach()), initial[n])]
+        results[name] = {"error": error, "steps": module.steps, "changed": changed}
+    return results
+
+
+def full(tensor: Tensor) -> Tensor:
+    """The whole tensor of an FSDP2-sharded parameter (a ``DTensor``), else ``tensor``."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+@pytest.mark.distributed
+def test_a_loaded_model_whose_head_reads_another_weight_is_refused_at_set_up(tmp_path: Path) -> None:
+    """The user's path: a model from ``from_pretrained`` whose lm_head reads the final norm's weight is refused by
+    ``UlyssesStrategy(tiled_loss=True)`` at set-up, before any training step, its weights unchanged, the message naming
+    the tensor; under FSDP2 (the checkpointed tiles, which take every gradient, though its check runs before the
+    sharding) it trains, and so does a model with tied embeddings (lm_head's weight the embedding's Parameter)."""
+    for name, tied in (("foreign", False), ("tied", True)):
+        tiny_llama(tie_word_embeddings=tied).save_pretrained(tmp_path / name)
+    (results,) = launch("tests.test_fused_loss:head_fits", 1, {n: str(tmp_path / n) for n in ("foreign", "tied")})
+    refused = results["foreign"]
+    assert refused["error"] is not None and refused["error"].startswith("UnsupportedModelError"), refused
+    assert "model.model.norm.weight (32,)" in refused["error"] and "tiled_loss=False" in refused["error"], refused
+    assert refused["steps"] == 0 and refused["changed"] == [], refused
+    for name, moved in (("foreign_fsdp2", "model.norm.weight"), ("tied", "model.embed_tokens.weight")):
+        trained = results[name]
+        assert trained["error"] is None and trained["steps"] == 1 and moved in trained["changed"], (name, trained)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,13 +23,18 @@ model does is read by running it, not from its config's names:
    the final hidden states of the whole run, as ``last_hidden_state``. A module that runs on the whole sequence
    around the decoder (``sequence_mixers="gather"`` of the model or a module holding the decoder) is not run by the
    decoder's own call; a model may give its decoder other inputs than the token ids.
+4. **The tensors ``lm_head`` reads** (at the strategy's set-up, fitting with ``lm_head``'s parameters whole on the
+   rank, where the training loss runs each tile's backward inside its forward: :mod:`lightning_ulysses.fused_loss`):
+   ``lm_head``, called as the loss tiles call it, must read no tensor needing a gradient besides its input and its
+   own parameters (another module's weight not tied as the same ``Parameter``, a trainable scale kept outside it),
+   whose gradient the fused loss would leave out (:func:`check_head_tensors`).
 
-The verdict (a :class:`~lightning_ulysses.logits.LogitMap`, or why the logits cannot be tiled) is the plan's
-``logits``, the same on every rank of the SP group: the tiled loss applies the map to each tile
+The verdict of steps 1-3 (a :class:`~lightning_ulysses.logits.LogitMap`, or why the logits cannot be tiled) is the
+plan's ``logits``, the same on every rank of the SP group: the tiled loss applies the map to each tile
 (:func:`tiled_logit_map`), and with ``tiled_loss`` on the strategy refuses a model without one at set-up
-(:func:`check_tiled_logits`). Everything is a Python float decided here: nothing in a training step syncs with the
-host for it. Under ZeRO-3 both forwards gather ``lm_head``'s weight as training does (the hooks see its output
-inside the call), tied embeddings included.
+(:func:`check_tiled_logits`, which runs step 4 and refuses by it too, agreed over the SP group alike). Everything
+is a Python float decided here: nothing in a training step syncs with the host for it. Under ZeRO-3 both forwards
+gather ``lm_head``'s weight as training does (the hooks see its output inside the call), tied embeddings included.
 """
 
 from __future__ import annotations
@@ -45,13 +50,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from lightning_ulysses.fused_loss import unlisted_leaves
 from lightning_ulysses.hf.apply import patch_of, unpatched
 from lightning_ulysses.hf.check.shard import Shard, close, tolerance
 from lightning_ulysses.hf.check.tensors import first_tensor
 from lightning_ulysses.hf.check.whole import WholeRun, probe_attention, token_local_probe
 from lightning_ulysses.hf.plan import NOT_CHECKED
 from lightning_ulysses.hf.state import PatchState, UnsupportedModelError, model_configs, outermost_models
-from lightning_ulysses.logits import LogitMap
+from lightning_ulysses.logits import LogitMap, fused_loss_module
 
 P = ParamSpec("P")
 SPREAD = (1e-2, 1e4)
@@ -110,16 +116,23 @@ def tiled_logit_map(model: PreTrainedModel) -> LogitMap:
     return _found_map(model, patch.plan.logits)
 
 
-def check_tiled_logits(module: nn.Module) -> str | None:
+def check_tiled_logits(module: nn.Module, *, fused_training: bool = False) -> str | None:
     """Refuse, at set-up, the ``tiled_loss`` of any patched transformers model inside ``module`` whose logits cannot be
-    computed in tiles. Returns what the tiles apply besides ``lm_head`` (e.g. ``"GraniteForCausalLM: 0.25 *
-    lm_head(h)"``, for the set-up report), or ``None`` where every model's logits are plain ``lm_head(h)``."""
+    computed in tiles, and with ``fused_training`` (the strategy fits, ``lm_head``'s parameters whole on the rank: the
+    training loss runs fused) one whose ``lm_head`` reads a tensor needing a gradient besides its own parameters
+    (:func:`check_head_tensors`; collective over the SP group). Returns what the tiles apply besides ``lm_head``
+    (e.g. ``"GraniteForCausalLM: 0.25 * lm_head(h)"``, for the set-up report), or ``None`` where every model's logits
+    are plain ``lm_head(h)``."""
     maps = []
     for model in outermost_models(module):
         patch = patch_of(model)
         if patch is None:
             continue
         found = _found_map(model, patch.plan.logits)
+        if fused_training:
+            checked = check_head_tensors(model, patch.state, found, module)
+            if isinstance(checked, str):
+                raise UnsupportedModelError(checked)
         if found != LogitMap():
             maps.append(f"{type(model).__name__}: {found}")
     return "; ".join(maps) or None
@@ -233,6 +246,58 @@ def check_decoder_call(
     return (
         f"its decoder ({name}), called by itself on this rank's shard as the tiled loss calls it, does not return "
         f"the final hidden states it computes inside the model as last_hidden_state{why}"
+    )
+
+
+HEAD_PROBE_TOKENS = 2
+"""Tokens of the hidden states :func:`check_head_tensors` runs ``lm_head`` on."""
+
+
+@_agreed_over_sp
+def check_head_tensors(
+    model: PreTrainedModel, state: PatchState, found: LogitMap, trained: nn.Module
+) -> LogitMap | str:
+    """``found``, or why the fused tiled loss would drop a gradient: ``model``'s ``lm_head``, called as each loss tile
+    calls it (``found.head(lm_head)``) once on :data:`HEAD_PROBE_TOKENS` tokens of random hidden states that need a
+    gradient, reads a tensor needing a gradient that is neither that input nor one of ``lm_head``'s parameters
+    (:func:`~lightning_ulysses.fused_loss.unlisted_leaves`, the walk the loss's first tile makes). Its name is looked
+    up among ``trained``'s parameters (the module the strategy trains). The graph is dropped: no gradient is made, and
+    the random generators' states are restored. Nothing is run where the loss would not be fused (an engine shards
+    ``lm_head``'s parameters, ZeRO-3). Agreed over the SP group (collective: call it on every rank)."""
+    lm_head = model.get_output_embeddings()
+    head = found.head(lm_head)
+    module = fused_loss_module(head)
+    if module is None:
+        return found
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, Tensor) and weight.dim() == 2:  # [vocab, hidden], as the loss tiles read it
+        features, dtype, device = weight.shape[-1], weight.dtype, weight.device
+    else:
+        features, dtype, device = model.config.get_text_config().hidden_size, model.dtype, model.device
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(HEAD_PROBE_TOKENS, features, generator=generator).to(device=device, dtype=dtype)
+    with (
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type),
+    ):
+        hidden.requires_grad_()
+        unlisted = unlisted_leaves(head(hidden), [hidden, *module.parameters()])
+    if not unlisted:
+        return found
+    names = {id(p): name for name, p in trained.named_parameters(remove_duplicate=False)}
+    tensors = ", ".join(
+        f"{names.get(id(t), f'one that is no parameter of {type(trained).__name__}')} {tuple(t.shape)}"
+        for t in unlisted
+    )
+    head_name = next((name for name, m in model.named_modules() if m is lm_head), "?")
+    return (
+        f"{type(model).__name__}'s lm_head ({head_name}) reads in its forward tensors that need a gradient and are "
+        f"none of lm_head's parameters: {tensors}. With lm_head's parameters whole on the rank the tiled loss runs "
+        "each tile's backward inside its forward with respect to lm_head's own parameters only, which would leave "
+        "their gradients out. Make each such tensor a parameter of lm_head (or tie it as the same Parameter), or set "
+        "tiled_loss=False (with ZeRO-3 or UlyssesFSDPStrategy the tiles are recomputed in the backward instead, which "
+        "takes every gradient)."
     )
 
 
