@@ -2,6 +2,7 @@
 
     nice -n 10 python -m benchmarks.longest                      # CPU, gloo, sp=2; writes docs/benchmarks/longest.md
     nice -n 10 python -m benchmarks.longest --no-probe --breakdown 32768   # only where one step's peak goes
+    nice -n 10 python -m benchmarks.longest --ruler tensors --out docs/benchmarks/longest_tensors.md   # tensors only
 
 Model, budget and method are :mod:`benchmarks.memory`'s (its ``MODEL``: 8 heads, 4 K/V heads of 16, hidden 128,
 2 layers, vocabulary 16000, fp32; 256 MiB per rank; batch 1, one forward + backward, no optimizer; the step's peak
@@ -29,6 +30,15 @@ doubling from ``--probe-start`` while the peak stays under the budget, then ``--
 probes run at the same time (each its own processes; only memory is measured, and a process's peak does not depend
 on the others). Each length's peak is appended to ``--log`` as it is measured.
 
+**Rulers** (``--ruler``). ``rss`` (the default): the process's RSS high-water mark above its level at the step's start
+(:class:`~benchmarks.measure.PeakMemory`), everything the process holds. That includes host-side bookkeeping a GPU
+keeps in host memory, not in its own: autograd's graph of every tile's checkpoint region (ours: tens of KiB per tile
+in a fresh heap, Python objects and the region's RNG state among them; ALST's ``TiledMLP`` runs its tiles without a
+graph). ``tensors``: the peak of the tensor storages the step makes (:class:`~benchmarks.measure.LiveTensors`), what
+a GPU's allocator would hold; it misses buffers a kernel allocates below the dispatcher, and, being a dispatch mode,
+makes autograd add gradients out of place (one buffer more where a gradient is summed from parts). The ruler is
+recorded with each logged length; the table shows one ruler's lengths.
+
 **Breakdown** (``--breakdown N``): one step at ``N`` per side under :class:`~benchmarks.measure.LiveTensors`, which
 tracks every tensor storage an operator makes during the step and, at the step's peak of live bytes, splits them by
 what made them: ``forward`` (made by the forward and still alive: what the step keeps for its backward),
@@ -47,7 +57,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -174,41 +184,57 @@ def measure(side: str, sp: int, seq_lens: list[int], breakdown: bool = False) ->
     )
 
 
+Ruler = Literal["rss", "tensors"]
+RULER_UNITS: dict[str, str] = {"rss": "MiB", "tensors": "MiB of tensors"}  # as each ruler's lengths are logged
+
+
+def peak_of(result: dict[str, Any], seq_len: int, ruler: Ruler) -> int:
+    """One rank's peak at ``seq_len`` by ``ruler`` (see the module docstring)."""
+    return result[f"peak {seq_len}"] if ruler == "rss" else result[f"live {seq_len}"]["peak"]
+
+
 def probe_longest(
-    side: str, sp: int, budget: float, schedule: ProbeSchedule, log: Path
+    side: str, sp: int, budget: float, schedule: ProbeSchedule, log: Path, ruler: Ruler = "rss"
 ) -> tuple[int | None, int | None]:
-    """``(longest length that fits, shortest that does not)`` under ``budget`` per rank, one fresh launch per
-    length; each measured length is appended to ``log``."""
+    """``(longest length that fits, shortest that does not)`` under ``budget`` per rank by ``ruler``, one fresh
+    launch per length; each measured length is appended to ``log``."""
     fits: list[int] = []
     misses: list[int] = []
     while (seq_len := schedule.next(fits, misses)) is not None:
-        per_rank = measure(side, sp, [seq_len])
-        peak = max(r[f"peak {seq_len}"] for r in per_rank)
+        per_rank = measure(side, sp, [seq_len], breakdown=ruler == "tensors")
+        peak = max(peak_of(r, seq_len, ruler) for r in per_rank)
         seconds = max(r[f"time {seq_len}"] for r in per_rank)
         fit = peak <= budget
         (fits if fit else misses).append(seq_len)
         with log.open("a") as f:
             f.write(
-                f"{side}, sp={sp}, N={seq_len}: {peak / MiB:.1f} MiB, {'fits' if fit else 'does not fit'} "
-                f"({seconds:.0f} s)\n"
+                f"{side}, sp={sp}, N={seq_len}: {peak / MiB:.1f} {RULER_UNITS[ruler]}, "
+                f"{'fits' if fit else 'does not fit'} ({seconds:.0f} s)\n"
             )
     return max(fits, default=None), min(misses, default=None)
 
 
-LOG_LINE = re.compile(r"^(?P<side>.+), sp=(?P<sp>\d+), N=(?P<n>\d+): (?P<mib>[\d.]+) MiB, (?P<fit>fits|does not fit)")
+LOG_LINE = re.compile(
+    r"^(?P<side>.+), sp=(?P<sp>\d+), N=(?P<n>\d+): (?P<mib>[\d.]+) (?P<units>MiB|MiB of tensors), "
+    r"(?P<fit>fits|does not fit)"
+)
 
 
-def probe_table(log: Path, sides: list[str], sp: int, budget_mib: float, schedule: ProbeSchedule) -> list[str]:
-    """Markdown: per side, the lengths ``log`` holds (the probe's measurements, in order), the bracket they give and
-    whether the probe's schedule had finished or was stopped (then: the length it would have tried next)."""
+def probe_table(
+    log: Path, sides: list[str], sp: int, budget_mib: float, schedule: ProbeSchedule, ruler: Ruler = "rss"
+) -> list[str]:
+    """Markdown: per side, the lengths ``log`` holds for ``ruler`` (the probe's measurements, in order), the bracket
+    they give and whether the probe's schedule had finished or was stopped (then: the length it would have tried
+    next)."""
     measured: dict[str, list[tuple[int, float, bool]]] = {side: [] for side in sides}
     for line in log.read_text().splitlines():
         match = LOG_LINE.match(line)
-        if match and match["side"] in measured and int(match["sp"]) == sp:
+        if match and match["side"] in measured and int(match["sp"]) == sp and match["units"] == RULER_UNITS[ruler]:
             measured[match["side"]].append((int(match["n"]), float(match["mib"]), match["fit"] == "fits"))
+    measure_name = "the RSS high-water mark" if ruler == "rss" else "the peak of live tensor storages"
     lines = [
-        f"Longest N under {budget_mib:.0f} MiB per rank, probed (from {schedule.start}, doubling, then "
-        f"{schedule.refine} bisections; each length one step in fresh processes):",
+        f"Longest N under {budget_mib:.0f} MiB per rank by {measure_name} (`--ruler {ruler}`), probed (from "
+        f"{schedule.start}, doubling, then {schedule.refine} bisections; each length one step in fresh processes):",
         "",
         "| side | measured: N (peak MiB) | fits | does not fit | x alst (fits; finished probes) | probe |",
         "|---|---|---|---|---|---|",
@@ -265,6 +291,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--probe-start", type=int, default=16384)
     parser.add_argument("--probe-max", type=int, default=1 << 20)
     parser.add_argument("--refine", type=int, default=2)
+    parser.add_argument("--ruler", choices=list(RULER_UNITS), default="rss", help="what the budget limits (docstring)")
     parser.add_argument("--no-probe", action="store_true")
     parser.add_argument("--breakdown", type=int, default=0, help="split one step's peak at this length (0: none)")
     parser.add_argument("--top", type=int, default=14, help="largest parts per side in the breakdown")
@@ -296,9 +323,12 @@ def main(argv: list[str] | None = None) -> str:
         schedule = ProbeSchedule(args.probe_start, args.probe_max, args.refine)
         if not args.render:
             with ThreadPoolExecutor(len(args.sides)) as pool:  # the sides at once: only memory is measured
-                for future in [pool.submit(probe_longest, s, args.sp, budget, schedule, args.log) for s in args.sides]:
+                probes = [
+                    pool.submit(probe_longest, s, args.sp, budget, schedule, args.log, args.ruler) for s in args.sides
+                ]
+                for future in probes:
                     future.result()
-        lines += probe_table(args.log, args.sides, args.sp, args.budget_mib, schedule)
+        lines += probe_table(args.log, args.sides, args.sp, args.budget_mib, schedule, args.ruler)
     report = "\n".join(lines) + "\n"
     publish(report, args.out)
     return report

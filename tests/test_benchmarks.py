@@ -240,6 +240,25 @@ def test_longest_renders_the_probe_from_its_log(tmp_path: Path) -> None:
     assert "| ours, head_chunks=auto | 32768 (122.2), 65536 (250.0) | 65536 | - | 1.33 | done |" in report
 
 
+def test_longest_keeps_each_rulers_lengths_apart(tmp_path: Path) -> None:
+    """A log holding both rulers' lengths: each table shows its own ruler's, and says which it is."""
+    log = tmp_path / "longest.log"
+    log.write_text(
+        "alst, sp=2, N=65536: 240.0 MiB, fits (900 s)\n"
+        "alst, sp=2, N=65536: 230.0 MiB of tensors, fits (950 s)\n"
+        "alst, sp=2, N=131072: 480.0 MiB, does not fit (1900 s)\n"
+        "alst, sp=2, N=131072: 250.0 MiB of tensors, fits (1950 s)\n"
+    )
+    out = tmp_path / "longest.md"
+    args = ["--render", "--sides", "alst", "--probe-start", "65536", "--probe-max", "131072", "--refine", "0"]
+    rss = longest.main([*args, "--log", str(log), "--out", str(out)])
+    assert "by the RSS high-water mark (`--ruler rss`)" in rss
+    assert "| alst | 65536 (240.0), 131072 (480.0) | 65536 | 131072 | 1.00 | done |" in rss
+    tensors = longest.main([*args, "--ruler", "tensors", "--log", str(log), "--out", str(out)])
+    assert "by the peak of live tensor storages (`--ruler tensors`)" in tensors
+    assert "| alst | 65536 (230.0), 131072 (250.0) | 131072 | - | 1.00 | done |" in tensors
+
+
 def test_live_tensors_split_the_peak_by_what_made_it() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
     x = torch.randn(1024, 64, requires_grad=True)
