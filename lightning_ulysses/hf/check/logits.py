@@ -311,13 +311,13 @@ def _output_map(
     position_ids: Tensor,
     constants: list[float],
 ) -> LogitMap | str:
-    """Step 2 of the module docstring: the map from ``lm_head``'s output to the logits, in a run that also finds what
-    joins where the tiles apply a map of Python floats instead of the model's computation: any tensor needing a
-    gradient between the decoder's output and ``lm_head``'s input (step 1's factor) or between ``lm_head``'s output
-    and the logits (step 2's map), whose gradient the tiles would leave out. Autograd records in those two stretches
-    only (switched on by hooks after the decoder's call and after ``lm_head``'s, off again before ``lm_head``'s), so
-    the leaves of their graphs are what joins there: the decoder and ``lm_head`` run without it, no graph of theirs is
-    kept, and ZeRO-3's hooks see no output needing a gradient where nothing joins."""
+    """Step 2 of the module docstring: the map from ``lm_head``'s output to the logits, refused where a tensor
+    needing a gradient joins where the tiles apply a map of Python floats instead of the model's computation: between
+    the decoder's output and ``lm_head``'s input (step 1's factor) or between ``lm_head``'s output and the logits
+    (step 2's map), whose gradient the tiles would leave out. Autograd records in those two stretches only (switched
+    on by hooks after the decoder's call and after ``lm_head``'s, off again before ``lm_head``'s), so the leaves of
+    their graphs are what joins there: the decoder and ``lm_head`` run without it, no graph of theirs is kept, and
+    ZeRO-3's hooks see no output needing a gradient where nothing joins."""
     values = spread_values(output.shape, output.dtype, output.device)  # need no gradient: no leaf of lm_head's
     calls = []
     into_head: list[Tensor] = []
@@ -349,16 +349,17 @@ def _output_map(
             handle.remove()
     if calls != [values.shape] or logits is None:
         return f"its plain forward calls its output embeddings {len(calls)} times, not once on the whole sequence"
+    found = fit_output_map(values, logits.detach(), constants)
     for stretch, joined in (
         ("its decoder's final hidden states to lm_head's input", into_head),
         ("lm_head's output to its logits", _trainable_leaves([logits])),
     ):
-        if joined:
+        if joined and isinstance(found, LogitMap):
             return (
                 f"on the way from {stretch} it computes with tensors that need a gradient: {_described(joined, model)}"
                 ", which the tiles would apply as constants of their present values, leaving their gradients out"
             )
-    return fit_output_map(values, logits, constants)
+    return found
 
 
 def _trainable_leaves(tensors: Iterable[Tensor]) -> list[Tensor]:
