@@ -14,7 +14,8 @@ follow otherwise is refused at set-up.
   without ``tiled_loss`` the check makes neither of its two logit calls (counted) and accepts that model; toy models
   loaded with ``from_pretrained`` that make their logits with a trainable tensor outside ``lm_head`` (a temperature,
   a soft-cap or a bias on the logits, a factor on the hidden states before ``lm_head``) refused by
-  ``check_tiled_logits``, naming it, and the same models with the tensor frozen tiled exactly.
+  ``check_tiled_logits``, naming it (patched in inference mode as well), and the same models with the tensor frozen
+  tiled exactly.
 * Two processes (one launch): tiny Granite (``logits_scaling=4``), MiniCPM3 (ZeRO-3, tied embeddings), Falcon-H1
   (``lm_head_multiplier=0.3``) and Gemma 3n (final soft-cap 0.3) train one step with ``tiled_loss`` under
   ``UlyssesStrategy(sp_size=2)`` and equal one process of the plain model (loss rtol 1e-5, update 1e-4); their
@@ -326,6 +327,19 @@ def test_check_tiled_logits_refuses_a_trainable_tensor_outside_lm_head(learned: 
                 rtol=1e-5,
                 atol=1e-6,
             )
+    finally:
+        remove_ulysses_attention(model)
+
+
+def test_the_trainable_tensor_is_found_where_the_model_is_patched_in_inference_mode() -> None:
+    """Patched inside ``torch.inference_mode()`` (for evaluation, say), the check still records the graph it reads and
+    names the tensor (not a failure of the forward to save an inference tensor for the backward)."""
+    model = learned_logits_llama("scale")
+    with torch.inference_mode():
+        apply_ulysses_attention(model, group=None, attn_implementation="sdpa", tiled_loss=True)
+    try:
+        with pytest.raises(UnsupportedModelError, match=r"need a gradient: logits_parameter \(1,\)"):
+            tiled_logit_map(model)
     finally:
         remove_ulysses_attention(model)
 

@@ -318,7 +318,8 @@ def _output_map(
     on by hooks after the decoder's call and after ``lm_head``'s, off again before ``lm_head``'s), so the leaves of
     their graphs are what joins there: the decoder and ``lm_head`` run without it, no graph of theirs is kept, and
     ZeRO-3's hooks see no output needing a gradient where nothing joins."""
-    values = spread_values(output.shape, output.dtype, output.device)  # need no gradient: no leaf of lm_head's
+    with torch.inference_mode(False):  # tensors autograd can record, even where the check runs in inference mode
+        values = spread_values(output.shape, output.dtype, output.device)  # need no gradient: no leaf of lm_head's
     calls = []
     into_head: list[Tensor] = []
 
