@@ -408,10 +408,16 @@ CASES: dict[str, dict[str, Any]] = {
     # a trainable temperature on the logits, or on the hidden states before lm_head: refused (the tiles would drop its
     # gradient), under ZeRO-3 too, where the set-up check's forwards gather the parameters through DeepSpeed's hooks
     "learned_scale_refused_zero3": dict(
-        model_type="learned_logits_llama", learned="scale", stage=3, refused=r"lm_head's output to its logits"
+        model_type="learned_logits_llama",
+        learned="scale",
+        stage=3,
+        refused=r"lm_head's output to its logits .*: logits_parameter \(1,\),",
     ),
     "learned_input_scale_refused": dict(
-        model_type="learned_logits_llama", learned="input_scale", stage=2, refused=r"lm_head's input"
+        model_type="learned_logits_llama",
+        learned="input_scale",
+        stage=2,
+        refused=r"to lm_head's input .*: logits_parameter \(1,\),",
     ),
     "learned_scale_untiled": dict(model_type="learned_logits_llama", learned="scale", stage=2, tiled_loss=False),
 }
