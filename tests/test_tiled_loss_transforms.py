@@ -11,7 +11,11 @@ follow otherwise is refused at set-up.
   a host sync; the map the check finds for tiny models of each family (fp32 and bf16), whose tiled logits equal the
   model's own; a toy model with a per-token bias on its logits refused by ``check_tiled_logits``, and one that gives
   its decoder other inputs than the token ids (the decoder called by itself, as the tiled loss calls it, differs);
-  without ``tiled_loss`` the check makes neither of its two logit calls (counted) and accepts that model.
+  without ``tiled_loss`` the check makes neither of its two logit calls (counted) and accepts that model; toy models
+  loaded with ``from_pretrained`` that make their logits with a trainable tensor outside ``lm_head`` (a temperature,
+  a soft-cap or a bias on the logits, a factor on the hidden states before ``lm_head``) refused by
+  ``check_tiled_logits``, naming it (patched in inference mode as well), and the same models with the tensor frozen
+  tiled exactly.
 * Two processes (one launch): tiny Granite (``logits_scaling=4``), MiniCPM3 (ZeRO-3, tied embeddings), Falcon-H1
   (``lm_head_multiplier=0.3``) and Gemma 3n (final soft-cap 0.3) train one step with ``tiled_loss`` under
   ``UlyssesStrategy(sp_size=2)`` and equal one process of the plain model (loss rtol 1e-5, update 1e-4); their
@@ -19,13 +23,17 @@ follow otherwise is refused at set-up.
   and equal the plain model's loss; a tiny Gemma 3 vision-language model trains two steps with ``tiled_loss``
   under ZeRO-3 as ``tests/test_vision.py`` checks it without; GPT-Neo, whose decoder ``sequence_mixers="gather"``
   runs on the whole sequence (gathered as the model calls it, ``input_ids`` by position; the tiled loss calls it by
-  keyword), trains as one process; the toy model is refused at set-up with
-  ``tiled_loss``, before any validation or training step, and trains without it, its decoder never called by itself
-  (neither by the set-up check nor by a loss).
+  keyword), trains as one process; the toy model with a per-token bias is refused at set-up with ``tiled_loss``,
+  before any validation or training step, and trains without it, its decoder never called by itself (neither by the
+  set-up check nor by a loss); so is one with a trainable temperature on its logits (refused under ZeRO-3 as well),
+  and one with it on the hidden states before ``lm_head`` is refused (the tiles would drop its gradient: with it
+  taken as a constant the run would train every other weight as the plain model does and leave it where it was).
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -35,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lightning_ulysses import UlyssesLossMixin, UlyssesStrategy
 from lightning_ulysses.hf import UnsupportedModelError, apply_ulysses_attention, remove_ulysses_attention, unpatched
@@ -240,6 +249,101 @@ def test_check_tiled_logits_refuses_a_decoder_that_differs_when_called_by_itself
         remove_ulysses_attention(model)
 
 
+class LearnedLogitsLlama(LlamaForCausalLM):
+    """A toy causal LM that makes its logits from ``lm_head``'s output with a trainable tensor, ``logits_parameter``,
+    as ``config.learned_logits`` says: a temperature multiplying them (``"scale"``, 0.5), a soft-cap (``"cap"``,
+    0.5), a bias added to them (``"bias"``, zeros: at first the logits are ``lm_head``'s own), or a factor on the
+    decoder's final hidden states before ``lm_head`` (``"input_scale"``, 0.5). At its present value each is a map
+    that the tiles could apply as a constant; in training it moves as its gradient says."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config)
+        bias = config.learned_logits == "bias"
+        self.logits_parameter = nn.Parameter(torch.zeros(config.vocab_size) if bias else torch.full((1,), 0.5))
+
+    def forward(
+        self, input_ids: Tensor | None = None, position_ids: Tensor | None = None, **kwargs: Any
+    ) -> CausalLMOutputWithPast:
+        hidden_states = self.model(input_ids=input_ids, position_ids=position_ids, **kwargs).last_hidden_state
+        learned, parameter = self.config.learned_logits, self.logits_parameter
+        if learned == "input_scale":
+            hidden_states = hidden_states * parameter
+        logits = self.lm_head(hidden_states)
+        if learned == "scale":
+            logits = logits * parameter
+        elif learned == "cap":
+            logits = parameter * torch.tanh(logits / parameter)
+        elif learned == "bias":
+            logits = logits + parameter
+        return CausalLMOutputWithPast(logits=logits)
+
+
+def learned_logits_llama(learned: str) -> LearnedLogitsLlama:
+    config = token_biased_llama().config
+    config.learned_logits = learned
+    torch.manual_seed(0)
+    return LearnedLogitsLlama(config)
+
+
+LEARNED_MAPS = {  # the map the tiles apply once the tensor is frozen, and where it joins
+    "scale": (LogitMap(scale=0.5), "lm_head's output to its logits"),
+    "cap": (LogitMap(cap=0.5), "lm_head's output to its logits"),
+    "bias": (LogitMap(), "lm_head's output to its logits"),
+    "input_scale": (LogitMap(input_scale=0.5), "its decoder's final hidden states to lm_head's input"),
+}
+
+
+@pytest.mark.parametrize("learned", list(LEARNED_MAPS))
+def test_check_tiled_logits_refuses_a_trainable_tensor_outside_lm_head(learned: str, tmp_path: Path) -> None:
+    """A model loaded with ``from_pretrained`` that scales, soft-caps or biases its logits with a trainable tensor, or
+    scales the hidden states before ``lm_head`` by one, is refused with ``tiled_loss``, naming the tensor: the tiles
+    would apply its present value as a constant and leave its gradient out. Frozen, the same tensor is a constant,
+    which the tiles apply (their logits equal the model's own). No gradient is made."""
+    learned_logits_llama(learned).save_pretrained(tmp_path)
+    model = LearnedLogitsLlama.from_pretrained(tmp_path, attn_implementation="sdpa")
+    expected_map, stretch = LEARNED_MAPS[learned]
+    shape = (64,) if learned == "bias" else (1,)
+    apply_ulysses_attention(model, group=None, attn_implementation="sdpa", tiled_loss=True)
+    try:
+        with pytest.raises(
+            UnsupportedModelError,
+            match=rf"LearnedLogitsLlama cannot .* from {re.escape(stretch)} it computes with tensors that need a "
+            rf"gradient: logits_parameter {re.escape(str(shape))}, .*gradients out\..*Set tiled_loss=False",
+        ):
+            check_tiled_logits(nn.ModuleDict({"model": model}), fused_training=True)
+        assert all(p.grad is None for p in model.parameters())
+    finally:
+        remove_ulysses_attention(model)
+    model.logits_parameter.requires_grad_(False)
+    apply_ulysses_attention(model, group=None, attn_implementation="sdpa", tiled_loss=True)
+    try:
+        assert tiled_logit_map(model) == expected_map
+        ids = torch.arange(26).view(2, 13)
+        with torch.no_grad(), unpatched(model):
+            hidden_states = model.get_decoder()(input_ids=ids).last_hidden_state
+            torch.testing.assert_close(
+                expected_map.head(model.get_output_embeddings())(hidden_states),
+                model(input_ids=ids).logits,
+                rtol=1e-5,
+                atol=1e-6,
+            )
+    finally:
+        remove_ulysses_attention(model)
+
+
+def test_the_trainable_tensor_is_found_where_the_model_is_patched_in_inference_mode() -> None:
+    """Patched inside ``torch.inference_mode()`` (for evaluation, say), the check still records the graph it reads and
+    names the tensor (not a failure of the forward to save an inference tensor for the backward)."""
+    model = learned_logits_llama("scale")
+    with torch.inference_mode():
+        apply_ulysses_attention(model, group=None, attn_implementation="sdpa", tiled_loss=True)
+    try:
+        with pytest.raises(UnsupportedModelError, match=r"need a gradient: logits_parameter \(1,\)"):
+            tiled_logit_map(model)
+    finally:
+        remove_ulysses_attention(model)
+
+
 class ForwardCounts:
     """Counts the forwards of a model and the calls of its decoder outside one (the decoder called by itself, as the
     tiled loss and step 7 of the set-up check call it)."""
@@ -299,20 +403,37 @@ CASES: dict[str, dict[str, Any]] = {
     "gemma3_vision_language_zero3": dict(family="gemma3", sp=2, stage=3),
     # a family exact only with sequence_mixers="gather" (its local attention's mask runs on the whole sequence)
     "gpt_neo_gathered": dict(model_type="gpt_neo", stage=2, sequence_mixers="gather"),
-    "token_bias_refused": dict(model_type="token_biased_llama", stage=2),
+    "token_bias_refused": dict(model_type="token_biased_llama", stage=2, refused="TokenBiasedLlama"),
     "token_bias_untiled": dict(model_type="token_biased_llama", stage=2, tiled_loss=False),
+    # a trainable temperature on the logits, or on the hidden states before lm_head: refused (the tiles would drop its
+    # gradient), under ZeRO-3 too, where the set-up check's forwards gather the parameters through DeepSpeed's hooks
+    "learned_scale_refused_zero3": dict(
+        model_type="learned_logits_llama",
+        learned="scale",
+        stage=3,
+        refused=r"lm_head's output to its logits .*: logits_parameter \(1,\),",
+    ),
+    "learned_input_scale_refused": dict(
+        model_type="learned_logits_llama",
+        learned="input_scale",
+        stage=2,
+        refused=r"to lm_head's input .*: logits_parameter \(1,\),",
+    ),
+    "learned_scale_untiled": dict(model_type="learned_logits_llama", learned="scale", stage=2, tiled_loss=False),
 }
 
 
 def _model(case: dict[str, Any]) -> nn.Module:
     if case["model_type"] == "token_biased_llama":
         return token_biased_llama()
+    if case["model_type"] == "learned_logits_llama":
+        return learned_logits_llama(case["learned"])
     return build_model(_recipe(case["model_type"], case.get("config", {})))[0]
 
 
 def _samples(case: dict[str, Any]) -> list[dict[str, Tensor]]:
     """The zoo's data: 2 rows of 32 token ids, labels -100 across the shard border."""
-    if case["model_type"] == "token_biased_llama":
+    if case["model_type"] in ("token_biased_llama", "learned_logits_llama"):
         return make_samples(list(range(64)))
     return make_samples(_recipe(case["model_type"], case.get("config", {})).token_ids)
 
@@ -427,11 +548,11 @@ tiled_loss_results = TABLE.fixture()
 @TABLE.each_case
 def test_tiled_loss_equals_one_process(tiled_loss_results: list[dict[str, Any]], name: str) -> None:
     case = CASES[name]
-    if name == "token_bias_refused":
+    if "refused" in case:
         for result in tiled_loss_results:
             got = result[name]
             assert got.get("steps_started") == 0, "refused at set-up, before any validation or training step"
-            assert "TokenBiasedLlama" in got["refused"] and "set tiled_loss=false" in got["refused"].lower(), got
+            assert re.search(case["refused"], got["refused"]) and "Set tiled_loss=False" in got["refused"], got
         return
     if "family" in case:
         from tests.test_vision import check_against_reference

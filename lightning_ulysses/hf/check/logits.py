@@ -17,7 +17,12 @@ model does is read by running it, not from its config's names:
    that mixes logits, shows on the smallest). ``scale`` is fitted by least squares (and taken as ``1``, or as one of
    the config's positive float values or its inverse, where it is within rounding of it: bf16 logits give Granite's
    ``1 / 3`` as ``0.33332``); a ``cap`` is one of those values or the largest logit seen (where the tanh
-   saturates). Either is then verified like the rest.
+   saturates). Either is then verified like the rest. The tiles apply the maps of steps 1 and 2 as Python floats,
+   which are the model's only while nothing in them trains: this run records autograd from the decoder's output to
+   ``lm_head``'s input and from ``lm_head``'s output (the probe values, which need no gradient) to the logits, and
+   nowhere else, and a tensor needing a gradient among the leaves of either graph (a learned temperature, soft-cap
+   or bias on the logits, a trainable factor on the hidden states before ``lm_head``) is refused, named by its
+   parameter: the tiles would leave its gradient out. A frozen one is a constant like the config's.
 3. **The decoder called by itself** (after step 6 of the check, on the final plan): on this rank's shard, as the
    tiled loss calls it (``model.get_decoder()(input_ids=..., position_ids=...)``), it must return this rank's shard of
    the final hidden states of the whole run, as ``last_hidden_state``. A module that runs on the whole sequence
@@ -53,7 +58,7 @@ from transformers import PreTrainedModel
 from lightning_ulysses.fused_loss import unlisted_leaves
 from lightning_ulysses.hf.apply import patch_of, unpatched
 from lightning_ulysses.hf.check.shard import Shard, close, tolerance
-from lightning_ulysses.hf.check.tensors import first_tensor
+from lightning_ulysses.hf.check.tensors import first_tensor, tensors_of
 from lightning_ulysses.hf.check.whole import WholeRun, probe_attention, token_local_probe
 from lightning_ulysses.hf.plan import NOT_CHECKED
 from lightning_ulysses.hf.state import PatchState, UnsupportedModelError, model_configs, outermost_models
@@ -154,7 +159,7 @@ def _refusal(model: PreTrainedModel, problem: str) -> str:
     return (
         f"{type(model).__name__} cannot compute its logits in token tiles: {problem}. tiled_loss computes them as a "
         "constant factor or a tanh soft-cap of lm_head(decoder's final hidden states), which would not be this model's "
-        "logits. Set tiled_loss=False (the logits are then the model's own)."
+        "logits or their gradients. Set tiled_loss=False (the logits are then the model's own)."
     )
 
 
@@ -208,7 +213,7 @@ def find_logit_map(
         input_scale = _factor(hidden.double(), received.double(), constants, tolerance(hidden.dtype))
     if not close(received, (hidden.double() * input_scale).to(hidden.dtype)):
         return "its output embeddings receive other than a constant times its decoder's final hidden states"
-    found = _output_map(model, lm_head, head_calls[0].outputs[0], input_ids, position_ids, constants)
+    found = _output_map(model, decoder, lm_head, head_calls[0].outputs[0], input_ids, position_ids, constants)
     return found if isinstance(found, str) else LogitMap(input_scale, found.scale, found.cap)
 
 
@@ -285,12 +290,8 @@ def check_head_tensors(
         unlisted = unlisted_leaves(head(hidden), [hidden, *module.parameters()])
     if not unlisted:
         return found
-    names = {id(p): name for name, p in trained.named_parameters(remove_duplicate=False)}
-    tensors = ", ".join(
-        f"{names.get(id(t), f'one that is no parameter of {type(trained).__name__}')} {tuple(t.shape)}"
-        for t in unlisted
-    )
     head_name = next((name for name, m in model.named_modules() if m is lm_head), "?")
+    tensors = _described(unlisted, trained)
     return (
         f"{type(model).__name__}'s lm_head ({head_name}) reads in its forward tensors that need a gradient and are "
         f"none of lm_head's parameters: {tensors}. With lm_head's parameters whole on the rank the tiled loss runs "
@@ -303,31 +304,85 @@ def check_head_tensors(
 
 def _output_map(
     model: PreTrainedModel,
+    decoder: nn.Module,
     lm_head: nn.Module,
     output: Tensor,
     input_ids: Tensor,
     position_ids: Tensor,
     constants: list[float],
 ) -> LogitMap | str:
-    """Step 2 of the module docstring: the map from ``lm_head``'s output to the logits."""
-    values = spread_values(output.shape, output.dtype, output.device)
+    """Step 2 of the module docstring: the map from ``lm_head``'s output to the logits, refused where a tensor
+    needing a gradient joins where the tiles apply a map of Python floats instead of the model's computation: between
+    the decoder's output and ``lm_head``'s input (step 1's factor) or between ``lm_head``'s output and the logits
+    (step 2's map), whose gradient the tiles would leave out. Autograd records in those two stretches only (switched
+    on by hooks after the decoder's call and after ``lm_head``'s, off again before ``lm_head``'s), so the leaves of
+    their graphs are what joins there: the decoder and ``lm_head`` run without it, no graph of theirs is kept, and
+    ZeRO-3's hooks see no output needing a gradient where nothing joins."""
+    with torch.inference_mode(False):  # tensors autograd can record, even where the check runs in inference mode
+        values = spread_values(output.shape, output.dtype, output.device)  # need no gradient: no leaf of lm_head's
     calls = []
+    into_head: list[Tensor] = []
+
+    def after_decoder(module: nn.Module, args: tuple, result: object) -> None:
+        torch.set_grad_enabled(True)
+
+    def before_head(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        into_head.extend(_trainable_leaves(tensors_of((args, kwargs))))
+        torch.set_grad_enabled(False)
 
     def replace(module: nn.Module, args: tuple, result: Tensor) -> Tensor:
         calls.append(result.shape)
+        torch.set_grad_enabled(True)
         return values if result.shape == values.shape else result
 
-    handle = lm_head.register_forward_hook(replace)
+    handles = [
+        decoder.register_forward_hook(after_decoder),
+        lm_head.register_forward_pre_hook(before_head, with_kwargs=True),
+        lm_head.register_forward_hook(replace),
+    ]
     try:
-        with unpatched(model):
+        with unpatched(model), torch.inference_mode(False), torch.no_grad():
             logits = first_tensor(model(input_ids=input_ids, position_ids=position_ids, use_cache=False))
     except Exception as error:  # noqa: BLE001 - the reason to refuse tiled_loss, with its text
         return f"its forward fails with lm_head's output replaced ({error})"
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     if calls != [values.shape] or logits is None:
         return f"its plain forward calls its output embeddings {len(calls)} times, not once on the whole sequence"
-    return fit_output_map(values, logits, constants)
+    found = fit_output_map(values, logits.detach(), constants)
+    for stretch, joined in (
+        ("its decoder's final hidden states to lm_head's input", into_head),
+        ("lm_head's output to its logits", _trainable_leaves([logits])),
+    ):
+        if joined and isinstance(found, LogitMap):
+            return (
+                f"on the way from {stretch} it computes with tensors that need a gradient: {_described(joined, model)}"
+                ", which the tiles would apply as constants of their present values, leaving their gradients out"
+            )
+    return found
+
+
+def _trainable_leaves(tensors: Iterable[Tensor]) -> list[Tensor]:
+    """The tensors needing a gradient that ``tensors`` are computed from as autograd recorded it (the leaves of their
+    graphs, a leaf that needs a gradient itself), each once."""
+    leaves = {}
+    for tensor in tensors:
+        for leaf in [tensor] if tensor.is_leaf else unlisted_leaves(tensor, []):
+            if leaf.requires_grad:
+                leaves[id(leaf)] = leaf
+    return list(leaves.values())
+
+
+def _described(tensors: Iterable[Tensor], owner: nn.Module) -> str:
+    """``tensors`` by their names among ``owner``'s parameters (by identity) and their shapes (a ZeRO-3 parameter's
+    whole shape, partitioned or not): ``"model.norm.weight (32,)"``."""
+    names = {id(p): name for name, p in owner.named_parameters(remove_duplicate=False)}
+    return ", ".join(
+        f"{names.get(id(t), f'one that is no parameter of {type(owner).__name__}')} "
+        f"{tuple(getattr(t, 'ds_shape', t.shape))}"
+        for t in tensors
+    )
 
 
 def _factor(x: Tensor, y: Tensor, constants: list[float], tol: float) -> float:
