@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 from torch.nn.attention import sdpa_kernel
@@ -301,10 +301,13 @@ def run_rank0(
     peers.hold(whole["position_ids"])
     batch = {k: v.to(device) for k, v in shard_batch(whole, 0, sp).items()}
     layer_inputs: list[tuple[int, ...]] = []
-    hooks = [
-        layer.register_forward_pre_hook(lambda module, args: layer_inputs.append(tuple(args[0].shape)))
-        for layer in model.model.layers
-    ]
+
+    def record_input(module: nn.Module, args: tuple[Any, ...]) -> None:
+        # the forward's calls only: transformers 5.17 recomputes a checkpointed layer through its hooks, 5.24 does not
+        if torch._C._current_autograd_node() is None:
+            layer_inputs.append(tuple(args[0].shape))
+
+    hooks = [layer.register_forward_pre_hook(record_input) for layer in model.model.layers]
     peak = PeakMemory(device)
     times, peaks, reserved = [], [], []
     saved = SavedForBackward()

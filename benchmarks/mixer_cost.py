@@ -30,6 +30,7 @@ transformers ships them), runs forward and backward on ``--tokens`` tokens split
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,7 +110,9 @@ def formula(module: nn.Module, sp: int) -> int:
         channels, group_slots = slots(module.intermediate_size, 1)
         forward = 2 * channels + 4 * channels + 2 * group_slots * module.ssm_state_size
     elif name == "Qwen3NextGatedDeltaNet":  # q|k|v convolution in and out; q, k (key heads), v, g, beta in; out
-        heads, group_slots = slots(module.num_v_heads, module.num_k_heads)
+        # a layer that repeats q and k to the value heads before the kernel (transformers 5.17's) sends them so
+        expanded = "repeat_interleave" in inspect.getsource(type(module).forward)
+        heads, group_slots = slots(module.num_v_heads, module.num_v_heads if expanded else module.num_k_heads)
         forward = (
             2 * slots(module.conv_dim)[0] + 2 * group_slots * module.head_k_dim + heads * (2 * module.head_v_dim + 2)
         )

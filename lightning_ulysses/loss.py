@@ -342,6 +342,11 @@ class StepTokenCounts:
         self.accumulate = accumulate
         self.remaining_batches = remaining_batches
         self._counts: deque[int] = deque()  # of the batches yielded and not yet taken
+        # a resumable loader's state as attributes, not through __getattr__: from Python 3.12 isinstance against a
+        # runtime protocol (Lightning's _Stateful, which decides whether a loader's state is saved and restored)
+        # looks attributes up statically, and a mid-epoch resume would restart the epoch's sampler
+        if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
+            self.state_dict, self.load_state_dict = loader.state_dict, loader.load_state_dict
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.loader, name)

@@ -621,6 +621,19 @@ def test_cudnn_runs_only_the_calls_torch_says_it_covers(monkeypatch: pytest.Monk
         _attend("sdpa_cudnn", case, pos)(q, k, v)
 
 
+def test_cudnn_asks_torch_only_about_device_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA build of torch on a machine without a CUDA driver raises in its cuDNN check (torch 2.11+cu130 on CPU:
+    "CUDA driver version is insufficient"); ``sdpa_cudnn`` on host tensors does not ask it and runs as ``sdpa``."""
+
+    def no_driver(*args: object) -> bool:
+        raise RuntimeError("CUDA driver version is insufficient for CUDA runtime version")
+
+    monkeypatch.setattr(torch.backends.cuda, "can_use_cudnn_attention", no_driver)
+    case = CASES["packed_sliding_window"]
+    q, k, v, _, pos = _tensors(case)
+    assert torch.equal(_attend("sdpa_cudnn", case, pos)(q, k, v), _attend("sdpa", case, pos)(q, k, v))
+
+
 def test_only_unequal_kv_groups_are_refused() -> None:
     for heads, kv_heads in [(6, 6), (6, 3), (6, 1), (28, 4), (40, 8)]:
         check_heads(heads, kv_heads)

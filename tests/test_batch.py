@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
+from lightning.fabric.utilities.types import _Stateful
 
 import lightning_ulysses.attention.documents as documents_module
 from lightning_ulysses.attention import Documents
@@ -82,6 +85,28 @@ def test_step_token_counts_queue_each_batch_s_step_count_in_order() -> None:
     assert seen == [2 + 4, 2 + 4, 1 + 3, 1 + 3, 5]
     with pytest.raises(RuntimeError, match="did not yield"):
         loader.take()
+
+
+class _StatefulBatches(list):
+    def state_dict(self) -> dict[str, int]:
+        return {"batches": 2}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.loaded = state
+
+
+def test_step_token_counts_keep_the_loader_s_state_where_lightning_looks() -> None:
+    """Lightning saves and restores a training loader's state only when it is an instance of its runtime protocol
+    ``_Stateful``, which Python 3.12 checks with ``inspect.getattr_static`` (no ``__getattr__``): the wrapped loader's
+    ``state_dict`` / ``load_state_dict`` must be found so, or a mid-epoch resume restarts the epoch's sampler."""
+    inner = _StatefulBatches([{"input_ids": torch.ones(1, 3, dtype=torch.long)}])
+    loader = StepTokenCounts(inner, accumulate=2, remaining_batches=lambda: float("inf"))
+    assert isinstance(loader, _Stateful)
+    assert inspect.getattr_static(loader, "state_dict")() == {"batches": 2}
+    inspect.getattr_static(loader, "load_state_dict")({"batches": 1})
+    assert inner.loaded == {"batches": 1}
+    plain = StepTokenCounts(list(inner), accumulate=2, remaining_batches=lambda: float("inf"))
+    assert not isinstance(plain, _Stateful)  # a loader without state stays one
 
 
 def test_evaluation_repeats_are_noted_beside_the_batch_not_in_it() -> None:

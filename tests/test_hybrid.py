@@ -176,10 +176,11 @@ class HybridModule(ZooModule):
 
 
 def attention_layers(recipe: TinyRecipe) -> int:
-    """Softmax-attention layers of the config's layer pattern (RecurrentGemma's are sliding-window ones; none
-    without a pattern: xLSTM)."""
-    layer_types = getattr(recipe.config.get_text_config(), "layer_types", None) or []
-    return sum(kind in ("full_attention", "sliding_attention") for kind in layer_types)
+    """Softmax-attention layers of the config's layer pattern (RecurrentGemma's are sliding-window ones, ``"attention"``
+    in transformers 5.17's ``layers_block_type``, which has no ``layer_types`` there; none without a pattern: xLSTM)."""
+    config = recipe.config.get_text_config()
+    layer_types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or []
+    return sum(kind in ("full_attention", "sliding_attention", "attention") for kind in layer_types)
 
 
 def recipe_of(case: dict[str, Any]) -> TinyRecipe:

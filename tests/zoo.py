@@ -139,6 +139,8 @@ SHARDED_MIXER_FAMILIES = [
     "zamba2",
     "zaya",
 ]
+# those this transformers registers (5.17 has no bailing_hybrid, lara_mini, lfm3)
+SHARDED_MIXER_FAMILIES = [name for name in SHARDED_MIXER_FAMILIES if name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
 VARIANT_ENTRIES = [
     ("llama", "rope=dynamic"),
     ("phi3", "rope=longrope"),

@@ -35,7 +35,10 @@ def prefers_cudnn(dtype: torch.dtype | None, capability: tuple[int, int] | None)
 
 
 def cudnn_covers(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, dropout_p: float, gqa: bool) -> bool:
-    """torch's own check that its cuDNN kernel runs this ``[b, h, n, d]`` call (``mask None``: causal)."""
+    """torch's own check that its cuDNN kernel runs this ``[b, h, n, d]`` call (``mask None``: causal). Host tensors
+    are not asked about: a CUDA build of torch on a machine without a CUDA driver raises there instead of answering."""
+    if not query.is_cuda:
+        return False
     params = torch.backends.cuda.SDPAParams(query, key, value, mask, dropout_p, mask is None, gqa)
     return torch.backends.cuda.can_use_cudnn_attention(params)
 
