@@ -5,7 +5,10 @@
 * ``"cross_entropy"``: the ``tiled_loss`` path's ``lm_head`` + cross entropy by Liger's fused linear cross entropy
   (chunks of tokens, the logits' gradient made in the forward and scaled by the loss's gradient in the backward), with
   the :class:`~lightning_ulysses.logits.LogitMap` the set-up check found: its factors folded into the hidden states
-  (and ``lm_head``'s bias), its soft-cap as Liger's ``softcap``. Needs ``tiled_loss`` on.
+  (and ``lm_head``'s bias), its soft-cap as Liger's ``softcap``. Needs ``tiled_loss`` on. Liger computes the linear
+  layer from ``lm_head.weight`` and ``lm_head.bias`` itself, without calling the module, so an ``lm_head`` whose own
+  call does more (a LoRA adapter inside a ``Linear`` subclass, a forward hook) is refused at set-up, found by running it
+  (:func:`liger_head_problem`).
 * ``"rms_norm"``: every RMSNorm found, by running it, to compute Llama's form (``weight * xhat.to(dtype)``; Liger's
   ``casting_mode="llama"``) or Gemma's (``(xhat * (1 + weight)).to(dtype)``; ``offset=1, casting_mode="gemma"``),
   as ``LigerRMSNormFunction`` (not in place: the residual stream shares the gradient). The other forms are left.
@@ -32,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_ulysses.fused_loss import unlisted_leaves
 from lightning_ulysses.hf.ledger import Ledger
 from lightning_ulysses.hf.state import outermost_models
 from lightning_ulysses.logits import LogitMap
@@ -120,9 +124,19 @@ def liger_loss_sum(lm_head: nn.Module, logit_map: LogitMap) -> Callable[[Tensor,
 
 def apply_liger_kernels(model: nn.Module, kernels: tuple[str, ...]) -> list[OptionReport]:
     """Replace the RMSNorms and SwiGLU feed-forwards found in every transformers model inside ``model`` (as asked in
-    ``kernels``) by Liger's, and report them; raises where an asked kernel finds nothing. ``"cross_entropy"`` is the
-    loss's (:func:`liger_loss_sum`), reported here. :func:`remove_liger_kernels` undoes the rest."""
+    ``kernels``) by Liger's, and report them; raises where an asked kernel finds nothing, and before any change where
+    ``"cross_entropy"`` would not compute a model's ``lm_head`` exactly (:func:`liger_head_problem`).
+    ``"cross_entropy"`` is the loss's (:func:`liger_loss_sum`), reported here. :func:`remove_liger_kernels` undoes the
+    rest."""
     remove_liger_kernels(model)
+    for hf_model in outermost_models(model) if "cross_entropy" in kernels else []:
+        problem = liger_head_problem(hf_model.get_output_embeddings())
+        if problem is not None:
+            raise ValueError(
+                f"liger_kernels 'cross_entropy' computes {type(hf_model).__name__}'s lm_head as F.linear of its weight "
+                f"and bias, without calling it, and its lm_head {problem}: the loss or the gradients would not be the "
+                "model's. Leave 'cross_entropy' out (the tiled loss calls lm_head as it is)."
+            )
     norms: list[tuple[str, nn.Module]] = []
     mlps: list[tuple[str, nn.Module]] = []
     for hf_model in outermost_models(model):
@@ -145,6 +159,41 @@ def apply_liger_kernels(model: nn.Module, kernels: tuple[str, ...]) -> list[Opti
     if "cross_entropy" in kernels:
         rows.append(OptionReport("liger_kernels 'cross_entropy'", "tiled_loss: Liger's fused linear cross entropy"))
     return rows
+
+
+LIGER_HEAD_PROBE_TOKENS = 2
+"""Tokens of the hidden states :func:`liger_head_problem` runs ``lm_head`` on."""
+
+
+def liger_head_problem(lm_head: nn.Module | None) -> str | None:
+    """What Liger's fused linear cross entropy, which computes ``F.linear(h, lm_head.weight, lm_head.bias)`` itself,
+    would leave out of ``lm_head``'s own call (``None``: nothing). ``lm_head`` is called as a module (its hooks run) on
+    :data:`LIGER_HEAD_PROBE_TOKENS` random hidden states that need a gradient: its output must equal that linear layer's
+    bit for bit, and its graph may reach no tensor needing a gradient that the weight and bias are not computed from
+    (a parametrized weight is read as it is computed). Only for weights whole on the rank (Liger's loss is refused
+    under ZeRO-3); the random generators' states are restored and no gradient is made."""
+    weight = getattr(lm_head, "weight", None)
+    if lm_head is None or not isinstance(lm_head, nn.Linear) or not isinstance(weight, Tensor):
+        return f"is a {type(lm_head).__name__}, not a linear layer"
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(LIGER_HEAD_PROBE_TOKENS, weight.shape[-1], generator=generator)
+    hidden = hidden.to(device=weight.device, dtype=weight.dtype)
+    devices = [] if weight.device.type == "cpu" else [weight.device]
+    with (
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        torch.random.fork_rng(devices=devices, device_type=weight.device.type),
+    ):
+        hidden.requires_grad_()
+        linear = F.linear(hidden, lm_head.weight, lm_head.bias)
+        output = lm_head(hidden)
+        if not isinstance(output, Tensor) or output.shape != linear.shape or not torch.equal(output, linear):
+            return "computes other than a linear layer of its weight and bias (a forward of its own, or a hook)"
+        extra = unlisted_leaves(output, unlisted_leaves(linear, []))
+    if extra:
+        shapes = ", ".join(str(tuple(t.shape)) for t in extra)
+        return f"reads tensors that need a gradient besides its weight and bias, shaped {shapes} (an adapter?)"
+    return None
 
 
 def remove_liger_kernels(model: nn.Module) -> None:

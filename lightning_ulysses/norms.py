@@ -12,7 +12,9 @@ Mamba 2's gated RMSNorm (``x * silu(gate)`` normalised in groups) is :func:`gate
 module with a gate (:func:`gated_norm_groups`). Which modules are such norms is found by what they do
 (:func:`norm_form`): a module with a 1-D ``weight`` (and
 optionally a 1-D ``bias``) and an epsilon attribute whose own forward, run on probe inputs, gives bit for bit the
-output of one of the :data:`FORMS`. A module that computes ``torch.nn.functional.layer_norm`` (``nn.LayerNorm``) is
+output of one of the :data:`FORMS`, and, in float32, the same gradients (a forward that treats a tensor as a
+constant in its backward, such as a detached statistic, would otherwise get the fused form's backward instead of its
+own). A module that computes ``torch.nn.functional.layer_norm`` (``nn.LayerNorm``) is
 found as ``"native_layer_norm"``: torch's kernel already keeps only the input and the per-token statistics, so it is
 left as it is. Anything else keeps its forward.
 """
@@ -20,7 +22,9 @@ left as it is. Anything else keeps its forward.
 from __future__ import annotations
 
 import copy
+import functools
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -215,8 +219,14 @@ def norm_form(module: nn.Module) -> NormForm | None:
         for form in forms:
             got = [_reference(x, weight, bias, eps, form) for x in probes]
             if all(_same(g, e) for g, e in zip(got, expected, strict=True)):
-                return form
-    return None
+                break
+        else:
+            return None
+    trained = _stand_in(module, probe_params, trainable=True)
+    leaves = dict(trained.named_parameters(recurse=False))
+    fused = functools.partial(_reference, weight=leaves["weight"], bias=leaves.get("bias"), eps=eps, form=form)
+    own = functools.partial(type(module).forward, trained)
+    return form if _same_gradients(own, fused, [probes[0]], list(leaves.values())) else None
 
 
 def gated_norm_groups(module: nn.Module) -> int | None:
@@ -251,8 +261,44 @@ def gated_norm_groups(module: nn.Module) -> int | None:
                 for x, gate in probes
             ]
             if all(_same(g, e) for pair, pairs in zip(got, expected, strict=True) for g, e in zip(pair, pairs)):
-                return groups
-    return None
+                break
+        else:
+            return None
+    trained = _stand_in(module, {"weight": weight}, trainable=True)
+    trained_weight = trained.weight
+    assert isinstance(trained_weight, Tensor)
+    fused = functools.partial(gated_rms_norm, weight=trained_weight, eps=eps, groups=groups)
+    inputs = [probes[0][0], torch.randn(probes[0][0].shape, generator=generator)]  # x, a gate at the scale of x
+    same = _same_gradients(functools.partial(type(module).forward, trained), fused, inputs, [trained_weight])
+    return groups if same else None
+
+
+GRADIENT_TOLERANCE = 1e-4
+"""The largest relative error (norm of the difference over the norm) between a module's float32 gradients and its
+fused form's that :func:`_same_gradients` takes as rounding: the closed-form backward against autograd's chain."""
+
+
+def _same_gradients(
+    own: Callable[..., Tensor], fused: Callable[..., Tensor], inputs: list[Tensor], parameters: list[Tensor]
+) -> bool:
+    """Whether ``own(*inputs)`` and ``fused(*inputs)`` (both reading ``parameters``, which need a gradient) have the
+    same gradients with respect to ``inputs`` and ``parameters`` for one seeded upstream gradient, in float32: their
+    forwards agree bit for bit, their backwards may not (a statistic detached in ``own``)."""
+    inputs = [t.detach().float().requires_grad_() for t in inputs]
+    leaves = [*inputs, *parameters]
+    with torch.inference_mode(False), torch.enable_grad():
+        own_output, fused_output = own(*inputs), fused(*inputs)
+        upstream = torch.randn(own_output.shape, generator=torch.Generator().manual_seed(1))
+        expected = torch.autograd.grad(own_output, leaves, upstream, allow_unused=True)
+        got = torch.autograd.grad(fused_output, leaves, upstream, allow_unused=True)
+    return all(_close_gradient(g, e, leaf) for g, e, leaf in zip(got, expected, leaves, strict=True))
+
+
+def _close_gradient(got: Tensor | None, expected: Tensor | None, leaf: Tensor) -> bool:
+    """``got`` within :data:`GRADIENT_TOLERANCE` of ``expected`` (``None``: no gradient, zeros)."""
+    got = torch.zeros_like(leaf) if got is None else got
+    expected = torch.zeros_like(leaf) if expected is None else expected
+    return bool((got - expected).norm() <= GRADIENT_TOLERANCE * expected.norm())
 
 
 def _reference(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, form: NormForm) -> Tensor:
@@ -266,12 +312,15 @@ def norm_eps(module: nn.Module) -> float | None:
     return next((v for name in EPS_ATTRIBUTES if isinstance(v := getattr(module, name, None), float)), None)
 
 
-def _stand_in(module: nn.Module, params: dict[str, Tensor]) -> nn.Module:
-    """A shallow copy of ``module`` with ``params`` as its parameters (those it holds as None kept) and no hooks."""
+def _stand_in(module: nn.Module, params: dict[str, Tensor], trainable: bool = False) -> nn.Module:
+    """A shallow copy of ``module`` with ``params`` as its parameters (those it holds as None kept; needing a gradient
+    where ``trainable``, in float32) and no hooks."""
     stand_in = copy.copy(module)
     stand_in.__dict__.update(
         _parameters={
-            name: None if name not in params else nn.Parameter(params[name], requires_grad=False)
+            name: None
+            if name not in params
+            else nn.Parameter(params[name].float() if trainable else params[name], requires_grad=trainable)
             for name in module._parameters
         },
         _forward_hooks=OrderedDict(),

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from lightning_ulysses import UlyssesStrategy
 from lightning_ulysses.liger import (
@@ -164,6 +165,60 @@ def test_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
         refuse_liger_setup(("cross_entropy",), "cuda", False, False)
     with pytest.raises(ValueError, match="computes lm_head as a linear layer"):
         liger_loss_sum(nn.Embedding(4, 4), LogitMap())
+
+
+class LoRALinear(nn.Linear):
+    """loralib's ``Linear``: an ``nn.Linear`` whose own forward adds a trainable low-rank update (``lora_B`` zero at
+    first, as LoRA starts, so the loss is the base model's and only the gradients tell)."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2) -> None:
+        super().__init__(base.in_features, base.out_features, bias=False)
+        self.weight = base.weight
+        self.weight.requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.randn(rank, base.in_features, generator=torch.Generator().manual_seed(0)))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) + x @ self.lora_A.T @ self.lora_B.T
+
+
+def test_an_lm_head_that_is_more_than_its_weight_is_refused_before_any_change(stand_in_liger: dict[str, int]) -> None:
+    """Liger's loss computes ``F.linear(h, lm_head.weight, lm_head.bias)``: a LoRA adapter inside an ``nn.Linear``
+    subclass would lose its gradient (``lora_B``'s is not zero) with the loss unchanged, and a hook would be skipped.
+    Both refused at set-up, nothing replaced; a weight computed by a parametrization is what Liger reads, accepted."""
+    model = tiny_llama()
+    ids = torch.randint(1, 60, (1, 8), generator=torch.Generator().manual_seed(0))
+    model.lm_head = LoRALinear(model.lm_head)
+    hidden = model.model(input_ids=ids).last_hidden_state.detach()
+    plain = F.cross_entropy(model.lm_head(hidden)[0], ids[0], reduction="sum")
+    liger = liger_loss_sum(model.lm_head, LogitMap())(hidden[0], ids[0], -100)
+    lora_b = model.lm_head.lora_B
+    assert torch.autograd.grad(plain, lora_b)[0].norm() > 0  # what Liger's loss would silently leave out
+    assert not liger.requires_grad and torch.allclose(liger, plain)
+    with pytest.raises(ValueError, match=r"reads tensors that need a gradient besides its weight and bias, shaped"):
+        apply_liger_kernels(model, ("rms_norm", "cross_entropy"))
+    assert not any("forward" in m.__dict__ for m in model.modules())  # refused before any norm was replaced
+
+    with torch.no_grad():
+        lora_b.normal_()  # a trained adapter: the forward differs as well
+        model.lm_head.lora_A.requires_grad_(False)
+        lora_b.requires_grad_(False)
+    with pytest.raises(ValueError, match="computes other than a linear layer of its weight and bias"):
+        apply_liger_kernels(model, ("cross_entropy",))
+    model.lm_head = nn.Linear(32, model.config.vocab_size, bias=False)
+    model.lm_head.register_forward_hook(lambda module, args, out: out * 2)
+    with pytest.raises(ValueError, match="computes other than a linear layer of its weight and bias"):
+        apply_liger_kernels(model, ("cross_entropy",))
+
+    head = nn.Linear(32, model.config.vocab_size, bias=False)
+    model.lm_head = head
+    parametrize.register_parametrization(head, "weight", _Doubled())
+    assert apply_liger_kernels(model, ("cross_entropy",))[0].option == "liger_kernels 'cross_entropy'"
+
+
+class _Doubled(nn.Module):
+    def forward(self, weight: Tensor) -> Tensor:
+        return 2 * weight
 
 
 @pytest.mark.cuda

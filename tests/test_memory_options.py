@@ -236,6 +236,40 @@ def test_a_frozen_model_in_eval_mode_next_to_a_trained_one_is_accepted() -> None
     assert report.rows[0].applies == "model.layers.* (LlamaDecoderLayer) x2 checkpointed"
 
 
+class StopGradientRMSNorm(nn.Module):
+    """Llama's RMSNorm with its statistic detached: the same forward bit for bit, a backward of its own (the reciprocal
+    RMS a constant), which the fused norm's closed form would replace."""
+
+    def __init__(self, hidden: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.variance_epsilon = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype, x = x.dtype, x.float()
+        variance = x.pow(2).mean(-1, keepdim=True).detach()
+        return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon)).to(dtype)
+
+
+def test_fused_norms_leave_a_norm_whose_backward_is_its_own() -> None:
+    """The final norm computes Llama's forward with another backward: fused, every parameter before it got the closed
+    form's gradient instead of the model's (relative error up to 0.23, the loss unchanged). It is left as it is, the
+    other norms fused, every gradient the plain model's."""
+    model = tiny_llama().train()
+    stop_gradient = StopGradientRMSNorm(32)
+    with torch.no_grad():
+        stop_gradient.weight.copy_(1 + 0.1 * torch.randn(32, generator=torch.Generator().manual_seed(2)))
+    model.model.norm = stop_gradient
+    ids = torch.randint(1, 61, (2, 12), generator=torch.Generator().manual_seed(0))
+    expected_loss, expected_grads = _loss_and_grads(model, ids)
+    report = apply_memory_options(model, MemoryOptions(fused_norms=True))
+    assert "model.norm" not in report.rows[0].applies and "model.layers.*.input_layernorm" in report.rows[0].applies
+    loss, grads = _loss_and_grads(model, ids)
+    assert _relative_error(loss, expected_loss) < 1e-6
+    for (name, _), g, e in zip(model.named_parameters(), grads, expected_grads, strict=True):
+        assert _relative_error(g, e) < 1e-5, name
+
+
 def test_report_reads_the_head_chunk_plan_and_the_tiled_loss() -> None:
     from lightning_ulysses.hf.masks import MaskPattern
     from lightning_ulysses.hf.plan import LayerPlan, ModelPlan, ProjectionChunks

@@ -252,20 +252,27 @@ def test_check_tiled_logits_refuses_a_decoder_that_differs_when_called_by_itself
 class LearnedLogitsLlama(LlamaForCausalLM):
     """A toy causal LM that makes its logits from ``lm_head``'s output with a trainable tensor, ``logits_parameter``,
     as ``config.learned_logits`` says: a temperature multiplying them (``"scale"``, 0.5), a soft-cap (``"cap"``,
-    0.5), a bias added to them (``"bias"``, zeros: at first the logits are ``lm_head``'s own), or a factor on the
-    decoder's final hidden states before ``lm_head`` (``"input_scale"``, 0.5). At its present value each is a map
-    that the tiles could apply as a constant; in training it moves as its gradient says."""
+    0.5), a bias added to them (``"bias"``, zeros: at first the logits are ``lm_head``'s own), a factor on the
+    decoder's final hidden states before ``lm_head`` (``"input_scale"``, 0.5), or a gain on the input embeddings
+    that the forward hands its decoder (``"embedding_gain"``, 1: at first the decoder called by itself computes the
+    same). At its present value each is a map that the tiles could apply as a constant; in training it moves as its
+    gradient says."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__(config)
-        bias = config.learned_logits == "bias"
-        self.logits_parameter = nn.Parameter(torch.zeros(config.vocab_size) if bias else torch.full((1,), 0.5))
+        bias, gain = config.learned_logits == "bias", config.learned_logits == "embedding_gain"
+        self.logits_parameter = nn.Parameter(
+            torch.zeros(config.vocab_size) if bias else torch.full((1,), 1.0 if gain else 0.5)
+        )
 
     def forward(
         self, input_ids: Tensor | None = None, position_ids: Tensor | None = None, **kwargs: Any
     ) -> CausalLMOutputWithPast:
-        hidden_states = self.model(input_ids=input_ids, position_ids=position_ids, **kwargs).last_hidden_state
         learned, parameter = self.config.learned_logits, self.logits_parameter
+        if learned == "embedding_gain":
+            kwargs["inputs_embeds"] = self.model.embed_tokens(input_ids) * parameter
+            input_ids = None
+        hidden_states = self.model(input_ids=input_ids, position_ids=position_ids, **kwargs).last_hidden_state
         if learned == "input_scale":
             hidden_states = hidden_states * parameter
         logits = self.lm_head(hidden_states)
@@ -290,15 +297,17 @@ LEARNED_MAPS = {  # the map the tiles apply once the tensor is frozen, and where
     "cap": (LogitMap(cap=0.5), "lm_head's output to its logits"),
     "bias": (LogitMap(), "lm_head's output to its logits"),
     "input_scale": (LogitMap(input_scale=0.5), "its decoder's final hidden states to lm_head's input"),
+    "embedding_gain": (LogitMap(), "its input to its decoder's"),
 }
 
 
 @pytest.mark.parametrize("learned", list(LEARNED_MAPS))
 def test_check_tiled_logits_refuses_a_trainable_tensor_outside_lm_head(learned: str, tmp_path: Path) -> None:
     """A model loaded with ``from_pretrained`` that scales, soft-caps or biases its logits with a trainable tensor, or
-    scales the hidden states before ``lm_head`` by one, is refused with ``tiled_loss``, naming the tensor: the tiles
-    would apply its present value as a constant and leave its gradient out. Frozen, the same tensor is a constant,
-    which the tiles apply (their logits equal the model's own). No gradient is made."""
+    scales the hidden states before ``lm_head`` or the input embeddings it hands its decoder by one, is refused with
+    ``tiled_loss``, naming the tensor: the tiles would apply its present value as a constant (the gain's, 1, as the
+    decoder called by itself does) and leave its gradient out. Frozen, the same tensor is a constant, which the tiles
+    apply (their logits equal the model's own). No gradient is made."""
     learned_logits_llama(learned).save_pretrained(tmp_path)
     model = LearnedLogitsLlama.from_pretrained(tmp_path, attn_implementation="sdpa")
     expected_map, stretch = LEARNED_MAPS[learned]

@@ -22,7 +22,11 @@ model does is read by running it, not from its config's names:
    ``lm_head``'s input and from ``lm_head``'s output (the probe values, which need no gradient) to the logits, and
    nowhere else, and a tensor needing a gradient among the leaves of either graph (a learned temperature, soft-cap
    or bias on the logits, a trainable factor on the hidden states before ``lm_head``) is refused, named by its
-   parameter: the tiles would leave its gradient out. A frozen one is a constant like the config's.
+   parameter: the tiles would leave its gradient out. A frozen one is a constant like the config's. The tiled loss
+   calls the decoder by itself, so the same run also notes (autograd off) the tensors needing a gradient that torch
+   functions receive between the model's call and its decoder's, and refuses any that is not a parameter of the
+   decoder (a learned gain on the input embeddings it hands the decoder, 1 at first, so that step 3 sees the same
+   hidden states): the decoder by itself would not compute with it.
 3. **The decoder called by itself** (after step 6 of the check, on the final plan): on this rank's shard, as the
    tiled loss calls it (``model.get_decoder()(input_ids=..., position_ids=...)``), it must return this rank's shard of
    the final hidden states of the whole run, as ``last_hidden_state``. A module that runs on the whole sequence
@@ -48,11 +52,12 @@ import functools
 import inspect
 import math
 from collections.abc import Callable, Iterable
-from typing import ParamSpec
+from typing import Any, ParamSpec
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from transformers import PreTrainedModel
 
 from lightning_ulysses.fused_loss import unlisted_leaves
@@ -317,11 +322,23 @@ def _output_map(
     (step 2's map), whose gradient the tiles would leave out. Autograd records in those two stretches only (switched
     on by hooks after the decoder's call and after ``lm_head``'s, off again before ``lm_head``'s), so the leaves of
     their graphs are what joins there: the decoder and ``lm_head`` run without it, no graph of theirs is kept, and
-    ZeRO-3's hooks see no output needing a gradient where nothing joins."""
+    ZeRO-3's hooks see no output needing a gradient where nothing joins. Refused as well: a tensor needing a gradient,
+    other than the decoder's parameters, that a torch function receives from the model's call to its decoder's
+    (:class:`_TrainableArguments`, autograd off), which the decoder called by itself would not compute with."""
     with torch.inference_mode(False):  # tensors autograd can record, even where the check runs in inference mode
         values = spread_values(output.shape, output.dtype, output.device)  # need no gradient: no leaf of lm_head's
     calls = []
     into_head: list[Tensor] = []
+    before_decoder = _TrainableArguments()
+
+    def enter_model(module: nn.Module, args: tuple) -> None:
+        if not before_decoder.active and not before_decoder.done:
+            before_decoder.__enter__()
+
+    def enter_decoder(module: nn.Module, args: tuple) -> None:
+        if before_decoder.active:
+            before_decoder.__exit__(None, None, None)
+            before_decoder.done = True
 
     def after_decoder(module: nn.Module, args: tuple, result: object) -> None:
         torch.set_grad_enabled(True)
@@ -336,6 +353,8 @@ def _output_map(
         return values if result.shape == values.shape else result
 
     handles = [
+        model.register_forward_pre_hook(enter_model),
+        decoder.register_forward_pre_hook(enter_decoder),
         decoder.register_forward_hook(after_decoder),
         lm_head.register_forward_pre_hook(before_head, with_kwargs=True),
         lm_head.register_forward_hook(replace),
@@ -348,19 +367,53 @@ def _output_map(
     finally:
         for handle in handles:
             handle.remove()
+        if before_decoder.active:  # the forward failed before its decoder's call
+            before_decoder.__exit__(None, None, None)
     if calls != [values.shape] or logits is None:
         return f"its plain forward calls its output embeddings {len(calls)} times, not once on the whole sequence"
     found = fit_output_map(values, logits.detach(), constants)
-    for stretch, joined in (
-        ("its decoder's final hidden states to lm_head's input", into_head),
-        ("lm_head's output to its logits", _trainable_leaves([logits])),
+    decoder_parameters = {id(p) for p in decoder.parameters()}
+    constants_applied = "which the tiles would apply as constants of their present values"
+    for stretch, joined, how in (
+        (
+            "its input to its decoder's",
+            [t for t in before_decoder.read.values() if id(t) not in decoder_parameters],
+            "which the tiled loss, calling its decoder by itself, would not compute with",
+        ),
+        ("its decoder's final hidden states to lm_head's input", into_head, constants_applied),
+        ("lm_head's output to its logits", _trainable_leaves([logits]), constants_applied),
     ):
         if joined and isinstance(found, LogitMap):
             return (
                 f"on the way from {stretch} it computes with tensors that need a gradient: {_described(joined, model)}"
-                ", which the tiles would apply as constants of their present values, leaving their gradients out"
+                f", {how}, leaving their gradients out"
             )
     return found
+
+
+class _TrainableArguments(TorchFunctionMode):
+    """The tensors needing a gradient that torch functions receive as arguments while the mode is on (with autograd
+    off: the model's parameters and any other leaf needing a gradient, a view of one as the tensor it views), each
+    once; entered and left by hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: dict[int, Tensor] = {}
+        self.active = self.done = False
+
+    def __enter__(self) -> _TrainableArguments:
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.active = False
+        super().__exit__(*exc)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        read = (t if t._base is None else t._base for t in tensors_of((args, kwargs)) if t.requires_grad)
+        self.read.update((id(t), t) for t in read)
+        return func(*args, **kwargs)  # the mode is off inside its own handler: no recursion
 
 
 def _trainable_leaves(tensors: Iterable[Tensor]) -> list[Tensor]:
