@@ -442,8 +442,8 @@ def test_the_checkpointed_loss_tiles_gather_the_embeddings_unit_at_every_call(on
     """The tiled loss calls ``lm_head`` (one ``fully_shard`` unit with the input embeddings) once per tile after the
     decoder's forward and again in each tile's recomputation in the backward. torch 2.11's FSDP2 gathers such a unit
     only for the first of its modules to run in a forward pass, and had resharded it before the first tile's
-    recomputation ("mixed torch.Tensor and DTensor"); every call now finds the weights gathered, and two steps' gradients
-    (their sum over the steps, as without ``zero_grad``) equal those of the plain model on one process."""
+    recomputation ("mixed torch.Tensor and DTensor"); every call now finds the weights gathered, and two steps'
+    gradients (their sum over the steps, as without ``zero_grad``) equal those of the plain model on one process."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_ulysses.fsdp_strategy import shard_transformers_models
