@@ -206,7 +206,9 @@ def whole_weights(module: nn.Module, reshard_after_forward: bool) -> Iterator[No
 
 def shard_transformers_models(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> None:
     """``fully_shard`` every outermost transformers model inside ``module`` over the 1-D ``mesh``: each decoder layer
-    (``GradientCheckpointingLayer``), then the input and output embeddings as one unit, then the decoder as the root.
+    (``GradientCheckpointingLayer``), then the input and output embeddings as one unit, each of its modules given a
+    forward pre-hook that gathers it where FSDP2 left it sharded at a call (:func:`_gather_when_sharded`), then the
+    decoder as the root.
     A model that an earlier call sharded is left as it is (the grid's ``dp x sp`` axis is the same world).
 
     Raises ``ValueError`` before any change where a trainable parameter would be left out (outside every transformers

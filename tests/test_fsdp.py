@@ -16,6 +16,9 @@ dp=2 x sp=2: plain; ring 2 x Ulysses 2; ``loss_normalization="global"`` over 2 m
 (against one token mean over each whole step); with the memory options and head chunks, the fit's validation loop, then
 ``trainer.validate`` and ``trainer.predict`` (a new Trainer) of the module the fit sharded, against the trained
 reference model on padded rows of a length that is not a multiple of sp.
+
+On one rank: the tiled loss's checkpointed tiles gather the embeddings unit at every ``lm_head`` call (tied and
+untied), their gradients those of the plain model.
 """
 
 from __future__ import annotations
