@@ -12,8 +12,9 @@ side, as torchtitan's ``parallelize_llama`` / ``apply_fsdp`` does it for context
   there too divides their memory by ``dp * sp``), found by what the model is, not by a list of names
   (:func:`shard_transformers_models`): each decoder layer (transformers' ``GradientCheckpointingLayer``) one unit, the
   input and output embeddings one unit (a tied weight has one owner; the tiled loss calls ``lm_head`` alone, outside
-  the model's forward), the decoder the root (it runs first in every path: the model's forward and the tiled loss's
-  decoder call);
+  the model's forward, once per tile and again in each tile's recomputation: a hook gathers the unit at such a call
+  where FSDP2 left it sharded, :func:`_gather_when_sharded`), the decoder the root (it runs first in every path: the
+  model's forward and the tiled loss's decoder call);
 * FSDP2 reduce-scatters the gradients as the mean over all ``W = dp * sp`` ranks, the contract of
   :mod:`lightning_ulysses.sequence_parallel`: the same loss scale ``sp`` makes the update exact;
 * checkpoints are Lightning's distributed checkpoints of ``ModelParallelStrategy`` (a folder with one shard file per
@@ -40,6 +41,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 from transformers.modeling_layers import GradientCheckpointingLayer
 from typing_extensions import override
 
@@ -204,7 +206,9 @@ def whole_weights(module: nn.Module, reshard_after_forward: bool) -> Iterator[No
 
 def shard_transformers_models(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> None:
     """``fully_shard`` every outermost transformers model inside ``module`` over the 1-D ``mesh``: each decoder layer
-    (``GradientCheckpointingLayer``), then the input and output embeddings as one unit, then the decoder as the root.
+    (``GradientCheckpointingLayer``), then the input and output embeddings as one unit, each of its modules given a
+    forward pre-hook that gathers it where FSDP2 left it sharded at a call (:func:`_gather_when_sharded`), then the
+    decoder as the root.
     A model that an earlier call sharded is left as it is (the grid's ``dp x sp`` axis is the same world).
 
     Raises ``ValueError`` before any change where a trainable parameter would be left out (outside every transformers
@@ -232,10 +236,29 @@ def shard_transformers_models(module: nn.Module, mesh: DeviceMesh, reshard_after
         for layer in layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(embeddings, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        if len(embeddings) > 1:
+            for embedding in embeddings:
+                embedding.register_forward_pre_hook(_gather_when_sharded)  # after FSDP2's own pre-forward hook
         fully_shard(decoder, mesh=mesh)  # the root: FSDP2 keeps its weights gathered from forward to backward
         setattr(
             model, UNITS_ATTRIBUTE, _Units(cast(list[FSDPModule], [*layers, embeddings[0]]), cast(FSDPModule, decoder))
         )
+
+
+def _gather_when_sharded(module: nn.Module, args: Any) -> None:
+    """A forward pre-hook of each module of a unit of several modules: gathers the unit's weights where FSDP2's own
+    pre-forward hook (which runs first) left them sharded at this call.
+
+    torch 2.11's FSDP2 runs the pre-forward hook of such a unit only for the first of its modules to run in a forward
+    pass, and its post-forward hook (the reshard, and the pre-backward hook on the output) once all of them have run.
+    The tiled loss calls ``lm_head`` once per tile after the model's forward and again in each tile's recomputation in
+    the backward, so there a call can come after the unit was resharded (by its post-forward, or by the post-backward
+    that a later tile's input triggered) and find the weight a sharded ``DTensor``. Newer FSDP2 runs the pre-forward
+    hook on every module's call, and this hook finds the weights gathered. FSDP2 reshards them again itself: at the
+    unit's next post-backward, at the latest in its final callback of the backward (which also reduces the gradients
+    made after the gathering), or after an evaluation at :meth:`UlyssesFSDPStrategy.teardown`."""
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        cast(FSDPModule, module).unshard()
 
 
 def _outermost(modules: Any) -> list[nn.Module]:

@@ -16,6 +16,9 @@ dp=2 x sp=2: plain; ring 2 x Ulysses 2; ``loss_normalization="global"`` over 2 m
 (against one token mean over each whole step); with the memory options and head chunks, the fit's validation loop, then
 ``trainer.validate`` and ``trainer.predict`` (a new Trainer) of the module the fit sharded, against the trained
 reference model on padded rows of a length that is not a multiple of sp.
+
+On one rank: the tiled loss's checkpointed tiles gather the embeddings unit at every ``lm_head`` call (tied and
+untied), their gradients those of the plain model.
 """
 
 from __future__ import annotations
@@ -435,6 +438,41 @@ def test_sharding_units_and_the_refusal_of_parameters_outside_them(monkeypatch: 
     fsdp_strategy.shard_transformers_models(module, mesh=None)  # type: ignore[arg-type]
     layers = list(llama.model.layers)
     assert sharded == [*layers, [llama.model.embed_tokens, llama.lm_head], llama.model]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_checkpointed_loss_tiles_gather_the_embeddings_unit_at_every_call(one_rank: None, tied: bool) -> None:
+    """The tiled loss calls ``lm_head`` (one ``fully_shard`` unit with the input embeddings) once per tile after the
+    decoder's forward and again in each tile's recomputation in the backward. torch 2.11's FSDP2 gathers such a unit
+    only for the first of its modules to run in a forward pass, and had resharded it before the first tile's
+    recomputation ("mixed torch.Tensor and DTensor"); every call now finds the weights gathered, and two steps'
+    gradients (their sum over the steps, as without ``zero_grad``) equal those of the plain model on one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_ulysses.fsdp_strategy import shard_transformers_models
+    from lightning_ulysses.logits import TiledLogits, cross_entropy_sum, fused_loss_sum
+
+    num_tiles, steps = 3, 2
+    reference, model = tiny_llama(tie_word_embeddings=tied), tiny_llama(tie_word_embeddings=tied)
+    input_ids = collate(make_samples(num=2, seq_len=13))["input_ids"]
+    labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=-100)  # the next token; none after the last
+    for _ in range(steps):
+        logits = reference(input_ids=input_ids).logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").backward()
+    shard_transformers_models(torch.nn.ModuleDict({"model": model}), init_device_mesh("cpu", (1,)))
+    lm_head = model.lm_head
+    weights_at_calls: list[bool] = []
+    lm_head.register_forward_pre_hook(lambda module, args: weights_at_calls.append(isinstance(module.weight, DTensor)))
+    assert fused_loss_sum(lm_head, num_tiles) is None  # sharded: the checkpointed tiles
+    for _ in range(steps):
+        hidden_states = model.model(input_ids=input_ids).last_hidden_state
+        cross_entropy_sum(TiledLogits(hidden_states, lm_head, num_tiles), labels).backward()
+    assert weights_at_calls == [False] * (2 * num_tiles * steps)  # the forward's tiles, then their recomputations
+    expected = dict(reference.named_parameters())
+    for name, parameter in model.named_parameters():
+        assert isinstance(parameter, DTensor), f"{name} sharded again after the backward"
+        grad = parameter.grad.full_tensor()  # type: ignore[union-attr]
+        torch.testing.assert_close(grad, expected[name].grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize(
