@@ -137,17 +137,19 @@ def _own_gradient(module: nn.Module, x: Tensor) -> str | None:
         return f"cannot be run with a gradient in training mode ({type(error).__name__}: {error})"
     if any(g is not None and bool(g.any()) for g in grads):
         return (
-            "it adds a gradient of its own (its input's or its parameters' gradient is not zero where its outputs' "
-            "is): an auxiliary loss that only the backward sees, which in tiles would be computed per tile"
+            "it adds a gradient of its own (a zero gradient of its outputs gives its input or parameters a non-zero "
+            "one: an auxiliary loss that only the backward sees, as DeepSeek-V2's MoE adds), which in tiles would be "
+            "computed from each tile's tokens and differ"
         )
     return None
 
 
 @contextmanager
 def _backward_hooks_off(module: nn.Module) -> Iterator[None]:
-    """Within the block no module inside ``module`` has backward hooks: the probe's backward is no step's (ZeRO-3
-    reduces a leaf module's gradients, a mixture-of-experts block's, in one such hook). Its forward hooks, which
-    gather ZeRO-3's parameters for the forward and backward, stay."""
+    """Within the block no module inside ``module`` has backward hooks: the probe's backward is no step's. ZeRO-3
+    reduces the gradients of a leaf module (DeepSpeed makes Mixtral's and Qwen-MoE's blocks leaves) in such a hook,
+    and would queue them twice in the first step. The forward hooks, which gather ZeRO-3's parameters for the forward
+    and the backward, stay."""
     kept = [(m, m._backward_hooks, m._backward_pre_hooks) for m in module.modules()]
     try:
         for m, _, _ in kept:
