@@ -8,14 +8,20 @@ the residual update, whatever its class (``mlp``, ``feed_forward``, ``block_spar
 A candidate is **tiled** when its output on the probe's hidden states equals, tensor by tensor, its tiles' outputs put
 together (:func:`~.tiling.tiled_map`, which tiles the sequence and keeps the ``[batch, tile, hidden]`` input a
 mixture-of-experts block needs): in 3 tiles, in one-token tiles with an empty one, and in 3 tiles of a sequence that
-repeats one token (all routed alike: a capacity-limited router drops tokens there, and differs). Anything else is
-reported with the reason and left as it is: its output for a token depends on other tokens.
+repeats one token (all routed alike: a capacity-limited router drops tokens there, and differs); and when it adds
+no gradient of its own: run in training mode on the probe's hidden states, a zero gradient of its outputs gives a zero
+gradient of its input and of its trainable parameters (:func:`_own_gradient`). A feed-forward that adds one (an
+auxiliary loss that only the backward sees, as DeepSeek-V2's remote-code MoE adds its load-balancing loss through an
+identity autograd function) would compute it from each tile's tokens instead of all of them, and its gradient would
+differ with the same loss. Anything else is reported with the reason and left as it is.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -64,7 +70,9 @@ def judge_feed_forwards(candidates: dict[nn.Module, str], calls: dict[nn.Module,
         call = calls.get(module, [None])[0]
         x = None if call is None else _hidden_states(call)
         if call is not None and x is not None:
-            found.append(FeedForward(name, module, _not_token_wise(module, x, call.output)))
+            # both checks on every candidate: under ZeRO-3 each call gathers parameters, alike on every rank
+            own_gradient, not_token_wise = _own_gradient(module, x), _not_token_wise(module, x, call.output)
+            found.append(FeedForward(name, module, own_gradient or not_token_wise))
         # else: not called with the hidden states alone (attention, a mixer, unused): not a feed-forward
     device = next((p.device for ff in found for p in ff.module.parameters()), torch.device("cpu"))
     agreed = agreed_on_all_ranks([ff.problem is None for ff in found], device)
@@ -100,6 +108,56 @@ def _not_token_wise(module: nn.Module, x: Tensor, whole: Any) -> str | None:
     except Exception as error:  # noqa: BLE001 - a module that cannot run on tiles is not tiled, with the reason
         return f"cannot be run on tiles of the sequence ({type(error).__name__}: {error})"
     return None
+
+
+def _own_gradient(module: nn.Module, x: Tensor) -> str | None:
+    """Why ``module`` adds a gradient of its own, or None: called in training mode on ``x`` (``[2, PROBE_TOKENS,
+    hidden]``), with autograd on, a zero gradient of its floating-point outputs must give a zero gradient of ``x``
+    and of every trainable parameter (made by :func:`torch.autograd.grad`: no ``.grad`` is written). Every
+    module's mode and the random generators' states (the CPU's and that of ``x``'s device) are restored."""
+    # imported here: lightning_ulysses.hf imports this package (recomputed_in_backward) as it loads
+    from lightning_ulysses.hf.check.tensors import modes_restored
+
+    devices = [] if x.device.type == "cpu" else [x.device]
+    try:
+        with (
+            _backward_hooks_off(module),
+            modes_restored(module),
+            torch.random.fork_rng(devices=devices, device_type=x.device.type),
+            torch.inference_mode(False),
+            torch.enable_grad(),
+        ):
+            module.train()
+            probe = x.detach().clone().requires_grad_()
+            inputs = [probe, *(p for p in module.parameters() if p.requires_grad)]
+            outputs = [t for t in _tensors(module(probe)) if t.requires_grad]
+            zeros = [torch.zeros_like(t) for t in outputs]
+            grads = torch.autograd.grad(outputs, inputs, zeros, allow_unused=True) if outputs else ()
+    except Exception as error:  # noqa: BLE001 - a module whose gradient cannot be probed is not tiled, with the reason
+        return f"cannot be run with a gradient in training mode ({type(error).__name__}: {error})"
+    if any(g is not None and bool(g.any()) for g in grads):
+        return (
+            "it adds a gradient of its own (a zero gradient of its outputs gives its input or parameters a non-zero "
+            "one: an auxiliary loss that only the backward sees, as DeepSeek-V2's MoE adds), which in tiles would be "
+            "computed from each tile's tokens and differ"
+        )
+    return None
+
+
+@contextmanager
+def _backward_hooks_off(module: nn.Module) -> Iterator[None]:
+    """Within the block no module inside ``module`` has backward hooks: the probe's backward is no step's. ZeRO-3
+    reduces the gradients of a leaf module (DeepSpeed makes Mixtral's and Qwen-MoE's blocks leaves) in such a hook,
+    and would queue them twice in the first step. The forward hooks, which gather ZeRO-3's parameters for the forward
+    and the backward, stay."""
+    kept = [(m, m._backward_hooks, m._backward_pre_hooks) for m in module.modules()]
+    try:
+        for m, _, _ in kept:
+            m._backward_hooks, m._backward_pre_hooks = OrderedDict(), OrderedDict()
+        yield
+    finally:
+        for m, hooks, pre_hooks in kept:
+            m._backward_hooks, m._backward_pre_hooks = hooks, pre_hooks
 
 
 def _same_outputs(got: Any, expected: Any) -> bool:
