@@ -396,7 +396,7 @@ def _llama_with_a_convolution() -> PreTrainedModel:
 
 
 def _llama_with_an_auxiliary_loss() -> PreTrainedModel:
-    """A checkpoint's Llama (``save_pretrained`` / ``from_pretrained``) whose layer 1 runs an MoE that, in training,
+    """A checkpoint's Llama (``save_pretrained`` / ``from_pretrained``) whose layers run an MoE that, in training,
     adds DeepSeek-V2's load-balancing loss through the backward only (:class:`~tests.tiny.AuxiliaryLossMoE`)."""
     distributed = dist.is_initialized()
     with tempfile.TemporaryDirectory() as own_folder:
@@ -410,7 +410,8 @@ def _llama_with_an_auxiliary_loss() -> PreTrainedModel:
         if distributed:  # rank 0 removes its folder once every rank has read it
             dist.barrier()
     torch.manual_seed(1)
-    model.model.layers[1].mlp = AuxiliaryLossMoE(model.config.hidden_size).eval()
+    for layer in model.model.layers:
+        layer.mlp = AuxiliaryLossMoE(model.config.hidden_size).eval()
     return model
 
 
@@ -554,8 +555,8 @@ def test_sinks_and_chunks_run_exactly_across_ranks(sp_results: list[dict[str, An
         # the router's load-balancing loss would be each shard's: refused before any step, whatever the module's mode
         (
             "auxiliary_loss",
-            r"model\.layers\.1\.mlp \(AuxiliaryLossMoE\): adds a gradient of its own in training(.|\n)*Train this "
-            r"model with sp_size=1, or disable the auxiliary loss",
+            r"model\.layers\.0\.mlp \(AuxiliaryLossMoE\): adds a gradient of its own in training(.|\n)*sp_size=1, or "
+            r"disable the auxiliary loss(.|\n)*model\.layers\.1\.mlp \(AuxiliaryLossMoE\): adds a gradient",
         ),
         # a gathered output longer than the sequence has no zigzag shard
         (

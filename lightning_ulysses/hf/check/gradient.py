@@ -39,8 +39,8 @@ OWN_GRADIENT = (
 
 def check_own_gradient(model: PreTrainedModel, input_ids: Tensor, position_ids: Tensor) -> list[Finding]:
     """The modules of the plain ``model`` that add a gradient of their own (see the module docstring), called on
-    ``[B, N]`` ``input_ids`` and ``position_ids``: the innermost modules whose outputs get a zero gradient while
-    parameters inside them get a non-zero one (the model itself where none is found). Not collective."""
+    ``[B, N]`` ``input_ids`` and ``position_ids``: the innermost modules that add one (the model itself where none
+    is named). Not collective."""
     names = {module: name for name, module in model.named_modules()}
     parameters = [p for p in model.parameters() if p.requires_grad]
     outputs_of: dict[nn.Module, list[Tensor]] = {}
@@ -75,7 +75,7 @@ def check_own_gradient(model: PreTrainedModel, input_ids: Tensor, position_ids: 
             given = {p for p, g in zip(wrt, grads, strict=True) if g is not None and bool(g.any())}
             if not given:
                 return []
-            owners = _owners(model, names, outputs_of, returned, given)
+            owners = _owners(model, names, outputs_of, given)
     except Exception as error:  # noqa: BLE001 - a model whose gradient cannot be probed is refused, with the reason
         problem = f"cannot be run with a gradient in training mode ({type(error).__name__}: {error})"
         return [Finding(type(model).__name__, problem)]
@@ -85,19 +85,24 @@ def check_own_gradient(model: PreTrainedModel, input_ids: Tensor, position_ids: 
 
 
 def _owners(
-    model: nn.Module,
-    names: dict[nn.Module, str],
-    outputs_of: dict[nn.Module, list[Tensor]],
-    returned: list[Tensor],
-    given: set[Tensor],
+    model: nn.Module, names: dict[nn.Module, str], outputs_of: dict[nn.Module, list[Tensor]], given: set[Tensor]
 ) -> list[nn.Module]:
-    """The innermost modules whose outputs' gradient is zero while a parameter in ``given`` is theirs."""
-    modules = [m for m in outputs_of if m is not model and any(p in given for p in m.parameters())]
-    unique = list({id(t): t for m in modules for t in outputs_of[m]}.values())
-    zeros = [torch.zeros_like(t) for t in returned]
-    grads = torch.autograd.grad(returned, unique, zeros, allow_unused=True) if unique else ()
-    nonzero = {id(t) for t, g in zip(unique, grads, strict=True) if g is not None and bool(g.any())}
-    adding = [m for m in modules if not any(id(t) in nonzero for t in outputs_of[m])]
+    """The innermost modules that hold a parameter in ``given`` and add a gradient of their own: on the recorded
+    graph, a zero gradient of the module's own outputs gives its parameters a non-zero one. ``[]`` where the graph
+    cannot tell (an output changed in place later, say)."""
+    adding = []
+    try:
+        for module in outputs_of:
+            parameters = [p for p in module.parameters() if p.requires_grad]
+            if module is model or not any(p in given for p in parameters):
+                continue
+            outputs = outputs_of[module]
+            zeros = [torch.zeros_like(t) for t in outputs]
+            grads = torch.autograd.grad(outputs, parameters, zeros, retain_graph=True, allow_unused=True)
+            if any(g is not None and bool(g.any()) for g in grads):
+                adding.append(module)
+    except Exception:  # noqa: BLE001 - naming is best effort: the model itself is named then
+        return []
     inner = [m for m in adding if not any(o is not m and o in adding for o in m.modules())]
     return sorted(inner, key=lambda m: names[m])
 
