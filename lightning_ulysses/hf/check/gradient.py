@@ -1,13 +1,15 @@
-"""Step 8 of the set-up check (``sp > 1``): the plain model adds no gradient of its own in training.
+"""Step 8 of the set-up check (``sp > 1``): the model adds no gradient of its own in training.
 
 Some modules attach a loss that only the backward sees: DeepSeek-V2's remote-code MoE returns
 ``AddAuxiliaryLoss.apply(y, aux_loss)``, an identity whose backward gives ``aux_loss`` a gradient of 1, so that the
 load-balancing loss reaches the router without appearing in the model's loss. Under sequence parallelism each rank
 would compute that loss from its shard of the sequence's tokens (a nonlinear statistic of the shard, not of the whole
 sequence), with a gradient of 1 per rank that the SP loss scale does not reach: the router's update would differ
-silently from one process's. Found by behaviour: the plain (unpatched) model, in training mode with autograd on, on
-the check's probe tokens, must give every trainable parameter and the input embeddings' output a zero gradient when
-every output it returns gets one (:func:`torch.autograd.grad`: no ``.grad`` is written, no parameter's gradient hook
+silently from one process's. Found by behaviour: the model with sequence parallelism disabled (the whole sequence on
+one rank, as exact as the plain model, with the patch's kernels: a token mixer runs its sharded kernels at ``sp=1``,
+not a fused training kernel), in training mode with autograd on, on the check's probe tokens, must give every
+trainable parameter and the input embeddings' output a zero gradient when every output it returns gets one
+(:func:`torch.autograd.grad`: no ``.grad`` is written, no parameter's gradient hook
 runs). Module backward hooks are kept from firing (:func:`~lightning_ulysses.hf.check.tensors.backward_hooks_off`:
 ZeRO-3 reduces leaf modules' gradients in them); ZeRO-3 gathers the parameters through its forward hooks, for the
 forward and the backward, as in the check's other calls. Modes and random states are restored.
@@ -23,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from lightning_ulysses.hf.apply import unpatched
+from lightning_ulysses.hf.apply import sequence_parallel_disabled
 from lightning_ulysses.hf.check.findings import module_label
 from lightning_ulysses.hf.check.tensors import backward_hooks_off, hooks, modes_restored, tensors_of
 from lightning_ulysses.hf.plan import Finding
@@ -38,7 +40,7 @@ OWN_GRADIENT = (
 
 
 def check_own_gradient(model: PreTrainedModel, input_ids: Tensor, position_ids: Tensor) -> list[Finding]:
-    """The modules of the plain ``model`` that add a gradient of their own (see the module docstring), called on
+    """The modules of ``model`` that add a gradient of their own (see the module docstring), called on
     ``[B, N]`` ``input_ids`` and ``position_ids``: the innermost modules that add one (the model itself where none
     is named). Not collective."""
     names = {module: name for name, module in model.named_modules()}
@@ -62,7 +64,7 @@ def check_own_gradient(model: PreTrainedModel, input_ids: Tensor, position_ids: 
             torch.random.fork_rng(devices=devices, device_type=input_ids.device.type),
             torch.enable_grad(),
             checkpointing_off(model),
-            unpatched(model),
+            sequence_parallel_disabled(model),
             hooks(model, record),
             _forward_hook(model.get_input_embeddings(), leaf_input),
         ):
