@@ -2,8 +2,8 @@
 
 Single-process cases run the check at ``sp_size=1`` (mask-only windows, biases, attention arguments,
 attention masks given to the model); the two-rank launch runs it at ``sp=2`` (token mixers outside
-attention, length-dependent RoPE made exact). "Exact" is always against the plain, unpatched model on
-the whole sequence.
+attention, length-dependent RoPE made exact, a module adding a loss of its own in the backward). "Exact" is always
+against the plain, unpatched model on the whole sequence.
 """
 
 from __future__ import annotations

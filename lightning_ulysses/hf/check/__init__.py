@@ -41,7 +41,7 @@ does in a step (:mod:`~lightning_ulysses.hf.check.zero3`):
    shard it must return its shard of the whole run's final hidden states, else the plan's logits say why and
    ``tiled_loss`` is refused (:mod:`~lightning_ulysses.hf.check.logits`; a module gathered around the decoder does
    not run in that call).
-8. **No gradient of its own** (``sp > 1``): the plain model, in training mode, on the whole sequence, must give its
+8. **No gradient of its own** (``sp > 1``): the model, in training mode, on the whole sequence, must give its
    parameters and input embeddings a zero gradient when every output it returns gets one; a module that adds a loss
    only the backward sees (DeepSeek-V2's MoE load-balancing loss) would compute it from each rank's shard and is
    refused (:mod:`~lightning_ulysses.hf.check.gradient`). One forward and backward more at set-up.
