@@ -7,12 +7,14 @@ would compute that loss from its shard of the sequence's tokens (a nonlinear sta
 sequence), with a gradient of 1 per rank that the SP loss scale does not reach: the router's update would differ
 silently from one process's. Found by behaviour: the model with sequence parallelism disabled (the whole sequence on
 one rank, as exact as the plain model, with the patch's kernels: a token mixer runs its sharded kernels at ``sp=1``,
-not a fused training kernel), in training mode with autograd on, on the check's probe tokens, must give every
-trainable parameter and the input embeddings' output a zero gradient when every output it returns gets one
-(:func:`torch.autograd.grad`: no ``.grad`` is written, no parameter's gradient hook
-runs). Module backward hooks are kept from firing (:func:`~lightning_ulysses.hf.check.tensors.backward_hooks_off`:
-ZeRO-3 reduces leaf modules' gradients in them); ZeRO-3 gathers the parameters through its forward hooks, for the
-forward and the backward, as in the check's other calls. Modes and random states are restored.
+not a fused training kernel), in training mode with autograd on, on the check's probe tokens, must give the input
+embeddings' output a zero gradient when every output it returns gets one (:func:`torch.autograd.grad`: no ``.grad`` is
+written, no parameter's gradient hook runs). The gradient is taken with respect to that one ``[B, N, hidden]`` tensor,
+not the parameters: a loss computed from the tokens reaches it, and a model's worth of parameter gradients at set-up
+would not fit where the weights barely do (ZeRO-3); the modules are named only where it is non-zero. Module backward
+hooks are kept from firing (:func:`~lightning_ulysses.hf.check.tensors.backward_hooks_off`: ZeRO-3 reduces leaf
+modules' gradients in them); ZeRO-3 gathers the parameters through its forward hooks, for the forward and the
+backward, as in the check's other calls. Modes and random states are restored.
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ def check_own_gradient(model: PreTrainedModel, input_ids: Tensor, position_ids: 
     ``[B, N]`` ``input_ids`` and ``position_ids``: the innermost modules that add one (the model itself where none
     is named). Not collective."""
     names = {module: name for name, module in model.named_modules()}
-    parameters = [p for p in model.parameters() if p.requires_grad]
     outputs_of: dict[nn.Module, list[Tensor]] = {}
     embedded: list[Tensor] = []
 
@@ -72,12 +73,12 @@ def check_own_gradient(model: PreTrainedModel, input_ids: Tensor, position_ids: 
             output = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
             returned = [t for t in tensors_of(output) if t.requires_grad]
             zeros = [torch.zeros_like(t) for t in returned]
-            wrt = [*parameters, *embedded]
-            grads = torch.autograd.grad(returned, wrt, zeros, retain_graph=True, allow_unused=True) if returned else ()
-            given = {p for p, g in zip(wrt, grads, strict=True) if g is not None and bool(g.any())}
-            if not given:
+            grads = (
+                torch.autograd.grad(returned, embedded, zeros, retain_graph=True, allow_unused=True) if returned else ()
+            )
+            if not any(g is not None and bool(g.any()) for g in grads):
                 return []
-            owners = _owners(model, names, outputs_of, given)
+            owners = _owners(model, names, outputs_of)
     except Exception as error:  # noqa: BLE001 - a model whose gradient cannot be probed is refused, with the reason
         problem = f"cannot be run with a gradient in training mode ({type(error).__name__}: {error})"
         return [Finding(type(model).__name__, problem)]
@@ -87,16 +88,16 @@ def check_own_gradient(model: PreTrainedModel, input_ids: Tensor, position_ids: 
 
 
 def _owners(
-    model: nn.Module, names: dict[nn.Module, str], outputs_of: dict[nn.Module, list[Tensor]], given: set[Tensor]
+    model: nn.Module, names: dict[nn.Module, str], outputs_of: dict[nn.Module, list[Tensor]]
 ) -> list[nn.Module]:
-    """The innermost modules that hold a parameter in ``given`` and add a gradient of their own: on the recorded
-    graph, a zero gradient of the module's own outputs gives its parameters a non-zero one. ``[]`` where the graph
-    cannot tell (an output changed in place later, say)."""
+    """The innermost modules that add a gradient of their own: on the recorded graph, a zero gradient of the module's
+    own outputs gives its trainable parameters a non-zero one. ``[]`` where the graph cannot tell (an output changed
+    in place later, say)."""
     adding = []
     try:
         for module in outputs_of:
             parameters = [p for p in module.parameters() if p.requires_grad]
-            if module is model or not any(p in given for p in parameters):
+            if module is model or not parameters:
                 continue
             outputs = outputs_of[module]
             zeros = [torch.zeros_like(t) for t in outputs]
