@@ -67,8 +67,9 @@ class AttentionDropoutMasks:
 class DropoutLM(TinyCausalLM):
     """Records the masks of every ``nn.Dropout`` of its model and whether the forward touched the shared generator."""
 
-    def __init__(self) -> None:
+    def __init__(self, attention: AttentionDropoutMasks | None = None) -> None:
         super().__init__(lr=0.1, **MODEL)
+        self.attention = attention
         self.masks: list[dict[str, tuple[Tensor, Tensor]]] = []  # per forward: module -> (kept, input nonzero)
         self.mlp_dropout_calls = 0
         self.shared_untouched: list[bool] = []
@@ -80,13 +81,17 @@ class DropoutLM(TinyCausalLM):
 
     def _record(self, name: str) -> Any:
         def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-            if module.training:
+            if module.training and self.masks:  # not the set-up check's training-mode probe, before any step
                 self.masks[-1][name] = (output.detach() != 0, inputs[0].detach() != 0)
 
         return hook
 
     def _count_mlp_dropout(self, module: nn.Module, inputs: tuple[Tensor, ...]) -> None:
-        self.mlp_dropout_calls += module.training
+        self.mlp_dropout_calls += module.training and bool(self.masks)
+
+    def on_train_start(self) -> None:
+        if self.attention is not None:  # drawn by the set-up check's training-mode probe, before any step
+            self.attention.masks.clear()
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         self.masks.append({})
@@ -102,7 +107,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     for checkpointed in (False, True):
         L.seed_everything(SEED)
         attention = AttentionDropoutMasks()
-        module = DropoutLM()
+        module = DropoutLM(attention)
         strategy = UlyssesStrategy(
             sp_size=2, stage=2, attn_implementation="sdpa", activation_checkpointing=checkpointed
         )

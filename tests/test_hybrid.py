@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import inspect
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -241,14 +241,23 @@ def initial_weights(case: dict[str, Any]) -> dict[str, Tensor]:
     }
 
 
-def _fused_layer_kernel(*args: Any, **kwargs: Any) -> Tensor:
-    raise AssertionError("a fused whole-layer Mamba kernel ran on this rank's shard under sequence parallelism")
+def _fused_layer_kernel(model: torch.nn.Module) -> Callable[..., None]:
+    """A stand-in for mamba_ssm's fused layer kernel: it must not run on a rank's shard under sequence parallelism;
+    elsewhere (the set-up check's training-mode probe, sequence parallelism disabled) it is the torch fallback, which
+    returns ``None``."""
+
+    def kernel(*args: Any, **kwargs: Any) -> None:
+        state = getattr(model, "_ulysses_state", None)
+        if state is not None and state.sp_size > 1:
+            raise AssertionError("a fused whole-layer Mamba kernel ran on this rank's shard under sequence parallelism")
+
+    return kernel
 
 
 class KernelTokens:
     """Counts the tokens (rows x sequence, per head slot) that the sequential kernels of a modeling module receive,
     per training call of the token mixer that calls them, next to the whole rows' token count of that call (the set-up
-    check's calls, in eval mode, are not counted)."""
+    check's calls, in eval mode or with sequence parallelism disabled, are not counted)."""
 
     def __init__(self, modeling: Any) -> None:
         self.modeling = modeling
@@ -275,7 +284,7 @@ class KernelTokens:
         """Start a new count at every call of a token mixer of ``model``: ``[B, N/sp, C]`` hidden states in."""
 
         def new_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            if not module.training:
+            if not module.training or module._ulysses_state.sp_size == 1:  # the set-up check's calls
                 self.calls.append(None)
                 return
             hidden = next(t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.dim() == 3)
@@ -293,12 +302,12 @@ class KernelTokens:
 def fit_case(name: str, case: dict[str, Any], world_size: int, folder: str) -> dict[str, Any]:
     recipe = recipe_of(case)
     modeling = sys.modules[recipe.model_class.__module__]
+    counter = KernelTokens(modeling)
+    model, _ = build_model(recipe)  # the family's attention (eager where it has it), then the saved weights
     if case.get("fused"):  # mamba_ssm's fused layer kernel, which the layer calls first in training
         for kernel in FUSED_LAYER_KERNELS:
             if hasattr(modeling, kernel):
-                setattr(modeling, kernel, _fused_layer_kernel)
-    counter = KernelTokens(modeling)
-    model, _ = build_model(recipe)  # the family's attention (eager where it has it), then the saved weights
+                setattr(modeling, kernel, _fused_layer_kernel(model))
     model.load_state_dict(torch.load(Path(folder) / f"{name}.pt"))
     counter.watch(model, case["sp"])
     module = HybridModule(model, loss_scale=1.0)

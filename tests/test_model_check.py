@@ -2,14 +2,15 @@
 
 Single-process cases run the check at ``sp_size=1`` (mask-only windows, biases, attention arguments,
 attention masks given to the model); the two-rank launch runs it at ``sp=2`` (token mixers outside
-attention, length-dependent RoPE made exact). "Exact" is always against the plain, unpatched model on
-the whole sequence.
+attention, length-dependent RoPE made exact, a module adding a loss of its own in the backward). "Exact" is always
+against the plain, unpatched model on the whole sequence.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import tempfile
 from typing import Any
 
 import pytest
@@ -33,6 +34,7 @@ from lightning_ulysses.hf.masks import MaskPattern, identify_pattern
 from lightning_ulysses.sharding import prepare_batch, shard_batch
 from lightning_ulysses.topology import SequenceParallelTopology
 from tests.launch import launch
+from tests.tiny import AuxiliaryLossMoE
 from tests.zoo_configs import tiny_recipe
 
 pytestmark = pytest.mark.distributed
@@ -169,6 +171,15 @@ def test_a_window_switched_off_is_no_window() -> None:
     assert relative_error(got, expected) < 1e-5
     plan, problems = read_layer_call(model.model.layers[0].self_attn, MaskPattern(), "", {"sliding_window": 0})
     assert (plan, problems) == (LayerPlan(MaskPattern()), [])  # as passed to attention by Mistral-style layers
+
+
+def test_a_loss_of_its_own_in_the_backward_runs_at_sp_size_1() -> None:
+    """One process per sequence computes the auxiliary loss from the whole sequence: exact, not refused (at ``sp=2``
+    it is: :func:`test_token_mixers_and_local_indices_are_refused_on_every_rank`)."""
+    model = _llama_with_an_auxiliary_loss()
+    ids, positions = packed_ids_and_positions()
+    expected = plain_logits(model, ids, positions)
+    assert relative_error(_patched_logits(model, ids, positions), expected) < 1e-5
 
 
 def test_a_bias_added_through_the_mask_is_refused_and_the_model_left_plain() -> None:
@@ -384,6 +395,26 @@ def _llama_with_a_convolution() -> PreTrainedModel:
     return _llama_with_a_mixer(CausalConvolution)
 
 
+def _llama_with_an_auxiliary_loss() -> PreTrainedModel:
+    """A checkpoint's Llama (``save_pretrained`` / ``from_pretrained``) whose layers run an MoE that, in training,
+    adds DeepSeek-V2's load-balancing loss through the backward only (:class:`~tests.tiny.AuxiliaryLossMoE`)."""
+    distributed = dist.is_initialized()
+    with tempfile.TemporaryDirectory() as own_folder:
+        folder = [own_folder]
+        if distributed:  # transformers writes on rank 0 only: every rank reads rank 0's folder
+            dist.broadcast_object_list(folder, src=0)
+        tiny_model("llama").save_pretrained(folder[0])
+        if distributed:
+            dist.barrier()
+        model = AutoModelForCausalLM.from_pretrained(folder[0], attn_implementation="sdpa").eval()
+        if distributed:  # rank 0 removes its folder once every rank has read it
+            dist.barrier()
+    torch.manual_seed(1)
+    for layer in model.model.layers:
+        layer.mlp = AuxiliaryLossMoE(model.config.hidden_size).eval()
+    return model
+
+
 SP_CASES: dict[str, Any] = {  # the sequence (SEQ=40) runs beyond the original maximum position (16) of both RoPEs
     "dynamic_rope": lambda: tiny_model(
         "llama",
@@ -415,6 +446,7 @@ SP_CASES: dict[str, Any] = {  # the sequence (SEQ=40) runs beyond the original m
     "user_written_mixer_gathered_ring": _llama_with_a_mixer,
     "padded_convolution_gathered": _llama_with_a_convolution,  # the gathered module returns N + 2 tokens too
     "padded_convolution_gathered_ring": _llama_with_a_convolution,
+    "auxiliary_loss": _llama_with_an_auxiliary_loss,  # a loss of its own in the backward, per rank's shard
 }
 GATHERED = {
     "user_written_mixer_gathered",
@@ -519,6 +551,12 @@ def test_sinks_and_chunks_run_exactly_across_ranks(sp_results: list[dict[str, An
             r"model\.layers\.1\.mlp\.1 \(CausalCumulativeMean\): changes its output when the "
             r"sequence is split(.|\n)*UlyssesStrategy\(sequence_mixers='gather'\) runs "
             r"such layers",
+        ),
+        # the router's load-balancing loss would be each shard's: refused before any step, whatever the module's mode
+        (
+            "auxiliary_loss",
+            r"model\.layers\.0\.mlp \(AuxiliaryLossMoE\): adds a gradient of its own in training(.|\n)*sp_size=1, or "
+            r"disable the auxiliary loss(.|\n)*model\.layers\.1\.mlp \(AuxiliaryLossMoE\): adds a gradient",
         ),
         # a gathered output longer than the sequence has no zigzag shard
         (

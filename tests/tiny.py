@@ -8,7 +8,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from transformers import CONFIG_MAPPING, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -373,3 +373,40 @@ def plain_lightning_training(
     sampler = DPStepSampler(len(samples), dp_size, batch_size)
     trainer.fit(module, DataLoader(samples, batch_size=batch_size * dp_size, sampler=sampler, collate_fn=collate))
     return module.losses, {name: p.detach().clone() for name, p in module.model.named_parameters()}, trainer.global_step
+
+
+class AddAuxiliaryLoss(torch.autograd.Function):
+    """DeepSeek-V2's (remote code): returns ``x`` as it is; the backward gives ``loss`` a gradient of 1, so that the
+    load-balancing loss's gradient reaches the router without appearing in the model's loss."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, loss: Tensor) -> Tensor:
+        ctx.dtype = loss.dtype
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        return grad, torch.ones((), dtype=ctx.dtype, device=grad.device)
+
+
+class AuxiliaryLossMoE(nn.Module):
+    """Top-1 mixture of experts, token-wise in its forward; in training its router's inputs are jittered at random
+    (as Mixtral's ``router_jitter_noise``) and DeepSeek-V2's load-balancing loss over the call's tokens (each expert's
+    mean probability times its share of the tokens) joins the gradient only: computed per tile it would differ."""
+
+    def __init__(self, hidden: int, experts: int = 2, alpha: float = 0.1) -> None:
+        super().__init__()
+        self.alpha = alpha
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(experts))
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        routed = flat * torch.empty_like(flat).uniform_(0.99, 1.01) if self.training else flat
+        scores = self.gate(routed).softmax(-1)
+        weight, choice = scores.max(-1)
+        out = sum((choice == i)[:, None] * weight[:, None] * expert(flat) for i, expert in enumerate(self.experts))
+        if self.training:
+            share = F.one_hot(choice, len(self.experts)).to(scores.dtype).mean(0)
+            out = AddAuxiliaryLoss.apply(out, (scores.mean(0) * share).sum() * len(self.experts) * self.alpha)
+        return out.view_as(x)

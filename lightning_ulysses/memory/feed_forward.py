@@ -19,9 +19,7 @@ differ with the same loss. Anything else is reported with the reason and left as
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -116,12 +114,12 @@ def _own_gradient(module: nn.Module, x: Tensor) -> str | None:
     and of every trainable parameter (made by :func:`torch.autograd.grad`: no ``.grad`` is written). Every
     module's mode and the random generators' states (the CPU's and that of ``x``'s device) are restored."""
     # imported here: lightning_ulysses.hf imports this package (recomputed_in_backward) as it loads
-    from lightning_ulysses.hf.check.tensors import modes_restored
+    from lightning_ulysses.hf.check.tensors import backward_hooks_off, modes_restored
 
     devices = [] if x.device.type == "cpu" else [x.device]
     try:
         with (
-            _backward_hooks_off(module),
+            backward_hooks_off(module),
             modes_restored(module),
             torch.random.fork_rng(devices=devices, device_type=x.device.type),
             torch.inference_mode(False),
@@ -142,22 +140,6 @@ def _own_gradient(module: nn.Module, x: Tensor) -> str | None:
             "computed from each tile's tokens and differ"
         )
     return None
-
-
-@contextmanager
-def _backward_hooks_off(module: nn.Module) -> Iterator[None]:
-    """Within the block no module inside ``module`` has backward hooks: the probe's backward is no step's. ZeRO-3
-    reduces the gradients of a leaf module (DeepSpeed makes Mixtral's and Qwen-MoE's blocks leaves) in such a hook,
-    and would queue them twice in the first step. The forward hooks, which gather ZeRO-3's parameters for the forward
-    and the backward, stay."""
-    kept = [(m, m._backward_hooks, m._backward_pre_hooks) for m in module.modules()]
-    try:
-        for m, _, _ in kept:
-            m._backward_hooks, m._backward_pre_hooks = OrderedDict(), OrderedDict()
-        yield
-    finally:
-        for m, hooks, pre_hooks in kept:
-            m._backward_hooks, m._backward_pre_hooks = hooks, pre_hooks
 
 
 def _same_outputs(got: Any, expected: Any) -> bool:

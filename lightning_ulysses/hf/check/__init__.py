@@ -41,6 +41,10 @@ does in a step (:mod:`~lightning_ulysses.hf.check.zero3`):
    shard it must return its shard of the whole run's final hidden states, else the plan's logits say why and
    ``tiled_loss`` is refused (:mod:`~lightning_ulysses.hf.check.logits`; a module gathered around the decoder does
    not run in that call).
+8. **No gradient of its own** (``sp > 1``): the model, in training mode, on the whole sequence, must give its
+   parameters and input embeddings a zero gradient when every output it returns gets one; a module that adds a loss
+   only the backward sees (DeepSeek-V2's MoE load-balancing loss) would compute it from each rank's shard and is
+   refused (:mod:`~lightning_ulysses.hf.check.gradient`). One forward and backward more at set-up.
 
 The check writes nothing on the model: it returns a :class:`~lightning_ulysses.hf.plan.ModelPlan` (the attention
 layers' plans, the head-sharded token mixers, whole-sequence rotary, gathered mixers, the logit map) or a
@@ -60,6 +64,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from lightning_ulysses.hf.check.findings import agreed
+from lightning_ulysses.hf.check.gradient import check_own_gradient
 from lightning_ulysses.hf.check.logits import check_decoder_call, find_logit_map
 from lightning_ulysses.hf.check.projections import plan_projection_chunks
 from lightning_ulysses.hf.check.rope import check_rotary
@@ -117,6 +122,8 @@ def check_model(
             gathered = tuple(g.module for g in plan.gathered)
             logits = check_decoder_call(model, state, whole, shard, input_ids, position_ids, plan.logits, gathered)
             plan = replace(plan, logits=logits)
+        if state.sp_size > 1 and not findings:
+            findings = agreed(check_own_gradient(model, input_ids, position_ids), state)
     if findings:
         return Refusal(type(model).__name__, tuple(findings), suggest_gather=not state.gather_mixers)
     return plan

@@ -1,7 +1,9 @@
-"""The tensors of module calls: recorded, named, mapped; forward hooks on every module; modes kept across a probe."""
+"""The tensors of module calls: recorded, named, mapped; forward hooks on every module; modes kept across a probe,
+backward hooks kept from firing in it."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -73,3 +75,19 @@ def modes_restored(module: nn.Module) -> Iterator[None]:
     finally:
         for m, training in modes.items():
             m.training = training
+
+
+@contextmanager
+def backward_hooks_off(module: nn.Module) -> Iterator[None]:
+    """Within the block no module inside ``module`` has backward hooks: a probe's backward is no step's. ZeRO-3
+    reduces the gradients of a leaf module (DeepSpeed makes Mixtral's and Qwen-MoE's blocks leaves) in such a hook,
+    and would queue them twice in the first step. The forward hooks, which gather ZeRO-3's parameters for the forward
+    and the backward, stay."""
+    kept = [(m, m._backward_hooks, m._backward_pre_hooks) for m in module.modules()]
+    try:
+        for m, _, _ in kept:
+            m._backward_hooks, m._backward_pre_hooks = OrderedDict(), OrderedDict()
+        yield
+    finally:
+        for m, hooks, pre_hooks in kept:
+            m._backward_hooks, m._backward_pre_hooks = hooks, pre_hooks

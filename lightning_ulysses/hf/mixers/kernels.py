@@ -121,8 +121,8 @@ FUSED_LAYER_KERNELS = ("mamba2_split_conv1d_scan_combined", "mamba_inner_fn")
 """Kernels that compute a whole Mamba / Mamba2 layer at once (projection, convolution, scan, out-projection), which
 the layer calls first in training when ``mamba_ssm`` is installed; their torch fallback returns ``None`` and the
 layer then runs its separate kernels. Under sequence parallelism they would see this rank's shard alone, so their
-sharded form returns ``None``: the layer takes the separate, sharded kernels (the set-up check, in eval mode, never
-reaches this training-only branch)."""
+sharded form returns ``None``: the layer takes the separate, sharded kernels (the set-up check reaches this
+training-only branch only in its gradient probe, with sequence parallelism disabled: the whole sequence, exact)."""
 
 
 def _no_fused_layer(*args: Any, **kwargs: Any) -> None:
