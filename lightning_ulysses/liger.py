@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_ulysses.fused_loss import unlisted_leaves
+from lightning_ulysses.hf.check.logits import HEAD_PROBE_TOKENS
+from lightning_ulysses.hf.check.tensors import gradient_probe, random_hidden_states
 from lightning_ulysses.hf.ledger import Ledger
 from lightning_ulysses.hf.state import outermost_models
 from lightning_ulysses.logits import LogitMap
@@ -161,29 +163,18 @@ def apply_liger_kernels(model: nn.Module, kernels: tuple[str, ...]) -> list[Opti
     return rows
 
 
-LIGER_HEAD_PROBE_TOKENS = 2
-"""Tokens of the hidden states :func:`liger_head_problem` runs ``lm_head`` on."""
-
-
 def liger_head_problem(lm_head: nn.Module | None) -> str | None:
     """What Liger's fused linear cross entropy, which computes ``F.linear(h, lm_head.weight, lm_head.bias)`` itself,
     would leave out of ``lm_head``'s own call (``None``: nothing). ``lm_head`` is called as a module (its hooks run) on
-    :data:`LIGER_HEAD_PROBE_TOKENS` random hidden states that need a gradient: its output must equal that linear layer's
-    bit for bit, and its graph may reach no tensor needing a gradient that the weight and bias are not computed from
-    (a parametrized weight is read as it is computed). Only for weights whole on the rank (Liger's loss is refused
-    under ZeRO-3); the random generators' states are restored and no gradient is made."""
+    :data:`~lightning_ulysses.hf.check.logits.HEAD_PROBE_TOKENS` random hidden states that need a gradient: its output
+    must equal that linear layer's bit for bit, and its graph may reach no tensor needing a gradient that the weight and
+    bias are not computed from (a parametrized weight is read as it is computed). Only for weights whole on the rank
+    (Liger's loss is refused under ZeRO-3); the random generators' states are restored and no gradient is made."""
     weight = getattr(lm_head, "weight", None)
     if lm_head is None or not isinstance(lm_head, nn.Linear) or not isinstance(weight, Tensor):
         return f"is a {type(lm_head).__name__}, not a linear layer"
-    generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(LIGER_HEAD_PROBE_TOKENS, weight.shape[-1], generator=generator)
-    hidden = hidden.to(device=weight.device, dtype=weight.dtype)
-    devices = [] if weight.device.type == "cpu" else [weight.device]
-    with (
-        torch.inference_mode(False),
-        torch.enable_grad(),
-        torch.random.fork_rng(devices=devices, device_type=weight.device.type),
-    ):
+    hidden = random_hidden_states(HEAD_PROBE_TOKENS, weight.shape[-1], weight.dtype, weight.device)
+    with gradient_probe(weight.device):
         hidden.requires_grad_()
         linear = F.linear(hidden, lm_head.weight, lm_head.bias)
         output = lm_head(hidden)

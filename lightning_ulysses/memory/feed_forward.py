@@ -114,26 +114,22 @@ def _own_gradient(module: nn.Module, x: Tensor) -> str | None:
     and of every trainable parameter (made by :func:`torch.autograd.grad`: no ``.grad`` is written). Every
     module's mode and the random generators' states (the CPU's and that of ``x``'s device) are restored."""
     # imported here: lightning_ulysses.hf imports this package (recomputed_in_backward) as it loads
-    from lightning_ulysses.hf.check.tensors import backward_hooks_off, modes_restored
+    from lightning_ulysses.hf.check.tensors import (
+        backward_hooks_off,
+        gradient_probe,
+        modes_restored,
+        zero_gradient_reaches,
+    )
 
-    devices = [] if x.device.type == "cpu" else [x.device]
     try:
-        with (
-            backward_hooks_off(module),
-            modes_restored(module),
-            torch.random.fork_rng(devices=devices, device_type=x.device.type),
-            torch.inference_mode(False),
-            torch.enable_grad(),
-        ):
+        with backward_hooks_off(module), modes_restored(module), gradient_probe(x.device):
             module.train()
             probe = x.detach().clone().requires_grad_()
             inputs = [probe, *(p for p in module.parameters() if p.requires_grad)]
-            outputs = [t for t in _tensors(module(probe)) if t.requires_grad]
-            zeros = [torch.zeros_like(t) for t in outputs]
-            grads = torch.autograd.grad(outputs, inputs, zeros, allow_unused=True) if outputs else ()
+            adds = zero_gradient_reaches([t for t in _tensors(module(probe)) if t.requires_grad], inputs)
     except Exception as error:  # noqa: BLE001 - a module whose gradient cannot be probed is not tiled, with the reason
         return f"cannot be run with a gradient in training mode ({type(error).__name__}: {error})"
-    if any(g is not None and bool(g.any()) for g in grads):
+    if adds:
         return (
             "it adds a gradient of its own (a zero gradient of its outputs gives its input or parameters a non-zero "
             "one: an auxiliary loss that only the backward sees, as DeepSeek-V2's MoE adds), which in tiles would be "

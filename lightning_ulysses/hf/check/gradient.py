@@ -23,13 +23,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from lightning_ulysses.hf.apply import sequence_parallel_disabled
 from lightning_ulysses.hf.check.findings import module_label
-from lightning_ulysses.hf.check.tensors import backward_hooks_off, hooks, modes_restored, tensors_of
+from lightning_ulysses.hf.check.tensors import (
+    backward_hooks_off,
+    gradient_probe,
+    hooks,
+    modes_restored,
+    tensors_of,
+    zero_gradient_reaches,
+)
 from lightning_ulysses.hf.plan import Finding
 
 OWN_GRADIENT = (
@@ -57,13 +63,11 @@ def check_own_gradient(model: PreTrainedModel, input_ids: Tensor, position_ids: 
         embedded.append(output)
         return output
 
-    devices = [] if input_ids.device.type == "cpu" else [input_ids.device]
     try:
         with (
             modes_restored(model),
             backward_hooks_off(model),
-            torch.random.fork_rng(devices=devices, device_type=input_ids.device.type),
-            torch.enable_grad(),
+            gradient_probe(input_ids.device),
             checkpointing_off(model),
             sequence_parallel_disabled(model),
             hooks(model, record),
@@ -72,11 +76,7 @@ def check_own_gradient(model: PreTrainedModel, input_ids: Tensor, position_ids: 
             model.train()
             output = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
             returned = [t for t in tensors_of(output) if t.requires_grad]
-            zeros = [torch.zeros_like(t) for t in returned]
-            grads = (
-                torch.autograd.grad(returned, embedded, zeros, retain_graph=True, allow_unused=True) if returned else ()
-            )
-            if not any(g is not None and bool(g.any()) for g in grads):
+            if not zero_gradient_reaches(returned, embedded, retain_graph=True):
                 return []
             owners = _owners(model, names, outputs_of)
     except Exception as error:  # noqa: BLE001 - a model whose gradient cannot be probed is refused, with the reason
@@ -99,10 +99,7 @@ def _owners(
             parameters = [p for p in module.parameters() if p.requires_grad]
             if module is model or not parameters:
                 continue
-            outputs = outputs_of[module]
-            zeros = [torch.zeros_like(t) for t in outputs]
-            grads = torch.autograd.grad(outputs, parameters, zeros, retain_graph=True, allow_unused=True)
-            if any(g is not None and bool(g.any()) for g in grads):
+            if zero_gradient_reaches(outputs_of[module], parameters, retain_graph=True):
                 adding.append(module)
     except Exception:  # noqa: BLE001 - naming is best effort: the model itself is named then
         return []

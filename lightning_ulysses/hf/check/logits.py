@@ -63,7 +63,7 @@ from transformers import PreTrainedModel
 from lightning_ulysses.fused_loss import unlisted_leaves
 from lightning_ulysses.hf.apply import patch_of, unpatched
 from lightning_ulysses.hf.check.shard import Shard, close, tolerance
-from lightning_ulysses.hf.check.tensors import first_tensor, tensors_of
+from lightning_ulysses.hf.check.tensors import first_tensor, gradient_probe, random_hidden_states, tensors_of
 from lightning_ulysses.hf.check.whole import WholeRun, probe_attention, token_local_probe
 from lightning_ulysses.hf.plan import NOT_CHECKED
 from lightning_ulysses.hf.state import PatchState, UnsupportedModelError, model_configs, outermost_models
@@ -284,13 +284,8 @@ def check_head_tensors(
         features, dtype, device = weight.shape[-1], weight.dtype, weight.device
     else:
         features, dtype, device = model.config.get_text_config().hidden_size, model.dtype, model.device
-    generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(HEAD_PROBE_TOKENS, features, generator=generator).to(device=device, dtype=dtype)
-    with (
-        torch.inference_mode(False),
-        torch.enable_grad(),
-        torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type),
-    ):
+    hidden = random_hidden_states(HEAD_PROBE_TOKENS, features, dtype, device)
+    with gradient_probe(device):
         hidden.requires_grad_()
         unlisted = unlisted_leaves(head(hidden), [hidden, *module.parameters()])
     if not unlisted:

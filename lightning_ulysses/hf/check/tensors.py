@@ -1,14 +1,16 @@
 """The tensors of module calls: recorded, named, mapped; forward hooks on every module; modes kept across a probe,
-backward hooks kept from firing in it."""
+backward hooks kept from firing in it; gradient probes (autograd on, random states restored; whether a zero gradient
+reaches a tensor)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from lightning_ulysses.hf.plan import argument_keys, positional_parameters
@@ -91,3 +93,29 @@ def backward_hooks_off(module: nn.Module) -> Iterator[None]:
     finally:
         for m, hooks, pre_hooks in kept:
             m._backward_hooks, m._backward_pre_hooks = hooks, pre_hooks
+
+
+@contextmanager
+def gradient_probe(device: torch.device) -> Iterator[None]:
+    """Within the block autograd records (also where the caller runs in inference mode), and on leaving the random
+    generators' states (the CPU's and ``device``'s) are those of entering: a probe that leaves no trace."""
+    devices = [] if device.type == "cpu" else [device]
+    with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices, device_type=device.type):
+        yield
+
+
+def zero_gradient_reaches(outputs: Sequence[Tensor], inputs: Sequence[Tensor], retain_graph: bool = False) -> bool:
+    """Whether a zero gradient of ``outputs`` gives any of ``inputs`` a non-zero one (:func:`torch.autograd.grad`: no
+    ``.grad`` is written): a loss that only the backward sees, added on the way. ``False`` where no output records."""
+    if not outputs:
+        return False
+    zeros = [torch.zeros_like(t) for t in outputs]
+    grads = torch.autograd.grad(outputs, inputs, zeros, retain_graph=retain_graph, allow_unused=True)
+    return any(g is not None and bool(g.any()) for g in grads)
+
+
+def random_hidden_states(tokens: int, features: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``[tokens, features]`` seeded normal values in ``dtype`` on ``device`` (the default generator untouched): what
+    a probe of an output head calls it on."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(tokens, features, generator=generator).to(device=device, dtype=dtype)
